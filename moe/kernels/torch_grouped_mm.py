@@ -1,0 +1,87 @@
+"""Ragged grouped GEMM on the torch backend (CPU, or CUDA without Triton).
+
+Rows of `x_MK` are sorted by group; group e owns rows [offsets[e-1], offsets[e]). Rows past
+offsets[-1] (dropped pairs at the tail of the buffer) come out exactly zero, and so do their
+input gradients: torch._grouped_mm leaves them uninitialised. Weight gradients of empty groups
+are exactly zero. Deterministic: no atomics.
+"""
+
+import torch
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned row strides."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not _HAS_GROUPED_MM or not _aligned(x, w):
+        return False
+    if x.device.type == "cpu":
+        return True
+    # CUDA's torch._grouped_mm needs bf16 and Hopper or newer.
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _zero_tail(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if y.shape[0] == 0 or offsets_E.numel() == 0:
+        return y.zero_() if offsets_E.numel() == 0 else y
+    rows = torch.arange(y.shape[0], device=y.device)
+    live = (rows < offsets_E[-1]).unsqueeze(1)
+    return torch.where(live, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
+    # Fallback only (unaligned widths, no _grouped_mm): reads the offsets on the host.
+    ends = offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    return list(zip(starts, ends))
+
+
+def _mm_rows(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero."""
+    if _use_native(x_MK, w_EKN):
+        y = torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
+        return _zero_tail(y, offsets_E)
+    y = x_MK.new_zeros(x_MK.shape[0], w_EKN.shape[2])
+    for e, (s, t) in enumerate(_segments(offsets_E)):
+        if t > s:
+            torch.matmul(x_MK[s:t], w_EKN[e], out=y[s:t])
+    return y
+
+
+def _mm_reduce(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0."""
+    num_groups = offsets_E.shape[0]
+    if _use_native(x_MK, dy_MN) and x_MK.shape[0] * x_MK.element_size() % 16 == 0:
+        return torch._grouped_mm(x_MK.t(), dy_MN, offs=offsets_E)
+    dw = x_MK.new_zeros(num_groups, x_MK.shape[1], dy_MN.shape[1])
+    for e, (s, t) in enumerate(_segments(offsets_E)):
+        if t > s:
+            torch.matmul(x_MK[s:t].t(), dy_MN[s:t], out=dw[e])
+    return dw
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_EKN, offsets_E):
+        ctx.save_for_backward(x_MK, w_EKN, offsets_E)
+        return _mm_rows(x_MK, w_EKN, offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_EKN, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm_rows(dy_MN, w_EKN.transpose(1, 2).contiguous(), offsets_E)
+        if ctx.needs_input_grad[1]:
+            dw = _mm_reduce(x_MK, _zero_tail(dy_MN, offsets_E), offsets_E)
+        return dx, dw, None
+
+
+def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Ragged grouped GEMM, torch backend. offsets_E: int32 cumulative row ends, on x's device."""
+    return _GroupedMM.apply(x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32))
