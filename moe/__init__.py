@@ -1,0 +1,22 @@
+"""moe: sparse mixture-of-experts layers and their training at scale."""
+
+from moe import dispatch, gating, kernels
+from moe.config import MoEConfig
+from moe.convert import ConversionError, swap_ffn
+from moe.experts import GroupedExperts
+from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
+
+__all__ = [
+    "ConversionError",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoELayer",
+    "aux_loss",
+    "dispatch",
+    "gating",
+    "kernels",
+    "moe_layers",
+    "swap_ffn",
+    "update_router_biases",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,21 @@
+"""Routers, registered by name, and their losses."""
+
+from moe.gating import expert_choice, gshard, noisy, prototype, topk  # noqa: F401  (registers)
+from moe.gating.base import ROUTERS, Router, Routing, register_router
+from moe.gating.losses import cv_squared, load_balance_loss, z_loss
+
+
+def build_router(config) -> Router:
+    return ROUTERS[config.router](config)
+
+
+__all__ = [
+    "ROUTERS",
+    "Router",
+    "Routing",
+    "build_router",
+    "cv_squared",
+    "load_balance_loss",
+    "register_router",
+    "z_loss",
+]

@@ -26,8 +26,17 @@ def _row_bias(b_EN: torch.Tensor, offsets_E: torch.Tensor, num_rows: int) -> tor
     return padded[expert_M]
 
 
-def expert_mlp_torch(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF=None, b1_EF=None, b2_ED=None,
-                     activation="gelu", token_ids_M=None):
+def expert_mlp_torch(
+    x_TD,
+    offsets_E,
+    w1_EDF,
+    w2_EFD,
+    w3_EDF=None,
+    b1_EF=None,
+    b2_ED=None,
+    activation="gelu",
+    token_ids_M=None,
+):
     x_MD = x_TD if token_ids_M is None else x_TD.index_select(0, token_ids_M)
     h_MF = grouped_mm_torch(x_MD, w1_EDF, offsets_E)
     if b1_EF is not None:
@@ -58,8 +67,18 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def expert_mlp(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF=None, b1_EF=None, b2_ED=None,
-               activation="gelu", token_ids_M=None, backend="auto"):
+def expert_mlp(
+    x_TD,
+    offsets_E,
+    w1_EDF,
+    w2_EFD,
+    w3_EDF=None,
+    b1_EF=None,
+    b2_ED=None,
+    activation="gelu",
+    token_ids_M=None,
+    backend="auto",
+):
     """Run every local expert's MLP over its rows; see the module docstring for the contract."""
     check_activation(activation)
     if activation in GATED and w3_EDF is None:
@@ -67,7 +86,9 @@ def expert_mlp(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF=None, b1_EF=None, b2_ED=N
     if resolve_backend(backend, x_TD) == "triton":
         from moe.kernels.triton_expert_mlp import expert_mlp_triton
 
-        return expert_mlp_triton(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED,
-                                 activation, token_ids_M)
-    return expert_mlp_torch(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation,
-                            token_ids_M)
+        return expert_mlp_triton(
+            x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M
+        )
+    return expert_mlp_torch(
+        x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M
+    )

@@ -11,13 +11,13 @@ import torch
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    """torch._grouped_mm needs 16-byte aligned row strides."""
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+def _aligned(t: torch.Tensor, *dims: int) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides."""
+    return all(t.shape[d] * t.element_size() % 16 == 0 for d in dims)
 
 
 def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not _HAS_GROUPED_MM or not _aligned(x, w):
+    if not _HAS_GROUPED_MM or not (_aligned(x, -1) and _aligned(w, -1, -2)):
         return False
     if x.device.type == "cpu":
         return True
@@ -26,11 +26,14 @@ def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _zero_tail(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    if y.shape[0] == 0 or offsets_E.numel() == 0:
-        return y.zero_() if offsets_E.numel() == 0 else y
+    """Zero rows at or past offsets_E[-1] in place (dropped pairs at the buffer's tail)."""
+    if offsets_E.numel() == 0:
+        return y.zero_()
+    if y.device.type == "cpu":  # reading a CPU tensor is no device sync
+        y[int(offsets_E[-1]) :].zero_()
+        return y
     rows = torch.arange(y.shape[0], device=y.device)
-    live = (rows < offsets_E[-1]).unsqueeze(1)
-    return torch.where(live, y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return y.masked_fill_((rows >= offsets_E[-1]).unsqueeze(1), 0)
 
 
 def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
@@ -55,7 +58,7 @@ def _mm_rows(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -
 def _mm_reduce(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0."""
     num_groups = offsets_E.shape[0]
-    if _use_native(x_MK, dy_MN) and x_MK.shape[0] * x_MK.element_size() % 16 == 0:
+    if _use_native(x_MK, dy_MN) and _aligned(x_MK, 0):
         return torch._grouped_mm(x_MK.t(), dy_MN, offs=offsets_E)
     dw = x_MK.new_zeros(num_groups, x_MK.shape[1], dy_MN.shape[1])
     for e, (s, t) in enumerate(_segments(offsets_E)):
@@ -76,12 +79,14 @@ class _GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _mm_rows(dy_MN, w_EKN.transpose(1, 2).contiguous(), offsets_E)
+            dx = _mm_rows(dy_MN, w_EKN.transpose(1, 2), offsets_E)
         if ctx.needs_input_grad[1]:
-            dw = _mm_reduce(x_MK, _zero_tail(dy_MN, offsets_E), offsets_E)
+            dw = _mm_reduce(x_MK, dy_MN, offsets_E)  # rows past the offsets are ignored
         return dx, dw, None
 
 
-def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm_torch(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """Ragged grouped GEMM, torch backend. offsets_E: int32 cumulative row ends, on x's device."""
     return _GroupedMM.apply(x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32))

@@ -1,0 +1,48 @@
+"""Shared benchmark helpers: timing, device naming, dated reports."""
+
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(fns: dict, iters: int, warmup: int, device: torch.device) -> dict:
+    """Median seconds per call of each fn, calls interleaved round-robin so that drift in
+    machine load affects every candidate alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def write_report(name: str, text: str, device: torch.device) -> str:
+    """Write bench/results/<date>-<device>-<name>.md and return its path."""
+    tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()
+    path = os.path.join(
+        os.path.dirname(__file__), "results", f"{datetime.date.today().isoformat()}-{tag}-{name}.md"
+    )
+    with open(path, "w") as f:
+        f.write(text)
+    return path

@@ -1,0 +1,21 @@
+"""Expert capacity: how many (token, expert) pairs one expert may take."""
+
+import math
+
+
+def expert_capacity(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float | None,
+    min_capacity: int = 4,
+) -> int | None:
+    """C = ceil(capacity_factor * k * T / E), at least min_capacity, at most T; None = dropless.
+
+    Computed from shapes only (no device values), so every rank that sees the same T computes
+    the same C.
+    """
+    if capacity_factor is None:
+        return None
+    capacity = math.ceil(capacity_factor * top_k * num_tokens / num_experts)
+    return min(max(capacity, min_capacity), num_tokens)

@@ -1,0 +1,141 @@
+"""Sort-based dispatch plan: which token feeds which expert row, with capacity drops.
+
+The T*k (token, expert) pairs are stably sorted by expert; kept pairs fill the first rows of
+the expert-sorted buffer, dropped pairs sit at its tail (expert kernels output zero there).
+No one-hot [T, E, C] tensor is ever built.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from moe.kernels.combine import combine
+
+
+@dataclass
+class DispatchPlan:
+    """Rows of the expert buffer, M = number of pairs, sorted by expert, kept rows first."""
+
+    token_ids_M: torch.Tensor  # long [M]: source token of each row
+    counts_E: torch.Tensor  # long [E]: kept rows per expert
+    offsets_E: torch.Tensor  # int32 [E]: cumulative row ends
+    weights_TK: torch.Tensor | None  # fp32 [T, k]: combine weights, 0 for dropped pairs
+    pair_rows_TK: torch.Tensor | None  # long [T, k]: buffer row of each pair (token choice)
+    weights_M: torch.Tensor | None  # fp32 [M]: combine weight per row (expert choice)
+    num_dropped: torch.Tensor  # long scalar: pairs dropped for capacity
+    num_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids_M.shape[0]
+
+
+def _sort_pairs(expert_ids_P, weights_P, policy):
+    """Stable order of pairs by expert; within an expert by pair order or by weight."""
+    if policy == "probs":
+        by_weight = torch.argsort(weights_P, descending=True, stable=True)
+        return by_weight[torch.argsort(expert_ids_P[by_weight], stable=True)]
+    return torch.argsort(expert_ids_P, stable=True)
+
+
+def plan_token_choice(
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    drop_policy: str = "position",
+    mask_TK: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Plan for top-k style routing. Position priority is GShard's: every token's first
+    choice is queued before any second choice, each in token order."""
+    T, K = expert_ids_TK.shape
+    E, device = num_experts, expert_ids_TK.device
+    # Slot-major pair order p = j * T + t, so first choices come first.
+    ids_P = expert_ids_TK.t().reshape(-1)
+    if mask_TK is not None:  # pairs the router declined: sort to the tail, take no capacity
+        ids_P = torch.where(mask_TK.t().reshape(-1), ids_P, E)
+    order_P = _sort_pairs(ids_P, weights_TK.t().reshape(-1), drop_policy)
+    sorted_ids_P = ids_P[order_P]
+    routed_E = torch.bincount(sorted_ids_P, minlength=E + 1)[:E]
+    if capacity is None:
+        counts_E = routed_E
+        keep_sorted_P = sorted_ids_P < E
+    else:
+        counts_E = routed_E.clamp(max=capacity)
+        starts_E = torch.cumsum(routed_E, 0) - routed_E
+        starts_P = torch.cat([starts_E, starts_E.new_zeros(1)])[sorted_ids_P]
+        position_P = torch.arange(T * K, device=device) - starts_P
+        keep_sorted_P = (position_P < capacity) & (sorted_ids_P < E)
+        # Kept pairs first (stable, so still by expert), dropped to the tail.
+        kept_first_P = torch.argsort((~keep_sorted_P).to(torch.int8), stable=True)
+        order_P, keep_sorted_P = order_P[kept_first_P], keep_sorted_P[kept_first_P]
+    rows_P = torch.empty_like(order_P)
+    rows_P[order_P] = torch.arange(T * K, device=device)
+    keep_P = torch.empty_like(keep_sorted_P)
+    keep_P[order_P] = keep_sorted_P
+    pair_rows_TK = rows_P.view(K, T).t()
+    keep_TK = keep_P.view(K, T).t()
+    token_ids_M = order_P % T
+    num_dropped = (routed_E - counts_E).sum()
+    return DispatchPlan(
+        token_ids_M=token_ids_M,
+        counts_E=counts_E,
+        offsets_E=torch.cumsum(counts_E, 0).to(torch.int32),
+        weights_TK=weights_TK * keep_TK,
+        pair_rows_TK=pair_rows_TK,
+        weights_M=None,
+        num_dropped=num_dropped,
+        num_tokens=T,
+    )
+
+
+def plan_expert_choice(
+    token_ids_EC: torch.Tensor, weights_EC: torch.Tensor, num_tokens: int
+) -> DispatchPlan:
+    """Plan for expert choice: expert e's rows are its C chosen tokens; nothing is dropped."""
+    E, C = token_ids_EC.shape
+    counts_E = torch.full((E,), C, dtype=torch.long, device=token_ids_EC.device)
+    return DispatchPlan(
+        token_ids_M=token_ids_EC.reshape(-1),
+        counts_E=counts_E,
+        offsets_E=torch.cumsum(counts_E, 0).to(torch.int32),
+        weights_TK=None,
+        pair_rows_TK=None,
+        weights_M=weights_EC.reshape(-1),
+        num_dropped=counts_E.new_zeros(()),
+        num_tokens=num_tokens,
+    )
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x_MD = x_TD[token_ids_M]; backward sums each token's k row gradients (a gather-sum
+    over the pair -> row map, deterministic, no zero-filled scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_ids_M, pair_rows_TK):
+        ctx.save_for_backward(pair_rows_TK)
+        return x_TD.index_select(0, token_ids_M)
+
+    @staticmethod
+    def backward(ctx, dx_MD):
+        (pair_rows_TK,) = ctx.saved_tensors
+        T, K = pair_rows_TK.shape
+        rows_TKD = dx_MD.index_select(0, pair_rows_TK.reshape(-1)).view(T, K, dx_MD.shape[1])
+        return rows_TKD.sum(1), None, None
+
+
+def gather_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """The expert-sorted row buffer x_MD (row m holds token plan.token_ids_M[m])."""
+    if plan.pair_rows_TK is None:
+        return x_TD.index_select(0, plan.token_ids_M)
+    return _GatherTokens.apply(x_TD, plan.token_ids_M, plan.pair_rows_TK)
+
+
+def combine_rows(out_MD: torch.Tensor, plan: DispatchPlan, backend: str = "torch"):
+    """y_TD: weighted sum of each token's expert outputs. Token choice is a gather-sum over the
+    pair -> row map; expert choice (a token may have 0..E rows) adds rows into their tokens."""
+    if plan.pair_rows_TK is not None:
+        return combine(out_MD, plan.pair_rows_TK, plan.weights_TK, backend)
+    y_TD = out_MD.new_zeros(plan.num_tokens, out_MD.shape[1])
+    rows_MD = out_MD * plan.weights_M.to(out_MD.dtype).unsqueeze(1)
+    return y_TD.index_add(0, plan.token_ids_M, rows_MD)

@@ -1,0 +1,88 @@
+"""GroupedExperts: the stacked weights of the experts on this rank, computed in one call."""
+
+import math
+
+import torch
+from torch import nn
+
+from moe.kernels.activations import GATED, check_activation
+from moe.kernels.expert_mlp import expert_mlp
+
+
+class GroupedExperts(nn.Module):
+    """E_local expert MLPs: w1 [E, d_model, d_ff], w2 [E, d_ff, d_model] (+ w3 for swiglu).
+
+    `expert_offset` is the global id of the first local expert (non-zero under expert
+    parallelism). Initialised like nn.Linear so each expert matches a dense FFN's scale.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        d_ff: int,
+        activation: str = "gelu",
+        bias: bool = False,
+        backend: str = "auto",
+        expert_offset: int = 0,
+        num_global_experts: int | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_activation(activation)
+        kw = {"device": device, "dtype": dtype}
+        self.activation, self.backend = activation, backend
+        self.d_model, self.d_ff = d_model, d_ff
+        self.expert_offset = expert_offset
+        self.num_global_experts = num_global_experts or num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **kw))
+        self.w3 = (
+            nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+            if activation in GATED
+            else None
+        )
+        self.b1 = nn.Parameter(torch.empty(num_experts, d_ff, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, d_model, **kw)) if bias else None
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held on this rank."""
+        return self.w1.shape[0]
+
+    def reset_parameters(self) -> None:
+        for w, b, fan_in in (
+            (self.w1, self.b1, self.d_model),
+            (self.w3, None, self.d_model),
+            (self.w2, self.b2, self.d_ff),
+        ):
+            bound = 1.0 / math.sqrt(fan_in)
+            for t in (w, b):
+                if t is not None and t.device.type != "meta":
+                    nn.init.uniform_(t, -bound, bound)
+
+    def forward(
+        self, x: torch.Tensor, offsets_E: torch.Tensor, token_ids_M: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of each local expert -> their MLP outputs (tail rows past offsets_E[-1]: 0)."""
+        return expert_mlp(
+            x.to(self.w1.dtype),
+            offsets_E,
+            self.w1,
+            self.w2,
+            self.w3,
+            self.b1,
+            self.b2,
+            self.activation,
+            token_ids_M,
+            self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}/{self.num_global_experts} "
+            f"(first={self.expert_offset}), d_model={self.d_model}, d_ff={self.d_ff}, "
+            f"activation={self.activation}"
+        )

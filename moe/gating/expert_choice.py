@@ -1,0 +1,37 @@
+"""Expert choice routing (Zhou et al. 2022): each expert takes its top-C tokens."""
+
+import math
+
+import torch
+
+from moe.gating.base import Router, Routing, register_router
+from moe.gating.losses import router_loss
+
+
+def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(capacity_factor * T / E), at most T (an expert cannot take a token twice)."""
+    return min(num_tokens, math.ceil(capacity_factor * num_tokens / num_experts))
+
+
+@register_router("expert_choice")
+class ExpertChoiceRouter(Router):
+    """Softmax over experts; expert e takes the C tokens with the highest probability for it.
+    A token may be taken by 0 or several experts. No balance loss (balanced by construction);
+    not for causal decoding (the choice looks at the whole batch)."""
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        c = self.config
+        logits_TE = self.logits(x_TD)
+        probs_TE = logits_TE.softmax(-1)
+        factor = c.capacity_factor if c.capacity_factor is not None else float(c.top_k)
+        if not self.training and c.eval_capacity_factor is not None:
+            factor = c.eval_capacity_factor
+        C = expert_choice_capacity(x_TD.shape[0], c.num_experts, factor)
+        top_EC = probs_TE.t().topk(C, dim=-1)
+        return Routing(
+            logits_TE,
+            probs_TE,
+            router_loss(c, logits_TE),
+            token_ids_EC=top_EC.indices,
+            weights_EC=top_EC.values,
+        )

@@ -1,0 +1,37 @@
+"""GShard top-2: the second expert is dispatched with probability 2 * g2 (random routing)."""
+
+import torch
+
+from moe.gating.base import Router, Routing, register_router
+from moe.gating.losses import load_balance_loss, router_loss
+
+
+@register_router("gshard")
+class GShardRouter(Router):
+    """Softmax top-2 with gates renormalised over the two; in training the second expert is
+    kept with probability min(1, 2 * g2) (GShard's random routing). Balance loss counts top-1
+    assignments only: E * sum_e mean_prob_e * frac_top1_e."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.top_k != 2:
+            raise ValueError(f"router='gshard' is top-2; got top_k={config.top_k}")
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        probs_TE = logits_TE.softmax(-1)
+        top_TK = probs_TE.topk(2, dim=-1)
+        gates_TK = top_TK.values / top_TK.values.sum(-1, keepdim=True).clamp_min(1e-20)
+        mask_TK = torch.ones_like(gates_TK, dtype=torch.bool)
+        if self.training:
+            keep_second_T = torch.rand_like(gates_TK[:, 1]) < 2.0 * gates_TK[:, 1]
+            mask_TK[:, 1] = keep_second_T
+        balance = load_balance_loss(probs_TE, top_TK.indices[:, :1])
+        return Routing(
+            logits_TE,
+            probs_TE,
+            router_loss(self.config, logits_TE, balance),
+            expert_ids_TK=top_TK.indices,
+            weights_TK=gates_TK * mask_TK,
+            mask_TK=mask_TK,
+        )

@@ -1,0 +1,44 @@
+"""M6-T expert prototyping: experts split into k groups, top-1 inside each group."""
+
+import torch
+
+from moe.gating.base import Router, Routing, register_router
+from moe.gating.losses import load_balance_loss, router_loss
+
+
+@register_router("prototype")
+class PrototypeRouter(Router):
+    """k prototypes of E/k experts each; softmax and top-1 within every prototype, so every
+    token gets exactly one expert per prototype and the k outputs are summed (weights
+    renormalised over the k when normalize_weights). The balance
+    loss is the mean of each prototype's Switch loss."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.num_experts % config.top_k:
+            raise ValueError(
+                f"router='prototype' needs top_k={config.top_k} (prototypes) to divide "
+                f"num_experts={config.num_experts}"
+            )
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        k, E = self.config.top_k, self.config.num_experts
+        logits_TE = self.logits(x_TD)
+        T = logits_TE.shape[0]
+        probs_TKX = logits_TE.view(T, k, E // k).softmax(-1)
+        top_TK = probs_TKX.max(-1)
+        ids_TK = top_TK.indices + torch.arange(k, device=logits_TE.device) * (E // k)
+        weights_TK = top_TK.values
+        if self.config.normalize_weights:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        balance = (
+            sum(load_balance_loss(probs_TKX[:, g], top_TK.indices[:, g : g + 1]) for g in range(k))
+            / k
+        )
+        return Routing(
+            logits_TE,
+            probs_TKX.reshape(T, E) / k,
+            router_loss(self.config, logits_TE, balance),
+            expert_ids_TK=ids_TK,
+            weights_TK=weights_TK,
+        )
