@@ -9,7 +9,8 @@ ruff check .
 ruff format --check .
 status=0
 python3 -m pytest -q "$@" || status=$?
-if [ "$status" -eq 5 ]; then
+if [ "$status" -eq 5 ]; then  # pytest collected nothing: not a failure
   echo "pytest collected no tests" >&2
+  status=0
 fi
 exit "$status"
