@@ -29,8 +29,12 @@ def init_mesh(dp: int | None = None, ep: int = 1, device_type: str | None = None
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Parameters of every GroupedExperts: sharded over "ep", replicated over "dp"."""
-    return [(f"{n}.{pn}" if n else pn, p) for n, m in model.named_modules()
-            if isinstance(m, GroupedExperts) for pn, p in m.named_parameters(recurse=False)]
+    return [
+        (f"{n}.{pn}" if n else pn, p)
+        for n, m in model.named_modules()
+        if isinstance(m, GroupedExperts)
+        for pn, p in m.named_parameters(recurse=False)
+    ]
 
 
 def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
