@@ -1,0 +1,157 @@
+"""The M6 example: the tiny config trains, resumes exactly, matches across ranks, and the
+large configs' meta-device parameter counts equal their stated sizes."""
+
+import json
+
+import pytest
+import torch
+
+import moe
+import moe.parallel
+from examples.m6 import data as m6data
+from examples.m6 import train
+from examples.m6.config import CONFIGS, get_config
+from examples.m6.model import count_params, prefix_lm_mask
+from tests.distributed import run_ranks
+
+STEPS = 24
+FAST = ["--quiet", "--no-plots", "--eval-every", "1000", "--global-batch", "32"]
+
+
+def _run(tmp_path, *extra, steps=STEPS):
+    return train.run(["--steps", str(steps), "--run-dir", str(tmp_path), *FAST, *extra])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("m6-full"))
+
+
+def test_tiny_trains_and_loss_falls(uninterrupted):
+    losses = uninterrupted["losses"]
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    assert uninterrupted["caption_total"] == len(m6data.load_digits().test)
+    assert 0.0 <= uninterrupted["caption_accuracy"] <= 1.0
+
+
+def test_resume_continues_with_the_same_losses(uninterrupted, tmp_path):
+    half = _run(tmp_path, "--stop-after", str(STEPS // 2))
+    assert len(half["losses"]) == STEPS // 2
+    resumed = _run(tmp_path, "--resume")
+    assert resumed["steps_this_run"] == STEPS - STEPS // 2
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-6, rel=0)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["losses"] == resumed["losses"]
+
+
+def _two_ranks(rank, world_size, run_dir):
+    return train.run(["--steps", "8", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST])[
+        "losses"
+    ]
+
+
+def test_two_ranks_match_single_process(tmp_path):
+    # The same routing groups on one process: the global batch as two micro-batches.
+    single = _run(tmp_path / "single", "--micro-batch", "16", steps=8)["losses"]
+    ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), timeout=120)
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == pytest.approx(single, abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_meta_parameter_counts_equal_stated_sizes(name):
+    cfg = get_config(name)
+    for c in (cfg, cfg.equal_flops_dense()):
+        with torch.device("meta"):
+            model = c.build()
+        assert all(p.device.type == "meta" for p in model.parameters())
+        total, experts = count_params(model)
+        assert total == c.stated_params
+        assert len(moe.moe_layers(model)) == len(c.moe_block_names())
+    if cfg.nominal_params:  # the assumed widths land on the size the source states
+        assert cfg.stated_params >= cfg.nominal_params
+        assert cfg.stated_params < 1.05 * cfg.nominal_params
+    if cfg.is_moe:  # the dense baseline has the same active parameters up to the routers
+        routers = len(cfg.moe_block_names()) * cfg.num_experts * cfg.d_model
+        assert cfg.equal_flops_dense().stated_params == cfg.active_params - routers
+
+
+def test_plan_1t_on_meta(capsys):
+    out = train.run(
+        ["--config", "m6-1t", "--plan", "--world-size", "480", "--device-memory-gb", "32"]
+    )
+    report = out["report"]
+    assert f"{get_config('m6-1t').stated_params:,}" in report and "(matches)" in report
+    assert "dp=1 x ep=480" in report and "2 experts per device" in report
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ep", "2"], "torchrun --nproc-per-node 2"),
+        (["--config", "m6-1t", "--plan", "--world-size", "480", "--ep", "7"], "does not divide"),
+        (["--config", "m6-tiny", "--plan", "--world-size", "16", "--ep", "16"], "num_experts=8"),
+        (["--config", "m6-huge"], "unknown config"),
+        (["--top-k", "3"], "prototype"),
+        (["--global-batch", "30", "--micro-batch", "7"], "must divide"),
+    ],
+)
+def test_bad_arguments_fail_before_work(argv, message, tmp_path):
+    with pytest.raises(train.UsageError, match=message):
+        train.run([*argv, "--run-dir", str(tmp_path), "--quiet"])
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_prefix_lm_mask_and_causality():
+    allowed = prefix_lm_mask(2, 4, torch.tensor([1, 2]), torch.tensor([True, False]))
+    assert allowed.any(-1).all()  # no fully masked row
+    assert allowed[0, 0, 2] and not allowed[0, 2, 3]  # patches see the prompt; text causal
+    assert not allowed[1, 3, 0] and allowed[1, 2, 3]  # no image: patches hidden; prompt mutual
+    torch.manual_seed(0)
+    cfg = get_config("m6-tiny").replace(capacity_factor=None)
+    model = cfg.build().eval()
+    digits = m6data.load_digits()
+    enc = m6data.encode(digits.test[:2], digits.vocab, cfg.text_len)
+    b = m6data.make_batch(digits, enc, torch.arange(2))
+    logits = model(b.images_BCHW, b.text_BL, b.prompt_len_B, b.has_image_B)
+    later = b.text_BL.clone()
+    later[:, -3] = 5  # a future text token: earlier text positions must not change
+    logits2 = model(b.images_BCHW, later, b.prompt_len_B, b.has_image_B)
+    torch.testing.assert_close(logits[:, :-3], logits2[:, :-3])
+    assert not torch.allclose(logits[:, -3:], logits2[:, -3:])
+    image = b.images_BCHW.clone()
+    image[:, :, 0, 0] += 1.0  # the first patch: the prompt attends to it bidirectionally
+    logits3 = model(image, b.text_BL, b.prompt_len_B, b.has_image_B)
+    assert not torch.allclose(logits[:, 0], logits3[:, 0])
+
+
+def test_global_batch_is_the_same_for_any_world():
+    idx = m6data.global_batch_indices(7, 100, 24, seed=3)
+    assert idx.tolist() == m6data.global_batch_indices(7, 100, 24, seed=3).tolist()
+    assert len(set(idx.tolist())) == 24  # inside one epoch: no repeats
+    shards = [m6data.shard(idx, r, 4) for r in range(4)]
+    assert torch.cat(shards).tolist() == idx.tolist()
+    crossing = m6data.global_batch_indices(4, 100, 24, seed=3)  # rows 96..119: two epochs
+    assert crossing.shape == (24,)
+
+
+def test_folder_of_images_and_captions(tmp_path):
+    from PIL import Image
+
+    lines = []
+    for i in range(6):
+        img = Image.new("RGB", (16, 12), color=(40 * i, 0, 255 - 40 * i))
+        img.save(tmp_path / f"img{i}.png")
+        color = "red" if i > 2 else "blue"
+        lines.append(
+            json.dumps({"image": f"img{i}.png", "caption": f"a {color} square number {i}"})
+        )
+    (tmp_path / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    data = m6data.load_folder(tmp_path, image_size=8, channels=1)
+    assert data.images_NCHW.shape == (6, 1, 8, 8) and len(data.test) == 1
+    assert any(ex.image == -1 for ex in data.train)  # text-to-text completions
+    out = train.run(["--data", str(tmp_path), "--steps", "3", "--global-batch", "4",
+                     "--run-dir", str(tmp_path / "run"), "--quiet", "--no-plots"])  # fmt: skip
+    assert len(out["losses"]) == 3 and out["caption_total"] == 1
