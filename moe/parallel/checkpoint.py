@@ -1,0 +1,522 @@
+"""Portable, atomic, pickle-free checkpoints of model and optimizer state.
+
+Layout of `path/`:
+    LATEST                      the name of the current complete checkpoint (replaced atomically)
+    ckpt-<id>/manifest.json     every tensor: key, file, offset, nbytes, dtype, shape, crc32
+    ckpt-<id>/data-<rank>.bin   raw little-endian tensor bytes written by that rank
+Expert tensors are stored one slice per global expert id ("model/<name>#expert=<e>", optimizer
+state likewise), dense tensors once (by rank 0), so a run saved at one EP size loads at any
+other. Nothing is unpickled: the manifest is JSON, the data raw bytes.
+
+Atomicity: every rank writes into `path/.tmp-<id>/`; after all ranks have written and synced
+their files, rank 0 writes the manifest, renames the directory to `ckpt-<id>` and only then
+replaces LATEST. A save killed at any point leaves LATEST naming the previous checkpoint.
+
+Loading validates every tensor it needs (present, shape, dtype, size, checksum) on every rank
+before copying anything; any problem raises ValueError naming the tensor on all ranks.
+"""
+
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.experts import GroupedExperts
+
+FORMAT, VERSION = "moe-checkpoint", 1
+LATEST = "LATEST"
+_DTYPES = {
+    str(dt): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One stored tensor: model or optimizer, parameter/buffer name, state key, expert id."""
+
+    kind: str  # "model" or "optim"
+    name: str
+    state: str | None = None
+    expert: int | None = None
+
+    @property
+    def key(self) -> str:
+        key = f"{self.kind}/{self.name}" + (f"/{self.state}" if self.state else "")
+        return key if self.expert is None else f"{key}#expert={self.expert}"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _expert_modules(model: nn.Module) -> dict[str, GroupedExperts]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+
+
+def _expert_params(model: nn.Module) -> dict[str, tuple[GroupedExperts, str]]:
+    """Qualified parameter name -> (its GroupedExperts, local attribute name)."""
+    out = {}
+    for mname, module in _expert_modules(model).items():
+        for pname, _ in module.named_parameters(recurse=False):
+            out[f"{mname}.{pname}" if mname else pname] = (module, pname)
+    return out
+
+
+def _optimizer_states(opt, model: nn.Module) -> dict[str, dict]:
+    """Parameter name -> its optimizer state (GroupedApply's include "master")."""
+    if opt is None:
+        return {}
+    managed = _optimizer_index(opt)
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) not in managed:
+            continue
+        state = opt.state_of(p) if hasattr(opt, "state_of") else dict(opt.state.get(p, {}))
+        if state:
+            out[name] = state
+    return out
+
+
+def _optimizer_index(opt) -> dict[int, int]:
+    """id(param) -> index as the optimizer's state dicts number it."""
+    if hasattr(opt, "state_of"):
+        return {id(p): opt.index_of(p) for p in opt.params}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def _as_tensor(value) -> tuple[torch.Tensor, str | None]:
+    if isinstance(value, torch.Tensor):
+        return value, None
+    if isinstance(value, bool | int | float):
+        kind = type(value).__name__
+        return torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64), kind
+    raise TypeError(f"cannot checkpoint optimizer state of type {type(value).__name__}")
+
+
+def _items_to_save(model: nn.Module, opt) -> list[tuple[_Item, torch.Tensor, str | None]]:
+    """Every tensor of model and optimizer, experts split by global id."""
+    experts = _expert_params(model)
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in experts:
+            off = experts[name][0].expert_offset
+            out += [(_Item("model", name, None, off + i), t[i], None) for i in range(t.shape[0])]
+        else:
+            out.append((_Item("model", name), t, None))
+    for name, state in _optimizer_states(opt, model).items():
+        for key, value in state.items():
+            t, python = _as_tensor(value)
+            if name not in experts:
+                out.append((_Item("optim", name, key), t, python))
+                continue
+            module, attr = experts[name]
+            local = getattr(module, attr).shape[0]
+            if t.dim() > 0 and t.shape[0] != local:
+                raise ValueError(
+                    f"optimizer state {name}/{key} of shape {tuple(t.shape)} cannot be split "
+                    f"per expert (dim 0 should be {local})"
+                )
+            off = module.expert_offset
+            for i in range(local):
+                piece = t[i] if t.dim() > 0 else t
+                out.append((_Item("optim", name, key, off + i), piece, python))
+    return out
+
+
+def _expert_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
+    return {n: (m.expert_offset, m.num_experts) for n, m in _expert_modules(model).items()}
+
+
+def _writes_here(item: _Item, model: nn.Module, rank: int, layouts: list[dict]) -> bool:
+    """Dense tensors: rank 0. Expert e: the lowest rank holding it (one of its dp replicas)."""
+    if item.expert is None:
+        return rank == 0
+    module = item.name.rsplit(".", 1)[0] if "." in item.name else ""
+    for r, layout in enumerate(layouts):
+        offset, count = layout.get(module, (0, 0))
+        if offset <= item.expert < offset + count:
+            return r == rank
+    return False
+
+
+def _tensor_bytes(t: torch.Tensor):
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else memoryview(b"")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_data(file: str, items) -> dict[str, dict]:
+    entries = {}
+    offset = 0
+    with open(file, "wb") as f:
+        for item, t, python in items:
+            data = _tensor_bytes(t)
+            _write_tensor(f, data)
+            nbytes = len(data) if isinstance(data, memoryview) else data.nbytes
+            entries[item.key] = {
+                "kind": item.kind,
+                "name": item.name,
+                "state": item.state,
+                "expert": item.expert,
+                "file": os.path.basename(file),
+                "offset": offset,
+                "nbytes": nbytes,
+                "dtype": str(t.dtype),
+                "shape": list(t.shape),
+                "crc32": zlib.crc32(data),
+                "python": python,
+            }
+            offset += nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return entries
+
+
+def _write_tensor(f, data) -> None:
+    f.write(data)
+
+
+def _jsonable(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, list | tuple):
+        items = [_jsonable(v) for v in value]
+        return None if any(i is _SKIP for i in items) else items
+    return _SKIP
+
+
+_SKIP = object()
+# Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
+_NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _optimizer_meta(opt) -> dict | None:
+    if opt is None:
+        return None
+    groups = []
+    for g in opt.param_groups:
+        hyper = {k: _jsonable(v) for k, v in g.items() if k not in _NOT_RESTORED}
+        groups.append({k: v for k, v in hyper.items() if v is not _SKIP and v is not None})
+    scaler = getattr(opt, "loss_scaler", None)
+    return {
+        "class": type(opt).__name__,
+        "param_groups": groups,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+    }
+
+
+def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
+    """Save `model` (and optimizer `opt`: GroupedApply or any torch optimizer) under `path`.
+    Collective: every rank calls it. `extra` is JSON metadata (e.g. the step). Returns the
+    directory of the new checkpoint."""
+    rank, world = _world()
+    items = _items_to_save(model, opt)
+    layouts = [_expert_layout(model)]
+    ident = [f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}"]
+    if world > 1:
+        layouts = [None] * world
+        dist.all_gather_object(layouts, _expert_layout(model))
+        dist.broadcast_object_list(ident, src=0)
+    mine = [it for it in items if _writes_here(it[0], model, rank, layouts)]
+    tmp = os.path.join(path, f".tmp-{ident[0]}")
+    os.makedirs(tmp, exist_ok=True)
+    entries = _write_data(os.path.join(tmp, f"data-{rank:05d}.bin"), mine)
+    gathered = [entries]
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(entries, gathered, dst=0)
+    final = os.path.join(path, f"ckpt-{ident[0]}")
+    if rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": world,
+            "tensors": {k: v for part in gathered for k, v in part.items()},
+            "optimizer": _optimizer_meta(opt),
+            "extra": extra or {},
+        }
+        _commit(path, tmp, final, manifest)
+    if world > 1:
+        dist.barrier()
+    return final
+
+
+def _commit(path: str, tmp: str, final: str, manifest: dict) -> None:
+    """Manifest, rename, then the LATEST pointer; finally remove older checkpoints."""
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    pointer = os.path.join(path, LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(path, LATEST))
+    _fsync_dir(path)
+    keep = os.path.basename(final)
+    for name in os.listdir(path):
+        if name != keep and (name.startswith("ckpt-") or name.startswith(".tmp-")):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+
+
+def checkpoint_dir(path: str) -> str:
+    """The directory of the current complete checkpoint under `path` (or `path` itself when
+    it is a checkpoint directory)."""
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    pointer = os.path.join(path, LATEST)
+    if not os.path.isfile(pointer):
+        raise FileNotFoundError(f"no complete checkpoint under {path!r} (no {LATEST} file)")
+    with open(pointer) as f:
+        name = f.read().strip()
+    if not name.startswith("ckpt-") or os.sep in name:
+        raise ValueError(f"{pointer} names {name!r}, not a checkpoint directory")
+    return os.path.join(path, name)
+
+
+def read_manifest(path: str) -> dict:
+    directory = checkpoint_dir(path)
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint manifest in {directory} is unreadable: {e}") from e
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{directory} is not a {FORMAT} v{VERSION} checkpoint")
+    return manifest
+
+
+class _Problems(list):
+    def add(self, message: str) -> None:
+        self.append(message)
+
+
+def _expected(model: nn.Module, opt, manifest: dict, problems: _Problems) -> list:
+    """(key, expected shape, expected dtype) of every tensor this rank loads, plus checks
+    that the checkpoint has no tensor this model lacks and the expert counts agree."""
+    experts = _expert_params(model)
+    stored = manifest["tensors"]
+    want = []
+    model_names = set()
+    stored_ids: dict[str, list[int]] = {}
+    for e in stored.values():
+        if e["kind"] == "model" and e["expert"] is not None:
+            stored_ids.setdefault(e["name"], []).append(e["expert"])
+    for name, t in model.state_dict(keep_vars=True).items():
+        model_names.add(name)
+        if name in experts:
+            module = experts[name][0]
+            ids = sorted(stored_ids.get(name, []))
+            if ids and ids != list(range(module.num_global_experts)):
+                problems.add(
+                    f"model/{name}: checkpoint holds experts {ids[0]}..{ids[-1]} "
+                    f"({len(ids)}), the model has {module.num_global_experts} experts"
+                )
+            for i in range(t.shape[0]):
+                item = _Item("model", name, None, module.expert_offset + i)
+                want.append((item, tuple(t.shape[1:]), t.dtype))
+        else:
+            want.append((_Item("model", name), tuple(t.shape), t.dtype))
+    managed = _optimizer_index(opt) if opt is not None else {}
+    params = dict(model.named_parameters())
+    for entry in stored.values():
+        if entry["kind"] == "model" and entry["name"] not in model_names:
+            problems.add(f"model/{entry['name']}: in the checkpoint but not in the model")
+        if entry["kind"] == "optim" and opt is not None:
+            p = params.get(entry["name"])
+            if p is None or id(p) not in managed:
+                problems.add(
+                    f"optim/{entry['name']}/{entry['state']}: in the checkpoint but not a "
+                    "parameter of this optimizer"
+                )
+    if opt is None:
+        return want
+    state_keys: dict[str, set] = {}
+    for entry in stored.values():
+        if entry["kind"] == "optim":
+            state_keys.setdefault(entry["name"], set()).add(entry["state"])
+    for name, p in params.items():
+        if id(p) not in managed:
+            continue
+        for key in sorted(state_keys.get(name, ())):
+            if name in experts:
+                module = experts[name][0]
+                for i in range(p.shape[0]):
+                    want.append((_Item("optim", name, key, module.expert_offset + i), None, None))
+            else:
+                want.append((_Item("optim", name, key), None, None))
+    return want
+
+
+def _read(directory: str, entry: dict, key: str, problems: _Problems) -> torch.Tensor | None:
+    file = os.path.join(directory, entry["file"])
+    start, nbytes = entry["offset"], entry["nbytes"]
+    try:
+        with open(file, "rb") as f:
+            f.seek(start)
+            data = f.read(nbytes)
+    except OSError as e:
+        problems.add(f"{key}: cannot read {entry['file']}: {e}")
+        return None
+    if len(data) != nbytes:
+        problems.add(
+            f"{key}: {entry['file']} is truncated (needs bytes {start}..{start + nbytes}, "
+            f"got {len(data)} of {nbytes})"
+        )
+        return None
+    if zlib.crc32(data) != entry["crc32"]:
+        problems.add(f"{key}: checksum mismatch in {entry['file']} (corrupted data)")
+        return None
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        problems.add(f"{key}: unsupported dtype {entry['dtype']!r}")
+        return None
+    if not nbytes:
+        return torch.empty(entry["shape"], dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(entry["shape"])
+
+
+def _load_all(directory: str, manifest: dict, want: list, problems: _Problems) -> dict:
+    stored = manifest["tensors"]
+    loaded = {}
+    for item, shape, dtype in want:
+        entry = stored.get(item.key)
+        if entry is None:
+            problems.add(f"{item.key}: missing from the checkpoint")
+            continue
+        if shape is not None and tuple(entry["shape"]) != shape:
+            problems.add(
+                f"{item.key}: checkpoint shape {tuple(entry['shape'])}, model expects {shape}"
+            )
+            continue
+        if dtype is not None and entry["dtype"] != str(dtype):
+            problems.add(f"{item.key}: checkpoint dtype {entry['dtype']}, model expects {dtype}")
+            continue
+        t = _read(directory, entry, item.key, problems)
+        if t is not None:
+            loaded[item] = (t, entry.get("python"))
+    return loaded
+
+
+def _agree(problems: _Problems) -> None:
+    """Raise on every rank if any rank found a problem (no rank loads half a checkpoint)."""
+    rank, world = _world()
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, list(problems))
+        lines = [f"rank {r}: {m}" for r, ms in enumerate(everyone) for m in ms]
+    else:
+        lines = list(problems)
+    if lines:
+        shown = "\n  ".join(lines[:20])
+        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise ValueError(f"checkpoint does not match (nothing was loaded):\n  {shown}{more}")
+
+
+def _gather_state(loaded: dict, model: nn.Module, problems: _Problems) -> dict[str, dict]:
+    """Parameter name -> {state key: tensor}, expert slices stacked in local order."""
+    experts = _expert_params(model)
+    pieces: dict[tuple[str, str], list] = {}
+    for item, (t, python) in loaded.items():
+        if item.kind == "optim":
+            pieces.setdefault((item.name, item.state), []).append((item.expert, t, python))
+    out: dict[str, dict] = {}
+    for (name, key), parts in pieces.items():
+        parts.sort(key=lambda x: -1 if x[0] is None else x[0])
+        python = parts[0][2]
+        if name not in experts:
+            value = parts[0][1]
+        elif parts[0][1].dim() == 0:  # per-tensor scalar (e.g. step): equal on every slice
+            value = parts[0][1]
+            if any(not torch.equal(p[1], value) for p in parts):
+                problems.add(f"optim/{name}/{key}: differs between experts; cannot reshard")
+        else:
+            value = torch.stack([p[1] for p in parts])
+        if python is not None:
+            value = {"int": int, "float": float, "bool": bool}[python](value.item())
+        out.setdefault(name, {})[key] = value
+    return out
+
+
+@torch.no_grad()
+def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
+    """Load the checkpoint under `path` into `model` (at any EP size) and optimizer `opt`.
+    Collective when distributed. Validates everything first; a mismatched, truncated or
+    corrupted checkpoint raises ValueError naming the tensor and loads nothing. Returns the
+    `extra` metadata saved with it."""
+    directory = checkpoint_dir(path)
+    manifest = read_manifest(path)
+    problems = _Problems()
+    want = _expected(model, opt, manifest, problems)
+    loaded = _load_all(directory, manifest, want, problems) if not problems else {}
+    states = _gather_state(loaded, model, problems) if not problems else {}
+    _agree(problems)
+    experts = _expert_params(model)
+    model_state = model.state_dict(keep_vars=True)
+    for name, t in model_state.items():
+        if name in experts:
+            off = experts[name][0].expert_offset
+            slices = [loaded[_Item("model", name, None, off + i)][0] for i in range(t.shape[0])]
+            t.copy_(torch.stack(slices))
+        else:
+            t.copy_(loaded[_Item("model", name)][0])
+    if opt is not None:
+        _load_optimizer(opt, model, states, manifest.get("optimizer"))
+    return manifest.get("extra", {})
+
+
+def _load_optimizer(opt, model: nn.Module, states: dict[str, dict], meta: dict | None) -> None:
+    index = _optimizer_index(opt)
+    by_index = {
+        index[id(p)]: states.get(n, {}) for n, p in model.named_parameters() if id(p) in index
+    }
+    saved_groups = [
+        {k: tuple(v) if isinstance(v, list) else v for k, v in g.items()}
+        for g in (meta or {}).get("param_groups", [])
+    ]
+    if hasattr(opt, "load_param_states"):
+        opt.load_param_states(by_index)
+        opt.load_hyperparameters(saved_groups)
+        scaler = (meta or {}).get("loss_scaler")
+        if scaler and getattr(opt, "loss_scaler", None) is not None:
+            opt.loss_scaler.load_state_dict(scaler)
+        return
+    current = opt.state_dict()["param_groups"]
+    groups = current
+    if len(saved_groups) == len(current):
+        groups = [{**s, "params": c["params"]} for s, c in zip(saved_groups, current)]
+    opt.load_state_dict({"state": {i: s for i, s in by_index.items() if s}, "param_groups": groups})

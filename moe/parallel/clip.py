@@ -1,0 +1,68 @@
+"""Gradient clipping by global norm that is correct under expert x data parallelism.
+
+Dense parameters are replicated on every rank, so their squared gradient sum is the same
+everywhere and counted once. Each expert lives on exactly one rank of an EP group (and is
+replicated over DP with identical gradients), so expert sums are all-reduced over "ep" only:
+reducing over DP too would count every expert once per replica.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.parallel.mesh import dense_parameters, expert_parameters
+
+
+def _power_sum(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """sum |g|^p (or max |g| for p = inf) over `grads` in fp32, as a 0-dim tensor."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    return norms.amax() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    mesh=None,
+    *,
+    norm_type: float = 2.0,
+    optimizer=None,
+) -> torch.Tensor:
+    """Scale every gradient of `model` by min(1, max_norm / (total_norm + 1e-6)); return the
+    total norm (a 0-dim fp32 tensor; reading it is the caller's host sync).
+
+    mesh: the ("dp", "ep") mesh; None (or no torch.distributed) computes the local norm.
+    optimizer: a GroupedApply; its pending factor (fp16 loss scale) is taken into account
+    and the clip factor is handed to it instead of rescaling low-precision grads in place.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    norm_type = float(norm_type)
+    if optimizer is not None and getattr(optimizer, "loss_scaler", None) is not None:
+        optimizer.unscale_()
+    dense = [p.grad for _, p in dense_parameters(model) if p.grad is not None]
+    expert = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
+    device = (dense + expert)[0].device if dense + expert else torch.device("cpu")
+    dense_sum = _power_sum(dense, norm_type, device)
+    expert_sum = _power_sum(expert, norm_type, device)
+    if mesh is not None and dist.is_available() and dist.is_initialized():
+        group = mesh.get_group("ep")
+        if dist.get_world_size(group) > 1:
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(expert_sum, op=op, group=group)
+    if math.isinf(norm_type):
+        total = torch.maximum(dense_sum, expert_sum)
+    else:
+        total = (dense_sum + expert_sum).pow(1.0 / norm_type)
+    pending = getattr(optimizer, "pending_grad_factor", None)
+    if pending is not None:
+        total = total * pending
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if optimizer is not None and hasattr(optimizer, "mul_grads_"):
+        optimizer.mul_grads_(coef)
+    elif dense + expert:
+        torch._foreach_mul_(dense + expert, coef.to(device))
+    return total

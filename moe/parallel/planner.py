@@ -1,0 +1,278 @@
+"""Per-device memory plan of DP x EP training: does a model fit, and by how much.
+
+Parameter counts come from building the model on the meta device (no memory allocated).
+Everything else is arithmetic, stated here so it can be checked:
+
+  N_local = dense + expert / ep parameters on one device; b = bytes of `dtype`.
+  parameters   N_local * b                     gradients  N_local * b (same dtype)
+  optimizer    Adam-like: `optimizer_states` fp32 tensors per parameter (in the parameter
+               dtype without master weights) + fp32 master weights (4 B) for b < 4.
+               offload="optimizer": only the masters stay on the device; "all": nothing.
+  step temps   (foreach step, no offload) one group's share N_local / groups of: AdamW's
+               denominator sqrt(v) + eps (state bytes) and, with masters, the fp32 gradient
+               copies (4 B). Fused optimizers or offload: 0 on the device.
+  activations  per micro-batch of s tokens x b sequences, hidden h, heads a, FFN width f,
+               bytes for 2-byte activations (Korthikanti et al. 2022, "Reducing Activation
+               Recomputation", Sec. 4.1, whose 34sbh + 5as^2b is the f = 4h, dropout case):
+                 attention  10sbh + 2as^2b     (+ sbh + as^2b dropout masks)
+                            flash attention: 10sbh + 4asb (fp32 log-sum-exp, no s^2 term)
+                 layernorms 4sbh
+                 dense FFN  2sbh + 4sbf        (+ sbh dropout mask; 6sbf gated)
+                 MoE FFN    sb * [k c (4h + 4f + 16) + 8E]: the k*c routed copies of each
+                            token (c = capacity factor, 1 dropless) keep their gathered
+                            input, the activation's input and output and the expert output
+                            for the weighted combine, plus int64 permutation indices; the
+                            router keeps fp32 logits and probabilities (E experts).
+                 head       s_text * b * V * 6 (logits in the activation dtype + fp32
+                            log-softmax for the loss)
+               scaled by b/2 for other activation dtypes. checkpointing keeps only each
+               block's input (2sbh) and recomputes one block at a time in backward:
+               L * 2sbh + the largest block + head.
+  comms        MoE all-to-all (ep > 1): send + receive buffers of one layer's routed rows,
+               2 * k c s b h * b (x2 hierarchical); gradient all-reduce (world > 1): one flat
+               copy of the local gradients (the bucketed reducer keeps every bucket's copy
+               until backward finishes), in `grad_comm_dtype`.
+The total adds the peaks of every category (a conservative bound: the step temporaries and
+the end-of-backward gradient buffers do not coincide with the full activations).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe.parallel.mesh import expert_parameters
+
+GiB = 2**30
+
+
+@dataclass
+class MemoryPlan:
+    """Per-device bytes by category (see the module docstring for the formulas)."""
+
+    world_size: int
+    dp: int
+    ep: int
+    dtype: str
+    offload: str | None
+    groups: int
+    checkpointing: bool
+    total_params: int
+    dense_params: int
+    expert_params: int
+    local_params: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    step_temporaries: int
+    activations: int
+    communication: int
+    host_bytes: int  # per device: offloaded optimizer state and master/host weight copies
+    device_memory_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.step_temporaries
+            + self.activations
+            + self.communication
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory_bytes
+
+    @property
+    def headroom(self) -> int:
+        """Device bytes left over (negative: short by that much)."""
+        return self.device_memory_bytes - self.total
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("step temporaries", self.step_temporaries),
+            ("activations", self.activations),
+            ("communication", self.communication),
+            ("total", self.total),
+            ("device memory", self.device_memory_bytes),
+            ("headroom", self.headroom),
+            ("host memory (offload)", self.host_bytes),
+        ]
+
+    def __str__(self) -> str:
+        head = (
+            f"memory plan: world={self.world_size} (dp={self.dp} x ep={self.ep}), "
+            f"{self.dtype}, offload={self.offload}, groups={self.groups}, "
+            f"checkpointing={self.checkpointing}\n"
+            f"params: {self.total_params:,} total ({self.dense_params:,} dense, "
+            f"{self.expert_params:,} expert); {self.local_params:,} per device\n"
+        )
+        lines = [f"{'per device':<24}{'GiB':>10}"]
+        lines += [f"{name:<24}{value / GiB:>10.2f}" for name, value in self.rows()]
+        verdict = "fits" if self.fits else "does NOT fit"
+        tail = f"{verdict}: headroom {self.headroom / GiB:.2f} GiB"
+        return head + "\n".join(lines) + "\n" + tail + "".join(f"\n  {n}" for n in self.notes)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    dense: int
+    expert: int
+
+
+def count_parameters(model_config) -> ParamCounts:
+    """Parameter counts of `model_config.build()` built on the meta device."""
+    with torch.device("meta"):
+        model = model_config.build()
+    expert_ids, expert = set(), 0
+    for _, p in expert_parameters(model):
+        if id(p) not in expert_ids:
+            expert_ids.add(id(p))
+            expert += p.numel()
+    total = sum(p.numel() for p in model.parameters())
+    return ParamCounts(total, total - expert, expert)
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def block_activation_bytes(
+    cfg, tokens: int, moe: bool, act_bytes: int, flash_attention: bool, dropout: bool
+) -> float:
+    """Saved activations of one transformer block for `tokens` = s * b (formula above)."""
+    s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.d_ff
+    sb = tokens
+    b = tokens / s
+    gated = getattr(cfg, "activation", "gelu") in ("swiglu", "geglu")
+    attn = 10 * sb * h + (4 * a * sb if flash_attention else 2 * a * s * s * b)
+    if dropout:
+        attn += sb * h + (0 if flash_attention else a * s * s * b)
+    ln = 4 * sb * h
+    if moe:
+        k = cfg.top_k
+        c = cfg.capacity_factor or 1.0
+        ffn = sb * (k * c * (4 * h + (6 if gated else 4) * f + 16) + 8 * cfg.num_experts)
+    else:
+        ffn = 2 * sb * h + (6 if gated else 4) * sb * f + (sb * h if dropout else 0)
+    return (attn + ln + ffn) * act_bytes / 2
+
+
+def activation_bytes(
+    cfg,
+    tokens: int,
+    act_bytes: int = 2,
+    checkpointing: bool = False,
+    flash_attention: bool = False,
+    dropout: bool = False,
+) -> int:
+    """Peak saved activations of the whole model for one micro-batch of `tokens` tokens."""
+    every = getattr(cfg, "moe_every", 1)
+    blocks = [
+        block_activation_bytes(
+            cfg,
+            tokens,
+            cfg.num_experts > 0 and (i + 1) % every == 0,
+            act_bytes,
+            flash_attention,
+            dropout,
+        )
+        for i in range(cfg.n_layers)
+    ]
+    text = getattr(cfg, "text_len", cfg.seq_len)
+    head = tokens * text / cfg.seq_len * cfg.vocab_size * (act_bytes + 4)
+    if checkpointing:
+        return int(cfg.n_layers * tokens * cfg.d_model * act_bytes + max(blocks) + head)
+    return int(sum(blocks) + head)
+
+
+def plan(
+    model_config,
+    *,
+    world_size: int,
+    dp: int,
+    ep: int,
+    dtype: torch.dtype = torch.bfloat16,
+    offload: str | None = None,
+    groups: int = 1,
+    checkpointing: bool = False,
+    micro_batch_tokens: int | None = None,
+    device_memory_bytes: int = 32 * GiB,
+    master_weights: bool | None = None,
+    optimizer_states: int = 2,
+    fused_optimizer: bool = False,
+    flash_attention: bool = False,
+    dropout: bool = False,
+    hierarchical_alltoall: bool = False,
+    grad_comm_dtype: torch.dtype | None = None,
+) -> MemoryPlan:
+    """Per-device memory of training `model_config` on world_size = dp x ep devices.
+
+    micro_batch_tokens: tokens per device per micro-batch (default one sequence). See the
+    module docstring for every formula and its assumptions.
+    """
+    if dp * ep != world_size:
+        raise ValueError(f"dp={dp} x ep={ep} does not equal world_size={world_size}")
+    if offload not in (None, "optimizer", "all"):
+        raise ValueError(f"offload={offload!r} is not one of (None, 'optimizer', 'all')")
+    if groups <= 0:
+        raise ValueError(f"groups must be a positive int, got {groups}")
+    E = model_config.num_experts
+    if E and E % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={E}")
+    counts = count_parameters(model_config)
+    local = counts.dense + counts.expert // ep
+    b = _bytes(dtype)
+    masters = (b < 4) if master_weights is None else master_weights
+    state_b = 4 if (masters or b == 4) else b
+    state = local * optimizer_states * state_b
+    master = local * 4 if masters else 0
+    if offload is None:
+        on_device, host = state + master, 0
+    elif offload == "optimizer":  # device masters stay; host keeps state + a staging copy
+        on_device, host = master, state + local * (4 if masters else b)
+    else:
+        on_device, host = 0, state + local * (4 if masters else b)
+    temps = 0
+    if offload is None and not fused_optimizer:
+        temps = -(-local // groups) * (state_b + (4 if masters else 0))
+    tokens = micro_batch_tokens or model_config.seq_len
+    act = activation_bytes(model_config, tokens, b, checkpointing, flash_attention, dropout)
+    comm = 0
+    if ep > 1 and E:
+        cf = model_config.capacity_factor or 1.0
+        comm += int(2 * model_config.top_k * cf * tokens * model_config.d_model * b)
+        comm *= 2 if hierarchical_alltoall else 1
+    if world_size > 1:
+        comm += local * (_bytes(grad_comm_dtype) if grad_comm_dtype else b)
+    notes = []
+    if offload is not None:
+        notes.append(f"offload: {host / GiB:.2f} GiB of host memory per device")
+    return MemoryPlan(
+        world_size=world_size,
+        dp=dp,
+        ep=ep,
+        dtype=str(dtype).removeprefix("torch."),
+        offload=offload,
+        groups=groups,
+        checkpointing=checkpointing,
+        total_params=counts.total,
+        dense_params=counts.dense,
+        expert_params=counts.expert,
+        local_params=local,
+        parameters=local * b,
+        gradients=local * b,
+        optimizer_state=on_device,
+        step_temporaries=temps,
+        activations=act,
+        communication=comm,
+        host_bytes=host,
+        device_memory_bytes=int(device_memory_bytes),
+        notes=notes,
+    )
