@@ -1,0 +1,66 @@
+"""Activation epilogues of the grouped GEMMs, forward and backward, on fp32 tiles.
+
+Codes match `ACT_CODES`; the math matches moe/kernels/activations.py ("gelu" is the exact erf
+form, "swiglu" is silu(h) * g with h = x @ w1 and g = x @ w3).
+"""
+
+import triton
+import triton.language as tl
+
+from moe.kernels import triton_lang as tlx
+
+ACT_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "swiglu": 4}
+
+# Constants are tl.constexpr and always sit right of a tensor: constexpr * tensor would wrap the
+# tensor in a constexpr under the interpreter.
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_PI = tl.constexpr(0.7978845608028654)
+_GELU_C = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no portable tanh across triton 3.6..3.9; 2*sigmoid(2x) - 1 is exact in fp32 range.
+    return 2.0 * tlx.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def act_fwd(h, g, ACT: tl.constexpr):
+    """act(h); for swiglu silu(h) * g."""
+    if ACT == 0:
+        y = 0.5 * h * (1.0 + tl.erf(h * _SQRT1_2))
+    elif ACT == 1:
+        y = 0.5 * h * (1.0 + _tanh((h + h * h * h * _GELU_C) * _SQRT_2_PI))
+    elif ACT == 2:
+        y = tl.where(h > 0, h, 0.0)
+    elif ACT == 3:
+        y = h * tlx.sigmoid(h)
+    else:
+        y = h * tlx.sigmoid(h) * g
+    return y
+
+
+@triton.jit
+def act_bwd(dy, h, g, ACT: tl.constexpr):
+    """(dh, dg) from dy = dL/d act; dg is only meaningful for swiglu."""
+    dg = dy
+    if ACT == 0:
+        cdf = 0.5 * (1.0 + tl.erf(h * _SQRT1_2))
+        pdf = tl.exp(-0.5 * h * h) * _INV_SQRT_2PI
+        dh = dy * (cdf + h * pdf)
+    elif ACT == 1:
+        t = _tanh((h + h * h * h * _GELU_C) * _SQRT_2_PI)
+        du = (1.0 + h * h * (3.0 * _GELU_C)) * _SQRT_2_PI
+        dh = dy * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
+    elif ACT == 2:
+        dh = tl.where(h > 0, dy, 0.0)
+    elif ACT == 3:
+        s = tlx.sigmoid(h)
+        dh = dy * s * (1.0 + h * (1.0 - s))
+    else:
+        s = tlx.sigmoid(h)
+        dh = dy * g * s * (1.0 + h * (1.0 - s))
+        dg = dy * h * s
+    return dh, dg

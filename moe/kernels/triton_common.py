@@ -1,0 +1,86 @@
+"""Shared host-side helpers of the Triton kernels: interpreter mode, dot precision, device checks.
+
+Triton decides at decoration time (`@triton.jit`) whether a kernel is compiled or interpreted
+(TRITON_INTERPRET=1). If the kernel modules were imported before the variable was set (or the
+other way round), `ensure_mode()` re-imports them so the mode always follows the environment.
+This module holds no jitted code, so it is never reloaded itself.
+"""
+
+import importlib
+import os
+import sys
+
+import torch
+import triton
+
+# Modules holding @triton.jit code, in dependency order (helpers before the kernels using them).
+KERNEL_MODULES = (
+    "moe.kernels.triton_lang",
+    "moe.kernels.triton_mma",
+    "moe.kernels.triton_activations",
+    "moe.kernels.triton_schedule",
+    "moe.kernels.triton_grouped_mm",
+    "moe.kernels.triton_grouped_mm_wgrad",
+    "moe.kernels.triton_gather_sum",
+)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def ensure_mode() -> None:
+    """Re-import the kernel modules if they were built for the other mode (compiled/interpreted)."""
+    first = sys.modules.get(KERNEL_MODULES[0])
+    if first is None or interpreting() == first.BUILT_INTERPRETED:
+        return
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+
+
+def check_device(*tensors: torch.Tensor | None) -> None:
+    """The Triton backend needs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    present = [t for t in tensors if t is not None]
+    devices = {t.device for t in present}
+    if len(devices) > 1:
+        raise ValueError(
+            f"backend='triton' needs every tensor on one device, got {sorted(map(str, devices))}"
+        )
+    if present and present[0].device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {present[0].device}); on CPU use "
+            "backend='torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
+        )
+    ensure_mode()
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_F32, PRECISION) constexprs for `triton_mma.mma`.
+
+    DOT_F32: upcast tiles to fp32 before tl.dot. Only under the interpreter, whose bf16 tl.dot is
+    wrong (REFERENCE.md); compiled kernels keep bf16/fp16 operands on the tensor cores.
+    PRECISION: for fp32 operands follow torch's TF32 switch (exact "ieee" by default).
+    """
+    upcast = interpreting() and dtype == torch.bfloat16
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    return upcast, "tf32" if (dtype != torch.float32 or tf32) else "ieee"
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key bucket for the ragged dimension: the next power of two (shapes are host ints)."""
+    return triton.next_power_of_2(max(int(m), 1))
+
+
+def e_pow2(num_experts: int) -> int:
+    """Vector width of the in-kernel schedule: E expert segments plus the dropped tail segment."""
+    return triton.next_power_of_2(num_experts + 1)
+
+
+def out_dtype_ok(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"backend='triton' supports float32, float16 and bfloat16, got {dtype}")

@@ -1,0 +1,224 @@
+"""Ragged-rows grouped GEMM: out[rows of e] = epilogue(A[rows of e] @ B[e]), all experts, one launch.
+
+One kernel, four roles in the expert MLP (constexpr flags pick the code at compile time):
+  up     EPILOGUE=1: A rows gathered from x through token_ids (no permuted copy), B = w1 (and w3
+         for swiglu, sharing the A tiles: two accumulators), + b1, fused activation; optionally
+         stores the pre-activation (h, and g for swiglu) for the backward.
+  down   EPILOGUE=0: A = act, B = w2, + b2.
+  dact   EPILOGUE=2: A = dout, B = w2^T (a strided view), epilogue = activation backward using
+         the saved pre-activation: writes dh (and dg).
+  dx     EPILOGUE=0: A = [dh | dg], B = w1^T (+ w3^T: a second K loop into the same accumulator).
+The row-tile -> expert map comes from `triton_schedule.expert_tile` (on device, no host sync);
+tail rows (dropped pairs, >= offsets[-1]) are written as exact zeros by the tail tiles. Pointer
+arithmetic is int64, so M*K, E*K*N may exceed 2**31. Any K, N >= 1 (masked loads); K, N that
+are multiples of 16 (8 for 2-byte types with 16-byte rows) are the fast case on GPUs.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels import triton_lang as tlx
+from moe.kernels.triton_activations import act_bwd, act_fwd
+from moe.kernels.triton_common import dot_flags, e_pow2, interpreting, m_bucket
+from moe.kernels.triton_mma import mma
+from moe.kernels.triton_schedule import expert_tile, max_row_tiles
+
+EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
+
+
+def _configs() -> list[triton.Config]:
+    if interpreting():
+        return [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)
+        ]
+    c = triton.Config
+    return [
+        c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Fit registers and shared memory. Activation epilogues (up, dact) keep at most 64 fp32
+    accumulator elements per thread per accumulator: more spills on sm_90 (checked with
+    cuobjdump on the compiled kernels). 4-byte (fp32) operands take half the K step."""
+    wide = named_args["a_ptr"].element_size() == 4
+    act_epilogue = kwargs.get("EPILOGUE") in (EPI_ACT, EPI_ACT_BWD)
+    kept = []
+    for c in configs:
+        per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
+        if act_epilogue and per_thread > 64:
+            continue
+        if wide:
+            meta = dict(c.kwargs, BLOCK_K=c.kwargs["BLOCK_K"] // 2)
+            c = triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages)
+        kept.append(c)
+    return kept or configs[-1:]
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _ragged_rows_kernel(
+    a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, M_BUCKET,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
+    # each expert's weight tiles are reused from L2.
+    pid = tl.program_id(0)
+    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
+    num_pid_n = tlx.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
+    if seg > E:
+        return
+    is_expert = seg < E
+    # Vector compares only (the interpreter mistypes vector & scalar-bool masks).
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seg_end
+    live = offs_m < tl.where(is_expert, seg_end, 0)  # rows read: none in the tail segment
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = tl.minimum(seg, E - 1).to(tl.int64)
+
+    if GATHER:
+        src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
+    else:
+        src = rows
+    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+    k64, n64 = offs_k.to(tl.int64), offs_n.to(tl.int64)
+    b_off = e64 * stride_be + k64[:, None] * stride_bk + n64[None, :] * stride_bn
+    b_ptrs = b_ptr + b_off
+    b2_ptrs = b2_ptr + b_off
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
+    for kk in range(0, num_k):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = mma(a, b, acc, DOT_F32, PRECISION)
+        if GATED and EPILOGUE == 1:
+            if EVEN_K:
+                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        b2_ptrs += BLOCK_K * stride_bk
+    if GATED and EPILOGUE == 0:
+        # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
+        a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
+        b2_ptrs = b2_ptr + b_off
+        for kk in range(0, num_k):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = mma(a, b2, acc, DOT_F32, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b2_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        bias_ok = offs_n < tl.where(is_expert, N, 0)
+        bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
+    elif EPILOGUE == 1:
+        if SAVE_PRE:
+            pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+            tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
+            if GATED:
+                tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
+        tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
+    else:
+        pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+        pre_mask = live[:, None] & n_ok[None, :]
+        h = tl.load(pre_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
+        g = h
+        if GATED:
+            g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
+        dh, dg = act_bwd(acc, h, g, ACT)
+        tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
+        if GATED:
+            tl.store(out_ptrs + N, dg.to(out_ty), mask=out_mask)
+
+
+def ragged_mm(
+    a_MK: torch.Tensor,
+    b_EKN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    epilogue: int = EPI_PLAIN,
+    act: int = 0,
+    b2_EKN: torch.Tensor | None = None,
+    bias_EN: torch.Tensor | None = None,
+    idx_M: torch.Tensor | None = None,
+    pre: torch.Tensor | None = None,
+    save_pre: bool = False,
+    gated: bool = False,
+) -> torch.Tensor:
+    """Launch the ragged-rows kernel; `out` has one row per expert row (M = out.shape[0]).
+
+    a_MK is read at row idx_M[m] when idx_M is given (gather on load). With b2_EKN: up role
+    (EPILOGUE=1) -> second accumulator; dx role (EPILOGUE=0) -> A has 2K columns, second half
+    times b2. `gated` (swiglu): the up/dx roles need b2; the dact role (EPILOGUE=2) reads h and g
+    from `pre` ([M, 2N]) and writes dh, dg into `out` ([M, 2N]). b_EKN / b2_EKN may be strided
+    views (w^T). `out` and `pre` need unit column stride. Returns `out`.
+    """
+    M, E = out.shape[0], offsets_E.shape[0]
+    K, N = b_EKN.shape[1], b_EKN.shape[2]
+    if M == 0 or N == 0:
+        return out
+    if gated and epilogue != EPI_ACT_BWD:
+        assert b2_EKN is not None and b2_EKN.shape == b_EKN.shape
+        assert b2_EKN.stride() == b_EKN.stride()
+    assert out.stride(1) == 1 and (pre is None or pre.stride(1) == 1)
+    dot_f32, precision = dot_flags(a_MK.dtype)
+    pre_t = pre if pre is not None else out
+    grid = lambda meta: (max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    _ragged_rows_kernel[grid](
+        a_MK, idx_M if idx_M is not None else offsets_E, b_EKN,
+        b2_EKN if b2_EKN is not None else b_EKN, bias_EN if bias_EN is not None else b_EKN,
+        pre_t, out, offsets_E,
+        M, N, K, E, m_bucket(M),
+        a_MK.stride(0), a_MK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
+        bias_EN.stride(0) if bias_EN is not None else 0, pre_t.stride(0), out.stride(0),
+        EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
+        HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, DOT_F32=dot_f32, PRECISION=precision,
+        E_POW2=e_pow2(E), GROUP_M=8,
+    )  # fmt: skip
+    return out
