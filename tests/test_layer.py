@@ -68,7 +68,7 @@ def reference_layer(layer: moe.MoELayer, x_TD: torch.Tensor):
 def check_against_reference(layer, x, rtol=1e-4, atol=1e-5):
     x = x.clone().requires_grad_()
     y = layer(x)
-    g = torch.randn(y.shape, dtype=torch.float64)
+    g = torch.randn(y.shape, dtype=torch.float64, device=y.device)
     (y.double() * g).sum().backward()
     y_ref, x_ref, params, dropped = reference_layer(layer, x.reshape(-1, x.shape[-1]))
     (y_ref * g.reshape(y_ref.shape)).sum().backward()
