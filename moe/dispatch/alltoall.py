@@ -1,0 +1,371 @@
+"""Autograd-aware uneven all-to-all of token rows: flat, hierarchical (2D) or auto.
+
+Rows of x_ND are grouped by destination rank (send_counts_W[i] rows go to group rank i); the
+result holds the received rows grouped by source rank. Counts are exchanged first with ONE
+small collective and read on the host once (NCCL and gloo take split sizes as Python lists);
+the backward is the reverse exchange with the counts swapped, by the same algorithm, reusing
+the counts (no second count exchange).
+
+Hierarchical (N nodes x L ranks, rank r = node n * L + local j): stage 1 re-lays out the rows by
+destination local index and runs an all-to-all inside the node, so rank (n, j) holds every row
+of its node bound for local index j; stage 2 re-lays those out by destination node and runs an
+all-to-all among the N ranks of local index j. Each rank sends N-1 network messages of about
+S/N bytes instead of W-L of S/W. Received rows come out in source-rank order, exactly as flat.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe.dispatch.topology import Topology, get_subgroups, get_topology
+
+ALGORITHMS = ("flat", "hierarchical", "auto")
+ENV_HIERARCHICAL_MAX_BYTES = "MOE_A2A_HIERARCHICAL_MAX_BYTES"
+_threshold_override: int | None = None
+# Alpha-beta constants behind the default "auto" threshold on NCCL: per collective, per network
+# message, NVLink bytes/s per GPU, HBM re-layout bytes/s (bench/alltoall.py states and checks
+# the model; bench/results/*alltoall* has the numbers).
+_NCCL_A_COLL, _NCCL_A_INTER, _NCCL_BW_INTRA, _NCCL_BW_COPY = 15e-6, 4e-6, 450e9, 1.5e12
+ENV_PIPELINE_MIN_BYTES = "MOE_A2A_PIPELINE_MIN_BYTES"
+DEFAULT_PIPELINE_MIN_BYTES = 2 << 20
+MAX_PIPELINE_CHUNKS = 4
+
+Counts = torch.Tensor | Sequence[int]
+
+
+def set_hierarchical_threshold(max_bytes: int | None) -> None:
+    """Set the per-rank buffer size (bytes) up to which "auto" picks hierarchical; None resets."""
+    global _threshold_override
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    _threshold_override = max_bytes
+
+
+def default_hierarchical_threshold(topo: Topology, backend: str) -> int:
+    """Largest per-rank buffer (bytes) for which the 2D path is predicted to win.
+
+    NCCL: the (W - L) - (N - 1) network messages saved, minus one extra collective, against
+    the extra intra-node bytes and two re-layouts (about 5.6 MB at 2 x 8 GPUs, beyond any
+    realistic buffer at 60 x 8). Other backends (gloo): 0, because on the emulated two-tier
+    network the per-collective overhead of gloo outweighed the saved messages at every size.
+    """
+    if backend != "nccl" or not topo.is_multi_node:
+        return 0
+    L, N, W = topo.ranks_per_node, topo.num_nodes, topo.group_size
+    saved_s = ((W - L) - (N - 1)) * _NCCL_A_INTER - _NCCL_A_COLL
+    extra_s_per_byte = ((L - 1) / L - (L - 1) / W) / _NCCL_BW_INTRA + 2 / _NCCL_BW_COPY
+    return max(0, int(saved_s / extra_s_per_byte))
+
+
+def hierarchical_threshold(topo: Topology | None = None, backend: str = "nccl") -> int:
+    """Current "auto" threshold (bytes per rank): set_hierarchical_threshold, then the env
+    variable MOE_A2A_HIERARCHICAL_MAX_BYTES, then default_hierarchical_threshold."""
+    if _threshold_override is not None:
+        return _threshold_override
+    env = os.environ.get(ENV_HIERARCHICAL_MAX_BYTES)
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"{ENV_HIERARCHICAL_MAX_BYTES}={env!r} is not an integer") from None
+    return 0 if topo is None else default_hierarchical_threshold(topo, backend)
+
+
+def pipeline_chunks(max_rank_bytes: int, num_nodes: int) -> int:
+    """Pipeline depth of the 2D path: cut the exchange into chunks only while every network
+    message of a chunk (about S / (N * chunks) bytes) stays at least MOE_A2A_PIPELINE_MIN_BYTES
+    (default 2 MiB, bandwidth-bound), at most 4 chunks. Each chunk costs one more pair of
+    collectives, so small buffers and many nodes get 1 chunk; 0 in the variable disables it."""
+    env = os.environ.get(ENV_PIPELINE_MIN_BYTES)
+    min_bytes = DEFAULT_PIPELINE_MIN_BYTES if not env else int(env)
+    if min_bytes <= 0:
+        return 1
+    return max(1, min(MAX_PIPELINE_CHUNKS, max_rank_bytes // (num_nodes * min_bytes)))
+
+
+def choose_algorithm(
+    topo: Topology, max_rank_bytes: int, threshold: int | None = None, backend: str = "nccl"
+) -> str:
+    """ "hierarchical" only for more than one node (and >1 rank per node) and buffers up to
+    the threshold (default: hierarchical_threshold(topo, backend))."""
+    if not topo.is_multi_node:
+        return "flat"
+    limit = hierarchical_threshold(topo, backend) if threshold is None else threshold
+    return "hierarchical" if max_rank_bytes <= limit else "flat"
+
+
+def validate_inputs(x_ND: torch.Tensor, send_counts_W: Counts, group_size: int) -> list[int]:
+    """Check shapes and counts before any communication; return the counts as host ints."""
+    if not isinstance(x_ND, torch.Tensor) or x_ND.dim() != 2:
+        shape = tuple(x_ND.shape) if isinstance(x_ND, torch.Tensor) else type(x_ND).__name__
+        raise ValueError(f"x_ND must be a 2D tensor [rows, d], got {shape}")
+    if isinstance(send_counts_W, torch.Tensor):
+        if send_counts_W.dim() != 1:
+            raise ValueError(f"send_counts_W must be 1D, got shape {tuple(send_counts_W.shape)}")
+        if send_counts_W.is_floating_point() or send_counts_W.is_complex():
+            raise ValueError(f"send_counts_W must be integer, got dtype {send_counts_W.dtype}")
+        counts = [int(c) for c in send_counts_W.tolist()]  # the one host read of the send side
+    else:
+        try:
+            counts = [int(c) for c in send_counts_W]
+        except (TypeError, ValueError):
+            raise ValueError("send_counts_W must be a tensor or a sequence of ints") from None
+    if len(counts) != group_size:
+        raise ValueError(
+            f"send_counts_W has {len(counts)} entries but the group has {group_size} ranks"
+        )
+    negative = [i for i, c in enumerate(counts) if c < 0]
+    if negative:
+        raise ValueError(f"send_counts_W has negative entries at ranks {negative}: {counts}")
+    if sum(counts) != x_ND.shape[0]:
+        raise ValueError(f"send_counts_W sums to {sum(counts)} but x_ND has {x_ND.shape[0]} rows")
+    return counts
+
+
+def exchange_counts(send_counts_W: torch.Tensor, group: dist.ProcessGroup | None = None):
+    """Flat count exchange: recv_counts_W[i] = rows rank i sends here (one all_to_all_single)."""
+    send = send_counts_W.to(torch.long).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def gather_count_matrix(send_counts_W: torch.Tensor, group: dist.ProcessGroup | None = None):
+    """counts_WW[s, d] = rows rank s sends to rank d, on every rank (one all_gather)."""
+    send = send_counts_W.to(torch.long).contiguous()
+    rows = [torch.empty_like(send) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, send, group=group)
+    return torch.stack(rows)
+
+
+def _all_to_all_rows(x_ND, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """One uneven all_to_all_single of rows."""
+    y_MD = x_ND.new_empty((sum(recv), x_ND.shape[1]))
+    dist.all_to_all_single(
+        y_MD, x_ND.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
+    )
+    return y_MD
+
+
+_scratch = threading.local()
+
+
+def _scratch_rows(slot: tuple, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [rows, d] buffer for an intermediate of the 2D exchange.
+
+    CUDA: torch.empty (the caching allocator already reuses memory). CPU: a grow-only buffer
+    per slot, dtype and thread, because freshly mapped pages dominate CPU copy time (on the
+    2-core benchmark VM a fresh 16 MiB buffer costs ~7x a reused one). Slots are distinct for
+    every intermediate that is alive at the same time within one call.
+    """
+    shape = (rows, like.shape[1])
+    if like.device.type != "cpu":
+        return like.new_empty(shape)
+    pool = _scratch.__dict__.setdefault("pool", {})
+    key = (slot, like.dtype)
+    numel = rows * like.shape[1]
+    buf = pool.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = pool[key] = torch.empty(numel, dtype=like.dtype)
+    return buf[:numel].view(shape)
+
+
+def release_scratch() -> None:
+    """Free this thread's CPU scratch buffers of the hierarchical path."""
+    _scratch.__dict__.pop("pool", None)
+
+
+def _relayout(x_ND: torch.Tensor, sizes: list[int], order: list[int], slot: tuple) -> torch.Tensor:
+    """Reorder contiguous row blocks of the given sizes into the given block order."""
+    blocks = torch.split(x_ND, sizes)
+    out = _scratch_rows(slot, x_ND.shape[0], x_ND)
+    return torch.cat([blocks[b] for b in order], out=out)
+
+
+@dataclass(frozen=True, eq=False)
+class AllToAllPlan:
+    """Split sizes of one exchange, resolved on the host; reusable, reversible, no collectives.
+
+    ``reverse()`` is the plan for sending the received rows back (counts swapped, same
+    algorithm): the MoE layer can use it for the combine-side exchange without a second count
+    exchange.
+    """
+
+    algorithm: str  # resolved: "flat" or "hierarchical"
+    group: dist.ProcessGroup | None
+    send: tuple[int, ...]  # rows to each group rank
+    recv: tuple[int, ...]  # rows from each group rank
+    recv_counts_W: torch.Tensor = field(repr=False)  # recv as a long tensor on x's device
+    counts_WW: tuple[tuple[int, ...], ...] | None = None  # hierarchical only: [src][dst]
+    topo: Topology | None = None  # hierarchical only
+    chunks: int = 1  # hierarchical only: pipeline depth (see pipeline_chunks)
+
+    def reverse(self) -> AllToAllPlan:
+        send_t = torch.tensor(self.send, dtype=torch.long, device=self.recv_counts_W.device)
+        counts_WW = None if self.counts_WW is None else tuple(zip(*self.counts_WW))
+        return AllToAllPlan(
+            self.algorithm,
+            self.group,
+            self.recv,
+            self.send,
+            send_t,
+            counts_WW,
+            self.topo,
+            self.chunks,
+        )
+
+    def run(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The exchange itself (no autograd); every rank of the group must call it."""
+        if x_ND.dim() != 2 or x_ND.shape[0] != sum(self.send):
+            raise ValueError(f"x_ND must be [{sum(self.send)}, d], got {tuple(x_ND.shape)}")
+        if self.algorithm == "flat":
+            return _all_to_all_rows(x_ND, list(self.send), list(self.recv), self.group)
+        return self._run_hierarchical(x_ND)
+
+    def _run_hierarchical(self, x_ND: torch.Tensor) -> torch.Tensor:
+        assert self.topo is not None and self.counts_WW is not None
+        intra, inter = get_subgroups(self.topo, self.group)
+        return _hierarchical_rows(x_ND, self.counts_WW, self.topo, intra, inter, self.chunks)
+
+
+def _part(n: int, k: int, K: int) -> int:
+    """Rows in chunk k when n rows are cut into K consecutive, nearly equal chunks."""
+    return n * (k + 1) // K - n * k // K
+
+
+def _hierarchical_rows(x_ND, C, topo: Topology, intra, inter, K: int) -> torch.Tensor:
+    """2D exchange of rows by counts C[src][dst], pipelined over K chunks of every block.
+
+    Chunk k holds the k-th slice of every (source, destination) block, so each chunk is itself
+    a valid exchange; the intra-node stage of chunk k+1 runs while chunk k crosses the network
+    (separate process groups), and the chunks are interleaved back into source order at the end.
+    """
+    L, N, n, j, r = topo.ranks_per_node, topo.num_nodes, topo.node, topo.local_rank, topo.rank
+    W, D = L * N, x_ND.shape[1]
+    row, col = C[r], [C[s][r] for s in range(W)]
+    mates = [[C[n * L + l][m * L + j] for m in range(N)] for l in range(L)]  # node-mate l -> (m, j)
+    x_blocks = torch.split(x_ND, [_part(row[d], k, K) for d in range(W) for k in range(K)])
+    stage1 = []
+    for k in range(K):
+        # Stage 1: destination blocks (m, l) -> order (l, m); local index l goes to node-mate l.
+        x1 = _scratch_rows(("x1", k), sum(_part(c, k, K) for c in row), x_ND)
+        torch.cat([x_blocks[(m * L + l) * K + k] for l in range(L) for m in range(N)], out=x1)
+        send1 = [sum(_part(row[m * L + l], k, K) for m in range(N)) for l in range(L)]
+        got1 = [_part(mates[l][m], k, K) for l in range(L) for m in range(N)]
+        recv1 = [sum(got1[l * N : (l + 1) * N]) for l in range(L)]
+        y1 = _scratch_rows(("y1", k), sum(recv1), x_ND)
+        work = dist.all_to_all_single(y1, x1, recv1, send1, group=intra, async_op=True)
+        stage1.append((work, y1, x1, got1))
+    stage2 = []
+    for k, (work, y1, _x1, got1) in enumerate(stage1):
+        work.wait()
+        # Stage 2: received blocks (l, m) -> order (m, l); node m's rows go to (m, j).
+        x2 = _relayout(y1, got1, [l * N + m for m in range(N) for l in range(L)], ("x2", k))
+        send2 = [sum(got1[l * N + m] for l in range(L)) for m in range(N)]
+        recv2 = [sum(_part(col[m * L + l], k, K) for l in range(L)) for m in range(N)]
+        y2 = (
+            x_ND.new_empty((sum(recv2), D))
+            if K == 1
+            else _scratch_rows(("y2", k), sum(recv2), x_ND)
+        )
+        work2 = dist.all_to_all_single(y2, x2, recv2, send2, group=inter, async_op=True)
+        stage2.append((work2, y2, x2))
+    for work2, _y2, _x2 in stage2:
+        work2.wait()
+    if K == 1:
+        return stage2[0][1]
+    y_blocks = [
+        torch.split(y2, [_part(col[s], k, K) for s in range(W)])
+        for k, (_, y2, _) in enumerate(stage2)
+    ]
+    return torch.cat([y_blocks[k][s] for s in range(W) for k in range(K)])
+
+
+class _Exchange(torch.autograd.Function):
+    """y = plan.run(x); grad_x = plan.reverse().run(grad_y), itself differentiable."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        ctx.plan = plan
+        return plan.run(x_ND)
+
+    @staticmethod
+    def backward(ctx, grad_MD: torch.Tensor):
+        return _Exchange.apply(grad_MD.contiguous(), ctx.plan.reverse()), None
+
+
+def exchange(x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+    """Autograd-aware exchange of rows by a precomputed plan (no count exchange)."""
+    return _Exchange.apply(x_ND, plan)
+
+
+def plan_all_to_all(
+    x_ND: torch.Tensor,
+    send_counts_W: Counts,
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "flat",
+    ranks_per_node: int | None = None,
+    chunks: int | None = None,
+) -> AllToAllPlan:
+    """Validate, exchange the counts (one small collective), resolve the algorithm.
+
+    chunks: pipeline depth of the hierarchical path (default: pipeline_chunks()).
+    """
+    group_size = dist.get_world_size(group)
+    send = validate_inputs(x_ND, send_counts_W, group_size)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    topo = None if algorithm == "flat" else get_topology(group, ranks_per_node)
+    if isinstance(send_counts_W, torch.Tensor):
+        send_t = send_counts_W.to(device=x_ND.device, dtype=torch.long)
+    else:
+        send_t = torch.tensor(send, dtype=torch.long, device=x_ND.device)
+    if topo is None or not topo.is_multi_node:
+        recv_t = exchange_counts(send_t, group)
+        recv = tuple(recv_t.tolist())
+        return AllToAllPlan("flat", group, tuple(send), recv, recv_t)
+    counts_t = gather_count_matrix(send_t, group)
+    counts = tuple(tuple(r) for r in counts_t.tolist())
+    recv = tuple(r[topo.rank] for r in counts)
+    recv_t = counts_t[:, topo.rank].contiguous()
+    max_rank_bytes = max(sum(r) for r in counts) * x_ND.shape[1] * x_ND.element_size()
+    chosen = algorithm
+    if algorithm == "auto":
+        chosen = choose_algorithm(topo, max_rank_bytes, backend=dist.get_backend(group))
+    if chosen == "flat":
+        return AllToAllPlan("flat", group, tuple(send), recv, recv_t)
+    if chunks is None:
+        chunks = pipeline_chunks(max_rank_bytes, topo.num_nodes)
+    elif chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    get_subgroups(topo, group)  # create (once, cached) before the first exchange
+    return AllToAllPlan("hierarchical", group, tuple(send), recv, recv_t, counts, topo, chunks)
+
+
+def all_to_all(
+    x_ND: torch.Tensor,
+    send_counts_W: Counts,
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "flat",
+    ranks_per_node: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uneven all-to-all of rows: returns (y_MD, recv_counts_W); autograd-aware.
+
+    x_ND: rows grouped by destination, send_counts_W[i] rows to group rank i (long tensor or
+    list of ints). y_MD: rows grouped by source rank in rank order; recv_counts_W[i] = rows
+    from rank i (long tensor on x's device). algorithm: "flat" (one all_to_all_single),
+    "hierarchical" (2D: intra-node then inter-node; the same y bit for bit) or "auto"
+    (hierarchical for >1 node and per-rank buffers up to hierarchical_threshold(); on gloo
+    only when a threshold is set). ranks_per_node overrides topology detection (see
+    moe.dispatch.topology). Every rank of the group must call it, also with zero rows, and
+    must then take part in the backward too. A tensor send_counts_W costs one host read for
+    validation, the received counts one more.
+    """
+    plan = plan_all_to_all(x_ND, send_counts_W, group, algorithm, ranks_per_node)
+    return exchange(x_ND, plan), plan.recv_counts_W

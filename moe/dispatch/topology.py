@@ -1,0 +1,209 @@
+"""Node topology of a process group: ranks per node, and the cached 2D subgroups.
+
+The hierarchical all-to-all needs to know which ranks share a node. Sources, first match wins:
+  1. an explicit ``ranks_per_node`` argument (config),
+  2. the environment variable ``MOE_RANKS_PER_NODE`` (lets one machine emulate N nodes x G ranks),
+  3. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
+  4. gathering host names over the group (one small collective, done once and cached).
+Ranks are assumed node-major inside the group (group rank r sits on node r // ranks_per_node),
+which is how torchrun numbers them. A detected layout that is not node-major with equal node
+sizes is treated as one node (so "auto" picks the flat path); results stay correct either way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ENV_RANKS_PER_NODE = "MOE_RANKS_PER_NODE"
+
+_TOPOLOGY_CACHE: dict[tuple, Topology] = {}
+_SUBGROUP_CACHE: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits in an N x L grid of its group (N nodes, L ranks per node)."""
+
+    group_size: int  # W = N * L
+    ranks_per_node: int  # L
+    rank: int  # this process's rank inside the group
+    source: str  # where ranks_per_node came from: argument, env, LOCAL_WORLD_SIZE, hostname
+
+    @property
+    def num_nodes(self) -> int:
+        return self.group_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def is_multi_node(self) -> bool:
+        """True when a 2D exchange has two real stages (N > 1 and L > 1)."""
+        return self.num_nodes > 1 and self.ranks_per_node > 1
+
+
+def validate_ranks_per_node(ranks_per_node: object, group_size: int, source: str) -> int:
+    """Return ranks_per_node as an int, or raise ValueError naming the source and the problem."""
+    try:
+        value = int(str(ranks_per_node).strip())
+    except ValueError:
+        raise ValueError(f"{source}={ranks_per_node!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{source}={value} must be >= 1")
+    if value > group_size:
+        raise ValueError(f"{source}={value} is larger than the group size {group_size}")
+    if group_size % value != 0:
+        raise ValueError(
+            f"{source}={value} does not divide the group size {group_size} "
+            f"(need group_size = num_nodes * ranks_per_node)"
+        )
+    return value
+
+
+def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """Global ranks of the members of ``group`` in group-rank order."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def ranks_per_node_from_layout(node_ids: list[object]) -> int | None:
+    """L if ``node_ids`` (one per group rank) is node-major with equal node sizes, else None."""
+    blocks: list[tuple[object, int]] = []
+    for node_id in node_ids:
+        if blocks and blocks[-1][0] == node_id:
+            blocks[-1] = (node_id, blocks[-1][1] + 1)
+        else:
+            blocks.append((node_id, 1))
+    names = [b[0] for b in blocks]
+    sizes = {b[1] for b in blocks}
+    if len(set(names)) != len(names) or len(sizes) != 1:
+        return None
+    return sizes.pop()
+
+
+def _detect(group: dist.ProcessGroup | None, global_ranks: list[int]) -> tuple[int, str]:
+    """ranks_per_node from LOCAL_WORLD_SIZE or host names, without any override."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world:
+        lws = validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
+        node_ids: list[object] = [g // lws for g in global_ranks]
+        source = "LOCAL_WORLD_SIZE"
+    else:
+        hosts: list[object] = [None] * len(global_ranks)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        node_ids = hosts
+        source = "hostname"
+    ranks_per_node = ranks_per_node_from_layout(node_ids)
+    if ranks_per_node is None:
+        warnings.warn(
+            f"group ranks are not node-major with equal node sizes ({source}); "
+            "treating the group as one node, so hierarchical all-to-all degenerates to flat",
+            stacklevel=3,
+        )
+        return len(global_ranks), f"{source} (irregular layout: one node)"
+    return ranks_per_node, source
+
+
+def get_topology(
+    group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None
+) -> Topology:
+    """Topology of ``group`` for this rank; detection runs once per group and is cached.
+
+    Must be called by every rank of the group at the same point when detection falls back to
+    host names (that path is a collective).
+    """
+    group_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    global_ranks = group_ranks(group)
+    env_value = os.environ.get(ENV_RANKS_PER_NODE)
+    key = (
+        id(dist.group.WORLD),  # a re-initialised default group invalidates the cache
+        tuple(global_ranks),
+        ranks_per_node,
+        env_value,
+        os.environ.get("LOCAL_WORLD_SIZE"),
+    )
+    cached = _TOPOLOGY_CACHE.get(key)
+    if cached is not None:
+        return cached
+    if ranks_per_node is not None:
+        value = validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node")
+        source = "argument"
+    elif env_value:
+        value = validate_ranks_per_node(env_value, group_size, ENV_RANKS_PER_NODE)
+        source = "env"
+    else:
+        value, source = _detect(group, global_ranks)
+    topo = Topology(group_size=group_size, ranks_per_node=value, rank=rank, source=source)
+    _TOPOLOGY_CACHE[key] = topo
+    return topo
+
+
+def clear_topology_cache() -> None:
+    """Forget detected topologies and subgroups (call after destroy_process_group)."""
+    _TOPOLOGY_CACHE.clear()
+    _SUBGROUP_CACHE.clear()
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout of ``group`` (so subgroups fail as fast as their parent)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - private API; fall back to torch's default
+            continue
+    return None
+
+
+def get_subgroups(
+    topo: Topology, group: dist.ProcessGroup | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(intra-node group, inter-node group of equal local index) for this rank; cached.
+
+    For the default group every rank creates all subgroups in one global order (what
+    ``new_group`` requires). For a proper subgroup of the world (an EP group inside EP x DP)
+    only its members call, so the groups are created with ``use_local_synchronization``; every
+    member creates its intra group first and its inter group second, so no creation waits on a
+    rank busy creating another group.
+    """
+    global_ranks = group_ranks(group)
+    key = (id(dist.group.WORLD), tuple(global_ranks), topo.ranks_per_node)
+    cached = _SUBGROUP_CACHE.get(key)
+    if cached is not None:
+        return cached
+    if global_ranks != sorted(global_ranks):
+        raise ValueError(
+            "hierarchical all-to-all needs a group whose ranks are in ascending global order, "
+            f"got {global_ranks}"
+        )
+    L, N = topo.ranks_per_node, topo.num_nodes
+    timeout = group_timeout(group)
+    intra_lists = [[global_ranks[n * L + l] for l in range(L)] for n in range(N)]
+    inter_lists = [[global_ranks[n * L + l] for n in range(N)] for l in range(L)]
+    if len(global_ranks) == dist.get_world_size():
+        intra_all = [dist.new_group(r, timeout=timeout) for r in intra_lists]
+        inter_all = [dist.new_group(r, timeout=timeout) for r in inter_lists]
+        intra, inter = intra_all[topo.node], inter_all[topo.local_rank]
+    else:
+        intra = dist.new_group(
+            intra_lists[topo.node], timeout=timeout, use_local_synchronization=True
+        )
+        inter = dist.new_group(
+            inter_lists[topo.local_rank], timeout=timeout, use_local_synchronization=True
+        )
+    _SUBGROUP_CACHE[key] = (intra, inter)
+    return intra, inter
