@@ -162,6 +162,8 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+# Inputs of every large config: 224 px RGB images as 16 patches, 112 text tokens.
+_M6_INPUTS = {"vocab_size": 21128, "text_len": 112, "image_size": 224, "patch_size": 56}
 _M6_ASSUMED = (
     "M6 (Lin et al. 2021, arXiv:2103.00823) names M6-base, M6-10B and M6-100B (MoE) but the "
     "per-size widths here were not verified against its tables: they are assumptions chosen "
@@ -196,10 +198,7 @@ CONFIGS: dict[str, M6Config] = {
             d_model=1024,
             n_heads=16,
             d_ff=4096,
-            vocab_size=21128,
-            text_len=112,
-            image_size=224,
-            patch_size=56,
+            **_M6_INPUTS,
             num_experts=8,
             top_k=2,
             moe_every=2,
@@ -213,10 +212,7 @@ CONFIGS: dict[str, M6Config] = {
             d_model=4096,
             n_heads=32,
             d_ff=16384,
-            vocab_size=21128,
-            text_len=112,
-            image_size=224,
-            patch_size=56,
+            **_M6_INPUTS,
             num_experts=0,
             nominal_params=10e9,
             source="M6-10B, dense. Layers/width/heads assumed. " + _M6_ASSUMED,
@@ -227,10 +223,7 @@ CONFIGS: dict[str, M6Config] = {
             d_model=1024,
             n_heads=16,
             d_ff=4096,
-            vocab_size=21128,
-            text_len=112,
-            image_size=224,
-            patch_size=56,
+            **_M6_INPUTS,
             num_experts=1024,
             top_k=2,
             moe_every=2,
@@ -245,10 +238,7 @@ CONFIGS: dict[str, M6Config] = {
             d_model=1024,
             n_heads=16,
             d_ff=21248,
-            vocab_size=21128,
-            text_len=112,
-            image_size=224,
-            patch_size=56,
+            **_M6_INPUTS,
             num_experts=960,
             top_k=2,
             moe_every=1,

@@ -4,8 +4,9 @@ expert, run the local experts, send the outputs back."""
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.alltoall import exchange, plan_all_to_all
+from moe.dispatch.alltoall import AllToAllPlan, exchange, plan_all_to_all
 from moe.dispatch.permute import DispatchPlan, gather_tokens
+from moe.dispatch.topology import get_topology
 
 
 class _Permute(torch.autograd.Function):
@@ -40,6 +41,15 @@ class ExpertExchange:
         self.group, self.num_local = group, num_local_experts
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
+        self._multi_node: bool | None = None
+
+    def _flat(self) -> bool:
+        """Flat unless asked otherwise and the EP group spans nodes (topology detected once)."""
+        if self.algorithm == "flat":
+            return True
+        if self._multi_node is None:
+            self._multi_node = get_topology(self.group, self.ranks_per_node).is_multi_node
+        return not self._multi_node
 
     def __call__(self, x_TD: torch.Tensor, plan: DispatchPlan, experts) -> torch.Tensor:
         P, E_l = self.ep_size, self.num_local
@@ -48,11 +58,14 @@ class ExpertExchange:
         recv_counts_PE = torch.empty_like(counts_PE)
         dist.all_to_all_single(recv_counts_PE, counts_PE.contiguous(), group=self.group)
         x_MD = gather_tokens(x_TD, plan)
-        kept = int(plan.offsets_E[-1]) if plan.offsets_E.numel() else 0  # host read: a2a sizes
-        a2a = plan_all_to_all(
-            x_MD[:kept], counts_PE.sum(1), self.group, self.algorithm, self.ranks_per_node
-        )
-        recv_RD = exchange(x_MD[:kept], a2a)
+        send_P, recv_P = counts_PE.sum(1), recv_counts_PE.sum(1)
+        send, recv = torch.stack([send_P, recv_P]).tolist()  # the host read a2a sizes need
+        x_kept_D = x_MD[: sum(send)]
+        if self._flat():  # the per-expert counts above already give both row totals
+            a2a = AllToAllPlan("flat", self.group, tuple(send), tuple(recv), recv_P)
+        else:  # hierarchical needs the W x W matrix: plan_all_to_all gathers it
+            a2a = plan_all_to_all(x_kept_D, send, self.group, self.algorithm, self.ranks_per_node)
+        recv_RD = exchange(x_kept_D, a2a)
         # Received rows are (source, local expert)-major; the experts want expert-major.
         expert_R = torch.repeat_interleave(
             torch.arange(E_l, device=x_TD.device).repeat(P),
@@ -67,5 +80,5 @@ class ExpertExchange:
             experts(_permute(recv_RD, order_R, inverse_R), offsets_E), inverse_R, order_R
         )
         out_kept_D = exchange(out_RD.contiguous(), a2a.reverse())
-        tail = out_kept_D.new_zeros(x_MD.shape[0] - kept, out_kept_D.shape[1])
+        tail = out_kept_D.new_zeros(x_MD.shape[0] - x_kept_D.shape[0], out_kept_D.shape[1])
         return torch.cat([out_kept_D, tail])

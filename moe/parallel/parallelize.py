@@ -13,7 +13,7 @@ from moe.parallel.grad_sync import GradientReducer
 from moe.parallel.mesh import dense_parameters, expert_parameters
 
 
-def _check_config(model: nn.Module, mesh: DeviceMesh) -> None:
+def _check_config(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None) -> None:
     """Every rank must build the same MoE layers with the same mesh: compare before any
     exchange, so a mismatch is an error on every rank instead of a hang."""
     ep = mesh.size(mesh.mesh_dim_names.index("ep"))
@@ -21,6 +21,7 @@ def _check_config(model: nn.Module, mesh: DeviceMesh) -> None:
         "ep": ep,
         "dp": mesh.size(mesh.mesh_dim_names.index("dp")),
         "moe_layers": len(moe_layers(model)),
+        "ranks_per_node": -1 if ranks_per_node is None else ranks_per_node,
     }
     for name, layer in moe_layers(model):
         c = layer.config
@@ -66,7 +67,7 @@ def parallelize(
         raise ValueError(f"mesh dims must be ('dp', 'ep'), got {mesh.mesh_dim_names}")
     if not moe_layers(model):
         raise ValueError("parallelize: the model has no MoELayer")
-    _check_config(model, mesh)
+    _check_config(model, mesh, ranks_per_node)
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
