@@ -8,21 +8,19 @@ from moe.dispatch import expert_capacity
 from tests import reference as ref
 
 
+def layer_params(layer: moe.MoELayer) -> dict[str, torch.Tensor]:
+    """The router and expert parameters the reference differentiates, by short name."""
+    ex = layer.experts
+    named = {"router": layer.router.weight, "w1": ex.w1, "w2": ex.w2, "w3": ex.w3, "b1": ex.b1,
+             "b2": ex.b2}  # fmt: skip
+    return {n: p for n, p in named.items() if p is not None}
+
+
 def reference_layer(layer: moe.MoELayer, x_TD: torch.Tensor):
     """Per-token float64 forward of `layer` with its own weights (differentiable copies)."""
     c = layer.config
-    ex = layer.experts
     params = {
-        n: p.detach().double().clone().requires_grad_()
-        for n, p in [
-            ("router", layer.router.weight),
-            ("w1", ex.w1),
-            ("w2", ex.w2),
-            ("w3", ex.w3),
-            ("b1", ex.b1),
-            ("b2", ex.b2),
-        ]
-        if p is not None
+        n: p.detach().double().clone().requires_grad_() for n, p in layer_params(layer).items()
     }
     x = x_TD.detach().double().clone().requires_grad_()
     logits = x @ params["router"].t()
@@ -76,23 +74,14 @@ def check_against_reference(layer, x, rtol=1e-4, atol=1e-5):
     torch.testing.assert_close(
         x.grad.double().reshape(x_ref.shape), x_ref.grad, rtol=rtol, atol=atol
     )
-    ex = layer.experts
-    for name, p in [
-        ("router", layer.router.weight),
-        ("w1", ex.w1),
-        ("w2", ex.w2),
-        ("w3", ex.w3),
-        ("b1", ex.b1),
-        ("b2", ex.b2),
-    ]:
-        if p is not None:
-            torch.testing.assert_close(
-                p.grad.double(),
-                params[name].grad,
-                rtol=rtol,
-                atol=atol,
-                msg=lambda m, name=name: f"grad of {name}: {m}",
-            )
+    for name, p in layer_params(layer).items():
+        torch.testing.assert_close(
+            p.grad.double(),
+            params[name].grad,
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, name=name: f"grad of {name}: {m}",
+        )
     assert layer.stats["dropped"].item() == dropped
     return y
 
