@@ -109,6 +109,23 @@ def test_ep_dp_training_equals_single_process():
                 torch.testing.assert_close(p, expected, **tol, msg=f"{name} rank {rank} {pname}")
 
 
+def _frozen_body(rank, world):
+    model = build_model()
+    model[0].weight.requires_grad_(False)  # a frozen dense parameter
+    model[1].experts.w2.requires_grad_(False)  # and a frozen expert parameter
+    model = parallelize(model, init_mesh(dp=2, ep=2))
+    (model(torch.randn(3 + rank, D)).square().mean()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return grads["0.weight"] is None and grads["1.experts.w2"] is None, grads["0.bias"]
+
+
+def test_frozen_parameters_are_left_alone():
+    results = run_ranks(_frozen_body, 4, timeout=60)
+    assert all(frozen_untouched for frozen_untouched, _ in results)
+    for _, bias_grad in results[1:]:  # reduced: identical on every rank
+        assert torch.equal(bias_grad, results[0][1])
+
+
 def _mismatch_body(rank, world):
     model = build_model(num_experts=8 if rank == 3 else 4)
     try:

@@ -15,6 +15,7 @@ Gradients averaged over ranks are then exactly the gradients of the global-batch
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -117,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: hierarchical when the ranks span more than one node",
     )
     g.add_argument(
+        "--timeout", type=float, default=300.0, help="collective timeout in seconds (dead ranks)"
+    )
+    g.add_argument(
         "--groups", type=int, default=1, help="optimizer apply groups (Whale num_apply_group)"
     )
     g.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
@@ -198,7 +202,9 @@ def init_distributed(args) -> tuple[int, int, bool]:
     if world == 1:
         return 0, 1, False
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # A collective timeout: a dead or stuck rank becomes an error on the others, not a hang.
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     return dist.get_rank(), world, True
 
 

@@ -81,8 +81,8 @@ def parallelize(
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
     reducer = GradientReducer(
-        [p for _, p in dense_parameters(model)],
-        [p for _, p in expert_parameters(model)],
+        [p for _, p in dense_parameters(model) if p.requires_grad],  # frozen: nothing to reduce
+        [p for _, p in expert_parameters(model) if p.requires_grad],
         dp_group,
         dist.get_world_size(),
         bucket_mb,
