@@ -5,6 +5,7 @@ from moe.config import MoEConfig
 from moe.convert import ConversionError, swap_ffn
 from moe.experts import GroupedExperts
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
+from moe import parallel  # after the layer: parallel builds on it
 
 __all__ = [
     "ConversionError",
@@ -16,6 +17,7 @@ __all__ = [
     "gating",
     "kernels",
     "moe_layers",
+    "parallel",
     "swap_ffn",
     "update_router_biases",
 ]

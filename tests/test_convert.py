@@ -97,3 +97,16 @@ def test_state_dict_round_trip_is_exact_and_safe():
     x = torch.randn(3, 5, 16)
     model.eval(), fresh.eval()
     assert torch.equal(model(x), fresh(x))
+
+
+def test_public_api_is_reachable_from_import_moe():
+    """DESIGN.md's public names work after a plain `import moe` (a subprocess: fresh imports)."""
+    import subprocess
+    import sys
+
+    names = ["moe.MoELayer", "moe.aux_loss", "moe.swap_ffn", "moe.parallel.init_mesh",
+             "moe.parallel.parallelize", "moe.parallel.GroupedApply", "moe.parallel.plan",
+             "moe.parallel.save_checkpoint", "moe.parallel.load_checkpoint",
+             "moe.dispatch.all_to_all"]  # fmt: skip
+    code = "import moe\n" + "\n".join(f"assert callable({n}), '{n}'" for n in names)
+    subprocess.run([sys.executable, "-c", code], check=True)
