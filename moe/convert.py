@@ -106,7 +106,6 @@ def _build_layer(ffn: DenseFFN, name: str, upcycle: bool, options: dict) -> MoEL
         dtype=w.dtype,
         **options,
     )
-    layer.router.to(device=w.device)
     if upcycle:
         with torch.no_grad():
             ex = layer.experts

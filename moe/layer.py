@@ -72,11 +72,6 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
 
-    @classmethod
-    def from_config(cls, config: MoEConfig, **kwargs) -> "MoELayer":
-        options = {f: getattr(config, f) for f in MoEConfig.field_names()}
-        return cls(**options, **kwargs)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
         if x.dim() == 0 or x.shape[-1] != d:
@@ -138,7 +133,7 @@ class MoELayer(nn.Module):
         self.aux_loss = routing.aux_loss
         self.stats = {
             "tokens_per_expert": plan.counts_E.detach(),
-            "routed_per_expert": routing.routed_counts_E.detach(),
+            "routed_per_expert": plan.routed_E.detach(),
             "dropped": plan.num_dropped.detach(),
             "dropped_fraction": plan.num_dropped.detach().float() / num_pairs,
             "router_entropy": entropy_T.mean() if entropy_T.numel() else entropy_T.sum(),

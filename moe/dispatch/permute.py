@@ -18,6 +18,7 @@ class DispatchPlan:
 
     token_ids_M: torch.Tensor  # long [M]: source token of each row
     counts_E: torch.Tensor  # long [E]: kept rows per expert
+    routed_E: torch.Tensor  # long [E]: pairs routed to each expert, before capacity drops
     offsets_E: torch.Tensor  # int32 [E]: cumulative row ends
     weights_TK: torch.Tensor | None  # fp32 [T, k]: combine weights, 0 for dropped pairs
     pair_rows_TK: torch.Tensor | None  # long [T, k]: buffer row of each pair (token choice)
@@ -80,6 +81,7 @@ def plan_token_choice(
     return DispatchPlan(
         token_ids_M=token_ids_M,
         counts_E=counts_E,
+        routed_E=routed_E,
         offsets_E=torch.cumsum(counts_E, 0).to(torch.int32),
         weights_TK=weights_TK * keep_TK,
         pair_rows_TK=pair_rows_TK,
@@ -98,6 +100,7 @@ def plan_expert_choice(
     return DispatchPlan(
         token_ids_M=token_ids_EC.reshape(-1),
         counts_E=counts_E,
+        routed_E=counts_E,
         offsets_E=torch.cumsum(counts_E, 0).to(torch.int32),
         weights_TK=None,
         pair_rows_TK=None,

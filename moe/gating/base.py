@@ -36,17 +36,6 @@ class Routing:
     token_ids_EC: torch.Tensor | None = None
     weights_EC: torch.Tensor | None = None
 
-    @property
-    def routed_counts_E(self) -> torch.Tensor:
-        """Pairs each expert was chosen for, before capacity drops."""
-        E = self.logits_TE.shape[1]
-        if self.expert_ids_TK is None:
-            return torch.full((E,), self.token_ids_EC.shape[1], device=self.logits_TE.device)
-        ids = self.expert_ids_TK
-        if self.mask_TK is not None:
-            ids = torch.where(self.mask_TK, ids, E)
-        return torch.bincount(ids.reshape(-1), minlength=E + 1)[:E]
-
 
 class Router(nn.Module):
     """Linear scorer `weight` [E, d_model] in fp32 math; subclasses pick experts from logits."""
