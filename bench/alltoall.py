@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moe.dispatch.alltoall import (  # noqa: E402
+from moe.comm.alltoall import (  # noqa: E402
     all_to_all,
     exchange,
     pipeline_chunks,

@@ -1,6 +1,6 @@
 """moe: sparse mixture-of-experts layers and their training at scale."""
 
-from moe import dispatch, gating, kernels
+from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig
 from moe.convert import ConversionError, swap_ffn
 from moe.experts import GroupedExperts

@@ -86,3 +86,23 @@ class GroupedExperts(nn.Module):
             f"(first={self.expert_offset}), d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}"
         )
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of every GroupedExperts: sharded over "ep", replicated over "dp"."""
+    return [
+        (f"{n}.{pn}" if n else pn, p)
+        for n, m in model.named_modules()
+        if isinstance(m, GroupedExperts)
+        for pn, p in m.named_parameters(recurse=False)
+    ]
+
+
+def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Every other parameter: replicated on all ranks."""
+    experts = {id(p) for _, p in expert_parameters(model)}
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in experts]
+
+
+def is_expert_parameter(model: nn.Module, param: torch.Tensor) -> bool:
+    return any(p is param for _, p in expert_parameters(model))

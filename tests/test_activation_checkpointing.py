@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import moe
+from moe.memory.recompute import find_repeated_blocks
 from moe.parallel import auto_checkpoint
-from moe.parallel.checkpointing import find_repeated_blocks
 from tests.test_planner import TinyConfig, loss_of, measured_activation_bytes
 
 ROUTERS = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.alltoall import (
+from moe.comm.alltoall import (
     AllToAllPlan,
     all_to_all,
     choose_algorithm,
@@ -23,7 +23,7 @@ from moe.dispatch.alltoall import (
     plan_all_to_all,
     set_hierarchical_threshold,
 )
-from moe.dispatch.topology import Topology
+from moe.comm.topology import Topology
 from tests.distributed import run_ranks
 
 CASES = ["random", "empty_rank", "all_elsewhere", "skewed", "all_zero"]

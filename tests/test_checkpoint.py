@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import moe
+from moe.checkpoint import native as ckpt
 from moe.parallel import GroupedApply, load_checkpoint, save_checkpoint
-from moe.parallel import checkpoint as ckpt
 from tests.distributed import run_ranks
 from tests.test_planner import TinyConfig
 

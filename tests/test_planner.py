@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe
+from moe.memory.planner import GiB, activation_bytes, count_parameters
 from moe.parallel import plan
-from moe.parallel.planner import GiB, activation_bytes, count_parameters
 
 
 class Attention(nn.Module):

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from moe.dispatch.consistency import check_same_across_ranks, describe_mismatch
-from moe.dispatch.topology import (
+from moe.comm.consistency import check_same_across_ranks, describe_mismatch
+from moe.comm.topology import (
     Topology,
     get_topology,
     ranks_per_node_from_layout,

@@ -22,12 +22,12 @@ NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (no GPU on this
 
 pytest.importorskip("triton")
 
-from moe.kernels import triton_common  # noqa: E402
 from moe.kernels.activations import GATED, apply_activation  # noqa: E402
 from moe.kernels.combine import combine  # noqa: E402
 from moe.kernels.expert_mlp import expert_mlp, resolve_backend  # noqa: E402
-from moe.kernels.triton_gather_sum import rows_to_tokens  # noqa: E402
-from moe.kernels.triton_schedule import tile_schedule  # noqa: E402
+from moe.kernels.triton import common as triton_common  # noqa: E402
+from moe.kernels.triton.gather_sum import rows_to_tokens  # noqa: E402
+from moe.kernels.triton.schedule import tile_schedule  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -302,7 +302,7 @@ def test_shape_errors():
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter mode switching is a CPU-only concern")
 def test_kernels_follow_interpret_mode(monkeypatch):
     """Kernel modules imported in compiled mode are re-decorated once TRITON_INTERPRET=1 is set."""
-    from moe.kernels import triton_lang
+    from moe.kernels.triton import lang as triton_lang
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     triton_common.ensure_mode()
@@ -351,7 +351,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "moe.kernels.triton_aot_check", "--arch", "90"]
+    cmd = [sys.executable, "-m", "tools.triton_aot_check", "--arch", "90"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     print(done.stdout)

@@ -1,4 +1,8 @@
-"""Capacity, sort-based permutation, and the all-to-all exchange between expert ranks."""
+"""Local dispatch: capacity and the sort-based permutation of (token, expert) pairs.
+
+The expert exchange between ranks lives in moe.comm; `moe.dispatch.all_to_all` stays here as
+the public name of the uneven all-to-all.
+"""
 
 from moe.dispatch.capacity import expert_capacity
 from moe.dispatch.permute import (
@@ -8,14 +12,15 @@ from moe.dispatch.permute import (
     plan_expert_choice,
     plan_token_choice,
 )
-from moe.dispatch.alltoall import (
+from moe.comm import (
     AllToAllPlan,
+    Topology,
     all_to_all,
+    check_same_across_ranks,
     exchange,
     exchange_counts,
     gather_count_matrix,
+    get_topology,
     plan_all_to_all,
     set_hierarchical_threshold,
 )
-from moe.dispatch.consistency import check_same_across_ranks
-from moe.dispatch.topology import Topology, get_topology

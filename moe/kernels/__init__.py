@@ -9,9 +9,9 @@ from moe.kernels.torch_grouped_mm import grouped_mm_torch
 
 # Triton entry points load on first use: importing moe never imports triton or builds kernels.
 _LAZY = {
-    "combine_triton": "moe.kernels.triton_combine",
-    "expert_mlp_triton": "moe.kernels.triton_expert_mlp",
-    "tile_schedule": "moe.kernels.triton_schedule",
+    "combine_triton": "moe.kernels.triton.combine",
+    "expert_mlp_triton": "moe.kernels.triton.expert_mlp",
+    "tile_schedule": "moe.kernels.triton.schedule",
 }
 
 __all__ = [

@@ -44,7 +44,7 @@ def combine_torch(out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: 
 
 def combine(out_MD, pair_rows_TK, weights_TK, backend: str = "torch"):
     if backend == "triton":
-        from moe.kernels.triton_combine import combine_triton
+        from moe.kernels.triton.combine import combine_triton
 
         return combine_triton(out_MD, pair_rows_TK, weights_TK)
     return combine_torch(out_MD, pair_rows_TK, weights_TK)

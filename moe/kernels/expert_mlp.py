@@ -53,7 +53,7 @@ def triton_available(x: torch.Tensor) -> bool:
     if x.device.type != "cuda":
         return False
     try:
-        from moe.kernels import triton_expert_mlp  # noqa: F401
+        from moe.kernels.triton import expert_mlp  # noqa: F401
     except ImportError:
         return False
     return True
@@ -84,7 +84,7 @@ def expert_mlp(
     if activation in GATED and w3_EDF is None:
         raise ValueError(f"activation={activation!r} needs w3")
     if resolve_backend(backend, x_TD) == "triton":
-        from moe.kernels.triton_expert_mlp import expert_mlp_triton
+        from moe.kernels.triton.expert_mlp import expert_mlp_triton
 
         return expert_mlp_triton(
             x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M

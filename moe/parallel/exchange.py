@@ -4,9 +4,9 @@ expert, run the local experts, send the outputs back."""
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.alltoall import AllToAllPlan, exchange, plan_all_to_all
+from moe.comm.alltoall import AllToAllPlan, exchange, plan_all_to_all
+from moe.comm.topology import get_topology
 from moe.dispatch.permute import DispatchPlan, gather_tokens
-from moe.dispatch.topology import get_topology
 
 
 class _Permute(torch.autograd.Function):

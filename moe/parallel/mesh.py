@@ -1,11 +1,9 @@
 """The (dp, ep) DeviceMesh and the process groups parallel code reduces over."""
 
-import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moe.experts import GroupedExperts
+from moe.experts import dense_parameters, expert_parameters, is_expert_parameter  # noqa: F401
 
 
 def init_mesh(dp: int | None = None, ep: int = 1, device_type: str | None = None) -> DeviceMesh:
@@ -25,23 +23,3 @@ def init_mesh(dp: int | None = None, ep: int = 1, device_type: str | None = None
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
-
-
-def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of every GroupedExperts: sharded over "ep", replicated over "dp"."""
-    return [
-        (f"{n}.{pn}" if n else pn, p)
-        for n, m in model.named_modules()
-        if isinstance(m, GroupedExperts)
-        for pn, p in m.named_parameters(recurse=False)
-    ]
-
-
-def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Every other parameter: replicated on all ranks."""
-    experts = {id(p) for _, p in expert_parameters(model)}
-    return [(n, p) for n, p in model.named_parameters() if id(p) not in experts]
-
-
-def is_expert_parameter(model: nn.Module, param: torch.Tensor) -> bool:
-    return any(p is param for _, p in expert_parameters(model))

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from moe.dispatch.consistency import check_same_across_ranks
+from moe.comm.consistency import check_same_across_ranks
 from moe.layer import moe_layers
 from moe.parallel.exchange import ExpertExchange
 from moe.parallel.grad_sync import GradientReducer

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from moe.parallel.offload import Entry, HostPipeline, host_empty
-from moe.parallel.precision import LOW_PRECISION, LossScaler
+from moe.memory.offload import Entry, HostPipeline, host_empty
+from moe.memory.precision import LOW_PRECISION, LossScaler
 
 OFFLOAD_MODES = (None, "optimizer", "all")
 

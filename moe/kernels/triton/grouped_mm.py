@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_lang as tlx
-from moe.kernels.triton_activations import act_bwd, act_fwd
-from moe.kernels.triton_common import dot_flags, e_pow2, interpreting, m_bucket
-from moe.kernels.triton_mma import mma
-from moe.kernels.triton_schedule import expert_tile, max_row_tiles
+from moe.kernels.triton import lang as tlx
+from moe.kernels.triton.activations import act_bwd, act_fwd
+from moe.kernels.triton.common import dot_flags, e_pow2, interpreting, m_bucket
+from moe.kernels.triton.mma import mma
+from moe.kernels.triton.schedule import expert_tile, max_row_tiles
 
 EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
 

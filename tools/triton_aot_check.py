@@ -6,7 +6,7 @@ Mixtral-like shape (ints equal to 1 become constants, pointers and multiples of 
 divisibility hint) and reports, per variant, whether it uses wgmma and cp.async pipelining,
 its shared memory, and from the cubin (cuobjdump) its registers and stack (spill) bytes.
 
-  python -m moe.kernels.triton_aot_check [--arch 90] [--dtype bf16] [--all-configs]
+  python -m tools.triton_aot_check [--arch 90] [--dtype bf16] [--all-configs]
 Must run with TRITON_INTERPRET unset. Exit status 1 if a GEMM variant lacks wgmma (sm_90).
 """
 
@@ -22,10 +22,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe.kernels import triton_gather_sum as gather_sum
-from moe.kernels import triton_grouped_mm as rows
-from moe.kernels import triton_grouped_mm_wgrad as wgrad
-from moe.kernels import triton_schedule as schedule
+from moe.kernels.triton import gather_sum as gather_sum
+from moe.kernels.triton import grouped_mm as rows
+from moe.kernels.triton import grouped_mm_wgrad as wgrad
+from moe.kernels.triton import schedule as schedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 D, F, E, M, T = 4096, 14336, 8, 32771, 16384

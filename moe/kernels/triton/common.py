@@ -15,13 +15,13 @@ import triton
 
 # Modules holding @triton.jit code, in dependency order (helpers before the kernels using them).
 KERNEL_MODULES = (
-    "moe.kernels.triton_lang",
-    "moe.kernels.triton_mma",
-    "moe.kernels.triton_activations",
-    "moe.kernels.triton_schedule",
-    "moe.kernels.triton_grouped_mm",
-    "moe.kernels.triton_grouped_mm_wgrad",
-    "moe.kernels.triton_gather_sum",
+    "moe.kernels.triton.lang",
+    "moe.kernels.triton.mma",
+    "moe.kernels.triton.activations",
+    "moe.kernels.triton.schedule",
+    "moe.kernels.triton.grouped_mm",
+    "moe.kernels.triton.grouped_mm_wgrad",
+    "moe.kernels.triton.gather_sum",
 )
 
 

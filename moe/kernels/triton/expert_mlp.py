@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
-from moe.kernels.triton_activations import ACT_CODES
-from moe.kernels.triton_common import check_device, out_dtype_ok
-from moe.kernels.triton_gather_sum import rows_to_tokens
-from moe.kernels.triton_grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
-from moe.kernels.triton_grouped_mm_wgrad import busiest_first, ragged_reduce_mm
+from moe.kernels.triton.activations import ACT_CODES
+from moe.kernels.triton.common import check_device, out_dtype_ok
+from moe.kernels.triton.gather_sum import rows_to_tokens
+from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
+from moe.kernels.triton.grouped_mm_wgrad import busiest_first, ragged_reduce_mm
 
 
 def _act_code(activation: str) -> int:

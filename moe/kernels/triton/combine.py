@@ -8,8 +8,8 @@ pair in registers. Kernels: moe/kernels/triton_gather_sum.py. Semantics: combine
 import torch
 from torch import Tensor
 
-from moe.kernels.triton_common import check_device, out_dtype_ok
-from moe.kernels.triton_gather_sum import combine_bwd, combine_fwd
+from moe.kernels.triton.common import check_device, out_dtype_ok
+from moe.kernels.triton.gather_sum import combine_bwd, combine_fwd
 
 
 @torch.library.custom_op("moe::triton_combine", mutates_args=())

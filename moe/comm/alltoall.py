@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.topology import Topology, get_subgroups, get_topology
+from moe.comm.topology import Topology, get_subgroups, get_topology
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
 ENV_HIERARCHICAL_MAX_BYTES = "MOE_A2A_HIERARCHICAL_MAX_BYTES"
@@ -363,7 +363,7 @@ def all_to_all(
     "hierarchical" (2D: intra-node then inter-node; the same y bit for bit) or "auto"
     (hierarchical for >1 node and per-rank buffers up to hierarchical_threshold(); on gloo
     only when a threshold is set). ranks_per_node overrides topology detection (see
-    moe.dispatch.topology). Every rank of the group must call it, also with zero rows, and
+    moe.comm.topology). Every rank of the group must call it, also with zero rows, and
     must then take part in the backward too. A tensor send_counts_W costs one host read for
     validation, the received counts one more.
     """

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe.parallel.mesh import expert_parameters
+from moe.experts import expert_parameters
 
 GiB = 2**30
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_lang as tlx
-from moe.kernels.triton_common import interpreting
+from moe.kernels.triton import lang as tlx
+from moe.kernels.triton.common import interpreting
 
 
 def _blocks() -> tuple[int, int]:

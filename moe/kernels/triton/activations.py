@@ -7,7 +7,7 @@ form, "swiglu" is silu(h) * g with h = x @ w1 and g = x @ w3).
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_lang as tlx
+from moe.kernels.triton import lang as tlx
 
 ACT_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "swiglu": 4}
 

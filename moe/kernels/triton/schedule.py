@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_lang as tlx
-from moe.kernels.triton_common import check_device, e_pow2
+from moe.kernels.triton import lang as tlx
+from moe.kernels.triton.common import check_device, e_pow2
 
 
 def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:

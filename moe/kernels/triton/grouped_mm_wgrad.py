@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_lang as tlx
-from moe.kernels.triton_common import dot_flags, interpreting, m_bucket
-from moe.kernels.triton_mma import mma
+from moe.kernels.triton import lang as tlx
+from moe.kernels.triton.common import dot_flags, interpreting, m_bucket
+from moe.kernels.triton.mma import mma
 
 
 def _configs() -> list[triton.Config]:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
-from moe.kernels.triton_common import interpreting
+from moe.kernels.triton.common import interpreting
 
 BUILT_INTERPRETED = interpreting()
 

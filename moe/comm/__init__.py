@@ -1,0 +1,14 @@
+"""Communication between ranks: the uneven all-to-all (flat, hierarchical 2D), topology
+detection, and the cross-rank consistency check."""
+
+from moe.comm.alltoall import (
+    AllToAllPlan,
+    all_to_all,
+    exchange,
+    exchange_counts,
+    gather_count_matrix,
+    plan_all_to_all,
+    set_hierarchical_threshold,
+)
+from moe.comm.consistency import check_same_across_ranks
+from moe.comm.topology import Topology, get_topology
