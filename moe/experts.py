@@ -10,7 +10,10 @@ from moe.kernels.expert_mlp import expert_mlp
 
 
 class GroupedExperts(nn.Module):
-    """E_local expert MLPs: w1 [E, d_model, d_ff], w2 [E, d_ff, d_model] (+ w3 for swiglu).
+    """The L expert MLPs of this rank: w1 [L, D, F], w2 [L, F, D] (+ w3 [L, D, F] for gated
+    activations), optional biases b1 [L, F], b2 [L, D]. The parameters keep the plain names
+    w1/w2/w3/b1/b2 (not w1_LDF...): they are state-dict keys that checkpoints and from_hf /
+    to_hf rely on; docs/shapes.md gives their shapes.
 
     `expert_offset` is the global id of the first local expert (non-zero under expert
     parallelism). Initialised like nn.Linear so each expert matches a dense FFN's scale.
@@ -64,19 +67,28 @@ class GroupedExperts(nn.Module):
                     nn.init.uniform_(t, -bound, bound)
 
     def forward(
-        self, x: torch.Tensor, offsets_E: torch.Tensor, token_ids_M: torch.Tensor | None = None
+        self,
+        x_RD: torch.Tensor,
+        offsets_L: torch.Tensor,
+        gather_ids_R: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows of each local expert -> their MLP outputs (tail rows past offsets_E[-1]: 0)."""
+        """Rows of each local expert (expert-major; int32 row ends offsets_L) -> their MLP
+        outputs out_RD (tail rows past offsets_L[-1]: exactly 0). The experts only compute.
+
+        gather_ids_R (optional, from DispatchContext): x_RD is then the un-gathered token
+        matrix and row r is x_RD[gather_ids_R[r]]; the Triton kernel gathers while it loads
+        and so saves one [R, D] copy. Dispatchers set it only on that path.
+        """
         return expert_mlp(
-            x.to(self.w1.dtype),
-            offsets_E,
+            x_RD.to(self.w1.dtype),
+            offsets_L,
             self.w1,
             self.w2,
             self.w3,
             self.b1,
             self.b2,
             self.activation,
-            token_ids_M,
+            gather_ids_R,
             self.backend,
         )
 

@@ -1,21 +1,16 @@
-"""MoELayer: route -> dispatch -> (exchange) -> experts -> (exchange) -> combine."""
+"""MoELayer: route -> plan and dispatch -> experts -> combine -> record, one seam per stage."""
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe.config import MoEConfig
-from moe.dispatch.capacity import expert_capacity
-from moe.dispatch.permute import (
-    DispatchPlan,
-    combine_rows,
-    gather_tokens,
-    plan_expert_choice,
-    plan_token_choice,
-)
+from moe.dispatch.capacity import capacity_factor_for, expert_capacity
+from moe.dispatch.dispatcher import Dispatcher
+from moe.dispatch.local import LocalDispatcher
+from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
 from moe.experts import GroupedExperts
 from moe.gating import Routing, build_router
-from moe.kernels.expert_mlp import resolve_backend
 
 
 class MoELayer(nn.Module):
@@ -23,7 +18,8 @@ class MoELayer(nn.Module):
     dtype. After each forward, `aux_loss` holds the weighted router loss and `stats` the
     routing statistics (detached tensors; reading them is the caller's host sync).
 
-    Expert parallelism is applied from outside (moe.parallel.parallelize sets `exchange`).
+    `dispatcher` moves rows to the experts and back (moe.dispatch): LocalDispatcher by
+    default; moe.parallel.parallelize installs an ExpertParallelDispatcher from outside.
     """
 
     def __init__(
@@ -68,7 +64,7 @@ class MoELayer(nn.Module):
         )
         if device is not None:
             self.router.to(device)
-        self.exchange = None  # expert-parallel exchange, installed by moe.parallel
+        self.dispatcher: Dispatcher = LocalDispatcher(self.config.backend)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -86,27 +82,24 @@ class MoELayer(nn.Module):
         return y_TD.view(x.shape)
 
     def _forward_tokens(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
+        routing = self._route(x_TD)
+        x_RD, offsets_L, ctx = self.dispatcher.dispatch(x_TD, self._plan(routing, len(x_TD)))
+        out_RD = self.experts(x_RD, offsets_L, ctx.gather_ids_R)
+        y_TD = self.dispatcher.combine(out_RD, ctx).to(x_TD.dtype)
+        self._record(routing, ctx.plan)
+        return y_TD
+
+    def _route(self, x_TD: torch.Tensor) -> Routing:
         routing = self.router(x_TD)
         self._check_finite(routing.logits_TE)
-        plan = self._plan(routing, x_TD.shape[0])
-        backend = resolve_backend(self.config.backend, x_TD)
-        if self.exchange is not None:
-            out_MD = self.exchange(x_TD, plan, self.experts)
-        elif backend == "triton":  # the kernel gathers token rows as it loads them
-            out_MD = self.experts(x_TD, plan.offsets_E, plan.token_ids_M)
-        else:
-            out_MD = self.experts(gather_tokens(x_TD, plan), plan.offsets_E)
-        y_TD = combine_rows(out_MD, plan, backend)
-        self._record(routing, plan)
-        return y_TD.to(x_TD.dtype)
+        return routing
 
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
         c = self.config
         if routing.token_ids_EC is not None:
             return plan_expert_choice(routing.token_ids_EC, routing.weights_EC, num_tokens)
-        factor = c.capacity_factor
-        if not self.training and c.eval_capacity_factor is not None:
-            factor = c.eval_capacity_factor
+        factor = capacity_factor_for(c, self.training)
         capacity = expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity)
         return plan_token_choice(
             routing.expert_ids_TK,

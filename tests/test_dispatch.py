@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe.dispatch import combine_rows, expert_capacity, gather_tokens, plan_token_choice
+from moe.dispatch import expert_capacity, gather_tokens, plan_token_choice, weighted_sum_rows
 from tests import reference as ref
 
 
@@ -63,7 +63,7 @@ def test_gather_and_combine_gradients_match_dense_reference():
     x_MD = gather_tokens(x, plan)
     out_MD = x_MD * torch.arange(1, x_MD.shape[0] + 1, dtype=torch.float64).unsqueeze(1)
     out_MD = torch.cat([out_MD[: plan.offsets_E[-1]], out_MD[plan.offsets_E[-1] :] * 0])
-    y = combine_rows(out_MD, plan)
+    y = weighted_sum_rows(out_MD, plan)
     g = torch.randn(T, D, dtype=torch.float64)
     (y * g).sum().backward()
     keep = plan.weights_TK.detach() != 0

@@ -1,17 +1,10 @@
-"""Local dispatch: capacity and the sort-based permutation of (token, expert) pairs.
+"""Dispatch: capacity, the sort-based plan of (token, expert) pairs, and the dispatchers that
+move rows to the experts and back (one class per strategy, registered by name).
 
-The expert exchange between ranks lives in moe.comm; `moe.dispatch.all_to_all` stays here as
-the public name of the uneven all-to-all.
+The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` stays here as its public
+name.
 """
 
-from moe.dispatch.capacity import expert_capacity
-from moe.dispatch.permute import (
-    DispatchPlan,
-    combine_rows,
-    gather_tokens,
-    plan_expert_choice,
-    plan_token_choice,
-)
 from moe.comm import (
     AllToAllPlan,
     Topology,
@@ -23,4 +16,23 @@ from moe.comm import (
     get_topology,
     plan_all_to_all,
     set_hierarchical_threshold,
+)
+from moe.dispatch.capacity import capacity_factor_for, expert_capacity
+from moe.dispatch.dispatcher import (
+    DISPATCHERS,
+    DispatchContext,
+    Dispatcher,
+    build_dispatcher,
+    register_dispatcher,
+)
+from moe.dispatch.expert_parallel import ExpertParallelDispatcher
+from moe.dispatch.local import LocalDispatcher
+from moe.dispatch.permute import (
+    DispatchPlan,
+    gather_tokens,
+    permute_rows,
+    plan_expert_choice,
+    plan_token_choice,
+    sort_rows_by_expert,
+    weighted_sum_rows,
 )

@@ -3,6 +3,14 @@
 import math
 
 
+def capacity_factor_for(config, training: bool) -> float | None:
+    """The capacity factor in force: `eval_capacity_factor` in eval mode when set, else
+    `capacity_factor`. The one place this choice is made (token and expert choice alike)."""
+    if not training and config.eval_capacity_factor is not None:
+        return config.eval_capacity_factor
+    return config.capacity_factor
+
+
 def expert_capacity(
     num_tokens: int,
     num_experts: int,

@@ -1,4 +1,5 @@
-"""Sort-based dispatch plan: which token feeds which expert row, with capacity drops.
+"""Sort-based dispatch plan (which token feeds which expert row, with capacity drops) and the
+row permutations built on it: gather_tokens / weighted_sum_rows, permute_rows and its inverse.
 
 The T*k (token, expert) pairs are stably sorted by expert; kept pairs fill the first rows of
 the expert-sorted buffer, dropped pairs sit at its tail (expert kernels output zero there).
@@ -14,7 +15,8 @@ from moe.kernels.combine import combine
 
 @dataclass
 class DispatchPlan:
-    """Rows of the expert buffer, M = number of pairs, sorted by expert, kept rows first."""
+    """Rows of the expert buffer: M = (token, expert) pairs, sorted by expert, kept rows first.
+    E is every expert of the layer (global ids, also under expert parallelism)."""
 
     token_ids_M: torch.Tensor  # long [M]: source token of each row
     counts_E: torch.Tensor  # long [E]: kept rows per expert
@@ -31,12 +33,12 @@ class DispatchPlan:
         return self.token_ids_M.shape[0]
 
 
-def _sort_pairs(expert_ids_P, weights_P, policy):
+def _sort_pairs(expert_ids_M, weights_M, policy):
     """Stable order of pairs by expert; within an expert by pair order or by weight."""
     if policy == "probs":
-        by_weight = torch.argsort(weights_P, descending=True, stable=True)
-        return by_weight[torch.argsort(expert_ids_P[by_weight], stable=True)]
-    return torch.argsort(expert_ids_P, stable=True)
+        by_weight = torch.argsort(weights_M, descending=True, stable=True)
+        return by_weight[torch.argsort(expert_ids_M[by_weight], stable=True)]
+    return torch.argsort(expert_ids_M, stable=True)
 
 
 def plan_token_choice(
@@ -52,31 +54,31 @@ def plan_token_choice(
     T, K = expert_ids_TK.shape
     E, device = num_experts, expert_ids_TK.device
     # Slot-major pair order p = j * T + t, so first choices come first.
-    ids_P = expert_ids_TK.t().reshape(-1)
+    ids_M = expert_ids_TK.t().reshape(-1)
     if mask_TK is not None:  # pairs the router declined: sort to the tail, take no capacity
-        ids_P = torch.where(mask_TK.t().reshape(-1), ids_P, E)
-    order_P = _sort_pairs(ids_P, weights_TK.t().reshape(-1), drop_policy)
-    sorted_ids_P = ids_P[order_P]
-    routed_E = torch.bincount(sorted_ids_P, minlength=E + 1)[:E]
+        ids_M = torch.where(mask_TK.t().reshape(-1), ids_M, E)
+    order_M = _sort_pairs(ids_M, weights_TK.t().reshape(-1), drop_policy)
+    sorted_ids_M = ids_M[order_M]
+    routed_E = torch.bincount(sorted_ids_M, minlength=E + 1)[:E]
     if capacity is None:
         counts_E = routed_E
-        keep_sorted_P = sorted_ids_P < E
+        keep_sorted_M = sorted_ids_M < E
     else:
         counts_E = routed_E.clamp(max=capacity)
         starts_E = torch.cumsum(routed_E, 0) - routed_E
-        starts_P = torch.cat([starts_E, starts_E.new_zeros(1)])[sorted_ids_P]
-        position_P = torch.arange(T * K, device=device) - starts_P
-        keep_sorted_P = (position_P < capacity) & (sorted_ids_P < E)
+        starts_M = torch.cat([starts_E, starts_E.new_zeros(1)])[sorted_ids_M]
+        position_M = torch.arange(T * K, device=device) - starts_M
+        keep_sorted_M = (position_M < capacity) & (sorted_ids_M < E)
         # Kept pairs first (stable, so still by expert), dropped to the tail.
-        kept_first_P = torch.argsort((~keep_sorted_P).to(torch.int8), stable=True)
-        order_P, keep_sorted_P = order_P[kept_first_P], keep_sorted_P[kept_first_P]
-    rows_P = torch.empty_like(order_P)
-    rows_P[order_P] = torch.arange(T * K, device=device)
-    keep_P = torch.empty_like(keep_sorted_P)
-    keep_P[order_P] = keep_sorted_P
-    pair_rows_TK = rows_P.view(K, T).t()
-    keep_TK = keep_P.view(K, T).t()
-    token_ids_M = order_P % T
+        kept_first_M = torch.argsort((~keep_sorted_M).to(torch.int8), stable=True)
+        order_M, keep_sorted_M = order_M[kept_first_M], keep_sorted_M[kept_first_M]
+    rows_M = torch.empty_like(order_M)
+    rows_M[order_M] = torch.arange(T * K, device=device)
+    keep_M = torch.empty_like(keep_sorted_M)
+    keep_M[order_M] = keep_sorted_M
+    pair_rows_TK = rows_M.view(K, T).t()
+    keep_TK = keep_M.view(K, T).t()
+    token_ids_M = order_M % T
     num_dropped = (routed_E - counts_E).sum()
     return DispatchPlan(
         token_ids_M=token_ids_M,
@@ -134,11 +136,40 @@ def gather_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return _GatherTokens.apply(x_TD, plan.token_ids_M, plan.pair_rows_TK)
 
 
-def combine_rows(out_MD: torch.Tensor, plan: DispatchPlan, backend: str = "torch"):
-    """y_TD: weighted sum of each token's expert outputs. Token choice is a gather-sum over the
+def weighted_sum_rows(out_MD: torch.Tensor, plan: DispatchPlan, backend: str = "torch"):
+    """The inverse of gather_tokens, weighted: y_TD[t] = sum of token t's rows times their
+    combine weights. Token choice uses the gather-sum kernel `moe.kernels.combine` over the
     pair -> row map; expert choice (a token may have 0..E rows) adds rows into their tokens."""
     if plan.pair_rows_TK is not None:
         return combine(out_MD, plan.pair_rows_TK, plan.weights_TK, backend)
     y_TD = out_MD.new_zeros(plan.num_tokens, out_MD.shape[1])
     rows_MD = out_MD * plan.weights_M.to(out_MD.dtype).unsqueeze(1)
     return y_TD.index_add(0, plan.token_ids_M, rows_MD)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """y_ND = x_ND[order_N]; backward applies the inverse permutation (a gather, no
+    scatter-add). Calling it with (inverse_N, order_N) undoes it."""
+
+    @staticmethod
+    def forward(ctx, x_ND, order_N, inverse_N):
+        ctx.save_for_backward(inverse_N)
+        return x_ND.index_select(0, order_N)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        (inverse_N,) = ctx.saved_tensors
+        return dy_ND.index_select(0, inverse_N), None, None
+
+
+def sort_rows_by_expert(expert_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_N, inverse_N): the stable sort of rows by expert id, and its inverse."""
+    order_N = torch.argsort(expert_N, stable=True)
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.shape[0], device=order_N.device)
+    return order_N, inverse_N
+
+
+def permute_rows(x_ND: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor):
+    """x_ND[order_N], differentiable; permute_rows(y, inverse_N, order_N) is its inverse."""
+    return _PermuteRows.apply(x_ND, order_N, inverse_N)

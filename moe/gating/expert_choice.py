@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from moe.dispatch.capacity import capacity_factor_for
 from moe.gating.base import Router, Routing, register_router
 from moe.gating.losses import router_loss
 
@@ -23,9 +24,9 @@ class ExpertChoiceRouter(Router):
         c = self.config
         logits_TE = self.logits(x_TD)
         probs_TE = logits_TE.softmax(-1)
-        factor = c.capacity_factor if c.capacity_factor is not None else float(c.top_k)
-        if not self.training and c.eval_capacity_factor is not None:
-            factor = c.eval_capacity_factor
+        factor = capacity_factor_for(c, self.training)
+        if factor is None:  # dropless has no meaning here: each expert takes k * T / E tokens
+            factor = float(c.top_k)
         C = expert_choice_capacity(x_TD.shape[0], c.num_experts, factor)
         top_EC = probs_TE.t().topk(C, dim=-1)
         return Routing(

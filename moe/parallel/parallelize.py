@@ -7,8 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe.comm.consistency import check_same_across_ranks
+from moe.dispatch import ExpertParallelDispatcher
 from moe.layer import moe_layers
-from moe.parallel.exchange import ExpertExchange
 from moe.parallel.grad_sync import GradientReducer
 from moe.parallel.mesh import dense_parameters, expert_parameters
 
@@ -76,8 +76,8 @@ def parallelize(
     ep, ep_rank = dist.get_world_size(ep_group), mesh.get_local_rank("ep")
     for _, layer in moe_layers(model):
         _shard_experts(layer, ep_rank, ep)
-        layer.exchange = ExpertExchange(
-            ep_group, layer.experts.num_experts, algorithm, ranks_per_node
+        layer.dispatcher = ExpertParallelDispatcher(
+            ep_group, layer.experts.num_experts, algorithm, ranks_per_node, layer.config.backend
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
     reducer = GradientReducer(

@@ -1,0 +1,69 @@
+"""The dispatcher seam: how token rows reach the experts that compute them and come back.
+
+A dispatcher owns the path between the routing plan and the experts, and back:
+
+    x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
+    out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R)       # the experts only compute
+    y_TD = dispatcher.combine(out_RD, ctx)                    # weighted sum back to tokens
+
+It never calls the experts. A new strategy (another all-to-all, an overlapped or node-aware
+exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a user
+installs it as `MoELayer.dispatcher`. Every rank of a distributed dispatcher must call
+dispatch and combine once per forward, also with zero tokens, so collectives always match.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from moe.dispatch.permute import DispatchPlan
+
+DISPATCHERS: dict[str, type["Dispatcher"]] = {}
+
+
+def register_dispatcher(name: str):
+    """Class decorator: make a dispatcher constructible by `build_dispatcher(name, ...)`."""
+
+    def add(cls):
+        if name in DISPATCHERS and DISPATCHERS[name] is not cls:
+            raise ValueError(f"dispatcher {name!r} is already registered")
+        DISPATCHERS[name] = cls
+        return cls
+
+    return add
+
+
+def build_dispatcher(name: str, **kwargs) -> "Dispatcher":
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher={name!r} is not one of {sorted(DISPATCHERS)}")
+    return DISPATCHERS[name](**kwargs)
+
+
+@dataclass
+class DispatchContext:
+    """What combine needs to undo dispatch. Subclasses add their own fields.
+
+    gather_ids_R: when set, the rows handed to the experts are the un-gathered tokens x_TD and
+    expert row r is x_TD[gather_ids_R[r]]. The Triton kernel gathers on load this way, which
+    saves writing and re-reading one [R, D] buffer; every other path leaves it None.
+    """
+
+    plan: DispatchPlan
+    gather_ids_R: torch.Tensor | None = None
+
+
+class Dispatcher(ABC):
+    """Moves rows between token order and expert order (and between ranks)."""
+
+    @abstractmethod
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchContext]:
+        """-> (x_RD, offsets_L, ctx): the R rows of this rank's L experts in expert-major
+        order, int32 cumulative row ends per local expert (rows past offsets_L[-1] must come
+        out zero), and the context combine needs."""
+
+    @abstractmethod
+    def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+        """Expert outputs -> y_TD, each token the weighted sum of its experts' outputs."""

@@ -1,0 +1,87 @@
+"""Expert-parallel dispatch: send each kept row to the rank holding its expert (uneven
+all-to-all, flat or hierarchical), reorder to expert-major, and the reverse on combine."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.comm.alltoall import AllToAllPlan, exchange, plan_all_to_all
+from moe.comm.topology import get_topology
+from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
+from moe.dispatch.permute import (
+    DispatchPlan,
+    gather_tokens,
+    permute_rows,
+    sort_rows_by_expert,
+    weighted_sum_rows,
+)
+from moe.kernels import resolve_backend
+
+
+@dataclass
+class ExpertParallelContext(DispatchContext):
+    a2a: AllToAllPlan | None = None
+    order_R: torch.Tensor | None = None  # received (source rank, expert) order -> expert-major
+    inverse_R: torch.Tensor | None = None
+
+
+@register_dispatcher("expert_parallel")
+class ExpertParallelDispatcher(Dispatcher):
+    """Installed as `MoELayer.dispatcher` by parallelize(): global expert e lives on EP rank
+    e // L. The plan's counts (global E = W * L) are exchanged first, one small collective, so
+    each rank knows how many rows it receives per (source rank, local expert)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_local_experts: int,
+        algorithm: str = "auto",
+        ranks_per_node: int | None = None,
+        backend: str = "auto",
+    ):
+        self.group, self.num_local = group, num_local_experts
+        self.ep_size = dist.get_world_size(group)
+        self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
+        self.backend = backend
+        self._multi_node: bool | None = None
+
+    def _flat(self) -> bool:
+        """Flat unless asked otherwise and the EP group spans nodes (topology detected once)."""
+        if self.algorithm == "flat":
+            return True
+        if self._multi_node is None:
+            self._multi_node = get_topology(self.group, self.ranks_per_node).is_multi_node
+        return not self._multi_node
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
+        W, L = self.ep_size, self.num_local
+        send_counts_WL = plan.counts_E.view(W, L)
+        recv_counts_WL = torch.empty_like(send_counts_WL)
+        dist.all_to_all_single(recv_counts_WL, send_counts_WL.contiguous(), group=self.group)
+        x_MD = gather_tokens(x_TD, plan)
+        send_W, recv_W = send_counts_WL.sum(1), recv_counts_WL.sum(1)
+        send, recv = torch.stack([send_W, recv_W]).tolist()  # the host read a2a sizes need
+        x_kept_ND = x_MD[: sum(send)]
+        if self._flat():  # the per-expert counts above already give both row totals
+            a2a = AllToAllPlan("flat", self.group, tuple(send), tuple(recv), recv_W)
+        else:  # hierarchical needs the W x W matrix: plan_all_to_all gathers it
+            a2a = plan_all_to_all(x_kept_ND, send, self.group, self.algorithm, self.ranks_per_node)
+        recv_RD = exchange(x_kept_ND, a2a)
+        # Received rows are (source rank, local expert)-major; the experts want expert-major.
+        expert_R = torch.repeat_interleave(
+            torch.arange(L, device=x_TD.device).repeat(W),
+            recv_counts_WL.reshape(-1),
+            output_size=recv_RD.shape[0],
+        )
+        order_R, inverse_R = sort_rows_by_expert(expert_R)
+        offsets_L = torch.cumsum(recv_counts_WL.sum(0), 0).to(torch.int32)
+        ctx = ExpertParallelContext(plan, a2a=a2a, order_R=order_R, inverse_R=inverse_R)
+        return permute_rows(recv_RD, order_R, inverse_R), offsets_L, ctx
+
+    def combine(self, out_RD: torch.Tensor, ctx: ExpertParallelContext) -> torch.Tensor:
+        back_RD = permute_rows(out_RD, ctx.inverse_R, ctx.order_R)
+        out_kept_ND = exchange(back_RD.contiguous(), ctx.a2a.reverse())
+        num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
+        out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
+        return weighted_sum_rows(out_MD, ctx.plan, resolve_backend(self.backend, out_MD))
