@@ -1,0 +1,141 @@
+"""Dispatchers in isolation: dispatch -> stand-in experts -> combine against a per-pair float64
+loop (local), and expert-parallel on gloo ranks equal to local on the same tokens and plan."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe.dispatch import (
+    DISPATCHERS,
+    ExpertParallelDispatcher,
+    LocalDispatcher,
+    build_dispatcher,
+    plan_expert_choice,
+    plan_token_choice,
+    register_dispatcher,
+)
+from tests.distributed import run_ranks
+
+D = 5
+
+
+def scale_experts(x_RD, offsets_L, first=0):
+    """Stand-in experts: global expert e multiplies its rows by (e + 1); tail rows give 0."""
+    rows_R = torch.arange(x_RD.shape[0], dtype=offsets_L.dtype)
+    local_R = torch.searchsorted(offsets_L, rows_R, right=True)
+    scale_R = torch.where(local_R < len(offsets_L), first + local_R + 1, 0).to(x_RD.dtype)
+    return x_RD * scale_R.unsqueeze(1)
+
+
+def token_choice_case(T, K, E, capacity, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids_TK = torch.rand(T, E, generator=g).argsort(-1)[:, :K]  # K distinct experts per token
+    weights_TK = torch.rand(T, K, generator=g, dtype=torch.float64).requires_grad_()
+    x_TD = torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_()
+    return x_TD, ids_TK, weights_TK, plan_token_choice(ids_TK, weights_TK, E, capacity)
+
+
+def expert_choice_case(T, E, C, seed):
+    g = torch.Generator().manual_seed(seed)
+    x_TD = torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_()
+    scores_TE = torch.rand(T, E, generator=g, dtype=torch.float64)
+    top_EC = scores_TE.t().topk(C, dim=-1)
+    weights_EC = top_EC.values.clone().requires_grad_()
+    return x_TD, top_EC.indices, weights_EC, plan_expert_choice(top_EC.indices, weights_EC, T)
+
+
+def run(dispatcher, x_TD, plan, first=0):
+    x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)
+    assert ctx.gather_ids_R is None
+    return dispatcher.combine(scale_experts(x_RD, offsets_L, first), ctx)
+
+
+def grads(y_TD, *inputs):
+    g_TD = torch.randn(y_TD.shape, generator=torch.Generator().manual_seed(7), dtype=y_TD.dtype)
+    return torch.autograd.grad((y_TD * g_TD).sum(), inputs, retain_graph=True)  # plan shared
+
+
+@pytest.mark.parametrize("T,K,E,capacity", [(9, 2, 4, 3), (7, 3, 5, None), (1, 1, 3, 1)])
+def test_local_token_choice_matches_pair_loop(T, K, E, capacity):
+    x_TD, ids_TK, weights_TK, plan = token_choice_case(T, K, E, capacity, seed=T + K)
+    y_TD = run(LocalDispatcher("torch"), x_TD, plan)
+    kept_TK = plan.weights_TK.detach() != 0
+    y_ref = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for j in range(K):
+            if kept_TK[t, j]:
+                y_ref[t] = y_ref[t] + weights_TK[t, j] * x_TD[t] * (ids_TK[t, j] + 1)
+    if capacity is not None and T > 1:
+        assert not kept_TK.all()  # the case really drops pairs
+    torch.testing.assert_close(y_TD, y_ref)
+    for got, want in zip(grads(y_TD, x_TD, weights_TK), grads(y_ref, x_TD, weights_TK)):
+        torch.testing.assert_close(got, want)
+
+
+def test_local_expert_choice_tokens_get_zero_to_all_experts():
+    T, E, C = 6, 4, 2
+    x_TD, token_ids_EC, weights_EC, plan = expert_choice_case(T, E, C, seed=3)
+    per_token_T = torch.bincount(token_ids_EC.reshape(-1), minlength=T)
+    assert per_token_T.min() == 0 and per_token_T.max() > 1  # 0..E experts per token
+    y_TD = run(LocalDispatcher("torch"), x_TD, plan)
+    y_ref = torch.zeros(T, D, dtype=torch.float64)
+    for e in range(E):
+        for c in range(C):
+            t = token_ids_EC[e, c]
+            y_ref[t] = y_ref[t] + weights_EC[e, c] * x_TD[t] * (e + 1)
+    torch.testing.assert_close(y_TD, y_ref)
+    for got, want in zip(grads(y_TD, x_TD, weights_EC), grads(y_ref, x_TD, weights_EC)):
+        torch.testing.assert_close(got, want)
+
+
+def test_local_triton_path_hands_over_tokens_and_gather_index():
+    x_TD, _, _, plan = token_choice_case(8, 2, 4, 3, seed=1)
+    x_RD, offsets_L, ctx = LocalDispatcher("triton").dispatch(x_TD, plan)
+    assert x_RD is x_TD and torch.equal(ctx.gather_ids_R, plan.token_ids_M)
+    assert torch.equal(offsets_L, plan.offsets_E)
+
+
+def test_registry_builds_by_name_and_names_the_choices():
+    assert isinstance(build_dispatcher("local", backend="torch"), LocalDispatcher)
+    assert DISPATCHERS["expert_parallel"] is ExpertParallelDispatcher
+    with pytest.raises(ValueError, match=r"dispatcher='nope' is not one of \[.*'local'"):
+        build_dispatcher("nope")
+    with pytest.raises(ValueError, match="'local' is already registered"):
+        register_dispatcher("local")(type("Other", (LocalDispatcher,), {}))
+
+
+def _ep_body(rank, world):
+    """Each case: this rank's tokens and plan through the EP dispatcher (L experts per rank)
+    and through the local one; outputs and gradients must be equal."""
+    E = 8
+    L = E // world
+    sizes = [5, 0, 9, 3]  # rank 1 has no tokens and still joins every collective
+    problems = []
+    cases = [
+        ("token_capacity_flat", "flat", lambda: token_choice_case(sizes[rank], 2, E, 2, rank)),
+        (
+            "token_dropless_hier",
+            "hierarchical",
+            lambda: token_choice_case(sizes[rank], 3, E, None, rank),
+        ),  # fmt: skip
+        (
+            "expert_choice_auto",
+            "auto",
+            lambda: expert_choice_case(sizes[rank], E, min(2, sizes[rank]), rank),
+        ),  # fmt: skip
+    ]
+    for name, algorithm, make in cases:
+        x_TD, _, weights, plan = make()
+        ep = ExpertParallelDispatcher(dist.group.WORLD, L, algorithm, ranks_per_node=2)
+        y_TD = run(ep, x_TD, plan, first=rank * L)
+        y_ref = run(LocalDispatcher("torch"), x_TD, plan)
+        got, want = grads(y_TD, x_TD, weights), grads(y_ref, x_TD, weights)
+        for label, a, b in [("y", y_TD, y_ref), ("dx", got[0], want[0]), ("dw", got[1], want[1])]:
+            if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
+                problems.append(f"rank {rank} {name}: {label} differs")
+    return problems
+
+
+def test_expert_parallel_equals_local_on_gloo():
+    results = run_ranks(_ep_body, 4, timeout=60)
+    assert [p for rank_problems in results for p in rank_problems] == []
