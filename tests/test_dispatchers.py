@@ -139,3 +139,31 @@ def _ep_body(rank, world):
 def test_expert_parallel_equals_local_on_gloo():
     results = run_ranks(_ep_body, 4, timeout=60)
     assert [p for rank_problems in results for p in rank_problems] == []
+
+
+def _expert_choice_layer_body(rank, world):
+    """Expert choice routes each rank's batch on its own; the parallelized layer must give
+    what the single-device layer gives on the same shard (outputs and input gradients)."""
+    import moe
+    from moe.parallel import init_mesh, parallelize
+
+    def build():
+        torch.manual_seed(0)
+        return moe.MoELayer(D, 7, 4, top_k=2, router="expert_choice", capacity_factor=1.5)
+
+    reference = build()
+    layer = parallelize(torch.nn.Sequential(build()), init_mesh(dp=1, ep=world))[0]
+    assert layer.experts.num_experts == 4 // world
+    x_TD = torch.randn(3 + 2 * rank, D, generator=torch.Generator().manual_seed(rank))
+    outs = []
+    for model in (layer, reference):
+        x = x_TD.clone().requires_grad_()
+        y = model(x)
+        (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+        outs.append((y.detach(), x.grad))
+    return [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(outs[0], outs[1])]
+
+
+def test_expert_choice_through_parallelize_equals_single_device_per_shard():
+    results = run_ranks(_expert_choice_layer_body, 2, timeout=60)
+    assert results == [[True, True]] * 2
