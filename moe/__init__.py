@@ -1,4 +1,9 @@
-"""moe: sparse mixture-of-experts layers and their training at scale."""
+"""moe: sparse mixture-of-experts layers and their training at scale.
+
+Tensor names end in their shape (x_TD: tokens x d_model); docs/shapes.md is the legend (T
+tokens, D d_model, F d_ff, E all experts, L this rank's experts, K top-k, C capacity, M
+dispatch pairs, R rows the experts compute, W ranks).
+"""
 
 from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig

@@ -146,11 +146,11 @@ def gather_count_matrix(send_counts_W: torch.Tensor, group: dist.ProcessGroup | 
 
 def _all_to_all_rows(x_ND, send: list[int], recv: list[int], group) -> torch.Tensor:
     """One uneven all_to_all_single of rows."""
-    y_MD = x_ND.new_empty((sum(recv), x_ND.shape[1]))
+    y_ND = x_ND.new_empty((sum(recv), x_ND.shape[1]))
     dist.all_to_all_single(
-        y_MD, x_ND.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
+        y_ND, x_ND.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
     )
-    return y_MD
+    return y_ND
 
 
 _scratch = threading.local()
@@ -296,8 +296,8 @@ class _Exchange(torch.autograd.Function):
         return plan.run(x_ND)
 
     @staticmethod
-    def backward(ctx, grad_MD: torch.Tensor):
-        return _Exchange.apply(grad_MD.contiguous(), ctx.plan.reverse()), None
+    def backward(ctx, grad_ND: torch.Tensor):
+        return _Exchange.apply(grad_ND.contiguous(), ctx.plan.reverse()), None
 
 
 def exchange(x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
@@ -355,10 +355,10 @@ def all_to_all(
     algorithm: str = "flat",
     ranks_per_node: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uneven all-to-all of rows: returns (y_MD, recv_counts_W); autograd-aware.
+    """Uneven all-to-all of rows: returns (y_ND, recv_counts_W); autograd-aware.
 
     x_ND: rows grouped by destination, send_counts_W[i] rows to group rank i (long tensor or
-    list of ints). y_MD: rows grouped by source rank in rank order; recv_counts_W[i] = rows
+    list of ints). y_ND: rows grouped by source rank in rank order; recv_counts_W[i] = rows
     from rank i (long tensor on x's device). algorithm: "flat" (one all_to_all_single),
     "hierarchical" (2D: intra-node then inter-node; the same y bit for bit) or "auto"
     (hierarchical for >1 node and per-rank buffers up to hierarchical_threshold(); on gloo

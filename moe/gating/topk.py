@@ -20,8 +20,8 @@ def limit_to_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) 
     grouped_TGX = choice_TE.view(T, num_groups, E // num_groups)
     top = min(2, E // num_groups)
     group_scores_TG = grouped_TGX.topk(top, dim=-1).values.sum(-1)
-    best_TG = group_scores_TG.topk(topk_groups, dim=-1).indices
-    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+    best_group_ids = group_scores_TG.topk(topk_groups, dim=-1).indices
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_group_ids, True)
     keep_TE = keep_TG.repeat_interleave(E // num_groups, dim=1)
     return choice_TE.masked_fill(~keep_TE, float("-inf"))
 

@@ -63,7 +63,7 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     """(DOT_F32, PRECISION) constexprs for `triton_mma.mma`.
 
     DOT_F32: upcast tiles to fp32 before tl.dot. Only under the interpreter, whose bf16 tl.dot is
-    wrong (REFERENCE.md); compiled kernels keep bf16/fp16 operands on the tensor cores.
+    wrong (docs/notes.md); compiled kernels keep bf16/fp16 operands on the tensor cores.
     PRECISION: for fp32 operands follow torch's TF32 switch (exact "ieee" by default).
     """
     upcast = interpreting() and dtype == torch.bfloat16

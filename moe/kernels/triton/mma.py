@@ -1,6 +1,6 @@
 """The one tl.dot wrapper every grouped-GEMM kernel uses (fp32 accumulation).
 
-Under TRITON_INTERPRET=1, tl.dot on bf16 operands is wrong (REFERENCE.md), so the host sets
+Under TRITON_INTERPRET=1, tl.dot on bf16 operands is wrong (docs/notes.md), so the host sets
 DOT_F32 there and the tiles are upcast to fp32 first; compiled kernels take the other branch and
 feed bf16/fp16 tiles straight to the tensor cores. Same kernel code on both.
 """
