@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from moe.dispatch import expert_capacity, gather_tokens, plan_token_choice, weighted_sum_rows
+from moe.config import MoEConfig
+from moe.dispatch import (
+    capacity_factor_for,
+    expert_capacity,
+    gather_tokens,
+    plan_token_choice,
+    weighted_sum_rows,
+)
+from moe.gating import ROUTERS
 from tests import reference as ref
 
 
@@ -79,3 +87,20 @@ def test_gather_and_combine_gradients_match_dense_reference():
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(weights.grad * keep, w2.grad)
+
+
+def test_eval_capacity_factor_chosen_once_for_token_and_expert_choice():
+    config = MoEConfig(d_model=4, d_ff=4, num_experts=4, capacity_factor=1.0,
+                       eval_capacity_factor=2.0)  # fmt: skip
+    assert capacity_factor_for(config, training=True) == 1.0
+    assert capacity_factor_for(config, training=False) == 2.0
+    plain = MoEConfig(d_model=4, d_ff=4, num_experts=4, capacity_factor=1.0)
+    assert capacity_factor_for(plain, training=False) == 1.0
+    torch.manual_seed(0)
+    router = ROUTERS["expert_choice"](
+        MoEConfig(d_model=4, d_ff=4, num_experts=4, capacity_factor=1.0, eval_capacity_factor=2.0)
+    )
+    x_TD = torch.randn(16, 4)
+    assert router(x_TD).token_ids_EC.shape == (4, 4)  # C = 1.0 * 16 / 4
+    router.eval()
+    assert router(x_TD).token_ids_EC.shape == (4, 8)  # C = 2.0 * 16 / 4
