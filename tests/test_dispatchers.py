@@ -133,6 +133,18 @@ def _ep_body(rank, world):
         for label, a, b in [("y", y_TD, y_ref), ("dx", got[0], want[0]), ("dw", got[1], want[1])]:
             if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
                 problems.append(f"rank {rank} {name}: {label} differs")
+    try:  # a plan over the wrong number of experts: an error on every rank, no collective
+        ExpertParallelDispatcher(dist.group.WORLD, L + 1).dispatch(x_TD, plan)
+        problems.append(f"rank {rank}: no error for a plan with the wrong expert count")
+    except ValueError as e:
+        if f"num_local_experts={L + 1} x {world} ranks = {(L + 1) * world}" not in str(e):
+            problems.append(f"rank {rank}: unclear error {e}")
+    try:
+        ExpertParallelDispatcher(dist.group.WORLD, L, algorithm="ring")
+        problems.append(f"rank {rank}: no error for algorithm='ring'")
+    except ValueError as e:
+        if "algorithm must be one of" not in str(e):
+            problems.append(f"rank {rank}: unclear error {e}")
     return problems
 
 

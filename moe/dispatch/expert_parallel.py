@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import AllToAllPlan, exchange, plan_all_to_all
+from moe.comm.alltoall import ALGORITHMS, AllToAllPlan, exchange, plan_all_to_all
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
@@ -40,6 +40,10 @@ class ExpertParallelDispatcher(Dispatcher):
         ranks_per_node: int | None = None,
         backend: str = "auto",
     ):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if num_local_experts < 1:
+            raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.group, self.num_local = group, num_local_experts
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
@@ -56,6 +60,11 @@ class ExpertParallelDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
         W, L = self.ep_size, self.num_local
+        if plan.counts_E.numel() != W * L:  # checked before any collective
+            raise ValueError(
+                f"plan has {plan.counts_E.numel()} experts; this dispatcher expects "
+                f"num_local_experts={L} x {W} ranks = {W * L}"
+            )
         send_counts_WL = plan.counts_E.view(W, L)
         recv_counts_WL = torch.empty_like(send_counts_WL)
         dist.all_to_all_single(recv_counts_WL, send_counts_WL.contiguous(), group=self.group)
