@@ -2,7 +2,8 @@
 
 from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig
-from moe.convert import ConversionError, swap_ffn
+from moe.convert import swap_ffn
+from moe.ffn_match import ConversionError
 from moe.experts import GroupedExperts
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe import parallel  # after the layer: parallel builds on it
