@@ -84,10 +84,9 @@ def proj_dims(m) -> tuple[int, int] | None:
     """(in, out) of a Linear or of transformers' Conv1D (weight stored [in, out]); else None."""
     if isinstance(m, nn.Linear):
         return m.in_features, m.out_features
-    if type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None:
-        if m.weight.dim() == 2 and m.weight.shape[1] == getattr(m, "nf", -1):
-            return tuple(m.weight.shape)
-    return None
+    w = getattr(m, "weight", None)
+    conv1d = type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+    return tuple(w.shape) if conv1d and w.shape[1] == getattr(m, "nf", -1) else None
 
 
 def weight_IO(m: nn.Module) -> torch.Tensor:
@@ -137,7 +136,7 @@ def _join(prefix: str, child: str) -> str:
     return f"{prefix}.{child}" if prefix else child
 
 
-def _check_dropouts(block: str, module: nn.Module, projections: set[str]) -> bool:
+def _has_dropout(module: nn.Module, projections: set[str]) -> bool:
     """True if `module` has a Dropout child with p > 0 (its place in forward matters)."""
     return any(
         isinstance(c, nn.Dropout) and c.p > 0
@@ -169,7 +168,7 @@ def match_ffn(name: str, module: nn.Module, parent: nn.Module | None = None) -> 
                     f"activation {act_name or describe_activation(module)}; only SiLU gates "
                     "(swiglu experts) are supported"
                 )
-            if _check_dropouts(name, module, {gate, up, down}):
+            if _has_dropout(module, {gate, up, down}):
                 raise _dropout_error(name, module)
             return DenseFFN(name, "module", name, g, d, "swiglu", gate_up=u)
     projections = [n for n, c in module.named_children() if proj_dims(c) is not None]
@@ -180,7 +179,7 @@ def match_ffn(name: str, module: nn.Module, parent: nn.Module | None = None) -> 
         act_name = _find_activation(module)
         if act_name is None:
             return None
-        if not _check_dropouts(name, module, {up, down}):
+        if not _has_dropout(module, {up, down}):
             return DenseFFN(name, "module", name, u, d, act_name)
         if type(module).__name__ not in _DROPOUT_AFTER:
             raise _dropout_error(name, module)
@@ -201,7 +200,10 @@ def _match_split(name: str, module: nn.Module, parent: nn.Module | None) -> Dens
     """BERT-style `intermediate` (dense + act) whose sibling `output.dense` projects back."""
     if parent is None or getattr(parent, "intermediate", None) is not module:
         return None
-    up, down = getattr(module, "dense", None), getattr(getattr(parent, "output", None), "dense", None)
+    up, down = (
+        getattr(module, "dense", None),
+        getattr(getattr(parent, "output", None), "dense", None),
+    )
     projections = [c for c in module.children() if proj_dims(c) is not None]
     if not _is_pair(up, down) or len(projections) != 1:
         return None
