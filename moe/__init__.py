@@ -5,6 +5,7 @@ from moe.config import MoEConfig
 from moe.convert import swap_ffn
 from moe.ffn_match import ConversionError
 from moe.experts import GroupedExperts
+from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe import parallel  # after the layer: parallel builds on it
 
@@ -14,12 +15,15 @@ __all__ = [
     "MoEConfig",
     "MoELayer",
     "aux_loss",
+    "check_moe_settings",
     "dispatch",
     "gating",
     "kernels",
     "moe_layers",
     "parallel",
+    "save_moe_settings",
     "swap_ffn",
+    "swap_ffn_from_settings",
     "update_router_biases",
 ]
 __version__ = "0.1.0"

@@ -84,7 +84,9 @@ def build_layer(ffn: DenseFFN, upcycle: bool, options: dict) -> MoELayer:
 
 
 def install(model: nn.Module, ffn: DenseFFN, layer: MoELayer) -> None:
-    """Put `layer` at the FFN's layer_path and Identity at its other swapped paths."""
+    """Put `layer` at the FFN's layer_path and Identity at its other swapped paths; the layer
+    remembers what it replaced (moe.save_moe_settings stores it)."""
+    layer.swapped_from = {"block": ffn.block, "kind": ffn.kind}
     for path, module in [(ffn.layer_path, layer)] + [(p, nn.Identity()) for p in ffn.identities]:
         parent_name, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_name), child, module)
