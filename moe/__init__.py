@@ -5,6 +5,7 @@ from moe.config import MoEConfig
 from moe.convert import swap_ffn
 from moe.ffn_match import ConversionError
 from moe.experts import GroupedExperts
+from moe.gating.balance import reset_global_balance
 from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe import parallel  # after the layer: parallel builds on it
@@ -21,6 +22,7 @@ __all__ = [
     "kernels",
     "moe_layers",
     "parallel",
+    "reset_global_balance",
     "save_moe_settings",
     "swap_ffn",
     "swap_ffn_from_settings",
