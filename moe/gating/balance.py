@@ -105,6 +105,8 @@ def balance_metrics(routed_E: torch.Tensor) -> dict[str, torch.Tensor]:
 def in_recomputation() -> bool:
     """True while autograd runs a forward again (activation checkpointing in backward): such a
     forward must not count tokens or communicate a second time."""
+    if torch.compiler.is_compiling():  # traced once; the graph itself never recomputes
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
