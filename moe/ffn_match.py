@@ -179,9 +179,10 @@ def match_ffn(name: str, module: nn.Module, parent: nn.Module | None = None) -> 
         act_name = _find_activation(module)
         if act_name is None:
             return None
-        if not _has_dropout(module, {up, down}):
+        known_order = type(module).__name__ in _DROPOUT_AFTER  # same swap whatever its p
+        if not known_order and not _has_dropout(module, {up, down}):
             return DenseFFN(name, "module", name, u, d, act_name)
-        if type(module).__name__ not in _DROPOUT_AFTER:
+        if not known_order:
             raise _dropout_error(name, module)
         act_child = next(n for n, c in module.named_children() if activation_name(c))
         return DenseFFN(

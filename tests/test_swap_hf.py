@@ -145,6 +145,13 @@ def test_save_pretrained_directory_round_trip(tmp_path):
     assert fresh.model.layers[1].mlp.config.capacity_factor == 1.5
 
 
+def test_gpt2_swap_does_not_depend_on_the_dropout_rate(tmp_path):
+    model = moe.swap_ffn(build("gpt2", resid_pdrop=0.0), num_experts=4, top_k=2, upcycle=True)
+    moe.save_moe_settings(model, tmp_path)
+    fresh = moe.swap_ffn_from_settings(build("gpt2"), tmp_path)  # resid_pdrop=0.1
+    assert set(fresh.state_dict()) == set(model.state_dict())
+
+
 def test_settings_errors_name_what_is_wrong(tmp_path):
     model = moe.swap_ffn(build("llama"), num_experts=4, top_k=2)
     path = moe.save_moe_settings(model, tmp_path)
