@@ -50,7 +50,7 @@ _ACT_NAMES = (
     "relu",
 )
 # Blocks known to apply their dropout after the down projection (kept by an "inplace" swap).
-_DROPOUT_AFTER = {"GPT2MLP"}
+_DROPOUT_AFTER = {"transformers.models.gpt2.modeling_gpt2.GPT2MLP"}
 
 
 @dataclass
@@ -179,7 +179,8 @@ def match_ffn(name: str, module: nn.Module, parent: nn.Module | None = None) -> 
         act_name = _find_activation(module)
         if act_name is None:
             return None
-        known_order = type(module).__name__ in _DROPOUT_AFTER  # same swap whatever its p
+        cls = type(module)
+        known_order = f"{cls.__module__}.{cls.__name__}" in _DROPOUT_AFTER  # whatever its p
         if not known_order and not _has_dropout(module, {up, down}):
             return DenseFFN(name, "module", name, u, d, act_name)
         if not known_order:

@@ -178,7 +178,9 @@ def update_router_biases(model: nn.Module) -> None:
         router = layer.router
         load_E = getattr(layer, "load_since_update", None)
         layer.load_since_update = None
-        if hasattr(router, "update_bias") and load_E is not None:
+        if hasattr(router, "update_bias"):
+            if load_E is None:  # no training forward here: still join the all-reduce
+                load_E = torch.zeros_like(router.expert_bias)
             load_E = load_E.float()
             group = getattr(router, "load_group", None)
             if group is not None:
