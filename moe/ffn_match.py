@@ -28,6 +28,16 @@ _CANDIDATES = {
     "silu": F.silu,
 }
 _FUNCTIONS = {F.gelu: "gelu", F.relu: "relu", F.silu: "silu", torch.relu: "relu"}
+_BY_NAME = {
+    f"transformers.activations.{cls}": name
+    for cls, name in (
+        ("SiLUActivation", "silu"),
+        ("GELUActivation", "gelu"),
+        ("NewGELUActivation", "gelu_tanh"),
+        ("GELUTanh", "gelu_tanh"),
+        ("FastGELUActivation", "gelu_tanh"),
+    )
+}
 # (up, down) and (gate, up, down) child names of common MLP implementations.
 _TWO = (
     ("fc1", "fc2"),
@@ -105,17 +115,21 @@ def activation_name(act) -> str | None:
         return None
     if next(act.buffers(), None) is not None or isinstance(act, (nn.Dropout, nn.Identity)):
         return None
-    try:
-        with torch.no_grad():
-            y = act(_PROBE.clone())
-    except Exception:  # not an elementwise function of one tensor
+    for dtype, atol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        probe = _PROBE.to(dtype)
+        try:
+            with torch.no_grad():
+                y = act(probe)
+        except Exception:  # not a function of one tensor (or not of this dtype / device)
+            continue
+        if not isinstance(y, torch.Tensor) or y.shape != probe.shape:
+            return None
+        for name, fn in _CANDIDATES.items():
+            if torch.allclose(y.double(), fn(probe).double(), rtol=0.0, atol=atol):
+                return name
         return None
-    if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
-        return None
-    for name, fn in _CANDIDATES.items():
-        if torch.allclose(y.double(), fn(_PROBE), rtol=0.0, atol=1e-6):
-            return name
-    return None
+    # the probe could not run (e.g. a device-only kernel): transformers' classes by name
+    return _BY_NAME.get(f"{type(act).__module__}.{type(act).__name__}")
 
 
 def _find_activation(module: nn.Module) -> str | None:

@@ -230,3 +230,12 @@ def test_activations_are_recognised_by_what_they_compute():
     expected |= {"tanh": None, "sigmoid": None, "linear": None}
     assert {k: activation_name(ACT2FN[k]) for k in expected} == expected
     assert activation_name(nn.Dropout(0.0)) is None and activation_name(nn.PReLU()) is None
+
+
+def test_activation_known_by_class_name_when_the_probe_cannot_run(monkeypatch):
+    from transformers.activations import NewGELUActivation
+
+    act = NewGELUActivation()
+    monkeypatch.setattr(act, "forward", lambda x: (_ for _ in ()).throw(RuntimeError("cuda")))
+    assert activation_name(act) == "gelu_tanh"
+    assert activation_name(nn.Module()) is None  # forward not implemented, unknown class
