@@ -7,8 +7,11 @@ dispatch pairs, R rows the experts compute, W ranks).
 
 from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig
-from moe.convert import ConversionError, swap_ffn
+from moe.convert import swap_ffn
+from moe.ffn_match import ConversionError
 from moe.experts import GroupedExperts
+from moe.gating.balance import reset_global_balance
+from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe import parallel  # after the layer: parallel builds on it
 
@@ -18,12 +21,16 @@ __all__ = [
     "MoEConfig",
     "MoELayer",
     "aux_loss",
+    "check_moe_settings",
     "dispatch",
     "gating",
     "kernels",
     "moe_layers",
     "parallel",
+    "reset_global_balance",
+    "save_moe_settings",
     "swap_ffn",
+    "swap_ffn_from_settings",
     "update_router_biases",
 ]
 __version__ = "0.1.0"

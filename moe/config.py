@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, fields, replace
 
+from moe.gating.balance import BALANCE_LOSSES, SEQUENCE_ROUTERS
 from moe.kernels.activations import ACTIVATIONS
 from moe.kernels.expert_mlp import BACKENDS
 
@@ -35,6 +36,7 @@ class MoEConfig:
     topk_groups: int = 1  # ...and tokens pick experts only inside their best groups
     jitter_eps: float = 1e-2  # switch: multiplicative input jitter U(1-eps, 1+eps) in training
     aux_loss_coef: float = 1e-2
+    balance_loss: str = "batch"  # "batch" | "sequence" (DeepSeek-V3) | "global": see balance.py
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert bias
     activation: str = "gelu"
@@ -59,6 +61,12 @@ class MoEConfig:
         _choose("score_func", self.score_func, SCORE_FUNCS)
         _choose("activation", self.activation, ACTIVATIONS)
         _choose("backend", self.backend, BACKENDS)
+        _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
+        if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
+            raise ValueError(
+                f"balance_loss={self.balance_loss!r} needs router in {SEQUENCE_ROUTERS}, "
+                f"got router={self.router!r}"
+            )
         if self.num_experts % self.num_groups:
             raise ValueError(
                 f"num_groups={self.num_groups} must divide num_experts={self.num_experts}"

@@ -1,107 +1,71 @@
 """swap_ffn: replace the dense FFN blocks of any model with MoELayers, optionally upcycled."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moe.ffn_match import ConversionError, DenseFFN, describe, match_ffn, weight_IO
 from moe.layer import MoELayer
 
-_ACTIVATION_MODULES = {nn.GELU: "gelu", nn.ReLU: "relu", nn.SiLU: "silu"}
-_ACTIVATION_FUNCTIONS = {F.gelu: "gelu", F.relu: "relu", F.silu: "silu", torch.relu: "relu"}
-# (up, down) and (gate, up, down) child names of common MLP implementations.
-_TWO_LINEAR = (
-    ("fc1", "fc2"),
-    ("c_fc", "c_proj"),
-    ("w1", "w2"),
-    ("linear1", "linear2"),
-    ("up_proj", "down_proj"),
-    ("dense_h_to_4h", "dense_4h_to_h"),
-    ("lin1", "lin2"),
+EXPECTED = (
+    "expected Sequential(Linear, activation, Linear), a two-projection MLP with an activation "
+    "(Linear or transformers' Conv1D), a gate/up/down SiLU MLP, or a BERT-style "
+    "intermediate (dense + activation) whose sibling output.dense projects back"
 )
-_THREE_LINEAR = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_ACT_NAMES = ("act", "act_fn", "activation", "activation_fn", "gelu", "relu")
 
 
-@dataclass
-class DenseFFN:
-    """What was found: the Linears of one FFN and its activation."""
-
-    up: nn.Linear  # d_model -> d_ff (the gate projection for swiglu)
-    down: nn.Linear  # d_ff -> d_model
-    activation: str
-    gate_up: nn.Linear | None = None  # swiglu's second d_model -> d_ff projection
-
-
-class ConversionError(ValueError):
-    """A block the user asked to convert is not an FFN that swap_ffn understands."""
-
-
-def _activation_name(act) -> str | None:
-    if isinstance(act, nn.GELU):
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    for cls, name in _ACTIVATION_MODULES.items():
-        if isinstance(act, cls):
-            return name
-    return _ACTIVATION_FUNCTIONS.get(act)
-
-
-def _find_activation(module: nn.Module) -> str | None:
-    for attr in _ACT_NAMES:
-        name = _activation_name(getattr(module, attr, None))
-        if name is not None:
-            return name
-    names = {_activation_name(c) for c in module.children()} - {None}
-    return names.pop() if len(names) == 1 else None
-
-
-def _is_pair(up, down) -> bool:
-    return (
-        isinstance(up, nn.Linear)
-        and isinstance(down, nn.Linear)
-        and up.in_features == down.out_features
-        and up.out_features == down.in_features
-    )
+def find_ffns(
+    model: nn.Module, predicate: Callable[[str, nn.Module], bool] | None = None
+) -> list[DenseFFN]:
+    """The FFN blocks swap_ffn would convert (see swap_ffn for the predicate's meaning)."""
+    modules = dict(model.named_modules())
+    found: list[DenseFFN] = []
+    for name, module in modules.items():
+        if isinstance(module, MoELayer) or any(name.startswith(f.block + ".") for f in found):
+            continue
+        wanted = predicate(name, module) if predicate is not None else None
+        if wanted and not name:
+            raise ConversionError(
+                f"predicate matched the root module ({type(module).__name__}): swap_ffn "
+                "replaces blocks in place inside their parent, and the root has no parent; "
+                "wrap the model (e.g. nn.Sequential(model)) or match its FFN children instead"
+            )
+        if wanted is False:
+            continue
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        ffn = match_ffn(name, module, parent) if name else None
+        if wanted and ffn is None:
+            raise ConversionError(
+                f"{name}: cannot convert {type(module).__name__} ({describe(module)}); {EXPECTED}"
+            )
+        if ffn is not None:
+            found.append(ffn)
+    if predicate is not None and not found:
+        raise ConversionError(f"predicate matched no module of {type(model).__name__}")
+    if not found:
+        raise ConversionError(
+            f"no dense FFN block found in {type(model).__name__}; {EXPECTED}. "
+            "Pass predicate=lambda name, module: ... to name the blocks"
+        )
+    return found
 
 
-def match_ffn(module: nn.Module) -> DenseFFN | None:
-    """Recognise Linear-act-Linear Sequentials, GPT-2/BERT style two-Linear MLPs and Llama
-    style gated (SwiGLU) MLPs; None if `module` is none of these."""
-    if isinstance(module, nn.Sequential) and len(module) == 3:
-        up, act, down = module
-        act_name = _activation_name(act)
-        if _is_pair(up, down) and act_name is not None:
-            return DenseFFN(up, down, act_name)
-        return None
-    for gate, up, down in _THREE_LINEAR:
-        g, u, d = (getattr(module, n, None) for n in (gate, up, down))
-        if _is_pair(g, d) and _is_pair(u, d) and _find_activation(module) == "silu":
-            return DenseFFN(g, d, "swiglu", gate_up=u)
-    for up, down in _TWO_LINEAR:
-        u, d = getattr(module, up, None), getattr(module, down, None)
-        linears = [c for c in module.children() if isinstance(c, nn.Linear)]
-        if _is_pair(u, d) and len(linears) == 2:
-            act_name = _find_activation(module)
-            if act_name is not None:
-                return DenseFFN(u, d, act_name)
-    return None
-
-
-def _build_layer(ffn: DenseFFN, name: str, upcycle: bool, options: dict) -> MoELayer:
+def build_layer(ffn: DenseFFN, upcycle: bool, options: dict) -> MoELayer:
+    """An MoELayer with the FFN's shapes, dtype and device; upcycle copies the dense weights
+    into every expert."""
     w = ffn.up.weight
     has_bias = ffn.up.bias is not None
     if ffn.gate_up is not None and has_bias:
-        raise ConversionError(f"{name}: gated MLP with biases is not supported")
-    if upcycle:
-        options.setdefault("normalize_weights", True)  # weights sum to 1: same function
+        raise ConversionError(f"{ffn.block}: gated MLP with biases is not supported")
+    if (ffn.down.bias is not None) != has_bias:
+        raise ConversionError(f"{ffn.block}: bias on only one of the two projections")
     layer = MoELayer(
-        ffn.up.in_features,
-        ffn.up.out_features,
+        ffn.d_model,
+        ffn.d_ff,
         activation=ffn.activation,
         bias=has_bias,
-        name=name,
+        name=ffn.block,
         device=w.device,
         dtype=w.dtype,
         **options,
@@ -109,14 +73,23 @@ def _build_layer(ffn: DenseFFN, name: str, upcycle: bool, options: dict) -> MoEL
     if upcycle:
         with torch.no_grad():
             ex = layer.experts
-            ex.w1.copy_(ffn.up.weight.t().expand_as(ex.w1))
-            ex.w2.copy_(ffn.down.weight.t().expand_as(ex.w2))
+            ex.w1.copy_(weight_IO(ffn.up).expand_as(ex.w1))
+            ex.w2.copy_(weight_IO(ffn.down).expand_as(ex.w2))
             if ffn.gate_up is not None:
-                ex.w3.copy_(ffn.gate_up.weight.t().expand_as(ex.w3))
+                ex.w3.copy_(weight_IO(ffn.gate_up).expand_as(ex.w3))
             if has_bias:
                 ex.b1.copy_(ffn.up.bias.expand_as(ex.b1))
                 ex.b2.copy_(ffn.down.bias.expand_as(ex.b2))
     return layer
+
+
+def install(model: nn.Module, ffn: DenseFFN, layer: MoELayer) -> None:
+    """Put `layer` at the FFN's layer_path and Identity at its other swapped paths; the layer
+    remembers what it replaced (moe.save_moe_settings stores it)."""
+    layer.swapped_from = {"block": ffn.block, "kind": ffn.kind}
+    for path, module in [(ffn.layer_path, layer)] + [(p, nn.Identity()) for p in ffn.identities]:
+        parent_name, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)
 
 
 def swap_ffn(
@@ -133,38 +106,35 @@ def swap_ffn(
 
     Without `predicate`, every recognised FFN is converted; with it, exactly the blocks for
     which predicate(name, module) is True, and any of those that is not a recognisable FFN
-    raises ConversionError. upcycle=True copies the dense weights into every expert and
-    normalises the combine weights, so (dropless) the model computes the same function as
-    before. The converted names are listed by moe.moe_layers(model).
+    raises ConversionError saying what was found. Works on transformers' own dense models
+    (Llama, Mistral, Qwen2, GPT-2, BERT, RoBERTa, ViT, T5): see moe.ffn_match for how each is
+    swapped so that dropout, LayerNorm and residuals still run as before. `options` are
+    MoEConfig fields.
+
+    upcycle=True copies the dense weights into every expert. For the model to compute the same
+    function the k combine weights must sum to 1, so upcycle sets normalize_weights=True unless
+    the caller passes it (passing False is an error); the value is part of each layer's
+    config, which moe.save_moe_settings stores. The converted names are listed by
+    moe.moe_layers(model).
     """
-    found: list[tuple[str, DenseFFN]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, MoELayer) or any(name.startswith(n + ".") for n, _ in found):
-            continue
-        wanted = predicate(name, module) if predicate is not None else None
-        ffn = match_ffn(module) if wanted is not False else None
-        if wanted and ffn is None:
-            raise ConversionError(
-                f"{name or type(module).__name__}: cannot convert {type(module).__name__}; "
-                "expected Sequential(Linear, activation, Linear), a two-Linear MLP with an "
-                "activation, or a gate/up/down SiLU MLP"
+    if upcycle:
+        if options.get("normalize_weights", True) is not True:
+            raise ValueError(
+                "upcycle=True needs normalize_weights=True (combine weights summing to 1 "
+                "reproduce the dense output); got normalize_weights="
+                f"{options['normalize_weights']!r}"
             )
-        if ffn is not None and name:
-            found.append((name, ffn))
-    if predicate is not None and not found:
-        raise ConversionError("predicate matched no module")
-    if not found:
-        raise ConversionError(f"no dense FFN block found in {type(model).__name__}")
-    for name, ffn in found:
-        layer = _build_layer(
-            ffn, name, upcycle, dict(options, num_experts=num_experts, top_k=top_k)
-        )
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer)
+        options["normalize_weights"] = True
+    found = find_ffns(model, predicate)
+    layers = [
+        build_layer(ffn, upcycle, dict(options, num_experts=num_experts, top_k=top_k))
+        for ffn in found
+    ]  # every layer is built (and its config validated) before the model changes
+    for ffn, layer in zip(found, layers):
+        install(model, ffn, layer)
         if verbose:
             print(
-                f"swap_ffn: {name}: {ffn.activation} FFN "
-                f"{ffn.up.in_features}->{ffn.up.out_features} -> {num_experts} experts, "
-                f"top-{top_k}"
+                f"swap_ffn: {ffn.block} ({ffn.kind}): {ffn.activation} FFN "
+                f"{ffn.d_model}->{ffn.d_ff} -> {num_experts} experts, top-{top_k}"
             )
     return model

@@ -11,6 +11,7 @@ from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
 from moe.experts import GroupedExperts
 from moe.gating import Routing, build_router
+from moe.gating.balance import in_recomputation, record_balance
 
 
 class MoELayer(nn.Module):
@@ -75,6 +76,7 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, d)
+        self.tokens_shape = x.shape[:-1]  # sequences for balance_loss="sequence"
         if self.config.checkpoint and self.training and torch.is_grad_enabled():
             y_TD = checkpoint(self._forward_tokens, x_TD, use_reentrant=False)
         else:
@@ -120,6 +122,8 @@ class MoELayer(nn.Module):
             torch._assert_async(finite, message)
 
     def _record(self, routing: Routing, plan: DispatchPlan) -> None:
+        if in_recomputation():  # checkpointed forward run again in backward: already recorded
+            return
         probs_TE = routing.probs_TE.detach()
         entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
         num_pairs = max(plan.num_rows, 1)
@@ -132,6 +136,7 @@ class MoELayer(nn.Module):
             "router_entropy": entropy_T.mean() if entropy_T.numel() else entropy_T.sum(),
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
+        record_balance(self, routing, plan)  # balance loss mode, metrics, load since update
 
     def extra_repr(self) -> str:
         c = self.config
@@ -158,12 +163,18 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def update_router_biases(model: nn.Module) -> None:
     """Aux-loss-free balancing step (DeepSeek-V3): nudge each router's expert bias toward the
-    load observed in the last forward. Call once per optimizer step, outside autograd, so a
-    recomputed (checkpointed) forward routes exactly as the original did."""
+    load routed in every training forward since the previous call (all micro-batches of the
+    step, summed over the router's load_group), then reset that count. Call once per optimizer
+    step, outside autograd, so a recomputed (checkpointed) forward routes exactly as the
+    original did."""
     for _, layer in moe_layers(model):
         router = layer.router
-        if hasattr(router, "update_bias") and "routed_per_expert" in layer.stats:
-            load_E = layer.stats["routed_per_expert"].float()
+        load_E = getattr(layer, "load_since_update", None)
+        layer.load_since_update = None
+        if hasattr(router, "update_bias"):
+            if load_E is None:  # no training forward here: still join the all-reduce
+                load_E = torch.zeros_like(router.expert_bias)
+            load_E = load_E.float()
             group = getattr(router, "load_group", None)
             if group is not None:
                 torch.distributed.all_reduce(load_E, group=group)

@@ -37,7 +37,8 @@ def plot_loss(history: dict, path: Path) -> Path:
 
 
 def plot_expert_load(history: dict, path: Path) -> Path | None:
-    """One heatmap per MoE layer: experts (rows) x steps (columns), share of routed tokens.
+    """One heatmap per MoE layer: experts (rows) x steps (columns), share of routed tokens;
+    below them one panel per balance metric (a curve per layer): see balance_metrics.
 
     A uniform router gives 1/E everywhere; a dark row is an expert the router starves.
     Steps are averaged in windows (at most 100 columns).
@@ -46,7 +47,8 @@ def plot_expert_load(history: dict, path: Path) -> Path | None:
     if not loads:
         return None
     names = list(loads)
-    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.2 + 1.6 * len(names)), squeeze=False)
+    rows = len(names) + len(BALANCE_METRICS)
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 1.2 + 1.6 * rows), squeeze=False)
     steps = history["step"]
     for ax, name in zip(axes[:, 0], names):
         load_SE = _binned(np.asarray(loads[name], dtype=float), columns=100)
@@ -62,12 +64,38 @@ def plot_expert_load(history: dict, path: Path) -> Path | None:
         )
         ax.set_ylabel(f"{name}\nexpert")
         fig.colorbar(im, ax=ax, label="share of tokens")
+    for ax, (metric, label) in zip(axes[len(names) :, 0], BALANCE_METRICS.items()):
+        for name in names:
+            ax.plot(steps, balance_metrics(loads[name])[metric], lw=1, label=name)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[len(names), 0].legend(fontsize=7)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle("expert load per MoE layer (uniform = 1/E)")
+    fig.suptitle("expert load per MoE layer (uniform = 1/E) and balance metrics")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+BALANCE_METRICS = {
+    "cv": "load CV\n(std / mean)",
+    "max_over_mean": "max / mean\nload",
+    "dead": "dead experts",
+}
+
+
+def balance_metrics(shares_SE) -> dict[str, np.ndarray]:
+    """Per step: coefficient of variation of the load, max / mean load, experts with no token
+    (the step's load over all micro-batches and ranks, as layer.stats gives per forward)."""
+    load_SE = np.asarray(shares_SE, dtype=float)
+    mean_S = load_SE.mean(1)
+    safe_S = np.where(mean_S > 0, mean_S, 1.0)
+    return {
+        "cv": np.where(mean_S > 0, load_SE.std(1) / safe_S, 0.0),
+        "max_over_mean": np.where(mean_S > 0, load_SE.max(1) / safe_S, 0.0),
+        "dead": (load_SE == 0).sum(1),
+    }
 
 
 def _binned(x_SE: np.ndarray, columns: int) -> np.ndarray:

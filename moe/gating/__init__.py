@@ -2,6 +2,7 @@
 
 from moe.gating import expert_choice, gshard, noisy, prototype, topk  # noqa: F401  (registers)
 from moe.gating.base import ROUTERS, Router, Routing, register_router
+from moe.gating.balance import GlobalBalance, reset_global_balance, sequence_balance_loss
 from moe.gating.losses import cv_squared, load_balance_loss, z_loss
 
 
@@ -10,6 +11,7 @@ def build_router(config) -> Router:
 
 
 __all__ = [
+    "GlobalBalance",
     "ROUTERS",
     "Router",
     "Routing",
@@ -17,5 +19,7 @@ __all__ = [
     "cv_squared",
     "load_balance_loss",
     "register_router",
+    "reset_global_balance",
+    "sequence_balance_loss",
     "z_loss",
 ]

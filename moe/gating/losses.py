@@ -31,9 +31,11 @@ def cv_squared(v_E: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
 
 
 def router_loss(config, logits_TE, balance: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted sum of a balance term and the z-loss, per the config's coefficients."""
+    """Weighted sum of a balance term and the z-loss, per the config's coefficients. With
+    balance_loss "sequence" or "global" the layer adds its balance term (moe.gating.balance)."""
     loss = logits_TE.sum() * 0.0
-    if balance is not None and config.aux_loss_coef > 0:
+    batch = getattr(config, "balance_loss", "batch") == "batch"
+    if balance is not None and config.aux_loss_coef > 0 and batch:
         loss = loss + config.aux_loss_coef * balance
     if config.z_loss_coef > 0:
         loss = loss + config.z_loss_coef * z_loss(logits_TE)
