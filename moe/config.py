@@ -1,5 +1,8 @@
 """MoEConfig: every option of an MoE layer, validated at construction."""
 
+import math
+import types
+import typing
 from dataclasses import dataclass, fields, replace
 
 from moe.gating.balance import BALANCE_LOSSES, SEQUENCE_ROUTERS
@@ -45,9 +48,11 @@ class MoEConfig:
     checkpoint: bool = False  # recompute the layer in backward (activation checkpointing)
 
     def __post_init__(self):
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
@@ -99,3 +104,25 @@ class MoEConfig:
 def _choose(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
+
+
+def _check_type(name: str, value, annotation) -> None:
+    """Type and finiteness of one field, from its declared type: int (not bool), float (an int
+    or float, finite), bool, str, and `X | None`. A ValueError names the field."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    if allowed and value is None and type(None) in allowed:
+        return
+    kind = next((a for a in allowed if a is not type(None)), annotation)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = kind.__name__ + (" or None" if allowed else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")

@@ -6,32 +6,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from moe.comm.consistency import check_same_across_ranks
 from moe.dispatch import ExpertParallelDispatcher
 from moe.layer import moe_layers
+from moe.parallel.config_check import check_config
 from moe.parallel.grad_sync import GradientReducer
 from moe.parallel.mesh import dense_parameters, expert_parameters
-
-
-def _check_config(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None) -> None:
-    """Every rank must build the same MoE layers with the same mesh: compare before any
-    exchange, so a mismatch is an error on every rank instead of a hang."""
-    ep = mesh.size(mesh.mesh_dim_names.index("ep"))
-    values = {
-        "ep": ep,
-        "dp": mesh.size(mesh.mesh_dim_names.index("dp")),
-        "moe_layers": len(moe_layers(model)),
-        "ranks_per_node": -1 if ranks_per_node is None else ranks_per_node,
-    }
-    for name, layer in moe_layers(model):
-        c = layer.config
-        if layer.experts.num_experts != c.num_experts:
-            raise ValueError(f"{name}: already parallelized")
-        if c.num_experts % ep:
-            raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
-        for field in ("num_experts", "top_k", "d_model", "d_ff"):
-            values[f"{name}.{field}"] = getattr(c, field)
-    check_same_across_ranks(values)
 
 
 def _shard_experts(layer, ep_rank: int, ep: int) -> None:
@@ -63,11 +42,7 @@ def parallelize(
     sync_params broadcasts rank 0's parameters first, so every rank starts from one model.
     grad_dtype (e.g. torch.bfloat16) communicates gradients in lower precision.
     """
-    if tuple(mesh.mesh_dim_names) != ("dp", "ep"):
-        raise ValueError(f"mesh dims must be ('dp', 'ep'), got {mesh.mesh_dim_names}")
-    if not moe_layers(model):
-        raise ValueError("parallelize: the model has no MoELayer")
-    _check_config(model, mesh, ranks_per_node)
+    check_config(model, mesh, ranks_per_node)  # same error on every rank, before any exchange
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
