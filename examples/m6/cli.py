@@ -1,0 +1,213 @@
+"""The M6 example's command line: arguments, the named config with its overrides, and every
+check that can fail before any work starts (a bad argument is one `error: ...` line, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import moe
+from examples.m6.config import M6Config, get_config
+from examples.m6.plan import check_layout
+
+DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a laptop CPU to DP x EP.
+
+    python examples/m6/train.py                          # tiny config, digits, CPU, about a minute
+    python examples/m6/train.py --resume --steps 800     # continue from the newest checkpoint step
+    python examples/m6/train.py --dense                  # dense baseline at equal active FLOPs
+    torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
+    python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
+
+SIGTERM or SIGINT (Ctrl-C) finishes the current step, saves a checkpoint and exits with
+status 130 (SIGINT) or 143 (SIGTERM); --resume continues from it.
+"""
+
+
+class UsageError(ValueError):
+    """A bad command line, reported before any work starts."""
+
+
+@contextmanager
+def usage_errors():
+    """Config and layout validation errors are the user's: report them as UsageError."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _capacity(text: str) -> float | None:
+    return None if text.lower() in ("none", "dropless") else float(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--config", default="m6-tiny", help="m6-tiny, m6-base, m6-10b, m6-100b, m6-1t")
+    g.add_argument("--router", help="topk, prototype (M6-T), switch, gshard, noisy_topk")
+    g.add_argument("--experts", type=int, help="experts per MoE layer (0: dense)")
+    g.add_argument("--top-k", type=int, help="experts per token (prototypes for 'prototype')")
+    g.add_argument("--moe-every", type=int, help="MoE FFN in every n-th block")
+    g.add_argument(
+        "--capacity-factor",
+        type=_capacity,
+        default=argparse.SUPPRESS,
+        help="float or 'none' (dropless)",
+    )
+    g.add_argument("--dense", action="store_true", help="dense baseline at equal active FLOPs")
+    g = p.add_argument_group("data and training")
+    g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
+    g.add_argument("--steps", type=int, default=500)
+    g.add_argument("--global-batch", type=int, default=64, help="examples per step, all ranks")
+    g.add_argument("--micro-batch", type=int, help="examples per forward per rank (default: all)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--warmup", type=int, default=30)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU intra-op threads (0: torch's default); the tiny model's matrices "
+        "are too small for more threads to pay, they only contend",
+    )
+    g = p.add_argument_group("outputs")
+    g.add_argument("--run-dir", help="default runs/<config>")
+    g.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
+    g.add_argument("--save-every", type=int, default=0, help="also checkpoint every n steps")
+    g.add_argument(
+        "--stop-after", type=int, help="stop (and checkpoint) after this step, as if preempted"
+    )
+    g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
+    g.add_argument("--eval-batch", type=int, default=256)
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    g = p.add_argument_group("parallelism (under torchrun)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default world / ep)")
+    g.add_argument("--ep", type=int, help="expert-parallel size (default 1)")
+    g.add_argument(
+        "--alltoall",
+        choices=("auto", "flat", "hierarchical"),
+        default="auto",
+        help="auto: hierarchical when the ranks span more than one node",
+    )
+    g.add_argument(
+        "--timeout", type=float, default=300.0, help="collective timeout in seconds (dead ranks)"
+    )
+    g.add_argument(
+        "--groups", type=int, default=1, help="optimizer apply groups (Whale num_apply_group)"
+    )
+    g.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
+    g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
+    g = p.add_argument_group("memory plan (meta device, no allocation)")
+    g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
+    g.add_argument("--world-size", type=int, help="devices of the planned cluster")
+    g.add_argument(
+        "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
+    )
+    g.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    g.add_argument("--micro-batch-tokens", type=int)
+    return p.parse_args(argv)
+
+
+def resolve_config(args) -> M6Config:
+    """The named config with the command line's overrides."""
+    cfg = get_config(args.config)
+    changes = {
+        field: getattr(args, arg)
+        for field, arg in (
+            ("router", "router"),
+            ("num_experts", "experts"),
+            ("top_k", "top_k"),
+            ("moe_every", "moe_every"),
+        )
+        if getattr(args, arg) is not None
+    }
+    if hasattr(args, "capacity_factor"):
+        changes["capacity_factor"] = args.capacity_factor
+    cfg = cfg.replace(**changes) if changes else cfg
+    return cfg.equal_flops_dense() if args.dense else cfg
+
+
+def check_args(args, cfg: M6Config, world: int) -> None:
+    """Every error we can find before building anything."""
+    ep = args.ep or 1
+    dp = args.dp or max(world // ep, 1)
+    if world == 1 and dp * ep > 1:
+        raise UsageError(
+            f"--dp {dp} --ep {ep} needs {dp * ep} processes: launch with "
+            f"torchrun --nproc-per-node {dp * ep} examples/m6/train.py ..."
+        )
+    if world > 1:
+        with usage_errors():
+            check_layout(cfg, world, dp, ep)
+    if args.ep and args.ep > 1 and not cfg.is_moe:
+        raise UsageError(f"--ep {args.ep} needs an MoE model; {cfg.name} is dense")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.stop_after is not None and not 0 < args.stop_after < args.steps:
+        raise UsageError(
+            f"--stop-after must be in (0, --steps={args.steps}), got {args.stop_after}"
+        )
+    if args.global_batch < 1 or args.global_batch % world:
+        raise UsageError(
+            f"--global-batch {args.global_batch} must be a positive multiple of the {world} ranks"
+        )
+    per_rank = args.global_batch // world
+    micro = args.micro_batch or per_rank
+    if micro < 1 or per_rank % micro:
+        raise UsageError(f"--micro-batch {micro} must divide the per-rank batch {per_rank}")
+    if args.groups < 1:
+        raise UsageError(f"--groups must be >= 1, got {args.groups}")
+    for name in ("lr", "weight_decay", "clip", "timeout"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name in ("lr", "timeout") and value == 0):
+            bound = "> 0" if name in ("lr", "timeout") else ">= 0"
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a finite number {bound}, got {value}"
+            )
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.data and not (Path(args.data) / "captions.jsonl").is_file():
+        raise UsageError(f"--data {args.data}: no captions.jsonl there")
+    if cfg.is_moe:  # the MoE options (router, capacity factor, ...) as MoELayer will see them
+        with usage_errors():
+            moe.MoEConfig(
+                d_model=cfg.d_model,
+                d_ff=cfg.d_ff,
+                num_experts=cfg.num_experts,
+                top_k=cfg.top_k,
+                **cfg.moe_options(),
+            )
+    if args.resume:
+        from examples.m6.ckpt_io import complete_steps
+
+        if not complete_steps(run_dir(args, cfg) / "checkpoint"):
+            raise UsageError(f"--resume: no checkpoint in {run_dir(args, cfg) / 'checkpoint'}")
+    probe_run_dir(run_dir(args, cfg))
+
+
+def probe_run_dir(path: Path) -> None:
+    """Create the run directory and write a file there now, not after hours of training."""
+    probe = path / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--run-dir {path} is not writable: {e}") from None
+
+
+def run_dir(args, cfg: M6Config) -> Path:
+    return Path(args.run_dir or Path("runs") / cfg.name)
