@@ -46,6 +46,7 @@ class MoEConfig:
     bias: bool = False
     backend: str = "auto"
     checkpoint: bool = False  # recompute the layer in backward (activation checkpointing)
+    check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
 
     def __post_init__(self):
         for f in fields(self):

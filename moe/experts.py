@@ -118,3 +118,23 @@ def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def is_expert_parameter(model: nn.Module, param: torch.Tensor) -> bool:
     return any(p is param for _, p in expert_parameters(model))
+
+
+def check_experts_finite(
+    layer_name: str, experts: GroupedExperts, out_RD: torch.Tensor, offsets_L: torch.Tensor
+) -> None:
+    """Debug check (MoEConfig.check_finite): raise FloatingPointError naming the layer and the
+    global ids of experts whose weights or output rows hold NaN or Inf. Reads device values
+    (a host sync), so it is off by default."""
+    bad_L = torch.zeros(experts.num_experts, dtype=torch.bool, device=out_RD.device)
+    for _, p in experts.named_parameters(recurse=False):
+        bad_L |= ~torch.isfinite(p.detach()).flatten(1).all(1)
+    rows = torch.arange(out_RD.shape[0], device=out_RD.device)
+    expert_R = torch.searchsorted(offsets_L.to(rows.dtype), rows, right=True)
+    bad_R = ~torch.isfinite(out_RD.detach()).all(1) & (expert_R < experts.num_experts)
+    bad_L |= torch.bincount(expert_R[bad_R], minlength=experts.num_experts + 1)[:-1] > 0
+    if bool(bad_L.any()):
+        ids = (bad_L.nonzero().flatten() + experts.expert_offset).tolist()
+        raise FloatingPointError(
+            f"{layer_name}: NaN or Inf in the weights or outputs of expert(s) {ids}"
+        )

@@ -9,7 +9,7 @@ from moe.dispatch.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
-from moe.experts import GroupedExperts
+from moe.experts import GroupedExperts, check_experts_finite
 from moe.gating import Routing, build_router
 from moe.gating.balance import in_recomputation, record_balance
 
@@ -88,6 +88,8 @@ class MoELayer(nn.Module):
         routing = self._route(x_TD)
         x_RD, offsets_L, ctx = self.dispatcher.dispatch(x_TD, self._plan(routing, len(x_TD)))
         out_RD = self.experts(x_RD, offsets_L, ctx.gather_ids_R)
+        if self.config.check_finite:
+            check_experts_finite(self.name, self.experts, out_RD, offsets_L)
         y_TD = self.dispatcher.combine(out_RD, ctx).to(x_TD.dtype)
         self._record(routing, ctx.plan)
         return y_TD

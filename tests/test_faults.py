@@ -44,6 +44,7 @@ ALTERNATIVES = {
     "bias": True,
     "backend": "torch",
     "checkpoint": True,
+    "check_finite": True,
 }
 
 

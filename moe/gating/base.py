@@ -9,6 +9,15 @@ from torch import nn
 ROUTERS: dict[str, type["Router"]] = {}
 
 
+def router_matmul(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in float32 (float64 for float64 inputs), autocast off: under bf16 autocast the
+    router's matmul would otherwise run in bf16 and change which experts tokens choose."""
+    dtype = torch.promote_types(x_TD.dtype, torch.float32)
+    device_type = x_TD.device.type if x_TD.device.type in ("cpu", "cuda", "xpu") else "cpu"
+    with torch.autocast(device_type, enabled=False):
+        return x_TD.to(dtype) @ w_ED.to(dtype).t()
+
+
 def register_router(name: str):
     """Class decorator: make a router constructible by `MoEConfig(router=name)`."""
 
@@ -55,7 +64,7 @@ class Router(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return x_TD.float() @ self.weight.float().t()
+        return router_matmul(x_TD, self.weight)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         raise NotImplementedError

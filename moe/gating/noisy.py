@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.gating.base import Router, Routing, register_router
+from moe.gating.base import Router, Routing, register_router, router_matmul
 from moe.gating.losses import cv_squared, router_loss
 
 
@@ -29,7 +29,7 @@ class NoisyTopKRouter(Router):
         k = self.config.top_k
         clean_TE = self.logits(x_TD)
         if self.training:
-            std_TE = F.softplus(x_TD.float() @ self.w_noise.float().t()) + 1e-2
+            std_TE = F.softplus(router_matmul(x_TD, self.w_noise)) + 1e-2
             noisy_TE = clean_TE + torch.randn_like(clean_TE) * std_TE
         else:
             noisy_TE = clean_TE

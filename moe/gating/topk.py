@@ -3,7 +3,7 @@ aux-loss-free balancing by a per-expert bias (DeepSeek-V3)."""
 
 import torch
 
-from moe.gating.base import Router, Routing, register_router
+from moe.gating.base import Router, Routing, register_router, router_matmul
 from moe.gating.losses import load_balance_loss, router_loss
 
 
@@ -96,11 +96,11 @@ class SwitchRouter(TopKRouter):
             raise ValueError(f"router='switch' is top-1; got top_k={config.top_k}")
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        x_TD = x_TD.float()
+        x_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))
         eps = self.config.jitter_eps
         if self.training and eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        return x_TD @ self.weight.float().t()
+        return router_matmul(x_TD, self.weight)
 
 
 __all__ = ["SwitchRouter", "TopKRouter"]

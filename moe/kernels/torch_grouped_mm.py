@@ -16,8 +16,14 @@ def _aligned(t: torch.Tensor, *dims: int) -> bool:
     return all(t.shape[d] * t.element_size() % 16 == 0 for d in dims)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
+
+
 def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not _HAS_GROUPED_MM or not (_aligned(x, -1) and _aligned(w, -1, -2)):
+    """torch._grouped_mm when it supports the dtype, device and strides; else the loop."""
+    if not _HAS_GROUPED_MM or x.dtype not in _NATIVE_DTYPES or w.dtype != x.dtype:
+        return False
+    if not (_aligned(x, -1) and _aligned(w, -1, -2)):
         return False
     if x.device.type == "cpu":
         return True
