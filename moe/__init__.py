@@ -13,6 +13,7 @@ from moe.experts import GroupedExperts
 from moe.gating.balance import reset_global_balance
 from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
+from moe.interop import from_hf, to_hf
 from moe import parallel  # after the layer: parallel builds on it
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "aux_loss",
     "check_moe_settings",
     "dispatch",
+    "from_hf",
     "gating",
     "kernels",
     "moe_layers",
@@ -31,6 +33,7 @@ __all__ = [
     "save_moe_settings",
     "swap_ffn",
     "swap_ffn_from_settings",
+    "to_hf",
     "update_router_biases",
 ]
 __version__ = "0.1.0"

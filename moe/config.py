@@ -45,6 +45,9 @@ class MoEConfig:
     activation: str = "gelu"
     bias: bool = False
     backend: str = "auto"
+    num_shared_experts: int = 0  # > 0: a dense MLP every token also goes through (DeepSeek-V3)
+    shared_d_ff: int | None = None  # its width; None: d_ff * num_shared_experts
+    shared_expert_gate: bool = False  # scale the shared output by sigmoid(Linear(d, 1)) (Qwen2)
     checkpoint: bool = False  # recompute the layer in backward (activation checkpointing)
     check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
 
@@ -61,6 +64,13 @@ class MoEConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None (dropless), got {value!r}")
+        if self.num_shared_experts < 0 or (self.shared_d_ff is not None and self.shared_d_ff <= 0):
+            raise ValueError(
+                f"num_shared_experts must be >= 0 and shared_d_ff > 0 or None, got "
+                f"{self.num_shared_experts}, {self.shared_d_ff}"
+            )
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError("shared_expert_gate=True needs num_shared_experts > 0")
         if self.min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
         _choose("drop_policy", self.drop_policy, DROP_POLICIES)

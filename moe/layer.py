@@ -12,6 +12,7 @@ from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_ch
 from moe.experts import GroupedExperts, check_experts_finite
 from moe.gating import Routing, build_router
 from moe.gating.balance import in_recomputation, record_balance
+from moe.shared_experts import SharedExperts
 
 
 class MoELayer(nn.Module):
@@ -65,6 +66,20 @@ class MoELayer(nn.Module):
         )
         if device is not None:
             self.router.to(device)
+        c = self.config
+        self.shared_experts = (
+            SharedExperts(
+                d_model,
+                c.shared_d_ff or d_ff * c.num_shared_experts,
+                activation,
+                c.shared_expert_gate,
+                bias,
+                device=device,
+                dtype=dtype,
+            )
+            if c.num_shared_experts
+            else None
+        )
         self.dispatcher: Dispatcher = LocalDispatcher(self.config.backend)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
@@ -91,6 +106,8 @@ class MoELayer(nn.Module):
         if self.config.check_finite:
             check_experts_finite(self.name, self.experts, out_RD, offsets_L)
         y_TD = self.dispatcher.combine(out_RD, ctx).to(x_TD.dtype)
+        if self.shared_experts is not None:  # dense: every token, never exchanged
+            y_TD = y_TD + self.shared_experts(x_TD).to(x_TD.dtype)
         self._record(routing, ctx.plan)
         return y_TD
 

@@ -15,7 +15,9 @@ import moe
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
-BASE = dict(d_model=8, d_ff=12, num_experts=8, top_k=2, num_groups=2, topk_groups=1)
+BASE = dict(
+    d_model=8, d_ff=12, num_experts=8, top_k=2, num_groups=2, topk_groups=1, num_shared_experts=1
+)
 
 # One valid value per MoEConfig field that differs from BASE's (or the default). A new field
 # must be added here: test_every_field_has_an_alternative fails until it is.
@@ -43,6 +45,9 @@ ALTERNATIVES = {
     "activation": "relu",
     "bias": True,
     "backend": "torch",
+    "num_shared_experts": 2,
+    "shared_d_ff": 20,
+    "shared_expert_gate": True,
     "checkpoint": True,
     "check_finite": True,
 }
