@@ -13,7 +13,7 @@ from moe.experts import GroupedExperts
 from moe.gating.balance import reset_global_balance
 from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
-from moe.interop import from_hf, to_hf
+from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
 from moe import parallel  # after the layer: parallel builds on it
 
 __all__ = [
@@ -27,9 +27,11 @@ __all__ = [
     "from_hf",
     "gating",
     "kernels",
+    "load_hf_checkpoint",
     "moe_layers",
     "parallel",
     "reset_global_balance",
+    "save_hf_checkpoint",
     "save_moe_settings",
     "swap_ffn",
     "swap_ffn_from_settings",

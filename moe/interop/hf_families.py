@@ -19,6 +19,20 @@ class Family:
     shared: str | None = None  # None | "qwen2" (shared_expert + sigmoid gate) | "deepseek"
     sigmoid_groups: bool = False  # DeepSeek-V3: sigmoid, bias for choice, group-limited top-k
     norm_topk: str | None = "norm_topk_prob"  # config attribute; None: always renormalised
+    hub_block: str | None = None  # the block's name on the hub when it differs (Mixtral)
+    hub_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # w1, w3, w2
+
+    def hub_path(self, path: str) -> str:
+        """The block's key prefix in hub checkpoints (model.layers.3.mlp ->
+        model.layers.3.block_sparse_moe for Mixtral)."""
+        if self.hub_block is None:
+            return path
+        parent, _, _ = path.rpartition(".")
+        return f"{parent}.{self.hub_block}" if parent else self.hub_block
+
+    @property
+    def shared_name(self) -> str:
+        return "shared_expert" if self.shared == "qwen2" else "shared_experts"
 
     def options(self, config) -> dict:
         """MoELayer keyword arguments computing what the block computes."""
@@ -63,7 +77,14 @@ class Family:
 FAMILIES = {
     f.block: f
     for f in (
-        Family("MixtralSparseMoeBlock", "num_local_experts", "intermediate_size", norm_topk=None),
+        Family(
+            "MixtralSparseMoeBlock",
+            "num_local_experts",
+            "intermediate_size",
+            norm_topk=None,
+            hub_block="block_sparse_moe",
+            hub_experts=("w1", "w3", "w2"),
+        ),
         Family("Qwen2MoeSparseMoeBlock", "num_experts", "moe_intermediate_size", shared="qwen2"),
         Family("Qwen3MoeSparseMoeBlock", "num_experts", "moe_intermediate_size"),
         Family("OlmoeSparseMoeBlock", "num_experts", "intermediate_size"),
