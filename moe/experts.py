@@ -4,6 +4,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_mlp import expert_mlp
@@ -49,8 +50,8 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        """Experts held on this rank."""
-        return self.w1.shape[0]
+        """Experts held on this rank (parallelize() records it: w1 is then a global DTensor)."""
+        return getattr(self, "num_local_experts", None) or self.w1.shape[0]
 
     def reset_parameters(self) -> None:
         for w, b, fan_in in (
@@ -67,14 +68,17 @@ class GroupedExperts(nn.Module):
         self, x: torch.Tensor, offsets_E: torch.Tensor, token_ids_M: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Rows of each local expert -> their MLP outputs (tail rows past offsets_E[-1]: 0)."""
+        # Under parallelize() the weights are DTensors sharded over "ep": compute on this
+        # rank's experts (autograd flows back into the DTensor, as in torchtitan).
+        w1, w2, w3, b1, b2 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
         return expert_mlp(
-            x.to(self.w1.dtype),
+            x.to(w1.dtype),
             offsets_E,
-            self.w1,
-            self.w2,
-            self.w3,
-            self.b1,
-            self.b2,
+            w1,
+            w2,
+            w3,
+            b1,
+            b2,
             self.activation,
             token_ids_M,
             self.backend,
@@ -86,6 +90,10 @@ class GroupedExperts(nn.Module):
             f"(first={self.expert_offset}), d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}"
         )
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
