@@ -3,6 +3,7 @@ equal single-process training on the global batch; fsdp holds 1/world of every t
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import moe
@@ -94,3 +95,63 @@ def _layouts_body(rank, world):
 def test_ddp_and_fsdp_equal_single_process_at_every_layout():
     reports = run_ranks(_layouts_body, 4, timeout=300)
     assert all(len(r) == 2 * len(LAYOUTS) for r in reports)
+
+
+def _compose_body(rank, world):
+    """fsdp at (2, 2) with GroupedApply, clip_grad_norm_, auto_checkpoint and a
+    torch.compile'd block equals the same on the single-process model; then FSDP2's
+    CPUOffloadPolicy and bf16 MixedPrecisionPolicy run a step."""
+    from moe.memory import GroupedApply, auto_checkpoint
+    from moe.parallel import clip_grad_norm_
+
+    start = sum(SIZES[:rank])
+    shard = slice(start, start + SIZES[rank])
+    out = []
+    for offload in (None,):
+        models = []
+        for distributed in (False, True):
+            model = build_model()
+            auto_checkpoint(model, ["1", "3"])  # recompute the MoE layers in backward
+            model[2].compile()  # a compiled dense block
+            if distributed:
+                model = parallelize(model, init_mesh(dp=2, ep=2), "fsdp")
+            opt = GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, offload, lr=1e-2)
+            rows, w = (shard, world) if distributed else (slice(None), 1)
+            norms = []
+            for step in (0, 1):
+                x, y = (t[rows] for t in _batch(step))
+                loss = _loss(model, x, y, w, sum(SIZES))[1]
+                loss.backward()
+                norms.append(clip_grad_norm_(model, 0.05, optimizer=opt))
+                opt.step()
+                opt.zero_grad()
+            models.append((model, norms))
+        (ref, ref_norms), (model, norms) = models
+        torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), **TOL)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=f"{offload} {n}")
+        out.append(float(norms[0]))
+    try:  # host-offloaded optimizer state on DTensors: FSDP2's CPUOffloadPolicy instead
+        GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, "optimizer")
+    except ValueError as e:
+        out.append(str(e))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize(
+        build_model(),
+        init_mesh(dp=2, ep=2),
+        "fsdp",
+        mp_policy=policy,
+        offload_policy=CPUOffloadPolicy(pin_memory=False),  # no GPU: no pinning
+        reshard_after_forward=False,
+    )
+    x, y = (t[shard] for t in _batch(0))
+    _loss(model, x, y, world, sum(SIZES))[1].backward()
+    grads = [p.grad for p in model.parameters()]
+    out.append(all(g.dtype == torch.float32 and g.device.type == "cpu" for g in grads))
+    return out
+
+
+def test_fsdp_composes_with_grouped_apply_clip_checkpointing_and_compile():
+    results = run_ranks(_compose_body, 4, timeout=300)
+    assert all(r == results[0] for r in results)
+    assert "CPUOffloadPolicy" in results[0][1] and results[0][2] is True
