@@ -118,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: hierarchical when the ranks span more than one node",
     )
     g.add_argument(
+        "--data-parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp: dense weights replicated; fsdp: sharded over all ranks (FSDP2)",
+    )
+    g.add_argument(
         "--timeout", type=float, default=300.0, help="collective timeout in seconds (dead ranks)"
     )
     g.add_argument(
@@ -231,7 +237,10 @@ def setup_parallel(model, args):
     if _world() > 1 and moe.moe_layers(model):
         ep = args.ep or 1
         mesh = moe.parallel.init_mesh(dp=args.dp or _world() // ep, ep=ep)
-        model = moe.parallel.parallelize(model, mesh, algorithm=args.alltoall) or model
+        model = (
+            moe.parallel.parallelize(model, mesh, args.data_parallel, algorithm=args.alltoall)
+            or model
+        )
     if args.checkpointing:
         moe.parallel.auto_checkpoint(model)
     if _world() > 1 and mesh is None:
