@@ -1,6 +1,9 @@
 """parallelize() on FSDP2: ddp and fsdp at (dp, ep) in (4,1), (2,2), (1,4) on 4 gloo ranks
 equal single-process training on the global batch; fsdp holds 1/world of every tensor."""
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -155,3 +158,25 @@ def test_fsdp_composes_with_grouped_apply_clip_checkpointing_and_compile():
     results = run_ranks(_compose_body, 4, timeout=300)
     assert all(r == results[0] for r in results)
     assert "CPUOffloadPolicy" in results[0][1] and results[0][2] is True
+
+
+def _dies_body(rank, world):
+    model = parallelize(build_model(), init_mesh(dp=2, ep=2), "fsdp")
+    x, y = (t[: SIZES[rank]] for t in _batch(0))
+    _, loss = _loss(model, x, y, world, sum(SIZES))
+    if rank == 3:
+        os._exit(1)  # dies mid-step, after forward, before the backward's collectives
+    loss.backward()
+    return "finished"
+
+
+def test_a_rank_dying_mid_step_ends_every_rank_with_an_error():
+    """The survivors must fail by themselves (collective error or timeout), not be killed:
+    the grace period after the first failure is longer than the collective timeout."""
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_dies_body, 4, timeout=20, grace=60)
+    report = str(info.value)
+    assert "rank 3" in report
+    assert "was killed after" not in report and "finished" not in report
+    for rank in range(3):
+        assert f"rank {rank}" in report
