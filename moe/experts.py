@@ -4,6 +4,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_mlp import expert_mlp
@@ -52,8 +53,8 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        """Experts held on this rank."""
-        return self.w1.shape[0]
+        """Experts held on this rank (parallelize() records it: w1 is then a global DTensor)."""
+        return getattr(self, "num_local_experts", None) or self.w1.shape[0]
 
     def reset_parameters(self) -> None:
         for w, b, fan_in in (
@@ -78,15 +79,18 @@ class GroupedExperts(nn.Module):
         gather_ids_R (optional, from DispatchContext): x_RD is then the un-gathered token
         matrix and row r is x_RD[gather_ids_R[r]]; the Triton kernel gathers while it loads
         and so saves one [R, D] copy. Dispatchers set it only on that path.
+        Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
+        experts (autograd flows back into the DTensor, as in torchtitan).
         """
+        w1, w2, w3, b1, b2 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
         return expert_mlp(
-            x_RD.to(self.w1.dtype),
+            x_RD.to(w1.dtype),
             offsets_L,
-            self.w1,
-            self.w2,
-            self.w3,
-            self.b1,
-            self.b2,
+            w1,
+            w2,
+            w3,
+            b1,
+            b2,
             self.activation,
             gather_ids_R,
             self.backend,
@@ -98,6 +102,10 @@ class GroupedExperts(nn.Module):
             f"(first={self.expert_offset}), d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}"
         )
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -128,7 +136,7 @@ def check_experts_finite(
     (a host sync), so it is off by default."""
     bad_L = torch.zeros(experts.num_experts, dtype=torch.bool, device=out_RD.device)
     for _, p in experts.named_parameters(recurse=False):
-        bad_L |= ~torch.isfinite(p.detach()).flatten(1).all(1)
+        bad_L |= ~torch.isfinite(_local(p.detach())).flatten(1).all(1)
     rows = torch.arange(out_RD.shape[0], device=out_RD.device)
     expert_R = torch.searchsorted(offsets_L.to(rows.dtype), rows, right=True)
     bad_R = ~torch.isfinite(out_RD.detach()).all(1) & (expert_R < experts.num_experts)

@@ -71,7 +71,7 @@ def _ep_dp_body(rank, world, cases, dispatcher):
                 )
         losses = train(model, global_batches(sizes), _shard(sizes, rank), world, "sgd" in options)
         out[name] = (
-            {n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: p.detach().full_tensor() for n, p in model.named_parameters()},
             losses,
             [layer.experts.expert_offset for _, layer in moe.moe_layers(model)],
         )
@@ -107,13 +107,9 @@ def test_ep_dp_training_equals_single_process(dispatcher):
         tol = {"rtol": 2e-2, "atol": 2e-3} if "bf16" in name else {"rtol": 1e-4, "atol": 1e-5}
         for rank in range(4):
             params, _, offsets = results[rank][name]
-            for pname, p in params.items():
+            assert offsets[0] == (rank % ep) * (E // ep)
+            for pname, p in params.items():  # global DTensors gathered: the whole model
                 expected = ref_params[pname].detach()
-                if ".experts." in pname:
-                    local = E // ep
-                    first = (rank % ep) * local
-                    assert offsets[0] == first
-                    expected = expected[first : first + local]
                 torch.testing.assert_close(p, expected, **tol, msg=f"{name} rank {rank} {pname}")
 
 
@@ -124,7 +120,8 @@ def _frozen_body(rank, world):
     model = parallelize(model, init_mesh(dp=2, ep=2))
     (model(torch.randn(3 + rank, D)).square().mean()).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    return grads["0.weight"] is None and grads["1.experts.w2"] is None, grads["0.bias"]
+    frozen = grads["0.weight"] is None and grads["1.experts.w2"] is None
+    return frozen, grads["0.bias"].full_tensor()
 
 
 def test_frozen_parameters_are_left_alone():

@@ -103,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: hierarchical when the ranks span more than one node",
     )
     g.add_argument(
+        "--data-parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp: dense weights replicated; fsdp: sharded over all ranks (FSDP2)",
+    )
+    g.add_argument(
         "--timeout", type=float, default=300.0, help="collective timeout in seconds (dead ranks)"
     )
     g.add_argument(

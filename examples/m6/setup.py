@@ -50,7 +50,7 @@ def setup_parallel(model, args):
     if _world() > 1 and moe.moe_layers(model):
         ep = args.ep or 1
         mesh = moe.parallel.init_mesh(dp=args.dp or _world() // ep, ep=ep)
-        model = moe.parallel.parallelize(model, mesh, algorithm=args.alltoall) or model
+        model = moe.parallel.parallelize(model, mesh, args.data_parallel, algorithm=args.alltoall)
     if args.checkpointing:
         moe.parallel.auto_checkpoint(model)
     if _world() > 1 and mesh is None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe.memory.offload import Entry, HostPipeline, host_empty
 from moe.memory.precision import LOW_PRECISION, LossScaler
@@ -85,6 +86,11 @@ class GroupedApply(torch.optim.Optimizer):
         if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         names, tensors = _split_named(params)
+        if offload is not None and any(isinstance(p, DTensor) for p in tensors):
+            raise ValueError(
+                f"offload={offload!r} with DTensor parameters (parallelize) is not supported: "
+                "use parallelize(..., offload_policy=CPUOffloadPolicy())"
+            )
         dtypes = {p.dtype for p in tensors}
         if master_weights is None:
             master_weights = bool(dtypes & set(LOW_PRECISION))
@@ -95,7 +101,8 @@ class GroupedApply(torch.optim.Optimizer):
         self.num_groups = groups
         self._entries = [self._make_entry(i, n, p) for i, (n, p) in enumerate(zip(names, tensors))]
         self._by_id = {id(e.param): e for e in self._entries}
-        parts = partition_balanced([p.numel() for p in tensors], groups)
+        # Balance what this rank holds: a DTensor's local shard (parallelize), else the tensor.
+        parts = partition_balanced([t.numel() for t in _local(tensors)], groups)
         self._groups = [[self._entries[i] for i in part] for part in parts]
         kwargs = self._inner_kwargs(optimizer_class, optim_kwargs)
         self._inner = [self._make_inner([e.shadow for e in g], kwargs) for g in self._groups]
@@ -243,19 +250,20 @@ class GroupedApply(torch.optim.Optimizer):
         direct = [e.param.grad for e in entries if e.shadow is e.param]
         mastered = [e for e in entries if e.shadow is not e.param]
         if direct and factor is not None:
-            torch._foreach_mul_(direct, factor)
+            torch._foreach_mul_(_local(direct), factor)
         if mastered:  # this group's fp32 gradient copies: the only ones alive at a time
             grads = [torch.empty_like(e.shadow) for e in mastered]
-            torch._foreach_copy_(grads, [e.param.grad for e in mastered])
+            torch._foreach_copy_(_local(grads), _local([e.param.grad for e in mastered]))
             if factor is not None:
-                torch._foreach_mul_(grads, factor)
+                torch._foreach_mul_(_local(grads), factor)
             for e, grad in zip(mastered, grads):
                 e.shadow.grad = grad
         self._inner[g].step()
         if mastered:
             for e in mastered:
                 e.shadow.grad = None
-            torch._foreach_copy_([e.param for e in mastered], [e.shadow for e in mastered])
+            params, shadows = [e.param for e in mastered], [e.shadow for e in mastered]
+            torch._foreach_copy_(_local(params), _local(shadows))
 
     def _pin_host_state(self) -> None:
         """Move lazily created host optimizer state into pinned memory once (CUDA only)."""
@@ -355,6 +363,12 @@ class GroupedApply(torch.optim.Optimizer):
             saved = [saved[0]] * len(self.param_groups)
         for group, hyper in zip(self.param_groups, saved):
             group.update(hyper)
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's shards of DTensors (parallelize), plain tensors as they are: elementwise
+    work runs on local shards, and foreach cannot mix DTensors of different meshes."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def _hyper(group: dict) -> dict:

@@ -1,7 +1,9 @@
 """Gradient clipping by global norm that is correct under expert x data parallelism.
 
-Dense parameters are replicated on every rank, so their squared gradient sum is the same
-everywhere and counted once. Each expert lives on exactly one rank of an EP group (and is
+After parallelize() every gradient is a DTensor: its norm is computed per device mesh with
+DTensor's own reductions (sharded dims summed, replicated dims counted once). For models sharded
+by hand (plain tensors), dense parameters are replicated on every rank, so their squared
+gradient sum is the same everywhere and counted once. Each expert lives on exactly one rank of an EP group (and is
 replicated over DP with identical gradients), so expert sums are all-reduced over "ep" only:
 reducing over DP too would count every expert once per replica.
 """
@@ -11,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe.parallel.mesh import dense_parameters, expert_parameters
 
@@ -21,6 +24,21 @@ def _power_sum(grads: list[torch.Tensor], norm_type: float, device) -> torch.Ten
         return torch.zeros((), device=device)
     norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     return norms.amax() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+def _dtensor_power_sum(grads: list[DTensor], norm_type: float, device) -> torch.Tensor:
+    """sum |g|^p (max for inf) over DTensor gradients, one reduction per device mesh (DTensor
+    sums over sharded mesh dims and counts replicated ones once); a plain 0-dim tensor."""
+    by_mesh: dict[int, list[DTensor]] = {}
+    for g in grads:  # same parameter order on every rank: the same collectives
+        by_mesh.setdefault(id(g.device_mesh), []).append(g)
+    total = torch.zeros((), device=device)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        part = norm.float() if math.isinf(norm_type) else norm.float().pow(norm_type)
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    return total
 
 
 def clip_grad_norm_(
@@ -46,9 +64,16 @@ def clip_grad_norm_(
     dense = [p.grad for _, p in dense_parameters(model) if p.grad is not None]
     expert = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
     device = (dense + expert)[0].device if dense + expert else torch.device("cpu")
-    dense_sum = _power_sum(dense, norm_type, device)
+    dtensors = [g for g in dense + expert if isinstance(g, DTensor)]
+    if dtensors:  # DTensor gradients (parallelize): plain ones would be counted wrongly
+        dense = [g for g in dense if not isinstance(g, DTensor)]
+        expert = [g for g in expert if not isinstance(g, DTensor)]
+        if dense or expert:
+            raise ValueError("clip_grad_norm_: mix of DTensor and plain gradients")
+    dense_sum = _dtensor_power_sum(dtensors, norm_type, device)
+    dense_sum = dense_sum + _power_sum(dense, norm_type, device)
     expert_sum = _power_sum(expert, norm_type, device)
-    if mesh is not None and dist.is_available() and dist.is_initialized():
+    if not dtensors and mesh is not None and dist.is_available() and dist.is_initialized():
         group = mesh.get_group("ep")
         if dist.get_world_size(group) > 1:
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
@@ -63,6 +88,9 @@ def clip_grad_norm_(
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     if optimizer is not None and hasattr(optimizer, "mul_grads_"):
         optimizer.mul_grads_(coef)
+    elif dtensors:
+        for g in dtensors:
+            g.mul_(coef.to(device))
     elif dense + expert:
         torch._foreach_mul_(dense + expert, coef.to(device))
     return total

@@ -1,68 +1,114 @@
-"""parallelize(): expert parallelism over the mesh's "ep" dim, data parallelism over the rest,
-applied from outside a model that was written for one device."""
+"""parallelize(): expert parallelism over the mesh's "ep" dim and data parallelism on PyTorch's
+FSDP2 engine, applied from outside a model that was written for one device.
+
+Layout (docs/parallelism.md): routed experts are DTensors sharded Shard(0) over "ep", then
+FSDP-sharded ("fsdp") or replicated ("ddp") over "dp"; every other parameter is sharded over
+all ranks ("fsdp") or replicated ("ddp"). Every parameter keeps the single-process global
+shape, so torch.distributed.checkpoint sees the same keys and shapes at any (dp, ep).
+"""
+
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Shard
 
 from moe.dispatch import ExpertParallelDispatcher
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
-from moe.parallel.grad_sync import GradientReducer
-from moe.parallel.mesh import dense_parameters, expert_parameters
 
 
-def _shard_experts(layer, ep_rank: int, ep: int) -> None:
-    experts = layer.experts
+def _to_ep_dtensors(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Replace each expert weight [E, ...] (identical on every rank after the broadcast) by a
+    DTensor of global shape [E, ...] placed Shard(0) over "ep": this rank keeps its slice,
+    no communication. Returns the number of local experts."""
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     local = experts.num_experts // ep
     first = ep_rank * local
     for pname, p in list(experts.named_parameters(recurse=False)):
-        shard = nn.Parameter(
-            p.detach()[first : first + local].clone(), requires_grad=p.requires_grad
-        )
-        setattr(experts, pname, shard)
-    experts.expert_offset = first
+        shard = p.detach()[first : first + local].clone()
+        dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+    experts.expert_offset, experts.num_local_experts = first, local
+    return local
 
 
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
+    data_parallel: Literal["ddp", "fsdp"] = "ddp",
     *,
     algorithm: str = "auto",
     ranks_per_node: int | None = None,
-    bucket_mb: float = 25.0,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool = True,
+    blocks: list[nn.Module] | None = None,
     grad_dtype: torch.dtype | None = None,
     sync_params: bool = True,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
-    e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), keep routers
-    and dense parameters replicated, and reduce gradients by the time backward() returns.
+    e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
+    FSDP2 (data_parallel="fsdp": fully_shard) or FSDP2's replicate ("ddp") per unit:
 
-    sync_params broadcasts rank 0's parameters first, so every rank starts from one model.
-    grad_dtype (e.g. torch.bfloat16) communicates gradients in lower precision.
+      experts of each MoELayer   over mesh["dp"]   (gradient divided by the world size)
+      each MoELayer (router, shared experts), each module of `blocks`, then the root model
+                                 over all ranks     (mesh flattened to "dp_ep")
+
+    so gradients are reduced by the time backward() returns and training equals
+    single-process training on the global batch at any (dp, ep).
+
+    mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
+    "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
+    MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
+    first, so every rank starts from one model.
     """
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    if mp_policy is not None and grad_dtype is not None:
+        raise ValueError("give grad_dtype or mp_policy, not both")
     check_config(model, mesh, ranks_per_node)  # same error on every rank, before any exchange
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(tensor, src=0)
-    ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
-    ep, ep_rank = dist.get_world_size(ep_group), mesh.get_local_rank("ep")
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy(reduce_dtype=grad_dtype)
+    common = {"mp_policy": mp_policy, "offload_policy": offload_policy or OffloadPolicy()}
+    if data_parallel == "fsdp":
+        wrap = fully_shard
+        common["reshard_after_forward"] = reshard_after_forward
+    else:
+        wrap = replicate
+    # Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide (FSDP2's own switch).
+    sum_only = dist.get_backend() != "nccl"
+    all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
+    world = mesh.size()
     for _, layer in moe_layers(model):
-        _shard_experts(layer, ep_rank, ep)
+        local = _to_ep_dtensors(layer.experts, mesh["ep"])
         layer.dispatcher = ExpertParallelDispatcher(
-            ep_group, layer.experts.num_experts, algorithm, ranks_per_node, layer.config.backend
+            mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
-    reducer = GradientReducer(
-        [p for _, p in dense_parameters(model) if p.requires_grad],  # frozen: nothing to reduce
-        [p for _, p in expert_parameters(model) if p.requires_grad],
-        dp_group,
-        dist.get_world_size(),
-        bucket_mb,
-        grad_dtype,
-    )
-    model._moe_grad_reducer = reducer
+        wrap(layer.experts, mesh=mesh["dp"], **common)
+        # Each expert's gradient already sums its whole EP group's tokens; summing over dp and
+        # dividing by dp would scale it by ep: divide by the world size instead.
+        layer.experts.set_gradient_divide_factor(float(world))
+        # FSDP2 divides twice when forced to SUM with a custom factor and a reduce-scatter over
+        # one rank (always so for replicate): force SUM only where a real reduce-scatter runs.
+        layer.experts.set_force_sum_reduction_for_comms(
+            sum_only and data_parallel == "fsdp" and mesh["dp"].size() > 1
+        )
+    for module in [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]:
+        wrap(module, mesh=all_ranks, **common)
+        module.set_force_sum_reduction_for_comms(sum_only)
     model._moe_mesh = mesh
     return model
