@@ -1,3 +1,7 @@
-"""Checkpoint I/O: sharded save and load that reload at another layout, with no pickle."""
+"""Checkpoint I/O on torch.distributed.checkpoint: each rank writes its own shards, any layout
+loads at any other, atomic commit, JSON metadata and raw bytes (no pickle anywhere)."""
 
-from moe.checkpoint.native import load_checkpoint, save_checkpoint
+from moe.checkpoint.api import checkpoint_dir, load_checkpoint, save_checkpoint
+from moe.checkpoint.errors import CheckpointError
+
+__all__ = ["CheckpointError", "checkpoint_dir", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,5 @@
+"""The one error type of checkpoint loading and saving."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is malformed, unsafe, corrupted or does not match the model/optimizer."""
