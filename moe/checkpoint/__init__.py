@@ -2,6 +2,12 @@
 loads at any other, atomic commit, JSON metadata and raw bytes (no pickle anywhere)."""
 
 from moe.checkpoint.api import checkpoint_dir, load_checkpoint, save_checkpoint
-from moe.checkpoint.errors import CheckpointError
+from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["CheckpointError", "checkpoint_dir", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "checkpoint_dir",
+    "load_checkpoint",
+    "save_checkpoint",
+]

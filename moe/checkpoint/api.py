@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.checkpoint import state as st
-from moe.checkpoint.errors import CheckpointError
+from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from moe.checkpoint.metadata import METADATA
 from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
 
@@ -50,7 +50,7 @@ def _shared_id() -> str:
     return f"{int(ident.item()):x}"
 
 
-def _agree(problems: list[str]) -> None:
+def _agree(problems: list[str], cls: type = CheckpointError) -> None:
     """Raise the same CheckpointError on every rank if any rank found a problem."""
     lines = list(problems)
     if _dist():
@@ -60,7 +60,7 @@ def _agree(problems: list[str]) -> None:
     if lines:
         shown = "\n  ".join(lines[:20])
         more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
-        raise CheckpointError(f"checkpoint refused (nothing was changed):\n  {shown}{more}")
+        raise cls(f"checkpoint refused (nothing was changed):\n  {shown}{more}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -129,7 +129,7 @@ def checkpoint_dir(path: str) -> str:
         )
     pointer = os.path.join(path, LATEST)
     if not os.path.isfile(pointer):
-        raise CheckpointError(f"no complete checkpoint under {path!r} (no {LATEST} file)")
+        raise CheckpointNotFoundError(f"no complete checkpoint under {path!r} (no {LATEST} file)")
     with open(pointer, encoding="utf-8", errors="replace") as f:
         name = f.read(100).strip()
     if not _NAME.fullmatch(name):
@@ -166,6 +166,7 @@ def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
     on every rank and changes nothing. Returns the `extra` saved with it."""
     problems: list[str] = []
     stored, objects, loaded = {}, {}, {}
+    cls = CheckpointError
     try:
         directory = checkpoint_dir(path)
         stored, objects = read_metadata_json(directory)
@@ -173,7 +174,8 @@ def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
         loaded = st.targets(model, opt, stored, objects, problems)
     except CheckpointError as e:
         problems.append(str(e))
-    _agree(problems)
+        cls = type(e)
+    _agree(problems, cls)
     try:
         reader = JsonStorageReader(directory, stored)
         with warnings.catch_warnings():
