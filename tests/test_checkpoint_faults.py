@@ -248,3 +248,14 @@ def _kill_after(proc: subprocess.Popen, seconds: float) -> None:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
+
+
+def test_plain_local_expert_shards_refused(tmp_path):
+    """Expert slices that are not DTensors cannot be saved as global tensors: a clear error
+    before anything is written (parallelize gives DTensors)."""
+    import moe
+
+    model = nn.Sequential(moe.GroupedExperts(2, 4, 6, num_global_experts=4, expert_offset=2))
+    with pytest.raises(CheckpointError, match="holds 2 of 4 experts as plain tensors"):
+        save_checkpoint(str(tmp_path), model)
+    assert not os.listdir(tmp_path)

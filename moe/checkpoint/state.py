@@ -57,8 +57,26 @@ def _optimizer_state(model: nn.Module, opt) -> tuple[dict, list]:
     return osd["state"], osd["param_groups"]
 
 
+def check_layout(model: nn.Module) -> None:
+    """Expert-parallel shards must be DTensors (global shape): plain local expert slices
+    would be saved as if they were the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from moe.experts import GroupedExperts
+
+    for name, m in model.named_modules():
+        if not isinstance(m, GroupedExperts) or m.num_experts == m.num_global_experts:
+            continue
+        if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False)):
+            raise CheckpointError(
+                f"{name}: holds {m.num_experts} of {m.num_global_experts} experts as plain "
+                "tensors; checkpoints need the DTensor parameters of moe.parallel.parallelize"
+            )
+
+
 def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything to save: tensors by key, and the JSON objects."""
+    check_layout(model)
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None}
     if opt is None:
@@ -101,6 +119,7 @@ def _check(key: str, entry: TensorEntry | None, shape, dtype, problems: list) ->
 def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems: list) -> dict:
     """Empty tensors (same layout as the live ones) to load into, after checking every
     stored key, shape and dtype against the model and optimizer."""
+    check_layout(model)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if _check(f"model/{k}", stored.get(f"model/{k}"), v.shape, v.dtype, problems):
