@@ -259,3 +259,14 @@ def test_plain_local_expert_shards_refused(tmp_path):
     with pytest.raises(CheckpointError, match="holds 2 of 4 experts as plain tensors"):
         save_checkpoint(str(tmp_path), model)
     assert not os.listdir(tmp_path)
+
+
+def test_mismatched_model_names_the_tensors(tmp_path):
+    saved(tmp_path)
+    other = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, 1))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(str(tmp_path), other, torch.optim.SGD(other.parameters(), lr=0.1))
+    message = str(info.value)
+    assert "model/0.weight: checkpoint has float32[7, 5], expected float32[8, 5]" in message
+    assert "model/3.weight: missing from the checkpoint" in message
+    assert "optim/0.weight/exp_avg: this optimizer (SGD) has no such state" in message

@@ -9,8 +9,8 @@ written last, by the coordinator), rank 0 renames the directory to `ckpt-<id>` a
 replaces LATEST, so a save killed at any point leaves the previous checkpoint loadable.
 
 Checkpoints of the older `manifest.json` format (moe-checkpoint v1) are refused with a
-CheckpointError saying so: re-save them with the release that wrote them is not possible, so
-convert by loading with that release and saving with this one.
+CheckpointError saying so (no legacy reader): load them with the release that wrote them and
+save again with this one.
 """
 
 import json
@@ -138,8 +138,9 @@ def checkpoint_dir(path: str) -> str:
     root, real = os.path.realpath(path), os.path.realpath(directory)
     if os.path.dirname(real) != root or not os.path.isdir(real):
         raise CheckpointError(f"{pointer}: {name!r} is not a directory inside {path!r}")
-    return checkpoint_dir(directory) if os.path.isfile(os.path.join(real, "manifest.json")) \
-        else directory  # fmt: skip
+    if os.path.isfile(os.path.join(real, "manifest.json")):
+        return checkpoint_dir(directory)  # raises: the old format
+    return directory
 
 
 def _check_objects(objects: dict) -> None:

@@ -125,8 +125,8 @@ def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems:
         if _check(f"model/{k}", stored.get(f"model/{k}"), v.shape, v.dtype, problems):
             out[f"model/{k}"] = torch.empty_like(v)
     model_keys = {f"model/{k}" for k in get_model_state_dict(model)}
-    problems += [f"{k}: in the checkpoint but not in the model" for k in stored
-                 if k.startswith("model/") and k not in model_keys]  # fmt: skip
+    unknown = [k for k in stored if k.startswith("model/") and k not in model_keys]
+    problems += [f"{k}: in the checkpoint but not in the model" for k in unknown]
     if opt is None:
         return out
     if not isinstance(objects.get("optimizer"), dict):
@@ -140,12 +140,13 @@ def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems:
             if fqn not in named:
                 problems.append(f"{k}: in the checkpoint but not a parameter of this optimizer")
             saved.setdefault(fqn, set()).add(key)
-    live = {} if _is_grouped(opt) else get_optimizer_state_dict(model, opt)["state"]
+    grouped = _is_grouped(opt)
+    live = {} if grouped else get_optimizer_state_dict(model, opt)["state"]
     for fqn, p in named.items():
         for key in sorted(saved.get(fqn, ())):
             k, entry = f"optim/{fqn}/{key}", stored[f"optim/{fqn}/{key}"]
-            ref = live.get(fqn, {}).get(key) if live else None
-            if live and not isinstance(ref, torch.Tensor):
+            ref = live.get(fqn, {}).get(key)
+            if not grouped and not isinstance(ref, torch.Tensor):
                 problems.append(f"{k}: this optimizer ({type(opt).__name__}) has no such state")
             elif ref is not None:
                 if _check(k, entry, ref.shape, ref.dtype, problems):
