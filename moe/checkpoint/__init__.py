@@ -1,5 +1,13 @@
-"""Checkpoint I/O: sharded save and load that reload at another layout, with no pickle."""
+"""Checkpoint I/O on torch.distributed.checkpoint: each rank writes its own shards, any layout
+loads at any other, atomic commit, JSON metadata and raw bytes (no pickle anywhere)."""
 
-from moe.checkpoint.load import load_checkpoint, read_manifest
-from moe.checkpoint.manifest import CheckpointError
-from moe.checkpoint.native import save_checkpoint
+from moe.checkpoint.api import checkpoint_dir, load_checkpoint, save_checkpoint
+from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "checkpoint_dir",
+    "load_checkpoint",
+    "save_checkpoint",
+]

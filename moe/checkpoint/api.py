@@ -1,0 +1,188 @@
+"""save_checkpoint / load_checkpoint on torch.distributed.checkpoint, atomic and pickle-free.
+
+Layout of `path/`:
+    LATEST                       name of the current complete checkpoint (replaced atomically)
+    ckpt-<id>/metadata.json      JSON metadata (moe.checkpoint.metadata)
+    ckpt-<id>/data-<rank>.bin    raw bytes of the chunks that rank owns (no gather to one rank)
+Every rank writes into `path/.tmp-<id>/`; when DCP has finished on every rank (metadata
+written last, by the coordinator), rank 0 renames the directory to `ckpt-<id>` and then
+replaces LATEST, so a save killed at any point leaves the previous checkpoint loadable.
+
+Checkpoints of the older `manifest.json` format (moe-checkpoint v1) are refused with a
+CheckpointError saying so (no legacy reader): load them with the release that wrote them and
+save again with this one.
+"""
+
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from moe.checkpoint import state as st
+from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from moe.checkpoint.metadata import METADATA
+from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
+
+LATEST = "LATEST"
+_NAME = re.compile(r"ckpt-[0-9a-f]{1,32}")
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _shared_id() -> str:
+    ident = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if _dist():
+        ident = ident.to(_device())
+        dist.broadcast(ident, src=0)
+    return f"{int(ident.item()):x}"
+
+
+def _agree(problems: list[str], cls: type = CheckpointError) -> None:
+    """Raise the same CheckpointError on every rank if any rank found a problem."""
+    lines = list(problems)
+    if _dist():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, lines)
+        lines = [f"rank {r}: {m}" for r, ms in enumerate(everyone) for m in ms]
+    if lines:
+        shown = "\n  ".join(lines[:20])
+        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise cls(f"checkpoint refused (nothing was changed):\n  {shown}{more}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(path: str, tmp: str, final: str) -> None:
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    pointer = os.path.join(path, LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(path, LATEST))
+    _fsync_dir(path)
+    keep = os.path.basename(final)
+    for name in os.listdir(path):
+        if name != keep and (name.startswith("ckpt-") or name.startswith(".tmp-")):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+
+
+def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
+    """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
+    Collective: every rank calls it and writes only its own shards. `extra` is JSON
+    metadata (e.g. the step). Returns the directory of the new checkpoint."""
+    tensors, objects = st.collect(model, opt)
+    try:
+        objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+    ident = _shared_id()
+    tmp, final = os.path.join(path, f".tmp-{ident}"), os.path.join(path, f"ckpt-{ident}")
+    os.makedirs(tmp, exist_ok=True)
+    with warnings.catch_warnings():  # "assuming ... a single process": intended
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=JsonStorageWriter(tmp, objects), no_dist=not _dist())
+    failed = torch.zeros(1, dtype=torch.int64)
+    error = None
+    if not _dist() or dist.get_rank() == 0:
+        try:
+            _commit(path, tmp, final)
+        except OSError as e:
+            failed += 1
+            error = e
+    if _dist():
+        failed = failed.to(_device())
+        dist.all_reduce(failed)
+    if int(failed.item()):
+        raise OSError(f"save_checkpoint: committing {final} failed on rank 0: {error}")
+    return final
+
+
+def checkpoint_dir(path: str) -> str:
+    """The directory of the current complete checkpoint under `path` (or `path` itself)."""
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return path
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        raise CheckpointError(
+            f"{path} is an old moe-checkpoint v1 (manifest.json) checkpoint, which this "
+            "version does not read: load it with the release that wrote it and save again"
+        )
+    pointer = os.path.join(path, LATEST)
+    if not os.path.isfile(pointer):
+        raise CheckpointNotFoundError(f"no complete checkpoint under {path!r} (no {LATEST} file)")
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        name = f.read(100).strip()
+    if not _NAME.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {name!r:.80}, not a checkpoint directory")
+    directory = os.path.join(path, name)
+    root, real = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.dirname(real) != root or not os.path.isdir(real):
+        raise CheckpointError(f"{pointer}: {name!r} is not a directory inside {path!r}")
+    if os.path.isfile(os.path.join(real, "manifest.json")):
+        return checkpoint_dir(directory)  # raises: the old format
+    return directory
+
+
+def _check_objects(objects: dict) -> None:
+    opt = objects.get("optimizer")
+    if opt is None:
+        return
+    ok = (
+        isinstance(opt, dict)
+        and isinstance(opt.get("state_values", {}), dict)
+        and all(isinstance(v, dict) for v in opt.get("state_values", {}).values())
+        and isinstance(opt.get("param_groups", []), list)
+        and all(isinstance(g, dict) for g in opt.get("param_groups", []))
+        and isinstance(opt.get("loss_scaler") or {}, dict)
+    )
+    if not ok:
+        raise CheckpointError("metadata: objects.optimizer is malformed")
+    if not isinstance(objects.get("extra", {}), dict):
+        raise CheckpointError("metadata: objects.extra is not a JSON object")
+
+
+def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
+    """Load the checkpoint under `path` into `model` and `opt` at any layout. Collective.
+    Validates everything first; any problem raises CheckpointError (a ValueError) naming it
+    on every rank and changes nothing. Returns the `extra` saved with it."""
+    problems: list[str] = []
+    stored, objects, loaded = {}, {}, {}
+    cls = CheckpointError
+    try:
+        directory = checkpoint_dir(path)
+        stored, objects = read_metadata_json(directory)
+        _check_objects(objects)
+        loaded = st.targets(model, opt, stored, objects, problems)
+    except CheckpointError as e:
+        problems.append(str(e))
+        cls = type(e)
+    _agree(problems, cls)
+    try:
+        reader = JsonStorageReader(directory, stored)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(loaded, storage_reader=reader, no_dist=not _dist())
+    except CheckpointException as e:
+        raise CheckpointError(f"checkpoint refused (nothing was changed): {e}") from e
+    st.apply(model, opt, loaded, objects)
+    return objects.get("extra", {})

@@ -1,0 +1,196 @@
+"""Model and optimizer state as (flat tensors for DCP, JSON objects), and back.
+
+Keys: "model/<fqn>" for weights and buffers, "optim/<fqn>/<state key>" for optimizer state,
+with <fqn> the parameter's name in the unwrapped model, so every layout saves the same keys
+and global shapes (DTensor parameters: torch's get_*_state_dict). Non-tensor values
+(hyperparameters, integer steps, None buffers, the loss scaler) go to JSON.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from moe.checkpoint.errors import CheckpointError
+from moe.checkpoint.metadata import TensorEntry, dtype_name
+
+# Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
+NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _is_grouped(opt) -> bool:
+    return hasattr(opt, "state_of") and hasattr(opt, "load_param_states")
+
+
+def _json_value(value, where: str):
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(v, where) for v in value]
+    raise CheckpointError(f"{where}: cannot store a {type(value).__name__} as JSON")
+
+
+def _hyper(group: dict, where: str) -> dict:
+    return {k: _json_value(v, f"{where}.{k}") for k, v in group.items() if k not in NOT_RESTORED}
+
+
+def _named_managed(model: nn.Module, opt) -> dict[str, nn.Parameter]:
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    return {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+
+def _optimizer_state(model: nn.Module, opt) -> tuple[dict, list]:
+    """({fqn: {key: value}}, param_groups with fqn lists) for either optimizer kind."""
+    if _is_grouped(opt):
+        named = _named_managed(model, opt)
+        state = {n: s for n, p in named.items() if (s := opt.state_of(p))}
+        fqn = {id(p): n for n, p in named.items()}
+        groups = [{**g, "params": [fqn[id(p)] for p in g["params"]]} for g in opt.param_groups]
+        return state, groups
+    osd = get_optimizer_state_dict(model, opt)
+    return osd["state"], osd["param_groups"]
+
+
+def check_layout(model: nn.Module) -> None:
+    """Expert-parallel shards must be DTensors (global shape): plain local expert slices
+    would be saved as if they were the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from moe.experts import GroupedExperts
+
+    for name, m in model.named_modules():
+        if not isinstance(m, GroupedExperts) or m.num_experts == m.num_global_experts:
+            continue
+        if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False)):
+            raise CheckpointError(
+                f"{name}: holds {m.num_experts} of {m.num_global_experts} experts as plain "
+                "tensors; checkpoints need the DTensor parameters of moe.parallel.parallelize"
+            )
+
+
+def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
+    """Everything to save: tensors by key, and the JSON objects."""
+    check_layout(model)
+    tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
+    objects: dict = {"optimizer": None}
+    if opt is None:
+        return tensors, objects
+    state, groups = _optimizer_state(model, opt)
+    values: dict[str, dict] = {}
+    for fqn, s in state.items():
+        for key, v in s.items():
+            if isinstance(v, torch.Tensor):
+                dtype_name(v.dtype)
+                tensors[f"optim/{fqn}/{key}"] = v
+            else:
+                values.setdefault(fqn, {})[key] = _json_value(v, f"optim/{fqn}/{key}")
+    scaler = getattr(opt, "loss_scaler", None)
+    objects["optimizer"] = {
+        "class": type(opt).__name__,
+        "state_values": values,
+        "param_groups": [
+            {**_hyper(g, f"param_groups[{i}]"), "params": list(g["params"])}
+            for i, g in enumerate(groups)
+        ],
+        "loss_scaler": _json_value(scaler.state_dict(), "loss_scaler") if scaler else None,
+    }
+    return tensors, objects
+
+
+def _check(key: str, entry: TensorEntry | None, shape, dtype, problems: list) -> bool:
+    if entry is None:
+        problems.append(f"{key}: missing from the checkpoint")
+    elif tuple(entry.shape) != tuple(shape) or entry.dtype != dtype:
+        problems.append(
+            f"{key}: checkpoint has {dtype_name(entry.dtype)}{list(entry.shape)}, "
+            f"expected {dtype_name(dtype)}{list(shape)}"
+        )
+    else:
+        return True
+    return False
+
+
+def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems: list) -> dict:
+    """Empty tensors (same layout as the live ones) to load into, after checking every
+    stored key, shape and dtype against the model and optimizer."""
+    check_layout(model)
+    out = {}
+    for k, v in get_model_state_dict(model).items():
+        if _check(f"model/{k}", stored.get(f"model/{k}"), v.shape, v.dtype, problems):
+            out[f"model/{k}"] = torch.empty_like(v)
+    model_keys = {f"model/{k}" for k in get_model_state_dict(model)}
+    unknown = [k for k in stored if k.startswith("model/") and k not in model_keys]
+    problems += [f"{k}: in the checkpoint but not in the model" for k in unknown]
+    if opt is None:
+        return out
+    if not isinstance(objects.get("optimizer"), dict):
+        problems.append("optimizer: the checkpoint holds no optimizer state")
+        return out
+    named = _named_managed(model, opt)
+    saved: dict[str, set] = {}
+    for k in stored:
+        if k.startswith("optim/"):
+            fqn, _, key = k[len("optim/") :].rpartition("/")
+            if fqn not in named:
+                problems.append(f"{k}: in the checkpoint but not a parameter of this optimizer")
+            saved.setdefault(fqn, set()).add(key)
+    grouped = _is_grouped(opt)
+    live = {} if grouped else get_optimizer_state_dict(model, opt)["state"]
+    for fqn, p in named.items():
+        for key in sorted(saved.get(fqn, ())):
+            k, entry = f"optim/{fqn}/{key}", stored[f"optim/{fqn}/{key}"]
+            ref = live.get(fqn, {}).get(key)
+            if not grouped and not isinstance(ref, torch.Tensor):
+                problems.append(f"{k}: this optimizer ({type(opt).__name__}) has no such state")
+            elif ref is not None:
+                if _check(k, entry, ref.shape, ref.dtype, problems):
+                    out[k] = torch.empty_like(ref)
+            elif math.prod(entry.shape) == 1 and len(entry.shape) == 0:
+                out[k] = torch.empty((), dtype=entry.dtype)
+            elif _check(k, entry, p.shape, entry.dtype, problems):
+                if not entry.dtype.is_floating_point:
+                    problems.append(f"{k}: dtype {dtype_name(entry.dtype)} is not floating point")
+                else:
+                    out[k] = torch.empty_like(p, dtype=entry.dtype)
+    return out
+
+
+def _restore_group(saved: dict, live: dict) -> dict:
+    hyper = {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in saved.items()}
+    return {**live, **{k: v for k, v in hyper.items() if k not in NOT_RESTORED}}
+
+
+@torch.no_grad()
+def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
+    """Copy validated, fully read tensors into the model and optimizer."""
+    model_sd = {k[len("model/") :]: v for k, v in loaded.items() if k.startswith("model/")}
+    set_model_state_dict(model, model_sd)
+    if opt is None:
+        return
+    meta = objects["optimizer"]
+    state: dict[str, dict] = {}
+    for k, v in loaded.items():
+        if k.startswith("optim/"):
+            fqn, _, key = k[len("optim/") :].rpartition("/")
+            state.setdefault(fqn, {})[key] = v
+    for fqn, values in meta.get("state_values", {}).items():
+        state.setdefault(fqn, {}).update(values)
+    saved_groups = meta.get("param_groups", [])
+    if _is_grouped(opt):
+        named = _named_managed(model, opt)
+        opt.load_param_states({opt.index_of(named[f]): s for f, s in state.items()})
+        opt.load_hyperparameters([_restore_group(g, {}) for g in saved_groups])
+        scaler = meta.get("loss_scaler")
+        if scaler and getattr(opt, "loss_scaler", None) is not None:
+            opt.loss_scaler.load_state_dict(scaler)
+        return
+    groups = get_optimizer_state_dict(model, opt)["param_groups"]
+    if len(saved_groups) == len(groups):
+        groups = [_restore_group(s, g) for s, g in zip(saved_groups, groups)]
+    set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups})
