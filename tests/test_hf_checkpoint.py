@@ -63,7 +63,7 @@ def test_load_fused_layout(tmp_path):
     torch.testing.assert_close(logits(model, ids), logits(reference, ids), rtol=1e-5, atol=1e-6)
 
 
-def _ep_body(rank, world, directory, out_dir):
+def _ep_body(rank, world, directory, out_dir, data_parallel):
     import safetensors
 
     opened = []
@@ -92,7 +92,7 @@ def _ep_body(rank, world, directory, out_dir):
 
     safetensors.safe_open = Counting
     model = converted_from_config("mixtral")
-    parallelize(model, init_mesh(dp=1, ep=2), sync_params=False)
+    parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
     moe.load_hf_checkpoint(model, directory)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(rank))
     model.eval()
@@ -104,9 +104,11 @@ def _ep_body(rank, world, directory, out_dir):
     return y, experts
 
 
-def test_expert_parallel_load_reads_only_local_experts(tmp_path):
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_expert_parallel_load_reads_only_local_experts(tmp_path, data_parallel):
     reference = saved("mixtral", tmp_path / "hub")
-    results = run_ranks(_ep_body, 2, str(tmp_path / "hub"), str(tmp_path / "out"), timeout=60)
+    hub, out = str(tmp_path / "hub"), str(tmp_path / "out")
+    results = run_ranks(_ep_body, 2, hub, out, data_parallel, timeout=60)
     E = reference.config.num_local_experts
     assert results[0][1] == list(range(E // 2)) and results[1][1] == list(range(E // 2, E))
     for rank, (y, _) in enumerate(results):

@@ -29,6 +29,7 @@ from moe.checkpoint import state as st
 from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from moe.checkpoint.metadata import METADATA
 from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
+from moe.comm.consistency import all_gather_records
 
 LATEST = "LATEST"
 _NAME = re.compile(r"ckpt-[0-9a-f]{1,32}")
@@ -54,9 +55,8 @@ def _agree(problems: list[str], cls: type = CheckpointError) -> None:
     """Raise the same CheckpointError on every rank if any rank found a problem."""
     lines = list(problems)
     if _dist():
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, lines)
-        lines = [f"rank {r}: {m}" for r, ms in enumerate(everyone) for m in ms]
+        everyone = all_gather_records({str(i): m for i, m in enumerate(lines)})  # JSON, no pickle
+        lines = [f"rank {r}: {m}" for r, ms in enumerate(everyone) for m in ms.values()]
     if lines:
         shown = "\n  ".join(lines[:20])
         more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""

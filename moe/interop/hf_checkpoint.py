@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from moe.comm.consistency import all_gather_records
 from moe.interop.hf import HFMoELayer
@@ -78,8 +79,8 @@ def _layer_pieces(path: str, layer: HFMoELayer, fused: bool) -> list[Piece]:
         key = f"{path}.experts.down_proj"
         pieces.append(Piece(f"{path}.experts.w2", key, None, True, (E, d, F), "down"))
     else:
-        for j in range(E):
-            for param, hub_name in names.items():
+        for param, hub_name in names.items():  # parameter-major: one block completes at a time
+            for j in range(E):
                 shape = (d, F) if param == "w2" else (F, d)
                 key = f"{hub}.experts.{j}.{hub_name}.weight"
                 pieces.append(Piece(f"{path}.experts.{param}", key, j, lo <= j < hi, shape))
@@ -203,21 +204,53 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     _check(pieces, weight_map, _headers(set(weight_map.values())), path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:
             continue
-        target = state[p.name]
         with safe_open(weight_map[p.hub_key], "pt") as f:
             if p.expert is None and p.fused is None:
-                target.copy_(f.get_tensor(p.hub_key))
+                _place(state[p.name], f.get_tensor(p.hub_key), p.name)
                 continue
             experts = owners[p.name.rsplit(".experts.", 1)[0]].experts
             value = _read(f, p, experts.expert_offset, experts.num_experts)
-            if p.fused is None:
-                target[p.expert - experts.expert_offset].copy_(value)
-            else:
-                target.copy_(value)
+        if p.fused is not None:
+            _place(state[p.name], value, p.name)
+            continue
+        rows.append(value)
+        if p.expert == experts.expert_offset + experts.num_experts - 1:
+            _place(state[p.name], torch.stack(rows), p.name)
+            rows = []
     return model
+
+
+def _place(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy `value` (the whole tensor, or for experts this rank's [L, ...] block) into a plain
+    tensor or into this rank's part of a DTensor (FSDP2 shards dim 0 in torch.chunk pieces)."""
+    if not isinstance(target, DTensor):
+        target.copy_(value)
+        return
+    local = target.to_local()
+    if local.shape != value.shape:
+        dim = next(i for i, pl in enumerate(target.placements) if pl.is_shard())
+        chunks = torch.chunk(value, target.device_mesh.size(dim), dim=0)
+        index = target.device_mesh.get_local_rank(dim)
+        value = chunks[index] if index < len(chunks) else value[:0]
+    if local.shape != value.shape:
+        raise HFCheckpointError(f"{name}: cannot place {tuple(value.shape)} into {target}")
+    local.copy_(value)
+
+
+def _gathered(t: torch.Tensor, expert: bool) -> torch.Tensor:
+    """Collective for DTensors: dense -> the full tensor; experts -> this rank's [L, ...]."""
+    if not isinstance(t, DTensor):
+        return t
+    if not expert:
+        return t.full_tensor()
+    placements = [
+        Replicate() if i < len(t.placements) - 1 else pl for i, pl in enumerate(t.placements)
+    ]
+    return t.redistribute(t.device_mesh, placements).to_local()
 
 
 def _holders(model: nn.Module) -> bool:
@@ -240,16 +273,18 @@ def save_hf_checkpoint(model: nn.Module, path: str) -> str:
     rank, world = _world()
     writes_experts = _holders(model)
     state = model.state_dict(keep_vars=True)
-    tensors = {}
-    for p in _pieces(model, fused=False):
+    tensors, blocks = {}, {}
+    for p in _pieces(model, fused=False):  # every rank in the same order: gathers are collective
         if p.expert is not None:
+            if p.name not in blocks:
+                blocks[p.name] = _gathered(state[p.name], expert=True)
+            first = model.get_submodule(p.name.rsplit(".experts.", 1)[0]).experts.expert_offset
             if p.local and writes_experts:
-                experts_t = state[p.name]
-                offset = p.name.rsplit(".experts.", 1)[0]
-                first = model.get_submodule(offset).experts.expert_offset
-                tensors[p.hub_key] = experts_t[p.expert - first].t()
-        elif rank == 0:
-            tensors[p.hub_key] = state[p.name]
+                tensors[p.hub_key] = blocks[p.name][p.expert - first].t()
+            continue
+        value = _gathered(state[p.name], expert=False)
+        if rank == 0:
+            tensors[p.hub_key] = value
     ident = all_gather_records({"id": uuid.uuid4().hex[:12]})[0]["id"] if world > 1 else None
     staging = f"{path.rstrip(os.sep)}.partial-{ident or uuid.uuid4().hex[:12]}"
     os.makedirs(staging, exist_ok=True)
