@@ -139,6 +139,9 @@ class MoELayer(nn.Module):
             "router_entropy": entropy_T.mean() if entropy_T.numel() else entropy_T.sum(),
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
+        if self.exchange is not None:  # 1 when "auto" chose the hierarchical all-to-all
+            algo = getattr(self.exchange, "last_algorithm", "flat")
+            self.stats["a2a_hierarchical"] = torch.tensor(int(algo == "hierarchical"))
 
     def extra_repr(self) -> str:
         c = self.config

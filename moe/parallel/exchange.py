@@ -42,6 +42,7 @@ class ExpertExchange:
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
         self._multi_node: bool | None = None
+        self.last_algorithm = "flat"  # resolved algorithm of the latest call (layer.stats)
 
     def _flat(self) -> bool:
         """Flat unless asked otherwise and the EP group spans nodes (topology detected once)."""
@@ -65,6 +66,7 @@ class ExpertExchange:
             a2a = AllToAllPlan("flat", self.group, tuple(send), tuple(recv), recv_P)
         else:  # hierarchical needs the W x W matrix: plan_all_to_all gathers it
             a2a = plan_all_to_all(x_kept_D, send, self.group, self.algorithm, self.ranks_per_node)
+        self.last_algorithm = a2a.algorithm
         recv_RD = exchange(x_kept_D, a2a)
         # Received rows are (source, local expert)-major; the experts want expert-major.
         expert_R = torch.repeat_interleave(
