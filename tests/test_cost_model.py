@@ -152,3 +152,27 @@ def test_auto_same_choice_on_every_rank_and_flips_at_model_size():
     results = run_ranks(_auto_body, 4, timeout=60)
     problems = [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs]
     assert not problems, "\n".join(problems)
+
+
+def _stats_body(rank: int, world_size: int) -> dict[str, int]:
+    """One forward of an EP=4 layer per setting; layer.stats shows what "auto" chose."""
+    import moe
+    from moe.parallel import init_mesh, parallelize
+
+    seen = {}
+    for name, model in [("gloo default", None), ("small model", SMALL)]:
+        set_cost_model(model)
+        try:
+            torch.manual_seed(0)
+            layer = moe.MoELayer(8, 16, 4, top_k=2)
+            layer = parallelize(layer, init_mesh(dp=1, ep=4), algorithm="auto", ranks_per_node=2)
+            layer(torch.randn(3 + rank, 8))
+            seen[name] = int(layer.stats["a2a_hierarchical"])
+        finally:
+            set_cost_model(None)
+    return seen
+
+
+def test_layer_stats_show_the_chosen_algorithm():
+    results = run_ranks(_stats_body, 4, timeout=60)
+    assert results == [{"gloo default": 0, "small model": 1}] * 4
