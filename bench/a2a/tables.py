@@ -43,8 +43,8 @@ def algo_table(rows: list[dict], W: int, algo: str, markdown: bool = True) -> st
                 str(row["count"]),
                 "float",
                 f"{t:.1f}",
-                f"{a:.3f}",
-                f"{b:.3f}",
+                f"{a:.4f}",
+                f"{b:.4f}",
             ]
             + ([wrong_cell(row, algo)] if checked else [])
         )
