@@ -21,6 +21,12 @@ veth (10.77.0.K+1/24) into a bridge living in namespace moe-sw; both directions 
 carry a `tc tbf` rate limit (node NIC), so inter-node traffic is shaped while ranks of one node
 talk over the namespace's loopback. Gloo binds to the node's veth (GLOO_SOCKET_IFNAME); rank
 0's namespace hosts the store. tbf adds no propagation delay (netem is unavailable here).
+
+Pieces in bench/a2a/: runner.py (sweep in every rank, local launcher), netem.py (namespaces),
+model.py (fit of moe.comm.cost_model to a run, projection), tables.py (nccl-tests tables,
+console lines), report.py (markdown + JSON + cost profile), plots.py (PNG, matplotlib).
+The report's tables are also printed on the console; tqdm only on a terminal, piped output
+gets one line per finished size.
 """
 
 from __future__ import annotations
