@@ -97,9 +97,10 @@ def write_report(path: Path, results: dict[str, dict], cfgs: dict[str, dict], ar
         "",
         f"Command: `{argv}`",
         "",
-        f"Machine: {os.cpu_count()}-core CPU, torch {torch.__version__}, gloo over TCP; "
-        "every rank uses 1 intra-op thread. Ranks oversubscribe the cores, so small-message "
-        "times are dominated by process scheduling.",
+        f"Machine: {os.cpu_count()}-core CPU VM, torch {torch.__version__}, gloo over TCP;\n"
+        "every rank uses 1 intra-op thread. The machine was shared with other jobs (tests of\n"
+        "other work) during the run, and 8 ranks oversubscribe the cores, so small-message times\n"
+        "are dominated by process scheduling; rerun on a quiet machine with the same command.",
         "",
     ]
     for name, res in results.items():
