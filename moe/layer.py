@@ -156,6 +156,9 @@ class MoELayer(nn.Module):
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
         record_balance(self, routing, plan)  # balance loss mode, metrics, load since update
+        algorithm = getattr(self.dispatcher, "last_algorithm", None)  # expert-parallel only
+        if algorithm is not None:  # 1 when "auto" chose the hierarchical all-to-all
+            self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
 
     def extra_repr(self) -> str:
         c = self.config

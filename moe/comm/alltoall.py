@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
 from moe.comm.topology import Topology, get_subgroups, get_topology
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
 ENV_HIERARCHICAL_MAX_BYTES = "MOE_A2A_HIERARCHICAL_MAX_BYTES"
+ENV_COST_PROFILE = "MOE_A2A_COST_PROFILE"
 _threshold_override: int | None = None
-# Alpha-beta constants behind the default "auto" threshold on NCCL: per collective, per network
-# message, NVLink bytes/s per GPU, HBM re-layout bytes/s (bench/alltoall.py states and checks
-# the model; bench/results/*alltoall* has the numbers).
-_NCCL_A_COLL, _NCCL_A_INTER, _NCCL_BW_INTRA, _NCCL_BW_COPY = 15e-6, 4e-6, 450e9, 1.5e12
+_model_override: CostModel | None = None
 ENV_PIPELINE_MIN_BYTES = "MOE_A2A_PIPELINE_MIN_BYTES"
 DEFAULT_PIPELINE_MIN_BYTES = 2 << 20
 MAX_PIPELINE_CHUNKS = 4
@@ -40,27 +39,43 @@ Counts = torch.Tensor | Sequence[int]
 
 
 def set_hierarchical_threshold(max_bytes: int | None) -> None:
-    """Set the per-rank buffer size (bytes) up to which "auto" picks hierarchical; None resets."""
+    """Fix the per-rank buffer size (bytes) up to which "auto" picks hierarchical, overriding
+    the cost model; None returns to the model."""
     global _threshold_override
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     _threshold_override = max_bytes
 
 
-def default_hierarchical_threshold(topo: Topology, backend: str) -> int:
-    """Largest per-rank buffer (bytes) for which the 2D path is predicted to win.
+def set_cost_model(model: CostModel | None) -> None:
+    """Use this cost model for "auto" on every backend (e.g. load_profile(path)); None resets."""
+    global _model_override
+    if model is not None and not isinstance(model, CostModel):
+        raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
+    _model_override = model
 
-    NCCL: the (W - L) - (N - 1) network messages saved, minus one extra collective, against
-    the extra intra-node bytes and two re-layouts (about 5.6 MB at 2 x 8 GPUs, beyond any
-    realistic buffer at 60 x 8). Other backends (gloo): 0, because on the emulated two-tier
-    network the per-collective overhead of gloo outweighed the saved messages at every size.
-    """
-    if backend != "nccl" or not topo.is_multi_node:
+
+def cost_model(backend: str = "nccl") -> CostModel | None:
+    """The model "auto" uses: set_cost_model, then the JSON profile named by the env variable
+    MOE_A2A_COST_PROFILE, then NVLINK_IB for NCCL. None (always flat) for other backends
+    without a profile: on the emulated two-tier gloo network the per-collective overhead
+    outweighed the saved messages at every size (bench/results/*alltoall*)."""
+    if _model_override is not None:
+        return _model_override
+    path = os.environ.get(ENV_COST_PROFILE)
+    if path:
+        return load_profile(path)
+    return NVLINK_IB if backend == "nccl" else None
+
+
+def default_hierarchical_threshold(topo: Topology, backend: str) -> int:
+    """Largest per-rank buffer (bytes) for which the 2D path is predicted to win: the cost
+    model's crossover (about 5.6 MB at 2 x 8 GPUs on NVLINK_IB, beyond any realistic buffer
+    at 60 x 8); 0 without a model or without more than one node."""
+    model = cost_model(backend)
+    if model is None or not topo.is_multi_node:
         return 0
-    L, N, W = topo.ranks_per_node, topo.num_nodes, topo.group_size
-    saved_s = ((W - L) - (N - 1)) * _NCCL_A_INTER - _NCCL_A_COLL
-    extra_s_per_byte = ((L - 1) / L - (L - 1) / W) / _NCCL_BW_INTRA + 2 / _NCCL_BW_COPY
-    return max(0, int(saved_s / extra_s_per_byte))
+    return model.crossover_bytes(topo.num_nodes, topo.ranks_per_node)
 
 
 def hierarchical_threshold(topo: Topology | None = None, backend: str = "nccl") -> int:
@@ -93,11 +108,12 @@ def choose_algorithm(
     topo: Topology, max_rank_bytes: int, threshold: int | None = None, backend: str = "nccl"
 ) -> str:
     """ "hierarchical" only for more than one node (and >1 rank per node) and buffers up to
-    the threshold (default: hierarchical_threshold(topo, backend))."""
+    a positive threshold (default: hierarchical_threshold(topo, backend), the cost model's
+    crossover); 0 means never."""
     if not topo.is_multi_node:
         return "flat"
     limit = hierarchical_threshold(topo, backend) if threshold is None else threshold
-    return "hierarchical" if max_rank_bytes <= limit else "flat"
+    return "hierarchical" if limit > 0 and max_rank_bytes <= limit else "flat"
 
 
 def validate_inputs(x_ND: torch.Tensor, send_counts_W: Counts, group_size: int) -> list[int]:
@@ -361,8 +377,9 @@ def all_to_all(
     list of ints). y_ND: rows grouped by source rank in rank order; recv_counts_W[i] = rows
     from rank i (long tensor on x's device). algorithm: "flat" (one all_to_all_single),
     "hierarchical" (2D: intra-node then inter-node; the same y bit for bit) or "auto"
-    (hierarchical for >1 node and per-rank buffers up to hierarchical_threshold(); on gloo
-    only when a threshold is set). ranks_per_node overrides topology detection (see
+    (per call from the largest per-rank buffer, which every rank knows, and the cost model:
+    hierarchical up to hierarchical_threshold(); on gloo only with a profile or threshold;
+    the choice is plan.algorithm). ranks_per_node overrides topology detection (see
     moe.comm.topology). Every rank of the group must call it, also with zero rows, and
     must then take part in the backward too. A tensor send_counts_W costs one host read for
     validation, the received counts one more.

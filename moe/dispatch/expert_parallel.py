@@ -77,6 +77,7 @@ class ExpertParallelDispatcher(Dispatcher):
         else:  # hierarchical needs the W x W matrix: plan_all_to_all gathers it
             a2a = plan_all_to_all(x_kept_ND, send, self.group, self.algorithm, self.ranks_per_node)
         recv_RD = exchange(x_kept_ND, a2a)
+        self.last_algorithm = a2a.algorithm  # what "auto" chose, for layer.stats
         # Received rows are (source rank, local expert)-major; the experts want expert-major.
         expert_R = torch.repeat_interleave(
             torch.arange(L, device=x_TD.device).repeat(W),

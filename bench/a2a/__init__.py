@@ -1,0 +1,1 @@
+"""Pieces of bench/alltoall.py: runner, network emulation, cost-model fit, report, plots."""

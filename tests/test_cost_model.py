@@ -1,0 +1,178 @@
+"""Cost model of the all-to-all: fit, crossover, profiles, and "auto" on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe.comm.alltoall import all_to_all, plan_all_to_all, set_cost_model
+from moe.comm.cost_model import (
+    NVLINK_IB,
+    CostModel,
+    flat_terms,
+    hier_terms,
+    load_profile,
+    save_profile,
+)
+from tests.distributed import run_ranks
+
+TRUE = CostModel(
+    a_coll=12e-6, a_intra=2e-6, bw_intra=3e9, a_inter=9e-6, bw_inter=0.4e9, bw_copy=5e9,
+    a_ring=6e-6,
+)  # fmt: skip
+# 4 ranks as 2 nodes x 2: hierarchical saves (a_inter - a_coll) and pays S/4/bw_intra + 2S/bw_copy.
+SMALL = CostModel(
+    a_coll=1e-6, a_intra=1e-6, bw_intra=1e9, a_inter=5e-6, bw_inter=1e9, bw_copy=8e9, a_ring=1e-6
+)
+
+
+def _synthetic_samples(model: CostModel, noise: float, seed: int):
+    """Timings of flat and 1-chunk hierarchical calls on several layouts and sizes."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for N, L in [(1, 4), (2, 2), (2, 4), (4, 2), (3, 3)]:
+        for S in [1 << 10, 37_000, 1 << 20, 5_000_000]:
+            rows = [flat_terms(S, N, L, False), flat_terms(S, N, L, True)]
+            if N > 1:
+                rows += [sum(hier_terms(S, N, L, 1, c)) for c in (False, True)]
+            for row in rows:
+                t = float(row @ model.vector()) * (1 + noise * rng.standard_normal())
+                samples.append((row, t))
+    return samples
+
+
+def test_fit_recovers_known_alpha_beta():
+    fitted = CostModel.fit(_synthetic_samples(TRUE, 0.0, 0))
+    for f in dataclasses.fields(CostModel):
+        got, want = getattr(fitted, f.name), getattr(TRUE, f.name)
+        assert got == pytest.approx(want, rel=1e-6), f.name
+    noisy = CostModel.fit(_synthetic_samples(TRUE, 0.01, 1))
+    assert noisy.bw_inter == pytest.approx(TRUE.bw_inter, rel=0.05)
+    assert noisy.a_inter == pytest.approx(TRUE.a_inter, rel=0.1)
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError, match="at least one sample"):
+        CostModel.fit([])
+    with pytest.raises(ValueError, match="positive and finite"):
+        CostModel.fit([(flat_terms(1024, 2, 2), 0.0)])
+    with pytest.raises(ValueError, match="7 coefficients"):
+        CostModel.fit([(np.ones(3), 1.0)])
+
+
+@pytest.mark.parametrize("model", [NVLINK_IB, SMALL, TRUE])
+@pytest.mark.parametrize("N,L", [(2, 2), (2, 8), (8, 8), (4, 4)])
+def test_choose_flips_at_crossover(model, N, L):
+    c = model.crossover_bytes(N, L)
+    if c == 0:  # never wins: flat at every size, and hierarchical is indeed slower at 0 bytes
+        assert model.choose(0, N, L) == "flat"
+        assert model.hier_time(0, N, L) > model.flat_time(0, N, L)
+        return
+    assert model.choose(c, N, L) == "hierarchical"
+    assert model.choose(c + 1, N, L) == "flat"
+    assert model.hier_time(c, N, L) <= model.flat_time(c, N, L) * (1 + 1e-12)
+    assert model.hier_time(c + 2, N, L) > model.flat_time(c + 2, N, L)
+
+
+def test_nvlink_ib_crossovers():
+    """2 x 8: about 5.6 MB (3 network messages saved per rank are not enough at 2 x 4);
+    8 x 8: beyond 64 MB per rank."""
+    assert NVLINK_IB.crossover_bytes(2, 4) == 0
+    assert 5 << 20 < NVLINK_IB.crossover_bytes(2, 8) < 6 << 20
+    assert 50 << 20 < NVLINK_IB.crossover_bytes(8, 8) < 64 << 20
+    assert NVLINK_IB.crossover_bytes(60, 8) > 64 << 20
+    assert NVLINK_IB.choose(1 << 30, 1, 8) == "flat"
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(TRUE, path, meta={"machine": "test"})
+    assert load_profile(path) == TRUE
+    doc = json.loads(path.read_text())
+    doc["model"]["bw_inter"] = -1.0
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="bw_inter"):
+        load_profile(path)
+    del doc["model"]["bw_inter"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="'model' must have exactly"):
+        load_profile(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(path)
+    with pytest.raises(ValueError, match="not a file"):
+        load_profile(tmp_path / "missing.json")
+
+
+def _auto_body(rank: int, world_size: int) -> list[str]:
+    """Uneven splits whose largest per-rank buffer sits just at / just past the crossover."""
+    problems = []
+    D, elem = 4, 4
+    crossover = SMALL.crossover_bytes(2, 2)
+    set_cost_model(SMALL)
+    try:
+        for big_rows, want in [
+            (crossover // (D * elem), "hierarchical"),
+            (crossover // (D * elem) + 1, "flat"),
+        ]:
+            g = torch.Generator().manual_seed(big_rows)
+            totals = torch.randint(0, big_rows, (world_size,), generator=g)
+            totals[big_rows % world_size] = big_rows
+            cuts = [torch.randint(0, int(t) + 1, (world_size - 1,), generator=g) for t in totals]
+            C = torch.stack(
+                [
+                    torch.diff(torch.cat([torch.tensor([0]), c.sort().values, t.view(1)]))
+                    for c, t in zip(cuts, totals)
+                ]
+            )
+            xs = [torch.randn(int(C[s].sum()), D, generator=g) for s in range(world_size)]
+            plan = plan_all_to_all(xs[rank], C[rank], algorithm="auto", ranks_per_node=2)
+            flags = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+            mine = torch.tensor([int(plan.algorithm == "hierarchical")])
+            dist.all_gather(flags, mine)
+            if plan.algorithm != want:
+                problems.append(f"rows {big_rows}: auto chose {plan.algorithm}, want {want}")
+            if len({int(f) for f in flags}) != 1:
+                problems.append(f"rows {big_rows}: ranks disagree {[int(f) for f in flags]}")
+            y, _ = all_to_all(xs[rank], C[rank], algorithm="auto", ranks_per_node=2)
+            ref = torch.cat([torch.split(xs[s], C[s].tolist())[rank] for s in range(world_size)])
+            if not torch.equal(y, ref):
+                problems.append(f"rows {big_rows}: {want} exchange differs from the reference")
+    finally:
+        set_cost_model(None)
+    return problems
+
+
+def test_auto_same_choice_on_every_rank_and_flips_at_model_size():
+    results = run_ranks(_auto_body, 4, timeout=60)
+    problems = [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs]
+    assert not problems, "\n".join(problems)
+
+
+def _stats_body(rank: int, world_size: int) -> dict[str, int]:
+    """One forward of an EP=4 layer per setting; layer.stats shows what "auto" chose."""
+    import moe
+    from moe.parallel import init_mesh, parallelize
+
+    seen = {}
+    for name, model in [("gloo default", None), ("small model", SMALL)]:
+        set_cost_model(model)
+        try:
+            torch.manual_seed(0)
+            layer = moe.MoELayer(8, 16, 4, top_k=2)
+            layer = parallelize(layer, init_mesh(dp=1, ep=4), algorithm="auto", ranks_per_node=2)
+            layer(torch.randn(3 + rank, 8))
+            seen[name] = int(layer.stats["a2a_hierarchical"])
+        finally:
+            set_cost_model(None)
+    return seen
+
+
+def test_layer_stats_show_the_chosen_algorithm():
+    results = run_ranks(_stats_body, 4, timeout=60)
+    assert results == [{"gloo default": 0, "small model": 1}] * 4
