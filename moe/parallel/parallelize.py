@@ -107,7 +107,8 @@ def parallelize(
         layer.experts.set_force_sum_reduction_for_comms(
             sum_only and data_parallel == "fsdp" and mesh["dp"].size() > 1
         )
-    for module in [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]:
+    units = [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]
+    for module in dict.fromkeys(units):  # once each: the model may itself be an MoELayer
         wrap(module, mesh=all_ranks, **common)
         module.set_force_sum_reduction_for_comms(sum_only)
     model._moe_mesh = mesh
