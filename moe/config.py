@@ -41,6 +41,7 @@ class MoEConfig:
     bias: bool = False
     backend: str = "auto"
     checkpoint: bool = False  # recompute the layer in backward (activation checkpointing)
+    check_finite: bool = False  # debug: NaN/Inf in expert weights/outputs raises (host sync)
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):

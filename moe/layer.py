@@ -96,6 +96,7 @@ class MoELayer(nn.Module):
             out_MD = self.experts(x_TD, plan.offsets_E, plan.token_ids_M)
         else:
             out_MD = self.experts(gather_tokens(x_TD, plan), plan.offsets_E)
+        self._check_expert_outputs(out_MD, plan.offsets_E)
         y_TD = combine_rows(out_MD, plan, backend)
         self._record(routing, plan)
         return y_TD.to(x_TD.dtype)
@@ -118,13 +119,49 @@ class MoELayer(nn.Module):
         )
 
     def _check_finite(self, logits_TE: torch.Tensor) -> None:
-        finite = torch.isfinite(logits_TE).all()
-        message = f"{self.name}: router logits contain NaN or Inf (check the layer's input)"
-        if logits_TE.device.type == "cpu":
-            if not finite:
-                raise FloatingPointError(message)
-        else:  # device-side assert: no host sync
-            torch._assert_async(finite, message)
+        """Router logits must be finite; with config.check_finite also every expert weight.
+        Compile-safe: under torch.compile the checks are torch._assert_async (no Python branch
+        on a tensor value); on CUDA they never sync the host."""
+        checks = [(torch.isfinite(logits_TE).all(), "router logits contain NaN or Inf (check "
+                   "the layer's input)")]  # fmt: skip
+        if self.config.check_finite:
+            ex = self.experts
+            for pname in ("w1", "w2", "w3", "b1", "b2"):
+                w = getattr(ex, pname, None)
+                if w is not None:
+                    checks.append(self._expert_finite(w.detach(), f"weight {pname}"))
+        for ok, message in checks:
+            self._raise_unless(ok, f"{self.name}: {message}", logits_TE)
+
+    def _check_expert_outputs(self, out_MD: torch.Tensor, offsets_E: torch.Tensor) -> None:
+        """config.check_finite: NaN/Inf in an expert's output rows raises naming the expert."""
+        if not self.config.check_finite:
+            return
+        rows = torch.arange(out_MD.shape[0], device=out_MD.device, dtype=offsets_E.dtype)
+        expert_M = torch.searchsorted(offsets_E, rows, right=True)
+        bad_M = ~torch.isfinite(out_MD.detach()).all(-1)
+        counts = torch.bincount(expert_M[bad_M], minlength=offsets_E.shape[0] + 1)
+        bad_E = counts[: offsets_E.shape[0]] > 0
+        ok, message = self._expert_finite(bad_E.logical_not().unsqueeze(-1), "output", bad_E)
+        self._raise_unless(ok, f"{self.name}: {message}", out_MD)
+
+    def _expert_finite(self, w_E: torch.Tensor, what: str, bad_E: torch.Tensor | None = None):
+        """(all finite?, message naming the first bad expert in eager CPU mode)."""
+        if bad_E is None:
+            bad_E = ~torch.isfinite(w_E).flatten(1).all(-1)
+        ok = ~bad_E.any()
+        message = f"expert {what} contains NaN or Inf"
+        if not torch.compiler.is_compiling() and w_E.device.type == "cpu" and not ok:
+            first = int(bad_E.nonzero()[0, 0]) + getattr(self.experts, "expert_offset", 0)
+            message = f"expert {first} {what} contains NaN or Inf"
+        return ok, message
+
+    @staticmethod
+    def _raise_unless(ok: torch.Tensor, message: str, like: torch.Tensor) -> None:
+        if torch.compiler.is_compiling() or like.device.type != "cpu":
+            torch._assert_async(ok, message)  # device-side assert: no host sync
+        elif not ok:
+            raise FloatingPointError(message)
 
     def _record(self, routing: Routing, plan: DispatchPlan) -> None:
         probs_TE = routing.probs_TE.detach()
