@@ -55,7 +55,8 @@ class Router(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return x_TD.float() @ self.weight.float().t()
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 or wider (float64)
+        return x_TD.to(dtype) @ self.weight.to(dtype).t()
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         raise NotImplementedError

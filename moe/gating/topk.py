@@ -96,11 +96,11 @@ class SwitchRouter(TopKRouter):
             raise ValueError(f"router='switch' is top-1; got top_k={config.top_k}")
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        x_TD = x_TD.float()
+        x_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))  # fp32 or float64
         eps = self.config.jitter_eps
         if self.training and eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        return x_TD @ self.weight.float().t()
+        return x_TD @ self.weight.to(x_TD.dtype).t()
 
 
 __all__ = ["SwitchRouter", "TopKRouter"]
