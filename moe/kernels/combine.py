@@ -36,8 +36,9 @@ def _backward(ctx, dy_TD):
     if ctx.needs_input_grad[0]:
         w_TK = weights_TK.to(out_MD.dtype)
         scaled_TKD = w_TK.unsqueeze(-1) * dy_TD.unsqueeze(1)
-        d_out = scaled_TKD.new_zeros(out_MD.shape[0], dy_TD.shape[1])
-        d_out = d_out.index_copy(0, flat_rows, scaled_TKD.flatten(0, 1))
+        # every row of out_MD belongs to exactly one pair: no zero-fill needed
+        d_out = scaled_TKD.new_empty(out_MD.shape[0], dy_TD.shape[1])
+        d_out.index_copy_(0, flat_rows, scaled_TKD.flatten(0, 1))
     if ctx.needs_input_grad[2]:
         rows_TKD = out_MD.index_select(0, flat_rows).view(T, K, out_MD.shape[1])
         acc = torch.promote_types(out_MD.dtype, torch.float32)

@@ -101,7 +101,7 @@ def _backward(ctx, dy_MN):
     dy_MN = dy_MN.contiguous()
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = _grouped_mm_op(dy_MN, w_EKN.transpose(1, 2).contiguous(), offsets_E)
+        dx = _grouped_mm_op(dy_MN, w_EKN.transpose(1, 2), offsets_E)
     if ctx.needs_input_grad[1]:
         dw = _grouped_mm_wgrad_op(x_MK, dy_MN, offsets_E)  # rows past the offsets are ignored
     return dx, dw, None
@@ -120,7 +120,7 @@ def _wgrad_backward(ctx, ddw_EKN):
     ddw_EKN = ddw_EKN.contiguous()
     dx = dd = None
     if ctx.needs_input_grad[0]:
-        dx = _grouped_mm_op(dy_MN, ddw_EKN.transpose(1, 2).contiguous(), offsets_E)
+        dx = _grouped_mm_op(dy_MN, ddw_EKN.transpose(1, 2), offsets_E)
     if ctx.needs_input_grad[1]:
         dd = _grouped_mm_op(x_MK, ddw_EKN, offsets_E)
     return dx, dd, None
