@@ -132,13 +132,14 @@ class MoELayer(nn.Module):
         )
 
     def _check_finite(self, logits_TE: torch.Tensor) -> None:
+        """Router logits must be finite. Compile-safe: under torch.compile or on a GPU this is
+        a device-side assert (no Python branch on a tensor value, no host sync)."""
         finite = torch.isfinite(logits_TE).all()
         message = f"{self.name}: router logits contain NaN or Inf (check the layer's input)"
-        if logits_TE.device.type == "cpu":
-            if not finite:
-                raise FloatingPointError(message)
-        else:  # device-side assert: no host sync
+        if torch.compiler.is_compiling() or logits_TE.device.type != "cpu":
             torch._assert_async(finite, message)
+        elif not finite:
+            raise FloatingPointError(message)
 
     def _record(self, routing: Routing, plan: DispatchPlan) -> None:
         if in_recomputation():  # checkpointed forward run again in backward: already recorded

@@ -1,35 +1,52 @@
-"""Weighted gather-sum of each token's k expert outputs (no scatter, no float atomics)."""
+"""Weighted gather-sum of each token's k expert outputs (no scatter, no float atomics), as the
+torch.library custom op `moe::combine` with fake and autograd registrations."""
 
 import torch
 
 
-class _Combine(torch.autograd.Function):
-    """Forward: gather each token's k rows and take their weighted sum. Backward: the row
-    gradient is a permutation write (each row belongs to exactly one pair), the weight
-    gradient a row-wise dot product; no zero-fill, no scatter-add."""
+@torch.library.custom_op("moe::combine", mutates_args=())
+def _combine_op(
+    out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """Gather each token's k rows and take their weighted sum (in out_MD's dtype)."""
+    T, K = pair_rows_TK.shape
+    rows_TKD = out_MD.index_select(0, pair_rows_TK.reshape(-1)).view(T, K, out_MD.shape[1])
+    w_TK = weights_TK.to(out_MD.dtype)
+    return torch.bmm(w_TK.unsqueeze(1), rows_TKD).squeeze(1)
 
-    @staticmethod
-    def forward(ctx, out_MD, pair_rows_TK, weights_TK):
-        T, K = pair_rows_TK.shape
-        rows_TKD = out_MD.index_select(0, pair_rows_TK.reshape(-1)).view(T, K, out_MD.shape[1])
+
+@_combine_op.register_fake
+def _(out_MD, pair_rows_TK, weights_TK):
+    return out_MD.new_empty(pair_rows_TK.shape[0], out_MD.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    out_MD, pair_rows_TK, weights_TK = inputs
+    ctx.save_for_backward(out_MD, pair_rows_TK, weights_TK)
+
+
+def _backward(ctx, dy_TD):
+    """The row gradient is a permutation write (each row belongs to exactly one pair), the
+    weight gradient a row-wise dot product; no scatter-add. Written with differentiable torch
+    ops so double backward (gradcheck of gradients) works too."""
+    out_MD, pair_rows_TK, weights_TK = ctx.saved_tensors
+    T, K = pair_rows_TK.shape
+    flat_rows = pair_rows_TK.reshape(-1)
+    d_out = d_w = None
+    if ctx.needs_input_grad[0]:
         w_TK = weights_TK.to(out_MD.dtype)
-        ctx.save_for_backward(rows_TKD, pair_rows_TK, w_TK)
-        ctx.weights_dtype, ctx.num_rows = weights_TK.dtype, out_MD.shape[0]
-        return torch.bmm(w_TK.unsqueeze(1), rows_TKD).squeeze(1)
+        scaled_TKD = w_TK.unsqueeze(-1) * dy_TD.unsqueeze(1)
+        # every row of out_MD belongs to exactly one pair: no zero-fill needed
+        d_out = scaled_TKD.new_empty(out_MD.shape[0], dy_TD.shape[1])
+        d_out.index_copy_(0, flat_rows, scaled_TKD.flatten(0, 1))
+    if ctx.needs_input_grad[2]:
+        rows_TKD = out_MD.index_select(0, flat_rows).view(T, K, out_MD.shape[1])
+        acc = torch.promote_types(out_MD.dtype, torch.float32)
+        d_w = (rows_TKD * dy_TD.unsqueeze(1)).sum(-1, dtype=acc).to(weights_TK.dtype)
+    return d_out, None, d_w
 
-    @staticmethod
-    def backward(ctx, dy_TD):
-        rows_TKD, pair_rows_TK, w_TK = ctx.saved_tensors
-        d_out = d_w = None
-        if ctx.needs_input_grad[0]:
-            scaled_TKD = w_TK.unsqueeze(-1) * dy_TD.unsqueeze(1)
-            d_out = scaled_TKD.new_empty(ctx.num_rows, dy_TD.shape[1])
-            d_out.index_copy_(0, pair_rows_TK.reshape(-1), scaled_TKD.flatten(0, 1))
-        if ctx.needs_input_grad[2]:
-            acc = torch.promote_types(rows_TKD.dtype, torch.float32)
-            d_w = (rows_TKD * dy_TD.unsqueeze(1)).sum(-1, dtype=acc)
-            d_w = d_w.to(ctx.weights_dtype)
-        return d_out, None, d_w
+
+_combine_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def combine_torch(out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: torch.Tensor):
@@ -39,7 +56,7 @@ def combine_torch(out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: 
     pairs carry weight 0 and point at a zero row, so they contribute exactly zero. Gradients
     flow to out_MD and weights_TK (the router's combine weights).
     """
-    return _Combine.apply(out_MD, pair_rows_TK, weights_TK)
+    return _combine_op(out_MD, pair_rows_TK, weights_TK)
 
 
 def combine(out_MD, pair_rows_TK, weights_TK, backend: str = "torch"):

@@ -1,14 +1,20 @@
-"""Ragged grouped GEMM on the torch backend (CPU, or CUDA without Triton).
+"""Ragged grouped GEMM on the torch backend (CPU, or CUDA without Triton), as torch.library
+custom ops (`moe::grouped_mm`, `moe::grouped_mm_wgrad`) with fake and autograd registrations,
+so torch.compile treats each as one opaque node (host reads inside cause no graph break).
 
 Rows of `x_MK` are sorted by group; group e owns rows [offsets[e-1], offsets[e]). Rows past
 offsets[-1] (dropped pairs at the tail of the buffer) come out exactly zero, and so do their
 input gradients: torch._grouped_mm leaves them uninitialised. Weight gradients of empty groups
 are exactly zero. Deterministic: no atomics.
+
+Compute path: torch._grouped_mm where it runs (float32/bf16/fp16 with 16-byte aligned widths on
+CPU; bf16 on Hopper+); otherwise (float64, unaligned widths) per-expert matmuls as the fallback.
 """
 
 import torch
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor, *dims: int) -> bool:
@@ -16,12 +22,8 @@ def _aligned(t: torch.Tensor, *dims: int) -> bool:
     return all(t.shape[d] * t.element_size() % 16 == 0 for d in dims)
 
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
-
-
 def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm when it supports the dtype, device and strides; else the loop."""
-    if not _HAS_GROUPED_MM or x.dtype not in _NATIVE_DTYPES or w.dtype != x.dtype:
+    if not _HAS_GROUPED_MM or x.dtype not in _NATIVE_DTYPES:
         return False
     if not (_aligned(x, -1) and _aligned(w, -1, -2)):
         return False
@@ -43,13 +45,16 @@ def _zero_tail(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
 
 
 def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
-    # Fallback only (unaligned widths, no _grouped_mm): reads the offsets on the host.
+    # Fallback only (float64, unaligned widths, no _grouped_mm): reads the offsets on the host.
     ends = offsets_E.tolist()
     starts = [0] + ends[:-1]
     return list(zip(starts, ends))
 
 
-def _mm_rows(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]; tail rows zero."""
     if _use_native(x_MK, w_EKN):
         y = torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
@@ -61,7 +66,15 @@ def _mm_rows(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -
     return y
 
 
-def _mm_reduce(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+@_grouped_mm_op.register_fake
+def _(x_MK, w_EKN, offsets_E):
+    return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+
+
+@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0."""
     num_groups = offsets_E.shape[0]
     if _use_native(x_MK, dy_MN) and _aligned(x_MK, 0):
@@ -73,26 +86,51 @@ def _mm_reduce(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor)
     return dw
 
 
-class _GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MK, w_EKN, offsets_E):
-        ctx.save_for_backward(x_MK, w_EKN, offsets_E)
-        return _mm_rows(x_MK, w_EKN, offsets_E)
+@_grouped_mm_wgrad_op.register_fake
+def _(x_MK, dy_MN, offsets_E):
+    return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
 
-    @staticmethod
-    def backward(ctx, dy_MN):
-        x_MK, w_EKN, offsets_E = ctx.saved_tensors
-        dy_MN = dy_MN.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _mm_rows(dy_MN, w_EKN.transpose(1, 2), offsets_E)
-        if ctx.needs_input_grad[1]:
-            dw = _mm_reduce(x_MK, dy_MN, offsets_E)  # rows past the offsets are ignored
-        return dx, dw, None
+
+def _setup_context(ctx, inputs, output):
+    x_MK, w_EKN, offsets_E = inputs
+    ctx.save_for_backward(x_MK, w_EKN, offsets_E)
+
+
+def _backward(ctx, dy_MN):
+    x_MK, w_EKN, offsets_E = ctx.saved_tensors
+    dy_MN = dy_MN.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _grouped_mm_op(dy_MN, w_EKN.transpose(1, 2), offsets_E)
+    if ctx.needs_input_grad[1]:
+        dw = _grouped_mm_wgrad_op(x_MK, dy_MN, offsets_E)  # rows past the offsets are ignored
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _wgrad_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _wgrad_backward(ctx, ddw_EKN):
+    """dw = x^T dy is bilinear: d x = dy @ ddw^T per group, d dy = x @ ddw per group."""
+    x_MK, dy_MN, offsets_E = ctx.saved_tensors
+    ddw_EKN = ddw_EKN.contiguous()
+    dx = dd = None
+    if ctx.needs_input_grad[0]:
+        dx = _grouped_mm_op(dy_MN, ddw_EKN.transpose(1, 2), offsets_E)
+    if ctx.needs_input_grad[1]:
+        dd = _grouped_mm_op(x_MK, ddw_EKN, offsets_E)
+    return dx, dd, None
+
+
+_grouped_mm_wgrad_op.register_autograd(_wgrad_backward, setup_context=_wgrad_setup_context)
 
 
 def grouped_mm_torch(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
 ) -> torch.Tensor:
     """Ragged grouped GEMM, torch backend. offsets_E: int32 cumulative row ends, on x's device."""
-    return _GroupedMM.apply(x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32))
+    return _grouped_mm_op(x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32))
