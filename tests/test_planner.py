@@ -180,3 +180,20 @@ def test_m6_1t_fits_on_480_v100():
     with_offload = plan(cfg, **kw, offload="all")
     assert without.total_params > 1e12 and not without.fits
     assert with_offload.fits and with_offload.headroom > 4 * GiB
+
+
+def test_fsdp_layout_shards_parameters_gradients_and_optimizer_state():
+    cfg = TinyConfig(n_layers=4, moe_every=2, num_experts=8)
+    counts = count_parameters(cfg)
+    ddp = plan(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32)
+    fsdp = plan(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32, data_parallel="fsdp")
+    assert "layout fsdp" in str(fsdp) and "layout ddp" in str(ddp)
+    assert ddp.local_params == counts.dense + counts.expert // 2
+    assert fsdp.local_params == -(-counts.total // 8)  # every parameter over all devices
+    unit = max(-(-counts.dense // 4), -(-counts.expert // (2 * 2)))  # a block / a layer's experts
+    assert fsdp.parameters == (fsdp.local_params + 2 * unit) * 4
+    assert fsdp.gradients == (fsdp.local_params + unit) * 4
+    assert fsdp.optimizer_state == fsdp.local_params * 2 * 4
+    assert fsdp.optimizer_state < ddp.optimizer_state
+    with pytest.raises(ValueError, match="data_parallel='zero3'"):
+        plan(cfg, world_size=8, dp=4, ep=2, data_parallel="zero3")

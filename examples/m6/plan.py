@@ -75,6 +75,7 @@ def plan_report(
     checkpointing: bool = True,
     micro_batch_tokens: int | None = None,
     device_memory_bytes: int | None = None,
+    data_parallel: str = "ddp",
 ) -> str:
     """Counts from the meta-built model, the static memory floor, and moe.parallel.plan's
     full plan when that function is available."""
@@ -116,6 +117,7 @@ def plan_report(
             groups=groups,
             checkpointing=checkpointing,
             micro_batch_tokens=micro_batch_tokens or cfg.seq_len,
+            data_parallel=data_parallel,
             **({"device_memory_bytes": device_memory_bytes} if device_memory_bytes else {}),
         )
         lines.append(str(result))

@@ -162,6 +162,7 @@ def run_plan(args, cfg: M6Config) -> dict:
         checkpointing=args.checkpointing,
         micro_batch_tokens=args.micro_batch_tokens,
         device_memory_bytes=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None,
+        data_parallel=args.data_parallel,
     )
     print(report)
     return {"config": cfg.name, "report": report}

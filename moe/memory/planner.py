@@ -32,6 +32,15 @@ Everything else is arithmetic, stated here so it can be checked:
                2 * k c s b h * b (x2 hierarchical); gradient all-reduce (world > 1): one flat
                copy of the local gradients (the bucketed reducer keeps every bucket's copy
                until backward finishes), in `grad_comm_dtype`.
+Layouts (`data_parallel`, as moe.parallel.parallelize applies them):
+  ddp   dense parameters replicated on every device, experts sharded over ep (N_local above).
+  fsdp  FSDP2 shards every parameter, gradient and optimizer state over all devices:
+        N_shard = (dense + expert) / world. Assumed units: one per MoE layer's experts (over
+        dp) and one per transformer block (pass `blocks=` to parallelize), so while a unit
+        computes it is gathered whole: parameters N_shard * b + 2 units * b (the current and
+        the prefetched one), gradients N_shard * b + 1 unit * b (reduce-scatter input),
+        optimizer state on N_shard, comms one unit's reduce-scatter buffer. A unit is the
+        larger of one block's dense parameters and one MoE layer's experts / ep.
 The total adds the peaks of every category (a conservative bound: the step temporaries and
 the end-of-backward gradient buffers do not coincide with the full activations).
 """
@@ -41,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe.experts import expert_parameters
+from moe.layer import MoELayer
 
 GiB = 2**30
 
@@ -52,6 +62,7 @@ class MemoryPlan:
     world_size: int
     dp: int
     ep: int
+    data_parallel: str
     dtype: str
     offload: str | None
     groups: int
@@ -107,6 +118,7 @@ class MemoryPlan:
     def __str__(self) -> str:
         head = (
             f"memory plan: world={self.world_size} (dp={self.dp} x ep={self.ep}), "
+            f"layout {self.data_parallel} ({_LAYOUTS[self.data_parallel]}), "
             f"{self.dtype}, offload={self.offload}, groups={self.groups}, "
             f"checkpointing={self.checkpointing}\n"
             f"params: {self.total_params:,} total ({self.dense_params:,} dense, "
@@ -119,11 +131,18 @@ class MemoryPlan:
         return head + "\n".join(lines) + "\n" + tail + "".join(f"\n  {n}" for n in self.notes)
 
 
+_LAYOUTS = {
+    "ddp": "dense replicated, experts sharded over ep",
+    "fsdp": "FSDP2: every parameter, gradient and optimizer state sharded over all devices",
+}
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     total: int
     dense: int
     expert: int
+    moe_layers: int = 0
 
 
 def count_parameters(model_config) -> ParamCounts:
@@ -136,7 +155,8 @@ def count_parameters(model_config) -> ParamCounts:
             expert_ids.add(id(p))
             expert += p.numel()
     total = sum(p.numel() for p in model.parameters())
-    return ParamCounts(total, total - expert, expert)
+    layers = sum(isinstance(m, MoELayer) for m in model.modules())
+    return ParamCounts(total, total - expert, expert, layers)
 
 
 def _bytes(dtype: torch.dtype) -> int:
@@ -211,6 +231,7 @@ def plan(
     dropout: bool = False,
     hierarchical_alltoall: bool = False,
     grad_comm_dtype: torch.dtype | None = None,
+    data_parallel: str = "ddp",
 ) -> MemoryPlan:
     """Per-device memory of training `model_config` on world_size = dp x ep devices.
 
@@ -223,11 +244,19 @@ def plan(
         raise ValueError(f"offload={offload!r} is not one of (None, 'optimizer', 'all')")
     if groups <= 0:
         raise ValueError(f"groups must be a positive int, got {groups}")
+    if data_parallel not in _LAYOUTS:
+        raise ValueError(f"data_parallel={data_parallel!r} is not one of {tuple(_LAYOUTS)}")
     E = model_config.num_experts
     if E and E % ep:
         raise ValueError(f"ep={ep} must divide num_experts={E}")
     counts = count_parameters(model_config)
     local = counts.dense + counts.expert // ep
+    unit = 0  # fsdp: the largest parameter group gathered whole while it computes
+    if data_parallel == "fsdp":
+        local = -(-counts.total // world_size)
+        layers = max(getattr(model_config, "n_layers", 1), 1)
+        per_layer_experts = -(-counts.expert // (max(counts.moe_layers, 1) * ep))
+        unit = max(-(-counts.dense // layers), per_layer_experts)
     b = _bytes(dtype)
     masters = (b < 4) if master_weights is None else master_weights
     state_b = 4 if (masters or b == 4) else b
@@ -249,8 +278,8 @@ def plan(
         cf = model_config.capacity_factor or 1.0
         comm += int(2 * model_config.top_k * cf * tokens * model_config.d_model * b)
         comm *= 2 if hierarchical_alltoall else 1
-    if world_size > 1:
-        comm += local * (_bytes(grad_comm_dtype) if grad_comm_dtype else b)
+    if world_size > 1:  # ddp: a flat copy of the gradients; fsdp: one unit's reduce-scatter
+        comm += (unit or local) * (_bytes(grad_comm_dtype) if grad_comm_dtype else b)
     notes = []
     if offload is not None:
         notes.append(f"offload: {host / GiB:.2f} GiB of host memory per device")
@@ -258,6 +287,7 @@ def plan(
         world_size=world_size,
         dp=dp,
         ep=ep,
+        data_parallel=data_parallel,
         dtype=str(dtype).removeprefix("torch."),
         offload=offload,
         groups=groups,
@@ -266,8 +296,8 @@ def plan(
         dense_params=counts.dense,
         expert_params=counts.expert,
         local_params=local,
-        parameters=local * b,
-        gradients=local * b,
+        parameters=(local + 2 * unit) * b,
+        gradients=(local + unit) * b,
         optimizer_state=on_device,
         step_temporaries=temps,
         activations=act,
