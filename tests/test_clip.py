@@ -10,7 +10,40 @@ from torch import nn
 import moe
 from moe.parallel import GroupedApply, clip_grad_norm_
 from tests.distributed import run_ranks
-from tests.test_checkpoint import make_model, shard_experts_, step_grads
+from tests.test_checkpoint import make_model
+
+
+def shard_experts_(model: nn.Module, ep_rank: int, ep: int) -> nn.Module:
+    """Keep experts [r*E/ep, (r+1)*E/ep) of every GroupedExperts (dim 0 of each parameter,
+    gradients too) and set expert_offset / num_global_experts, as parallelize() does."""
+    for m in model.modules():
+        if not isinstance(m, moe.GroupedExperts):
+            continue
+        E = m.num_global_experts if m.num_experts != m.num_global_experts else m.num_experts
+        n = E // ep
+        lo = ep_rank * n
+        for name, p in list(m.named_parameters(recurse=False)):
+            new = nn.Parameter(p.detach()[lo : lo + n].clone(), requires_grad=p.requires_grad)
+            if p.grad is not None:
+                new.grad = p.grad[lo : lo + n].clone()
+            setattr(m, name, new)
+        m.expert_offset, m.num_global_experts = lo, E
+    return model
+
+
+def step_grads(model: nn.Module, step: int) -> None:
+    """Deterministic full-model gradients for `step`, sliced for sharded experts."""
+    gen = torch.Generator().manual_seed(100 + step)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, moe.GroupedExperts)}
+    for name, p in model.named_parameters():
+        module = experts.get(name.rsplit(".", 1)[0])
+        shape = p.shape
+        if module is not None:
+            shape = (module.num_global_experts, *p.shape[1:])
+        g = torch.randn(shape, generator=gen)
+        if module is not None:
+            g = g[module.expert_offset : module.expert_offset + p.shape[0]]
+        p.grad = g.to(p.dtype)
 
 
 def clone_with_grads(model: nn.Module) -> nn.Module:
