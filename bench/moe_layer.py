@@ -1,100 +1,124 @@
-"""MoELayer forward+backward time against a dense FFN of the same active FLOPs (d_ff * k).
+"""MoELayer forward+backward against a dense FFN of the same active FLOPs and, with --peers,
+against DeepSpeed-MoE, side by side in one run (round-robin interleaved, medians), with the
+peak memory of each candidate (a fresh process each, see peak_memory.py), our layer compiled
+vs eager, an op profile of our layer, and the GPU projection of gpu_plan.py.
 
-    python bench/moe_layer.py [--tokens 4096 --d-model 512 --d-ff 1024 --iters 10]
+    python bench/moe_layer.py --peers [--tokens 4096 --iters 7 --no-compile]
 
-Prints a table with the MoE/dense ratio and writes a dated report to bench/results/.
+Writes bench/results/<date>-cpu-moe-layer.md.
 """
 
 import argparse
+import json
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+import peers  # noqa: E402
 from common import device_name, time_interleaved, write_report  # noqa: E402
+from gpu_plan import gpu_plan_table  # noqa: E402
+from peak_memory import measure, measure_here  # noqa: E402
 
-import moe  # noqa: E402
-
-
-def dense_ffn(d_model: int, d_ff: int, device) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(d_model, d_ff, bias=False), nn.GELU(), nn.Linear(d_ff, d_model, bias=False)
-    ).to(device)
+SHAPES = [(8, 2, 1024), (64, 8, 256), (128, 8, 128)]  # E, k, d_ff (T=4096, d=512, gelu)
 
 
-def step(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    def run():
+def build(name: str, d: int, F: int, E: int, k: int, available: dict):
+    torch.manual_seed(0)
+    if name in ("moe", "moe compiled"):
+        layer = peers.ours(d, F, E, k)
+        return torch.compile(layer) if name == "moe compiled" else layer
+    if name == "dense":
+        return peers.dense(d, F, E, k)
+    return available[name](d, F, E, k)
+
+
+def make_step(module, tokens: int, d: int):
+    x = torch.randn(tokens, d, requires_grad=True)
+    g = torch.randn(tokens, d)
+
+    def step():
         module.zero_grad(set_to_none=True)
         x.grad = None
-        y = module(x)
-        y.backward(g)
+        module(x).backward(g)
 
-    return run
+    return step
+
+
+def profile_table(d: int, F: int, E: int, k: int, tokens: int, top: int = 12) -> str:
+    """Self CPU time of the top ops of one fwd+bwd of our layer (after a warm-up)."""
+    step = make_step(peers.ours(d, F, E, k), tokens, d)
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    lines = ["| op | calls | self CPU ms | share |", "|---|---|---|---|"]
+    lines += [
+        f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} | "
+        f"{e.self_cpu_time_total / total:.0%} |"
+        for e in rows
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--cases",
-        default="8:2:none,8:1:none,8:2:1.25,8:1:1.25,64:2:none,64:1:none,64:2:1.25,64:1:1.25",
-        help="E:k:capacity_factor list",
-    )
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peers", action="store_true", help="also DeepSpeed-MoE (and Tutel if present)")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of our layer")
+    p.add_argument("--memory-probe", nargs=6, metavar=("NAME", "D", "F", "E", "K", "T"))
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    T, D, F = args.tokens, args.d_model, args.d_ff
-    x = torch.randn(T, D, device=device, requires_grad=True)
-    g = torch.randn(T, D, device=device)
+    available, notes = peers.available_peers() if args.peers or args.memory_probe else ({}, [])
+    if args.memory_probe:
+        name, d, F, E, k, T = args.memory_probe
+        module = build(name, int(d), int(F), int(E), int(k), available)
+        step = make_step(module, int(T), int(d))
+        print(json.dumps({"peak_bytes": measure_here(step, lambda: module.zero_grad(True))}))
+        return ""
+    T, d = args.tokens, args.d_model
+    names = ["moe", "dense", *available] + ([] if args.no_compile else ["moe compiled"])
     rows = []
-    for case in args.cases.split(","):
-        E, k, cf = case.split(":")
-        E, k, cf = int(E), int(k), None if cf == "none" else float(cf)
-        layer = moe.MoELayer(D, F, E, top_k=k, capacity_factor=cf).to(device)
-        dense = dense_ffn(D, F * k, device)
-        t = time_interleaved(
-            {"moe": step(layer, x, g), "dense": step(dense, x, g)}, args.iters, args.warmup, device
-        )
-        dropped = float(layer.stats["dropped_fraction"])
-        rows.append(
-            (
-                E,
-                k,
-                "dropless" if cf is None else cf,
-                t["moe"] * 1e3,
-                t["dense"] * 1e3,
-                t["moe"] / t["dense"],
-                dropped,
-            )
-        )
-        print(
-            f"E={E:3d} k={k} cf={rows[-1][2]!s:8} moe {rows[-1][3]:8.2f} ms  dense "
-            f"{rows[-1][4]:8.2f} ms  ratio {rows[-1][5]:.3f}  dropped {dropped:.3f}",
-            flush=True,
-        )
-    header = (
-        "| E | k | capacity | MoE fwd+bwd (ms) | dense FFN d_ff*k (ms) | MoE/dense | dropped |\n"
-        "|---|---|---|---|---|---|---|\n"
-    )
-    table = header + "".join(
-        f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.3f} | {r[6]:.3f} |\n"
-        for r in rows
+    for E, k, F in SHAPES:
+        steps = {n: make_step(build(n, d, F, E, k, available), T, d) for n in names}
+        t = time_interleaved(steps, args.iters, args.warmup, torch.device("cpu"))
+        mem = {n: measure(__file__, n, str(d), str(F), str(E), str(k), str(T)) for n in names}
+        rows.append(((E, k, F), t, mem))
+        print(f"E={E} k={k} F={F}: " + ", ".join(f"{n} {t[n]:.3f}s" for n in names), flush=True)
+    mib = lambda b: "n/a" if b is None else f"{b / 2**20:.0f}"
+    head = "| shape | " + " | ".join(f"{n} s" for n in names) + " | moe / dense | "
+    head += " | ".join(f"{n} MiB" for n in names) + " |\n"
+    head += "|---" * (2 * len(names) + 2) + "|\n"
+    table = head + "".join(
+        f"| E={E} k={k} d_ff={F} | "
+        + " | ".join(f"{t[n]:.3f}" for n in names)
+        + f" | {t['moe'] / t['dense']:.2f} | "
+        + " | ".join(mib(m[n]) for n in names)
+        + " |\n"
+        for (E, k, F), t, m in rows
     )
     report = (
-        f"# MoELayer vs dense FFN, forward+backward\n\n"
-        f"- device: {device_name(device)}\n- torch {torch.__version__}\n"
+        "# MoE layer forward+backward: moe vs dense FFN vs peers, side by side\n\n"
+        f"- machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}\n"
         f"- command: `python bench/moe_layer.py {' '.join(argv or sys.argv[1:])}`\n"
-        f"- T={T}, d_model={D}, d_ff={F}, gelu, fp32, median of {args.iters} interleaved "
-        f"iterations after {args.warmup} warm-up\n\n{table}"
+        f"- T={T} tokens, d_model={d}, gelu experts, fp32; moe is dropless, DeepSpeed runs at "
+        "capacity factor 1.0 (it drops tokens past capacity, so it does less work); the dense "
+        "FFN has width d_ff * k (the active FLOPs of one token); seconds per fwd+bwd, median "
+        f"of {args.iters} round-robin iterations after {args.warmup} warm-up (compile "
+        "included in the warm-up); MiB = bytes a fwd+bwd adds at its peak, measured in a "
+        "fresh process per candidate (bench/peak_memory.py)\n"
+        + "".join(f"- {n}\n" for n in notes)
+        + f"\n{table}\n## Where our layer's time goes (E=128 k=8, one fwd+bwd)\n\n"
+        + profile_table(d, 128, 128, 8, T)
+        + "\n\n## GPU plan (a projection, not a measurement)\n\n"
+        + gpu_plan_table()
+        + "\n"
     )
     print(table)
-    print("report:", write_report("moe-layer", report, device))
+    print("report:", write_report("moe-layer", report, torch.device("cpu")))
     return report
 
 
