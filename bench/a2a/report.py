@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import statistics
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -178,5 +179,19 @@ def write_report(path: Path, results: dict[str, dict], cfgs: dict[str, dict], ar
     lines += plot_section(path, results, model)
     lines += targets_section(results, model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    path.write_text(wrap_100("\n".join(lines)))
     print(f"wrote {path}")
+
+
+def wrap_100(text: str, width: int = 100) -> str:
+    """Prose, bullets and code-block lines folded at `width` columns (tables are narrow)."""
+    out, in_code = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if len(line) <= width or line.startswith("|") or line.startswith("```"):
+            out.append(line)
+            continue
+        indent = "  " if in_code or line.startswith("- ") else ""
+        out += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
