@@ -1,26 +1,25 @@
 """Per-rank bytes of parameters + gradients + AdamW state, measured from the local shards each
-rank holds, ddp vs fsdp at (dp, ep) = (4,1), (2,2), (1,4) on 4 gloo ranks, next to the layout's
-prediction (dense x 1 or 1/W, experts x 1/ep or 1/W; docs/parallelism.md).
+rank holds, ddp vs fsdp at (dp, ep) = (4,1), (2,2), (1,4) on 4 gloo ranks, next to
+moe.parallel.plan's prediction for the same layout (its local_params x 4 B x (parameter +
+gradient + 2 AdamW moments); docs/parallelism.md).
 
     PYTHONPATH=. python bench/memory_fsdp.py
 """
 
 import torch
-from torch import nn
 
-import moe
-from moe.parallel import expert_parameters, init_mesh, parallelize
+from moe.parallel import init_mesh, parallelize, plan
 from tests.distributed import run_ranks
+from tests.test_planner import TinyConfig
 
-D, F, E = 64, 256, 8
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]
+CFG = TinyConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=64, seq_len=16,
+                 num_experts=8, moe_every=1)  # fmt: skip
 
 
 def build():
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(D, D), moe.MoELayer(D, F, E, top_k=2), nn.Linear(D, D), moe.MoELayer(D, F, E)
-    )
+    return CFG.build()
 
 
 def _bytes(t):
@@ -34,7 +33,7 @@ def _body(rank, world):
         for dp, ep in LAYOUTS:
             model = parallelize(build(), init_mesh(dp=dp, ep=ep), mode)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model(torch.randn(16, D)).square().mean().backward()
+            model(torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))).square().mean().backward()
             opt.step()
             params = sum(_bytes(p) for p in model.parameters())
             grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -44,19 +43,16 @@ def _body(rank, world):
 
 
 def predict(mode, dp, ep):
-    model = build()
-    experts = sum(p.numel() * 4 for _, p in expert_parameters(model))
-    dense = sum(p.numel() * 4 for p in model.parameters()) - experts
-    world = dp * ep
-    per = dense / world + experts / world if mode == "fsdp" else dense + experts / ep
-    return per * 4  # params + grads + 2 AdamW moments
+    """moe.parallel.plan's persistent bytes per device for this layout."""
+    p = plan(CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode)
+    return p.local_params * 4 * 4  # params + grads + 2 AdamW moments, fp32
 
 
 if __name__ == "__main__":
     results = run_ranks(_body, 4, timeout=600)
     print(
         "| mode | dp | ep | params | grads | AdamW state | total (rank 0) | max over ranks "
-        "| predicted |"
+        "| planner |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for i, (mode, dp, ep, params, grads, state) in enumerate(results[0]):

@@ -46,16 +46,16 @@ def test_resume_continues_with_the_same_losses(uninterrupted, tmp_path):
     assert summary["losses"] == resumed["losses"]
 
 
-def _two_ranks(rank, world_size, run_dir):
-    return train.run(["--steps", "8", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST])[
-        "losses"
-    ]
+def _two_ranks(rank, world_size, run_dir, data_parallel):
+    argv = ["--steps", "8", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST]
+    return train.run([*argv, "--data-parallel", data_parallel])["losses"]
 
 
-def test_two_ranks_match_single_process(tmp_path):
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_single_process(tmp_path, data_parallel):
     # The same routing groups on one process: the global batch as two micro-batches.
     single = _run(tmp_path / "single", "--micro-batch", "16", steps=8)["losses"]
-    ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), timeout=120)
+    ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), data_parallel, timeout=120)
     assert ranks[0] == ranks[1]
     assert ranks[0] == pytest.approx(single, abs=1e-5, rel=1e-5)
 
