@@ -4,7 +4,6 @@ and peers that install from the package index (DeepSpeed-MoE; Tutel is not on Py
 Every builder returns a module mapping x [T, d] -> y [T, d] with gelu experts of width d_ff.
 """
 
-import os
 import socket
 
 import torch
@@ -35,9 +34,7 @@ def _single_rank_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 class _FirstOutput(nn.Module):
