@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import moe.parallel
 from examples.m6.setup import unwrap
+from moe.checkpoint.api import fsync_dir
 
 KEEP = 2
 PREFIX, PARTIAL = "step-", ".partial"
@@ -30,14 +31,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_steps(root: Path) -> list[tuple[int, Path]]:
@@ -72,11 +65,11 @@ def save_step(root: Path, model, opt, state: dict) -> Path:
             json.dump(state, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(staging)
+        fsync_dir(staging)
         if final.exists():  # the same step saved again (e.g. a signal right after --save-every)
             shutil.rmtree(final)
         os.rename(staging, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for _, old in complete_steps(root)[KEEP:]:
             shutil.rmtree(old, ignore_errors=True)
         for path in root.glob(f".{PREFIX}*{PARTIAL}"):

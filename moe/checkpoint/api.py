@@ -63,7 +63,8 @@ def _agree(problems: list[str], cls: type = CheckpointError) -> None:
         raise cls(f"checkpoint refused (nothing was changed):\n  {shown}{more}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,7 +73,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _commit(path: str, tmp: str, final: str) -> None:
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
     pointer = os.path.join(path, LATEST + ".tmp")
     with open(pointer, "w") as f:
@@ -80,7 +81,7 @@ def _commit(path: str, tmp: str, final: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(path, LATEST))
-    _fsync_dir(path)
+    fsync_dir(path)
     keep = os.path.basename(final)
     for name in os.listdir(path):
         if name != keep and (name.startswith("ckpt-") or name.startswith(".tmp-")):
