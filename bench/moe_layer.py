@@ -1,7 +1,8 @@
 """MoELayer forward+backward against a dense FFN of the same active FLOPs and, with --peers,
 against DeepSpeed-MoE, side by side in one run (round-robin interleaved, medians), with the
 peak memory of each candidate (a fresh process each, see peak_memory.py), our layer compiled
-vs eager, an op profile of our layer, and the GPU projection of gpu_plan.py.
+vs eager, where our layer's time goes (bench/layer_stages.py: stages, the expert layout rule,
+page faults), and the GPU projection of gpu_plan.py.
 
     python bench/moe_layer.py --peers [--tokens 4096 --iters 7 --no-compile]
 
@@ -18,6 +19,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 import peers  # noqa: E402
 from common import device_name, time_interleaved, write_report  # noqa: E402
 from gpu_plan import gpu_plan_table  # noqa: E402
+from layer_stages import padded_vs_ragged, page_fault_table, stage_table  # noqa: E402
 from peak_memory import measure, measure_here  # noqa: E402
 
 SHAPES = [(8, 2, 1024), (64, 8, 256), (128, 8, 128)]  # E, k, d_ff (T=4096, d=512, gelu)
@@ -43,23 +45,6 @@ def make_step(module, tokens: int, d: int):
         module(x).backward(g)
 
     return step
-
-
-def profile_table(d: int, F: int, E: int, k: int, tokens: int, top: int = 12) -> str:
-    """Self CPU time of the top ops of one fwd+bwd of our layer (after a warm-up)."""
-    step = make_step(peers.ours(d, F, E, k), tokens, d)
-    step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    lines = ["| op | calls | self CPU ms | share |", "|---|---|---|---|"]
-    lines += [
-        f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} | "
-        f"{e.self_cpu_time_total / total:.0%} |"
-        for e in rows
-    ]
-    return "\n".join(lines)
 
 
 def main(argv=None) -> str:
@@ -100,6 +85,16 @@ def main(argv=None) -> str:
         + " |\n"
         for (E, k, F), t, m in rows
     )
+    layout = [(E, k, F, *padded_vs_ragged(d, F, E, k, T)) for E, k, F in SHAPES]
+    layout_table = "| shape | ragged ms | padded ms | padded slots per row |\n|---|---|---|---|\n"
+    layout_table += "".join(
+        f"| E={E} k={k} d_ff={F} | {r:.0f} | {p:.0f} | {pad:.3f} |\n"
+        for E, k, F, r, p, pad in layout
+    )
+    stages = "".join(
+        f"\n### E={E} k={k} d_ff={F}\n\n" + stage_table(build("moe", d, F, E, k, {}), T) + "\n"
+        for E, k, F in SHAPES
+    )
     report = (
         "# MoE layer forward+backward: moe vs dense FFN vs peers, side by side\n\n"
         f"- machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}\n"
@@ -111,8 +106,15 @@ def main(argv=None) -> str:
         "included in the warm-up); MiB = bytes a fwd+bwd adds at its peak, measured in a "
         "fresh process per candidate (bench/peak_memory.py)\n"
         + "".join(f"- {n}\n" for n in notes)
-        + f"\n{table}\n## Where our layer's time goes (E=128 k=8, one fwd+bwd)\n\n"
-        + profile_table(d, 128, 128, 8, T)
+        + f"\n{table}\n## Where our layer's time goes (one fwd+bwd, profiled)\n"
+        + stages
+        + "\n## Expert layout: ragged groups vs padded to the busiest expert\n\n"
+        "The experts' fwd+bwd alone on the router's plan at init, through the same fused op "
+        "(padded groups run as one bmm per chunk). Padding pays only where it is faster here; "
+        "the layer pads nothing and runs equal groups (expert choice) as one bmm.\n\n"
+        + layout_table
+        + "\n## Why the experts work in chunks: fresh pages\n\n"
+        + page_fault_table()
         + "\n\n## GPU plan (a projection, not a measurement)\n\n"
         + gpu_plan_table()
         + "\n"

@@ -72,13 +72,19 @@ class GroupedExperts(nn.Module):
         x_RD: torch.Tensor,
         offsets_L: torch.Tensor,
         gather_ids_R: torch.Tensor | None = None,
+        row_weights_R: torch.Tensor | None = None,
+        sum_to_tokens: bool = False,
     ) -> torch.Tensor:
         """Rows of each local expert (expert-major; int32 row ends offsets_L) -> their MLP
         outputs out_RD (tail rows past offsets_L[-1]: exactly 0). The experts only compute.
 
         gather_ids_R (optional, from DispatchContext): x_RD is then the un-gathered token
-        matrix and row r is x_RD[gather_ids_R[r]]; the Triton kernel gathers while it loads
-        and so saves one [R, D] copy. Dispatchers set it only on that path.
+        matrix and row r is x_RD[gather_ids_R[r]]: the kernels gather while they load, which
+        saves writing, keeping and re-reading one [R, D] copy.
+        row_weights_R (optional, from DispatchContext): each row's combine weight, folded into
+        the expert MLP (out row r is scaled by it).
+        sum_to_tokens: return y_TD instead, each row added into the token it was read from
+        (the combine fused into the experts: no [R, D] output buffer).
         Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
         experts (autograd flows back into the DTensor, as in torchtitan).
         """
@@ -94,6 +100,8 @@ class GroupedExperts(nn.Module):
             self.activation,
             gather_ids_R,
             self.backend,
+            row_weights_R,
+            sum_to_tokens,
         )
 
     def extra_repr(self) -> str:

@@ -80,7 +80,8 @@ class MoELayer(nn.Module):
             if c.num_shared_experts
             else None
         )
-        self.dispatcher: Dispatcher = LocalDispatcher(self.config.backend)
+        # check_finite names experts from their output rows: keep the rows (no fused sum)
+        self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -102,7 +103,9 @@ class MoELayer(nn.Module):
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
         routing = self._route(x_TD)
         x_RD, offsets_L, ctx = self.dispatcher.dispatch(x_TD, self._plan(routing, len(x_TD)))
-        out_RD = self.experts(x_RD, offsets_L, ctx.gather_ids_R)
+        out_RD = self.experts(
+            x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens
+        )
         if self.config.check_finite:
             check_experts_finite(self.name, self.experts, out_RD, offsets_L)
         y_TD = self.dispatcher.combine(out_RD, ctx).to(x_TD.dtype)

@@ -19,12 +19,22 @@ from tests.distributed import run_ranks
 D = 5
 
 
-def scale_experts(x_RD, offsets_L, first=0):
-    """Stand-in experts: global expert e multiplies its rows by (e + 1); tail rows give 0."""
+def scale_experts(x_RD, offsets_L, ctx, first=0):
+    """Stand-in experts: global expert e multiplies its rows by (e + 1); tail rows give 0.
+    They honour the whole DispatchContext contract: gather on load, row weights, and the
+    sum into tokens."""
+    x_TD = x_RD
+    if ctx.gather_ids_R is not None:
+        x_RD = x_TD[ctx.gather_ids_R]
     rows_R = torch.arange(x_RD.shape[0], dtype=offsets_L.dtype)
     local_R = torch.searchsorted(offsets_L, rows_R, right=True)
     scale_R = torch.where(local_R < len(offsets_L), first + local_R + 1, 0).to(x_RD.dtype)
-    return x_RD * scale_R.unsqueeze(1)
+    if ctx.row_weights_R is not None:
+        scale_R = scale_R * ctx.row_weights_R
+    out_RD = x_RD * scale_R.unsqueeze(1)
+    if ctx.sum_to_tokens:
+        return torch.zeros_like(x_TD).index_add(0, ctx.gather_ids_R, out_RD)
+    return out_RD
 
 
 def token_choice_case(T, K, E, capacity, seed):
@@ -46,8 +56,7 @@ def expert_choice_case(T, E, C, seed):
 
 def run(dispatcher, x_TD, plan, first=0):
     x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)
-    assert ctx.gather_ids_R is None
-    return dispatcher.combine(scale_experts(x_RD, offsets_L, first), ctx)
+    return dispatcher.combine(scale_experts(x_RD, offsets_L, ctx, first), ctx)
 
 
 def grads(y_TD, *inputs):
@@ -55,10 +64,11 @@ def grads(y_TD, *inputs):
     return torch.autograd.grad((y_TD * g_TD).sum(), inputs, retain_graph=True)  # plan shared
 
 
+@pytest.mark.parametrize("fuse_combine", [True, False])
 @pytest.mark.parametrize("T,K,E,capacity", [(9, 2, 4, 3), (7, 3, 5, None), (1, 1, 3, 1)])
-def test_local_token_choice_matches_pair_loop(T, K, E, capacity):
+def test_local_token_choice_matches_pair_loop(T, K, E, capacity, fuse_combine):
     x_TD, ids_TK, weights_TK, plan = token_choice_case(T, K, E, capacity, seed=T + K)
-    y_TD = run(LocalDispatcher("torch"), x_TD, plan)
+    y_TD = run(LocalDispatcher("torch", fuse_combine), x_TD, plan)
     kept_TK = plan.weights_TK.detach() != 0
     y_ref = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
@@ -72,12 +82,13 @@ def test_local_token_choice_matches_pair_loop(T, K, E, capacity):
         torch.testing.assert_close(got, want)
 
 
-def test_local_expert_choice_tokens_get_zero_to_all_experts():
+@pytest.mark.parametrize("fuse_combine", [True, False])
+def test_local_expert_choice_tokens_get_zero_to_all_experts(fuse_combine):
     T, E, C = 6, 4, 2
     x_TD, token_ids_EC, weights_EC, plan = expert_choice_case(T, E, C, seed=3)
     per_token_T = torch.bincount(token_ids_EC.reshape(-1), minlength=T)
     assert per_token_T.min() == 0 and per_token_T.max() > 1  # 0..E experts per token
-    y_TD = run(LocalDispatcher("torch"), x_TD, plan)
+    y_TD = run(LocalDispatcher("torch", fuse_combine), x_TD, plan)
     y_ref = torch.zeros(T, D, dtype=torch.float64)
     for e in range(E):
         for c in range(C):

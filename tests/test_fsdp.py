@@ -131,8 +131,12 @@ def _compose_body(rank, world):
             models.append((model, norms))
         (ref, ref_norms), (model, norms) = models
         torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), **TOL)
+        # AdamW divides by sqrt(v): where a gradient is near 0, rounding differences between
+        # the local path (combine weights folded into the experts) and the expert-parallel
+        # one (weights applied at the combine) move the update by a sizeable part of lr, so
+        # the weights after 2 steps are compared at lr * 1e-3.
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=f"{offload} {n}")
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-5, msg=n)
         out.append(float(norms[0]))
     try:  # host-offloaded optimizer state on DTensors: FSDP2's CPUOffloadPolicy instead
         GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, "optimizer")

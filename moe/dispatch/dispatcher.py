@@ -3,7 +3,7 @@
 A dispatcher owns the path between the routing plan and the experts, and back:
 
     x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
-    out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R)       # the experts only compute
+    out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens)
     y_TD = dispatcher.combine(out_RD, ctx)                    # weighted sum back to tokens
 
 It never calls the experts. A new strategy (another all-to-all, an overlapped or node-aware
@@ -47,10 +47,16 @@ class DispatchContext:
     gather_ids_R: when set, the rows handed to the experts are the un-gathered tokens x_TD and
     expert row r is x_TD[gather_ids_R[r]]. The Triton kernel gathers on load this way, which
     saves writing and re-reading one [R, D] buffer; every other path leaves it None.
+    row_weights_R: when set, the experts scale row r by it (the combine weights folded into
+    the expert MLP).
+    sum_to_tokens: the experts also add each row into its token (gather_ids_R) and return
+    y_TD; combine then has nothing left to do.
     """
 
     plan: DispatchPlan
     gather_ids_R: torch.Tensor | None = None
+    row_weights_R: torch.Tensor | None = None
+    sum_to_tokens: bool = False
 
 
 class Dispatcher(ABC):

@@ -32,6 +32,15 @@ class DispatchPlan:
     def num_rows(self) -> int:
         return self.token_ids_M.shape[0]
 
+    def row_weights(self) -> torch.Tensor:
+        """fp32 [M]: the combine weight of each buffer row (differentiable in the router's
+        weights), for experts that apply it themselves; dropped rows get 0."""
+        if self.pair_rows_TK is None:
+            return self.weights_M
+        return self.weights_TK.new_empty(self.num_rows).index_copy(
+            0, self.pair_rows_TK.reshape(-1), self.weights_TK.reshape(-1)
+        )
+
 
 def _sort_pairs(expert_ids_M, weights_M, policy):
     """Stable order of pairs by expert; within an expert by pair order or by weight."""

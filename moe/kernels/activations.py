@@ -25,3 +25,22 @@ def apply_activation(h: torch.Tensor, name: str, gate: torch.Tensor | None = Non
     if name == "swiglu":
         return F.silu(h) * gate
     raise ValueError(f"activation={name!r} is not supported; choose one of {ACTIVATIONS}")
+
+
+def activation_backward(
+    da: torch.Tensor, h: torch.Tensor, name: str, gate: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dh, dgate) of a = apply_activation(h, name, gate), given da; dgate is None unless
+    gated. Uses the same aten derivative kernels autograd would."""
+    aten = torch.ops.aten
+    if name == "gelu":
+        return aten.gelu_backward(da, h), None
+    if name == "gelu_tanh":
+        return aten.gelu_backward(da, h, approximate="tanh"), None
+    if name == "relu":
+        return aten.threshold_backward(da, h, 0), None
+    if name == "silu":
+        return aten.silu_backward(da, h), None
+    if name == "swiglu":
+        return aten.silu_backward(da * gate, h), da * F.silu(h)
+    raise ValueError(f"activation={name!r} is not supported; choose one of {ACTIVATIONS}")

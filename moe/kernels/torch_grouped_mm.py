@@ -51,11 +51,9 @@ def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-@torch.library.custom_op("moe::grouped_mm", mutates_args=())
-def _grouped_mm_op(
-    x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero."""
+def mm_groups(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero. Plain (no autograd): the body of
+    moe::grouped_mm, also called inside moe::expert_mlp."""
     if _use_native(x_MK, w_EKN):
         y = torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
         return _zero_tail(y, offsets_E)
@@ -66,16 +64,22 @@ def _grouped_mm_op(
     return y
 
 
+@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero."""
+    return mm_groups(x_MK, w_EKN, offsets_E)
+
+
 @_grouped_mm_op.register_fake
 def _(x_MK, w_EKN, offsets_E):
     return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
 
 
-@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
-def _grouped_mm_wgrad_op(
-    x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0."""
+def wgrad_groups(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor):
+    """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0.
+    Plain (no autograd): the body of moe::grouped_mm_wgrad."""
     num_groups = offsets_E.shape[0]
     if _use_native(x_MK, dy_MN) and _aligned(x_MK, 0):
         return torch._grouped_mm(x_MK.t(), dy_MN, offs=offsets_E)
@@ -84,6 +88,14 @@ def _grouped_mm_wgrad_op(
         if t > s:
             torch.matmul(x_MK[s:t].t(), dy_MN[s:t], out=dw[e])
     return dw
+
+
+@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """dw[e] = x[rows of e]^T @ dy[rows of e]; empty groups give 0."""
+    return wgrad_groups(x_MK, dy_MN, offsets_E)
 
 
 @_grouped_mm_wgrad_op.register_fake

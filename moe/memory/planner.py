@@ -164,9 +164,17 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def block_activation_bytes(
-    cfg, tokens: int, moe: bool, act_bytes: int, flash_attention: bool, dropout: bool
+    cfg,
+    tokens: int,
+    moe: bool,
+    act_bytes: int,
+    flash_attention: bool,
+    dropout: bool,
+    fused_experts: bool = False,
 ) -> float:
-    """Saved activations of one transformer block for `tokens` = s * b (formula above)."""
+    """Saved activations of one transformer block for `tokens` = s * b (formula above).
+    fused_experts: the local torch path (moe::expert_mlp with the combine folded in) keeps only
+    the layer input and each pair's pre-activation, no [pairs, h] rows."""
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.d_ff
     sb = tokens
     b = tokens / s
@@ -178,7 +186,10 @@ def block_activation_bytes(
     if moe:
         k = cfg.top_k
         c = cfg.capacity_factor or 1.0
-        ffn = sb * (k * c * (4 * h + (6 if gated else 4) * f + 16) + 8 * cfg.num_experts)
+        if fused_experts:
+            ffn = sb * (2 * h + k * c * ((4 if gated else 2) * f + 16) + 8 * cfg.num_experts)
+        else:
+            ffn = sb * (k * c * (4 * h + (6 if gated else 4) * f + 16) + 8 * cfg.num_experts)
     else:
         ffn = 2 * sb * h + (6 if gated else 4) * sb * f + (sb * h if dropout else 0)
     return (attn + ln + ffn) * act_bytes / 2
@@ -191,8 +202,10 @@ def activation_bytes(
     checkpointing: bool = False,
     flash_attention: bool = False,
     dropout: bool = False,
+    fused_experts: bool = False,
 ) -> int:
-    """Peak saved activations of the whole model for one micro-batch of `tokens` tokens."""
+    """Peak saved activations of the whole model for one micro-batch of `tokens` tokens
+    (fused_experts: see block_activation_bytes)."""
     every = getattr(cfg, "moe_every", 1)
     blocks = [
         block_activation_bytes(
@@ -202,6 +215,7 @@ def activation_bytes(
             act_bytes,
             flash_attention,
             dropout,
+            fused_experts,
         )
         for i in range(cfg.n_layers)
     ]
