@@ -184,21 +184,25 @@ FUSED_CASES = {  # name: (rows per expert, tail rows, gather index, row weights,
 }
 
 
-# one expert per chunk, one chunk, or the device path (one chunk of all rows, no host reads)
-@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20, "device"])
+# chunk bytes: one expert per chunk; one chunk (equal groups run as one bmm); the device path
+# (one chunk of all rows, tail rows included, no host reads)
+LAYOUT_MODES = {"expert_per_chunk": 1, "one_chunk": 1 << 20, "device": None}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUT_MODES))
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 @pytest.mark.parametrize("activation,bias,dtype", [("gelu", True, torch.float64),
                                                    ("swiglu", False, torch.float32),
                                                    ("silu", True, torch.float32)])  # fmt: skip
 def test_fused_expert_mlp_matches_per_row_reference(
-    monkeypatch, chunk_bytes, case, activation, bias, dtype
+    monkeypatch, layout, case, activation, bias, dtype
 ):
-    import moe.kernels.torch_expert_mlp as fused
+    import moe.kernels.expert_chunks as expert_chunks
 
-    if chunk_bytes == "device":
-        monkeypatch.setattr(fused, "_host_readable", lambda t: False)
+    if LAYOUT_MODES[layout] is None:
+        monkeypatch.setattr(expert_chunks, "host_readable", lambda t: False)
     else:
-        monkeypatch.setattr(fused, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(expert_chunks, "CHUNK_BYTES", LAYOUT_MODES[layout])
     counts, tail, with_ids, with_weights, sum_to_rows = FUSED_CASES[case]
     torch.manual_seed(len(case) + len(activation))
     E, R, T, D, F = len(counts), sum(counts) + tail, 6, 5, 7  # unaligned widths

@@ -8,12 +8,9 @@ Why one op and not a chain of grouped GEMMs (measured in bench/results/*-moe-lay
 - Combine folded in: each row's activation is scaled by its combine weight before the second
   GEMM ([R, F], not [R, D]), and with `sum_to_rows` the output rows are added straight into
   their token's row of y (the combine as the second GEMM's epilogue): no [R, D] output.
-- Chunks of whole experts (~CHUNK_BYTES of rows): every [rows, D] buffer is a small, cache-warm
-  chunk. On CPU a fresh buffer over the allocator's mmap threshold costs more in page faults
-  than the copy itself (64 MiB: ~25 ms against ~5 ms), so full-size [T*k, D] buffers are what
-  made the layer slow.
-- Per chunk, groups of equal size run as one batched matmul over [E, C, .] views, ragged ones
-  as grouped GEMMs (torch._grouped_mm, or per-expert matmuls as fallback for float64).
+- Chunks of whole experts (moe/kernels/expert_chunks.py): every [rows, D] buffer is a small,
+  cache-warm chunk, computed as one bmm over equal groups or as ragged grouped GEMMs
+  (torch._grouped_mm, per-expert matmuls as fallback for float64).
 Deterministic: index_add on CPU accumulates in index order. On CUDA (the torch fallback when
 Triton is absent) there is one chunk and no host read.
 """
@@ -22,88 +19,20 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED, activation_backward, apply_activation
-from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
+from moe.kernels.expert_chunks import Chunk, chunks
 
-CHUNK_BYTES = 8 << 20  # rows of one chunk times the row width in bytes
 NEEDS = ("x", "w1", "w2", "w3", "b1", "b2", "row_weights")
-
-
-def _host_readable(t: Tensor) -> bool:
-    """Reading t on the host costs no device sync (CPU)."""
-    return t.device.type == "cpu"
-
-
-class _Chunk:
-    """Experts [e0, e1) and their rows [r0, r1) of the expert buffer."""
-
-    def __init__(self, e0: int, e1: int, r0: int, r1: int, offsets_E: Tensor):
-        self.e0, self.e1, self.r0, self.r1 = e0, e1, r0, r1
-        self.offsets = offsets_E[e0:e1] - r0  # int32 row ends within the chunk
-        n, E = r1 - r0, e1 - e0
-        self.capacity = 0  # > 0: every group has exactly this many rows (one bmm)
-        if _host_readable(offsets_E) and n and n % E == 0:
-            step = torch.arange(1, E + 1, dtype=offsets_E.dtype) * (n // E)
-            self.capacity = n // E if torch.equal(self.offsets, step) else 0
-
-    def mm(self, a_nK: Tensor, w_EKN: Tensor) -> Tensor:
-        w = w_EKN[self.e0 : self.e1]
-        if self.capacity:
-            E, C = self.e1 - self.e0, self.capacity
-            return torch.bmm(a_nK.view(E, C, -1), w).view(E * C, -1)
-        return mm_groups(a_nK, w, self.offsets)
-
-    def wgrad(self, a_nK: Tensor, d_nN: Tensor) -> Tensor:
-        if self.capacity:
-            E, C = self.e1 - self.e0, self.capacity
-            return torch.bmm(a_nK.view(E, C, -1).transpose(1, 2), d_nN.view(E, C, -1))
-        return wgrad_groups(a_nK, d_nN, self.offsets)
-
-    def expert_ids(self) -> Tensor:
-        """long [n]: chunk-local expert of each row."""
-        rows = torch.arange(self.r1 - self.r0, device=self.offsets.device)
-        return torch.searchsorted(self.offsets, rows.to(self.offsets.dtype), right=True)
-
-    def row_bias(self, b_EN: Tensor) -> Tensor:
-        """b[expert of row]; tail rows (only in a device chunk) get zero."""
-        b = b_EN[self.e0 : self.e1]
-        return torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, self.expert_ids())
-
-    def bias_grad(self, d_nN: Tensor) -> Tensor:
-        acc = d_nN.new_zeros(self.e1 - self.e0 + 1, d_nN.shape[1])
-        return acc.index_add_(0, self.expert_ids(), d_nN)[:-1]
-
-
-def chunks(offsets_E: Tensor, num_rows: int, row_bytes: int) -> list[_Chunk]:
-    """Whole experts per chunk, about CHUNK_BYTES of rows each, covering every expert. On the
-    CPU tail rows (past offsets[-1]) are left out; elsewhere one chunk of all rows."""
-    E = offsets_E.shape[0]
-    if E == 0:
-        return []
-    if not _host_readable(offsets_E):  # reading the offsets would sync the device
-        return [_Chunk(0, E, 0, num_rows, offsets_E)]
-    rows_per_chunk = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    ends = offsets_E.tolist()
-    starts = [0] + ends[:-1]
-    bounds, first = [0], 0
-    for e in range(1, E):  # host bookkeeping over E ints; the compute loop is per chunk
-        if ends[e] - starts[first] > rows_per_chunk and ends[e - 1] > starts[first]:
-            bounds.append(e)
-            first = e
-    bounds.append(E)
-    return [
-        _Chunk(a, b, starts[a], ends[b - 1], offsets_E) for a, b in zip(bounds[:-1], bounds[1:])
-    ]
 
 
 def _pre_width(F: int, activation: str) -> int:
     return 2 * F if activation in GATED else F
 
 
-def _ids(gather_ids_R: Tensor | None, c: _Chunk) -> Tensor | None:
+def _ids(gather_ids_R: Tensor | None, c: Chunk) -> Tensor | None:
     return None if gather_ids_R is None else gather_ids_R[c.r0 : c.r1]
 
 
-def _rows_of(t_ND: Tensor, ids: Tensor | None, c: _Chunk) -> Tensor:
+def _rows_of(t_ND: Tensor, ids: Tensor | None, c: Chunk) -> Tensor:
     """The chunk's rows of t: gathered by token ids, or a view."""
     return t_ND[c.r0 : c.r1] if ids is None else t_ND.index_select(0, ids)
 
@@ -266,6 +195,7 @@ def _(dy, x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, gather_ids_R, row_weig
 def _setup_context(ctx, inputs, output):
     x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_rows = inputs
     ctx.save_for_backward(x, offsets, w1, w2, w3, b2, ids, row_weights, output[1])
+    ctx.set_materialize_grads(False)  # pre_RF never gets a gradient: no [R, F] zeros
     ctx.activation, ctx.sum_to_rows = activation, sum_to_rows
     ctx.has = {"w3": w3 is not None, "b1": b1 is not None, "b2": b2 is not None,
                "row_weights": row_weights is not None}  # fmt: skip
