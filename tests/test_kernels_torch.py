@@ -23,6 +23,20 @@ def experts_of_rows(counts, tail):
     return ids + [None] * tail
 
 
+def expert_params(E, D, F, activation, bias, dtype):
+    """Random expert weights (leaves) by name, and the same as expert_mlp's keyword args."""
+    params = {
+        "w1": torch.randn(E, D, F, dtype=dtype) / 3,
+        "w2": torch.randn(E, F, D, dtype=dtype) / 3,
+        "w3": torch.randn(E, D, F, dtype=dtype) / 3 if activation == "swiglu" else None,
+        "b1": torch.randn(E, F, dtype=dtype) if bias else None,
+        "b2": torch.randn(E, D, dtype=dtype) if bias else None,
+    }
+    params = {n: p.requires_grad_() for n, p in params.items() if p is not None}
+    suffix = dict(w1="EDF", w2="EFD", w3="EDF", b1="EF", b2="ED")
+    return params, {f"{n}_{suffix[n]}": p for n, p in params.items()}
+
+
 @pytest.mark.parametrize("counts,tail", LAYOUTS)
 @pytest.mark.parametrize("dtype,K,N", [(torch.float32, 16, 8), (torch.float32, 5, 7),
                                        (torch.float64, 4, 8)])  # fmt: skip
@@ -57,16 +71,7 @@ def test_expert_mlp_matches_per_token_reference(activation, bias, dtype):
     rows = experts_of_rows(counts, tail)
     x = torch.randn(T, D, dtype=dtype, requires_grad=True)
     token_ids = torch.randint(0, T, (M,))
-    params = {
-        "w1": torch.randn(E, D, F, dtype=dtype) / 3,
-        "w2": torch.randn(E, F, D, dtype=dtype) / 3,
-        "w3": torch.randn(E, D, F, dtype=dtype) / 3 if activation == "swiglu" else None,
-        "b1": torch.randn(E, F, dtype=dtype) if bias else None,
-        "b2": torch.randn(E, D, dtype=dtype) if bias else None,
-    }
-    params = {n: p.requires_grad_() for n, p in params.items() if p is not None}
-    kw = {f"{n}_{dict(w1='EDF', w2='EFD', w3='EDF', b1='EF', b2='ED')[n]}": p
-          for n, p in params.items()}  # fmt: skip
+    params, kw = expert_params(E, D, F, activation, bias, dtype)
     out = expert_mlp(x, offsets_of(counts), **kw, activation=activation,
                      token_ids_M=token_ids, backend="torch")  # fmt: skip
     dy = torch.randn_like(out)
@@ -210,16 +215,7 @@ def test_fused_expert_mlp_matches_per_row_reference(
     ids = torch.randint(0, T, (R,)) if with_ids else None
     x = torch.randn(T if with_ids else R, D, dtype=dtype, requires_grad=True)
     rw = torch.rand(R, dtype=dtype, requires_grad=True) if with_weights else None
-    params = {
-        "w1": torch.randn(E, D, F, dtype=dtype) / 3,
-        "w2": torch.randn(E, F, D, dtype=dtype) / 3,
-        "w3": torch.randn(E, D, F, dtype=dtype) / 3 if activation == "swiglu" else None,
-        "b1": torch.randn(E, F, dtype=dtype) if bias else None,
-        "b2": torch.randn(E, D, dtype=dtype) if bias else None,
-    }
-    params = {n: p.requires_grad_() for n, p in params.items() if p is not None}
-    kw = {f"{n}_{dict(w1='EDF', w2='EFD', w3='EDF', b1='EF', b2='ED')[n]}": p
-          for n, p in params.items()}  # fmt: skip
+    params, kw = expert_params(E, D, F, activation, bias, dtype)
     out = expert_mlp(x, offsets_of(counts), **kw, activation=activation, token_ids_M=ids,
                      backend="torch", row_weights_M=rw, sum_to_rows=sum_to_rows)  # fmt: skip
     leaves = [x, *params.values()] + ([rw] if rw is not None else [])
@@ -270,3 +266,22 @@ def test_fused_expert_mlp_is_deterministic_and_passes_opcheck():
     with pytest.raises(NotImplementedError, match="no double backward"):
         out, _ = torch.ops.moe.expert_mlp(*args)
         (g,) = torch.autograd.grad(out.sum(), [w1], create_graph=True)
+
+
+@pytest.mark.parametrize("router", ["topk", "expert_choice"])
+def test_default_compile_has_no_graph_break(router):
+    """The layer compiles as one graph in torch.compile's default mode too (no data-dependent
+    output shapes, no host reads outside the custom ops), forward and backward."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(4)
+    torch._dynamo.reset()
+    counters.clear()
+    layer = moe.MoELayer(16, 24, 4, top_k=2, router=router, capacity_factor=1.5)
+    compiled = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(11, 16)
+    y_c, gx_c, _ = _fwd_bwd(compiled, x)
+    y_e, gx_e, _ = _fwd_bwd(layer, x)
+    assert dict(counters["graph_break"]) == {}
+    torch.testing.assert_close(y_c, y_e)
+    torch.testing.assert_close(gx_c, gx_e)

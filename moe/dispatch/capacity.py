@@ -1,6 +1,8 @@
-"""Expert capacity: how many (token, expert) pairs one expert may take."""
+"""Expert capacity: how many (token, expert) pairs one expert may take, and counting them."""
 
 import math
+
+import torch
 
 
 def capacity_factor_for(config, training: bool) -> float | None:
@@ -27,3 +29,10 @@ def expert_capacity(
         return None
     capacity = math.ceil(capacity_factor * top_k * num_tokens / num_experts)
     return min(max(capacity, min_capacity), num_tokens)
+
+
+def count_ids(ids: torch.Tensor, num: int) -> torch.Tensor:
+    """long [num]: how many of `ids` (long, each in [0, num)) equal each value. bincount's
+    output shape depends on the data (a graph break under torch.compile); this one's does not."""
+    counts = torch.zeros(num, dtype=torch.long, device=ids.device)
+    return counts.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))

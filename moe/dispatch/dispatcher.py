@@ -4,7 +4,7 @@ A dispatcher owns the path between the routing plan and the experts, and back:
 
     x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
     out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens)
-    y_TD = dispatcher.combine(out_RD, ctx)                    # weighted sum back to tokens
+    y_TD = dispatcher.combine(out_RD, ctx)  # weighted sum back to tokens (if not done above)
 
 It never calls the experts. A new strategy (another all-to-all, an overlapped or node-aware
 exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a user
@@ -45,8 +45,8 @@ class DispatchContext:
     """What combine needs to undo dispatch. Subclasses add their own fields.
 
     gather_ids_R: when set, the rows handed to the experts are the un-gathered tokens x_TD and
-    expert row r is x_TD[gather_ids_R[r]]. The Triton kernel gathers on load this way, which
-    saves writing and re-reading one [R, D] buffer; every other path leaves it None.
+    expert row r is x_TD[gather_ids_R[r]]. The expert kernels gather on load this way, which
+    saves writing, keeping and re-reading one [R, D] buffer (LocalDispatcher sets it).
     row_weights_R: when set, the experts scale row r by it (the combine weights folded into
     the expert MLP).
     sum_to_tokens: the experts also add each row into its token (gather_ids_R) and return

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.dispatch.capacity import count_ids
 from moe.kernels.combine import combine
 
 
@@ -68,7 +69,7 @@ def plan_token_choice(
         ids_M = torch.where(mask_TK.t().reshape(-1), ids_M, E)
     order_M = _sort_pairs(ids_M, weights_TK.t().reshape(-1), drop_policy)
     sorted_ids_M = ids_M[order_M]
-    routed_E = torch.bincount(sorted_ids_M, minlength=E + 1)[:E]
+    routed_E = count_ids(sorted_ids_M, E + 1)[:E]
     if capacity is None:
         counts_E = routed_E
         keep_sorted_M = sorted_ids_M < E

@@ -2,6 +2,8 @@
 
 import torch
 
+from moe.dispatch.capacity import count_ids
+
 
 def load_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
     """Switch/GShard balance loss E * sum_e f_e * P_e, f_e = pairs to e / (T*k), P_e = mean prob.
@@ -11,7 +13,7 @@ def load_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> to
     T, E = probs_TE.shape
     if T == 0:
         return probs_TE.sum() * 0.0
-    counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=E).to(probs_TE.dtype)
+    counts_E = count_ids(expert_ids_TK, E).to(probs_TE.dtype)
     frac_E = counts_E / expert_ids_TK.numel()
     return E * torch.dot(frac_E, probs_TE.mean(0))
 
