@@ -9,6 +9,8 @@ the layer at E=8 and E=64 and within noise at E=128 (bench/results/*-moe-layer.m
 vs padded"), so only groups that are already equal run as a bmm.
 """
 
+from functools import cached_property
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,7 @@ class Chunk:
 
     def __init__(self, e0: int, e1: int, r0: int, r1: int, offsets_E: Tensor):
         self.e0, self.e1, self.r0, self.r1 = e0, e1, r0, r1
+        self.rows, self.experts = slice(r0, r1), slice(e0, e1)
         self.offsets = offsets_E[e0:e1] - r0  # int32 row ends within the chunk
         n, E = r1 - r0, e1 - e0
         self.capacity = 0  # > 0: every group has exactly this many rows (one bmm)
@@ -35,7 +38,7 @@ class Chunk:
             self.capacity = n // E if torch.equal(self.offsets, step) else 0
 
     def mm(self, a_nK: Tensor, w_EKN: Tensor) -> Tensor:
-        w = w_EKN[self.e0 : self.e1]
+        w = w_EKN[self.experts]
         if self.capacity:
             E, C = self.e1 - self.e0, self.capacity
             return torch.bmm(a_nK.view(E, C, -1), w).view(E * C, -1)
@@ -47,19 +50,20 @@ class Chunk:
             return torch.bmm(a_nK.view(E, C, -1).transpose(1, 2), d_nN.view(E, C, -1))
         return wgrad_groups(a_nK, d_nN, self.offsets)
 
+    @cached_property
     def expert_ids(self) -> Tensor:
-        """long [n]: chunk-local expert of each row."""
+        """long [n]: chunk-local expert of each row (E_c for tail rows)."""
         rows = torch.arange(self.r1 - self.r0, device=self.offsets.device)
         return torch.searchsorted(self.offsets, rows.to(self.offsets.dtype), right=True)
 
     def row_bias(self, b_EN: Tensor) -> Tensor:
         """b[expert of row]; tail rows (only in a device chunk) get zero."""
-        b = b_EN[self.e0 : self.e1]
-        return torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, self.expert_ids())
+        b = b_EN[self.experts]
+        return torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, self.expert_ids)
 
     def bias_grad(self, d_nN: Tensor) -> Tensor:
         acc = d_nN.new_zeros(self.e1 - self.e0 + 1, d_nN.shape[1])
-        return acc.index_add_(0, self.expert_ids(), d_nN)[:-1]
+        return acc.index_add_(0, self.expert_ids, d_nN)[:-1]
 
 
 def chunks(offsets_E: Tensor, num_rows: int, row_bytes: int) -> list[Chunk]:

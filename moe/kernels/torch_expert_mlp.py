@@ -29,12 +29,12 @@ def _pre_width(F: int, activation: str) -> int:
 
 
 def _ids(gather_ids_R: Tensor | None, c: Chunk) -> Tensor | None:
-    return None if gather_ids_R is None else gather_ids_R[c.r0 : c.r1]
+    return None if gather_ids_R is None else gather_ids_R[c.rows]
 
 
 def _rows_of(t_ND: Tensor, ids: Tensor | None, c: Chunk) -> Tensor:
     """The chunk's rows of t: gathered by token ids, or a view."""
-    return t_ND[c.r0 : c.r1] if ids is None else t_ND.index_select(0, ids)
+    return t_ND[c.rows] if ids is None else t_ND.index_select(0, ids)
 
 
 @torch.library.custom_op("moe::expert_mlp", mutates_args=())
@@ -66,21 +66,21 @@ def _fwd_op(
         if b1_EF is not None:
             h_nF += c.row_bias(b1_EF)
         gate_nF = c.mm(xb_nD, w3_EDF) if activation in GATED else None
-        pre_RF[c.r0 : c.r1, :F] = h_nF
+        pre_RF[c.rows, :F] = h_nF
         if gate_nF is not None:
-            pre_RF[c.r0 : c.r1, F:] = gate_nF
+            pre_RF[c.rows, F:] = gate_nF
         a_nF = apply_activation(h_nF, activation, gate_nF)
         scale_n1 = None
         if row_weights_R is not None:
-            scale_n1 = row_weights_R[c.r0 : c.r1].to(a_nF.dtype).unsqueeze(1)
+            scale_n1 = row_weights_R[c.rows].to(a_nF.dtype).unsqueeze(1)
             a_nF *= scale_n1
         y_nD = c.mm(a_nF, w2_EFD)
         if b2_ED is not None:
             y_nD += c.row_bias(b2_ED) if scale_n1 is None else c.row_bias(b2_ED) * scale_n1
         if not sum_to_rows:
-            out[c.r0 : c.r1] = y_nD
+            out[c.rows] = y_nD
         elif ids is None:
-            out[c.r0 : c.r1] += y_nD
+            out[c.rows] += y_nD
         else:
             out.index_add_(0, ids, y_nD)
         kept = c.r1
@@ -133,10 +133,10 @@ def _bwd_op(
         else None,
     }
     dy = dy.contiguous()
+    gated = activation in GATED
     for c in chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size()):
-        ids, rows, experts = _ids(gather_ids_R, c), slice(c.r0, c.r1), slice(c.e0, c.e1)
+        ids, rows, experts = _ids(gather_ids_R, c), c.rows, c.experts
         pre_nF = pre_RF[rows]
-        gated = activation in GATED
         h_nF, gate_nF = (pre_nF[:, :F], pre_nF[:, F:]) if gated else (pre_nF, None)
         a_nF = apply_activation(h_nF, activation, gate_nF)
         d_out_nD = _rows_of(dy, ids, c) if sum_to_rows else dy[rows]
