@@ -15,6 +15,7 @@ from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_fr
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
 from moe import parallel  # after the layer: parallel builds on it
+from moe.routing_replay import Routes, record_routing, replay_routing
 
 __all__ = [
     "ConversionError",
@@ -30,7 +31,10 @@ __all__ = [
     "load_hf_checkpoint",
     "moe_layers",
     "parallel",
+    "record_routing",
+    "replay_routing",
     "reset_global_balance",
+    "Routes",
     "save_hf_checkpoint",
     "save_moe_settings",
     "swap_ffn",

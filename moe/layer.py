@@ -84,6 +84,8 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        self.route_replay = None  # set by moe.replay_routing: forces the top-k choice
+        self.route_recorder = None  # set by moe.record_routing: keeps each forward's choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -115,8 +117,14 @@ class MoELayer(nn.Module):
         return y_TD
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
-        routing = self.router(x_TD)
+        """Router call; moe.replay_routing / moe.record_routing hook in here (routing_replay)."""
+        if self.route_replay is None:
+            routing = self.router(x_TD)
+        else:
+            routing = self.route_replay.route(self, x_TD)
         self._check_finite(routing.logits_TE)
+        if self.route_recorder is not None and not in_recomputation():
+            self.route_recorder.add(routing)
         return routing
 
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:

@@ -66,5 +66,19 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return router_matmul(x_TD, self.weight)
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    replayable = True  # picks top-k experts per token: moe.replay_routing can force them
+
+    @classmethod
+    def forced_ids_problem(cls, config, expert_ids_TK: torch.Tensor) -> str | None:
+        """Why `expert_ids_TK` cannot be forced on this router (None if it can). Reads values:
+        for moe.replay_routing's checks before replay starts, never in a forward."""
+        if expert_ids_TK.numel() and not (
+            (expert_ids_TK >= 0).all() and (expert_ids_TK < config.num_experts).all()
+        ):
+            return f"an expert id is outside [0, {config.num_experts})"
+        return None
+
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: torch.Tensor | None = None) -> Routing:
+        """Route T tokens. `forced_ids_TK` (router replay) replaces the top-k choice; the
+        weights are still the router's own scores at those experts, normalised as usual."""
         raise NotImplementedError

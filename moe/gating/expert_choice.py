@@ -20,7 +20,11 @@ class ExpertChoiceRouter(Router):
     A token may be taken by 0 or several experts. No balance loss (balanced by construction);
     not for causal decoding (the choice looks at the whole batch)."""
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    replayable = False  # experts choose tokens: there is no per-token top-k choice to force
+
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: torch.Tensor | None = None) -> Routing:
+        if forced_ids_TK is not None:
+            raise ValueError("router='expert_choice' does not support router replay")
         c = self.config
         logits_TE = self.logits(x_TD)
         probs_TE = logits_TE.softmax(-1)

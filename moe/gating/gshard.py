@@ -17,21 +17,38 @@ class GShardRouter(Router):
         if config.top_k != 2:
             raise ValueError(f"router='gshard' is top-2; got top_k={config.top_k}")
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    @classmethod
+    def forced_ids_problem(cls, config, expert_ids_TK: torch.Tensor) -> str | None:
+        """Replayed ids may hold ~e (= -1 - e) in the second column: expert e, which random
+        routing declined (recorded so, replayed as declined; the gates still use e's score)."""
+        declined_TK = torch.zeros_like(expert_ids_TK, dtype=torch.bool)
+        declined_TK[:, 1:] = expert_ids_TK[:, 1:] < 0
+        return super().forced_ids_problem(
+            config, torch.where(declined_TK, ~expert_ids_TK, expert_ids_TK)
+        )
+
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: torch.Tensor | None = None) -> Routing:
         logits_TE = self.logits(x_TD)
         probs_TE = logits_TE.softmax(-1)
-        top_TK = probs_TE.topk(2, dim=-1)
-        gates_TK = top_TK.values / top_TK.values.sum(-1, keepdim=True).clamp_min(1e-20)
+        if forced_ids_TK is None:
+            top_TK = probs_TE.topk(2, dim=-1)
+            ids_TK, values_TK = top_TK.indices, top_TK.values
+        else:  # router replay: choice and random-routing mask (~e: declined) as recorded
+            ids_TK = torch.where(forced_ids_TK >= 0, forced_ids_TK, ~forced_ids_TK)
+            values_TK = probs_TE.gather(1, ids_TK)
+        gates_TK = values_TK / values_TK.sum(-1, keepdim=True).clamp_min(1e-20)
         mask_TK = torch.ones_like(gates_TK, dtype=torch.bool)
-        if self.training:
+        if forced_ids_TK is not None:
+            mask_TK = forced_ids_TK >= 0
+        elif self.training:
             keep_second_T = torch.rand_like(gates_TK[:, 1]) < 2.0 * gates_TK[:, 1]
             mask_TK[:, 1] = keep_second_T
-        balance = load_balance_loss(probs_TE, top_TK.indices[:, :1])
+        balance = load_balance_loss(probs_TE, ids_TK[:, :1])
         return Routing(
             logits_TE,
             probs_TE,
             router_loss(self.config, logits_TE, balance),
-            expert_ids_TK=top_TK.indices,
+            expert_ids_TK=ids_TK,
             weights_TK=gates_TK * mask_TK,
             mask_TK=mask_TK,
         )

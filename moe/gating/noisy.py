@@ -25,7 +25,7 @@ class NoisyTopKRouter(Router):
         if config.top_k >= config.num_experts:
             raise ValueError("router='noisy_topk' needs top_k < num_experts (load estimator)")
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: torch.Tensor | None = None) -> Routing:
         k = self.config.top_k
         clean_TE = self.logits(x_TD)
         if self.training:
@@ -34,8 +34,12 @@ class NoisyTopKRouter(Router):
         else:
             noisy_TE = clean_TE
         top_TK1 = noisy_TE.topk(k + 1, dim=-1)
-        ids_TK = top_TK1.indices[:, :k]
-        weights_TK = top_TK1.values[:, :k].softmax(-1)
+        if forced_ids_TK is None:
+            ids_TK = top_TK1.indices[:, :k]
+            weights_TK = top_TK1.values[:, :k].softmax(-1)
+        else:  # router replay: softmax of the (noisy) logits at the recorded experts
+            ids_TK = forced_ids_TK
+            weights_TK = noisy_TE.gather(1, ids_TK).softmax(-1)
         gates_TE = torch.zeros_like(clean_TE).scatter(1, ids_TK, weights_TK)
         importance_E = gates_TE.sum(0)
         if self.training:

@@ -40,16 +40,19 @@ class TopKRouter(Router):
         # Aux-loss-free balancing: biases only the choice, never the weights.
         self.register_buffer("expert_bias", torch.zeros(config.num_experts))
 
-    def choose(self, logits_TE: torch.Tensor):
+    def choose(self, logits_TE: torch.Tensor, forced_ids_TK: torch.Tensor | None = None):
         c = self.config
         scores_TE = scores_from_logits(logits_TE, c.score_func)
-        if c.score_func == "softmax" and not c.softmax_before_topk:
-            choice_TE = logits_TE + self.expert_bias
+        if forced_ids_TK is not None:  # router replay: the choice is given, weights are ours
+            ids_TK = forced_ids_TK
         else:
-            choice_TE = scores_TE + self.expert_bias
-        if c.num_groups > 1:
-            choice_TE = limit_to_groups(choice_TE, c.num_groups, c.topk_groups)
-        ids_TK = choice_TE.topk(c.top_k, dim=-1).indices
+            if c.score_func == "softmax" and not c.softmax_before_topk:
+                choice_TE = logits_TE + self.expert_bias
+            else:
+                choice_TE = scores_TE + self.expert_bias
+            if c.num_groups > 1:
+                choice_TE = limit_to_groups(choice_TE, c.num_groups, c.topk_groups)
+            ids_TK = choice_TE.topk(c.top_k, dim=-1).indices
         if c.score_func == "softmax" and not c.softmax_before_topk:
             weights_TK = logits_TE.gather(1, ids_TK).softmax(-1)
         else:
@@ -58,9 +61,9 @@ class TopKRouter(Router):
                 weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
         return scores_TE, ids_TK, weights_TK * c.route_scale
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, forced_ids_TK: torch.Tensor | None = None) -> Routing:
         logits_TE = self.logits(x_TD)
-        scores_TE, ids_TK, weights_TK = self.choose(logits_TE)
+        scores_TE, ids_TK, weights_TK = self.choose(logits_TE, forced_ids_TK)
         probs_TE = scores_TE if self.config.score_func == "softmax" else _normalised(scores_TE)
         balance = load_balance_loss(probs_TE, ids_TK)
         return Routing(
