@@ -16,6 +16,7 @@ from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
 from moe import parallel  # after the layer: parallel builds on it
 from moe.routing_replay import Routes, record_routing, replay_routing
+from moe.routing_trace import RoutingTrace, read_trace
 
 __all__ = [
     "ConversionError",
@@ -31,10 +32,12 @@ __all__ = [
     "load_hf_checkpoint",
     "moe_layers",
     "parallel",
+    "read_trace",
     "record_routing",
     "replay_routing",
     "reset_global_balance",
     "Routes",
+    "RoutingTrace",
     "save_hf_checkpoint",
     "save_moe_settings",
     "swap_ffn",

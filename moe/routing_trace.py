@@ -1,0 +1,208 @@
+"""Routing traces: the expert load of every MoE layer over training, as JSON lines (opt-in).
+
+    trace = moe.RoutingTrace(model, run_dir / "routing_trace.jsonl", every=10)
+    for step in range(steps):
+        ...                      # forward(s), backward, optimizer step
+        trace.step()             # on every rank (a collective on the log interval only)
+    trace.close()                # writes the steps still buffered (a collective too)
+
+A step's counts are summed over every training-mode forward of the layer since the previous
+`step()` (all micro-batches; a forward recomputed in backward is not counted), taken from
+`layer.stats` by a forward hook as device tensors: no host sync. Every `every` steps the
+buffered steps of all layers are all-reduced over `group` (default: all ranks) in one call and
+read once; rank 0 appends one line per step and layer:
+
+    {"step": 12, "layer": "blocks.0.ffn", "tokens_per_expert": [...], "routed_per_expert":
+     [...], "dropped": 3, "load_cv": 0.41, "max_over_mean": 1.9, "dead_experts": 0,
+     "ep": 2, "rank_load": [...]}
+
+tokens_per_expert: pairs each expert computed (after capacity drops); routed_per_expert: pairs
+the router sent it (before drops). The load metrics are those of routed_per_expert, as in
+layer.stats: load_cv = std / mean (population std), max_over_mean, dead_experts = experts with
+no pair; rank_load = routed pairs per EP rank, the E experts grouped into `ep` contiguous
+blocks (ep = 1 without expert parallelism). `read_trace` reads a file back, checking each line.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.gating.balance import in_recomputation
+from moe.layer import moe_layers
+
+FIELDS = {
+    "step": int,
+    "layer": str,
+    "tokens_per_expert": list,
+    "routed_per_expert": list,
+    "dropped": int,
+    "load_cv": float,
+    "max_over_mean": float,
+    "dead_experts": int,
+    "ep": int,
+    "rank_load": list,
+}
+
+
+class RoutingTrace:
+    """Per step and MoE layer: tokens per expert, drops, load CV, max/mean, dead experts and
+    per-EP-rank load, written to `path` (JSON lines) by rank 0 every `every` steps."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        path: str | Path,
+        every: int = 1,
+        *,
+        group=None,
+        append: bool = False,
+        training_only: bool = True,
+    ):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"RoutingTrace: every must be a positive int, got {every!r}")
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError("RoutingTrace: the model has no MoE layers (moe.MoELayer)")
+        self.path, self.every, self.group = Path(path), every, group
+        self.training_only = training_only
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.writer = not self.distributed or dist.get_rank() == 0
+        self.experts = [layer.config.num_experts for _, layer in self.layers]
+        self.ep = [
+            layer.config.num_experts // layer.experts.num_experts for _, layer in self.layers
+        ]
+        self.steps_done = 0
+        self.buffer: list[torch.Tensor] = []  # one packed row per step, on the device
+        self.step_ids: list[int] = []
+        self.current: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.hooks = [
+            layer.register_forward_hook(self._hook(i)) for i, (_, layer) in enumerate(self.layers)
+        ]
+        if self.writer:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not append:
+                self.path.write_text("")
+
+    def _hook(self, index: int):
+        def add(layer, inputs, output) -> None:
+            if (self.training_only and not layer.training) or in_recomputation():
+                return
+            s = layer.stats
+            row = torch.cat([s["tokens_per_expert"], s["routed_per_expert"], s["dropped"][None]])
+            total = self.current[index]
+            self.current[index] = row.long() if total is None else total + row
+
+        return add
+
+    def step(self, step: int | None = None) -> None:
+        """End of a training step: keep its counts (device only); every `every` steps reduce
+        and write them. `step` numbers the line (default: steps since the trace began, from 1).
+        """
+        self.steps_done += 1
+        self.step_ids.append(self.steps_done if step is None else int(step))
+        rows = []
+        for (_, layer), E, total in zip(self.layers, self.experts, self.current):
+            if total is None:  # no forward this step: zeros (still joins the all-reduce)
+                total = torch.zeros(2 * E + 1, dtype=torch.long, device=_device(layer))
+            rows.append(total)
+        self.buffer.append(torch.cat([r.to(rows[0].device) for r in rows]))
+        self.current = [None] * len(self.layers)
+        if len(self.buffer) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce and write the buffered steps now (a collective: every rank calls it)."""
+        if not self.buffer:
+            return
+        packed_SN = torch.stack(self.buffer)
+        if self.distributed:
+            dist.all_reduce(packed_SN, group=self.group)
+        values = packed_SN.tolist()  # the one host read of the interval
+        step_ids = self.step_ids
+        self.buffer, self.step_ids = [], []
+        if not self.writer:
+            return
+        with self.path.open("a") as f:
+            for step, row in zip(step_ids, values):
+                offset = 0
+                for (name, _), E, ep in zip(self.layers, self.experts, self.ep):
+                    kept, routed = row[offset : offset + E], row[offset + E : offset + 2 * E]
+                    dropped = row[offset + 2 * E]
+                    offset += 2 * E + 1
+                    f.write(json.dumps(trace_line(step, name, kept, routed, dropped, ep)) + "\n")
+
+    def close(self) -> None:
+        """Write what is buffered and remove the hooks."""
+        self.flush()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+    def __enter__(self) -> "RoutingTrace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device(layer) -> torch.device:
+    return layer.router.weight.device
+
+
+def trace_line(step: int, layer: str, kept: list, routed: list, dropped: int, ep: int) -> dict:
+    """One JSON line: the counts and the load metrics of `routed` (see the module docstring)."""
+    E = len(routed)
+    mean = sum(routed) / E
+    std = math.sqrt(sum((c - mean) ** 2 for c in routed) / E)
+    block = E // ep
+    return {
+        "step": step,
+        "layer": layer,
+        "tokens_per_expert": kept,
+        "routed_per_expert": routed,
+        "dropped": dropped,
+        "load_cv": std / mean if mean > 0 else 0.0,
+        "max_over_mean": max(routed) / mean if mean > 0 else 0.0,
+        "dead_experts": sum(c == 0 for c in routed),
+        "ep": ep,
+        "rank_load": [sum(routed[r * block : (r + 1) * block]) for r in range(ep)],
+    }
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The lines of a trace file, each checked (fields, types, lengths); a bad line is a
+    ValueError naming the file and line number."""
+    path = Path(path)
+    records = []
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        for field, kind in FIELDS.items():
+            value = record.get(field)
+            ok = isinstance(value, (int, float) if kind is float else kind)
+            if not ok or isinstance(value, bool):
+                raise ValueError(f"{where}: field {field!r} must be {kind.__name__}, got {value!r}")
+        for field in ("tokens_per_expert", "routed_per_expert", "rank_load"):
+            if not all(isinstance(c, int) and not isinstance(c, bool) for c in record[field]):
+                raise ValueError(f"{where}: field {field!r} must hold integers")
+        E, ep = len(record["routed_per_expert"]), record["ep"]
+        if len(record["tokens_per_expert"]) != E or E == 0:
+            raise ValueError(f"{where}: tokens_per_expert and routed_per_expert differ in length")
+        if ep < 1 or E % ep or len(record["rank_load"]) != ep:
+            raise ValueError(f"{where}: rank_load must hold ep={ep} values (ep divides E={E})")
+        records.append(record)
+    return records
+
+
+__all__ = ["RoutingTrace", "read_trace"]

@@ -1,0 +1,156 @@
+"""Routing traces: the JSON lines equal the counts summed by hand from layer.stats (one process
+and 2 gloo ranks, rank 0 writing the sums), the plot tool writes a PNG, bad lines are errors."""
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import moe
+from moe.tools import plot_trace
+from tests.distributed import run_ranks
+
+D, F, E = 10, 12, 6
+
+
+def build(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(D, D),
+        moe.MoELayer(D, F, E, top_k=2, capacity_factor=0.7, min_capacity=1),
+        nn.Linear(D, D),
+        moe.MoELayer(D, F, E, top_k=1),
+    )
+
+
+def train_steps(model, trace, steps, seed, tokens=(7, 5)):
+    """`steps` steps of two micro-batches (+ an eval forward, not traced); the counts summed
+    by hand from layer.stats: per step, per layer (kept, routed, dropped)."""
+    g = torch.Generator().manual_seed(seed)
+    by_hand = []
+    for _ in range(steps):
+        sums = {}
+        model.train()
+        for n in tokens:
+            model(torch.randn(n, D, generator=g)).sum().backward()
+            for name, layer in moe.moe_layers(model):
+                s = layer.stats
+                got = [s["tokens_per_expert"], s["routed_per_expert"], s["dropped"]]
+                old = sums.get(name)
+                sums[name] = got if old is None else [a + b for a, b in zip(old, got)]
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(3, D, generator=g))
+        trace.step()
+        by_hand.append({n: [t.tolist() for t in v] for n, v in sums.items()})
+    return by_hand
+
+
+def expected_line(step, name, kept, routed, dropped, ep):
+    routed_E = torch.tensor(routed, dtype=torch.float64)
+    mean = routed_E.mean()
+    return {
+        "step": step,
+        "layer": name,
+        "tokens_per_expert": kept,
+        "routed_per_expert": routed,
+        "dropped": dropped,
+        "load_cv": float(routed_E.std(correction=0) / mean),
+        "max_over_mean": float(routed_E.max() / mean),
+        "dead_experts": int((routed_E == 0).sum()),
+        "ep": ep,
+        "rank_load": [int(b.sum()) for b in routed_E.chunk(ep)],
+    }
+
+
+def check(lines, by_hand, ep):
+    assert len(lines) == 2 * len(by_hand)
+    for i, step in enumerate(by_hand):
+        for j, (name, (kept, routed, dropped)) in enumerate(step.items()):
+            want = expected_line(i + 1, name, kept, routed, dropped, ep)
+            got = lines[2 * i + j]
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_trace_equals_layer_stats_by_hand(tmp_path):
+    model = build()
+    path = tmp_path / "trace.jsonl"
+    trace = moe.RoutingTrace(model, path, every=2)
+    by_hand = train_steps(model, trace, 1, seed=1)
+    assert path.read_text() == ""  # buffered on the device until the log interval
+    by_hand += train_steps(model, trace, 4, seed=2)
+    assert len(path.read_text().splitlines()) == 8
+    trace.close()  # writes step 5
+    lines = moe.read_trace(path)
+    check(lines, by_hand, ep=1)
+    assert any(line["dropped"] > 0 for line in lines)
+    assert not model[1]._forward_hooks  # close removed the hooks
+
+
+def _ranks_body(rank, world, path):
+    from moe.parallel import init_mesh, parallelize
+
+    model = parallelize(build(), init_mesh(dp=1, ep=world))
+    trace = moe.RoutingTrace(model, path.replace("{rank}", str(rank)), every=2)
+    by_hand = train_steps(model, trace, 3, seed=10 + rank, tokens=(4 + 3 * rank, 6))
+    trace.close()
+    return by_hand
+
+
+def test_trace_on_two_ranks_writes_the_sums_from_rank_0(tmp_path):
+    results = run_ranks(_ranks_body, 2, str(tmp_path / "trace-{rank}.jsonl"), timeout=60)
+    summed = [
+        {
+            name: [
+                [a + b for a, b in zip(r0[0], r1[0])],
+                [a + b for a, b in zip(r0[1], r1[1])],
+                r0[2] + r1[2],
+            ]
+            for (name, r0), r1 in zip(s0.items(), s1.values())
+        }
+        for s0, s1 in zip(*results)
+    ]
+    assert summed != results[0]  # the ranks saw different tokens
+    check(moe.read_trace(tmp_path / "trace-0.jsonl"), summed, ep=2)
+    assert not (tmp_path / "trace-1.jsonl").exists()  # one writer
+
+
+def test_plot_tool_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    model = build()
+    path = tmp_path / "trace.jsonl"
+    with moe.RoutingTrace(model, path) as trace:
+        train_steps(model, trace, 3, seed=3)
+    out = tmp_path / "load.png"
+    assert plot_trace.main([str(path), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):
+    good = expected_line(1, "x", [1, 2], [1, 3], 1, 2)
+    cases = {
+        "{not json": r"bad\.jsonl:2: not JSON",
+        "[1, 2]": r"bad\.jsonl:2: expected a JSON object",
+        json.dumps({**good, "dropped": "3"}): r"bad\.jsonl:2: field 'dropped' must be int",
+        json.dumps({k: v for k, v in good.items() if k != "load_cv"}): "field 'load_cv'",
+        json.dumps(
+            {**good, "tokens_per_expert": [1]}
+        ): r"bad\.jsonl:2: tokens_per_expert and routed",
+        json.dumps({**good, "rank_load": [4]}): r"bad\.jsonl:2: rank_load must hold ep=2 values",
+        json.dumps({**good, "routed_per_expert": [1, "a"]}): "'routed_per_expert' must hold",
+    }
+    path = tmp_path / "bad.jsonl"
+    for line, message in cases.items():
+        path.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=message):
+            moe.read_trace(path)
+    assert plot_trace.main([str(path), str(tmp_path / "x.png")]) == 1
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    path.write_text(json.dumps(good) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(ImportError, match="needs matplotlib"):
+        plot_trace.plot_trace(path, tmp_path / "x.png")
