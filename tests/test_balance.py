@@ -199,19 +199,3 @@ def test_bias_update_uses_every_micro_batch_since_the_last_update(checkpoint):
     micro.eval()
     micro(torch.randn(2, D))  # eval forwards do not count
     assert micro.load_since_update is None
-
-
-def test_m6_plots_draw_a_curve_per_balance_metric(tmp_path):
-    from examples.m6 import plots
-
-    shares = [[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]]
-    got = plots.balance_metrics(shares)
-    for step, s in enumerate(shares):
-        mean = sum(s) / 4
-        std = (sum((v - mean) ** 2 for v in s) / 4) ** 0.5
-        assert got["cv"][step] == pytest.approx(std / mean)
-        assert got["max_over_mean"][step] == pytest.approx(max(s) / mean)
-        assert got["dead"][step] == sum(v == 0 for v in s)
-    history = {"step": [1, 2, 3], "load": {"blocks.1": shares, "blocks.3": shares[::-1]}}
-    path = plots.plot_expert_load(history, tmp_path / "load.png")
-    assert path.stat().st_size > 0

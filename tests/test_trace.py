@@ -128,6 +128,10 @@ def test_plot_tool_writes_a_png(tmp_path, capsys):
     out = tmp_path / "load.png"
     assert plot_trace.main([str(path), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from examples.m6 import plots  # the M6 example draws expert_load.png from its trace
+
+    assert plots.plot_expert_load(path, tmp_path / "m6.png").read_bytes()[:4] == b"\x89PNG"
+    assert plots.plot_expert_load(tmp_path / "none.jsonl", tmp_path / "no.png") is None
 
 
 def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):

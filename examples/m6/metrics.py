@@ -17,35 +17,28 @@ class StepMetrics:
     def __init__(self, layers: list):
         self.layers = layers
         self.sums = torch.zeros(4, dtype=torch.float64)  # ce, aux share, dropped, routed pairs
-        self.load = {name: 0 for name, _ in layers}
 
     def add(self, ce: torch.Tensor, aux: torch.Tensor, micro_batches: int) -> None:
         """After a micro-batch's backward: its losses and every MoE layer's routing stats."""
         self.sums[0] += ce.item()
         self.sums[1] += aux.item() / micro_batches
-        for name, layer in self.layers:
+        for _, layer in self.layers:
             s = layer.stats
             self.sums[2] += float(s["dropped"])
-            routed_E = s["routed_per_expert"].double().cpu()
-            self.sums[3] += float(routed_E.sum())
-            self.load[name] = self.load[name] + routed_E
+            self.sums[3] += float(s["routed_per_expert"].sum())
 
     def reduce(self, world: int, global_targets: int, stop: bool) -> tuple[dict, bool]:
         """Global metrics of the step, and whether any rank was asked to stop (a signal)."""
         flag = torch.tensor([float(stop)], dtype=torch.float64)
-        sums, load = self.sums, dict(self.load)
+        sums = self.sums
         if world > 1:
-            packed = torch.cat([sums, flag] + [load[n] for n, _ in self.layers])
+            packed = torch.cat([sums, flag])
             dist.all_reduce(packed)
-            sums, flag, offset = packed[:4], packed[4:5], 5
-            for name, _ in self.layers:
-                E = load[name].numel()
-                load[name], offset = packed[offset : offset + E], offset + E
+            sums, flag = packed[:4], packed[4:5]
         metrics = {
             "loss": float(sums[0]) / global_targets,
             "aux": float(sums[1]) / world,
             "drop": float(sums[2] / sums[3]) if sums[3] else 0.0,
-            "load": {name: (v / v.sum().clamp_min(1)).tolist() for name, v in load.items()},
         }
         return metrics, bool(flag[0] > 0)
 
@@ -81,5 +74,4 @@ def new_history(cfg: M6Config) -> dict:
     return {
         "title": cfg.name, "step": [], "loss": [], "aux": [], "drop": [], "lr": [],
         "tokens_per_s": [], "eval_step": [], "eval_loss": [],
-        "load": {name: [] for name in cfg.moe_block_names()},
     }  # fmt: skip

@@ -45,7 +45,7 @@ def make_plots(history, data, summary, out: Path) -> list[str]:
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
-        plots.plot_expert_load(history, out / "expert_load.png"),
+        plots.plot_expert_load(out / "routing_trace.jsonl", out / "expert_load.png"),
     ]
     samples = summary["samples"]
     if samples:

@@ -216,6 +216,8 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
     rt = Runtime(rank, world, device, mesh, autocast)
+    # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end
+    trace = moe.RoutingTrace(model, out / "routing_trace.jsonl", every=10, append=args.resume)
     tokens_per_step = args.global_batch * cfg.seq_len
     say(
         f"{cfg.name}: {total:,} parameters ({experts:,} in experts), {cfg.active_params:,} active "
@@ -236,6 +238,7 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
             m, stopping = train_step(
                 model, opt, data, enc, step, args, rt, signals.signum is not None
             )
+            trace.step(step + 1)
             done += 1
             tok_s = done * tokens_per_step / (time.perf_counter() - t0 - eval_s)
             for key in ("loss", "aux", "drop"):
@@ -243,8 +246,6 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
             history["step"].append(step + 1)
             history["lr"].append(lr_at(step, args))
             history["tokens_per_s"].append(tok_s)
-            for name, share in m["load"].items():
-                history["load"][name].append(share)
             progress.update(
                 step,
                 f"loss {m['loss']:.3f} aux {m['aux']:.4f} {tok_s:,.0f} tok/s drop {100 * m['drop']:.1f}%",
@@ -261,11 +262,13 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
                 save_step(out / "checkpoint", model, opt, _state(step + 1, history, cfg, data))
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
+                trace.close()
                 ckpt = save_step(
                     out / "checkpoint", model, opt, _state(step + 1, history, cfg, data)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
     progress.close()
+    trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
     ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data))
     summary = {

@@ -4,7 +4,8 @@
 
 Per MoE layer a heatmap of experts (rows) x steps (columns), the share of the layer's routed
 pairs each expert got (uniform = 1/E; a dark row is an expert the router starves); then the
-share of each EP rank (E experts in ep contiguous blocks) and the load metrics over steps.
+share of each EP rank (E experts in ep contiguous blocks; drawn when ep > 1) and the load
+metrics over steps.
 Needs matplotlib (the `examples` or `bench` extra): without it, a clear error says so.
 """
 
@@ -73,14 +74,16 @@ def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> 
         raise ValueError(f"{trace}: the trace has no lines to plot")
     plt = _pyplot()
     layers = by_layer(records)
-    rows = 2 * len(layers) + len(METRICS)
+    per_layer = 2 if any(d["rank_load"].shape[1] > 1 for d in layers.values()) else 1
+    rows = per_layer * len(layers) + len(METRICS)
     fig, axes = plt.subplots(rows, 1, figsize=(8, 1.2 + 1.6 * rows), squeeze=False)
     axes = axes[:, 0]
     for i, (name, d) in enumerate(layers.items()):
         steps, share_SE = d["step"], _shares(d["routed"])
         binned_SE = _binned(share_SE)
         E = share_SE.shape[1]
-        im = axes[2 * i].imshow(
+        ax = axes[per_layer * i]
+        im = ax.imshow(
             binned_SE.T,
             aspect="auto",
             interpolation="nearest",
@@ -89,20 +92,21 @@ def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> 
             vmax=max(2.0 / E, float(binned_SE.max())),
             extent=(steps[0] - 0.5, steps[-1] + 0.5, E - 0.5, -0.5),
         )
-        axes[2 * i].set_ylabel(f"{name}\nexpert")
-        fig.colorbar(im, ax=axes[2 * i], label="share of pairs")
-        rank_SW = _shares(d["rank_load"])
-        for r in range(rank_SW.shape[1]):
-            axes[2 * i + 1].plot(steps, rank_SW[:, r], lw=1, label=f"EP rank {r}")
-        axes[2 * i + 1].set_ylabel(f"{name}\nrank share")
-        axes[2 * i + 1].grid(alpha=0.3)
-        axes[2 * i + 1].legend(fontsize=6, ncol=min(rank_SW.shape[1], 8))
-    for ax, (metric, label) in zip(axes[2 * len(layers) :], METRICS.items()):
+        ax.set_ylabel(f"{name}\nexpert")
+        fig.colorbar(im, ax=ax, label="share of pairs")
+        if per_layer == 2:  # expert parallelism: each EP rank's share of the layer's pairs
+            ax, rank_SW = axes[per_layer * i + 1], _shares(d["rank_load"])
+            for r in range(rank_SW.shape[1]):
+                ax.plot(steps, rank_SW[:, r], lw=1, label=f"EP rank {r}")
+            ax.set_ylabel(f"{name}\nrank share")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, ncol=min(rank_SW.shape[1], 8))
+    for ax, (metric, label) in zip(axes[per_layer * len(layers) :], METRICS.items()):
         for name, d in layers.items():
             ax.plot(d["step"], d[metric], lw=1, label=name)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[2 * len(layers)].legend(fontsize=7)
+    axes[per_layer * len(layers)].legend(fontsize=7)
     axes[-1].set_xlabel("step")
     fig.suptitle(title or "expert load per MoE layer (uniform = 1/E), rank loads, metrics")
     fig.tight_layout()
