@@ -91,6 +91,26 @@ def test_trace_equals_layer_stats_by_hand(tmp_path):
     assert not model[1]._forward_hooks  # close removed the hooks
 
 
+def test_no_host_read_between_log_intervals(tmp_path, monkeypatch):
+    """The forward hook and step() only add device tensors: nothing is read to the host
+    before the log interval (every=3: steps 1 and 2 stay buffered)."""
+    model = build()
+    trace = moe.RoutingTrace(model, tmp_path / "trace.jsonl", every=3)
+    train_steps(model, trace, 1, seed=4)
+    model.train()
+    reads = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: reads.append(_n))
+    for _, layer in trace.layers:
+        for hook in layer._forward_hooks.values():
+            hook(layer, (), None)  # what a training forward's hook does with layer.stats
+    trace.step()
+    assert reads == [] and len(trace.buffer) == 2
+    monkeypatch.undo()
+    trace.close()
+    assert len(moe.read_trace(tmp_path / "trace.jsonl")) == 4
+
+
 def _ranks_body(rank, world, path):
     from moe.parallel import init_mesh, parallelize
 
