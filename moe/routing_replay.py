@@ -89,13 +89,18 @@ class Routes:
         path = rank_path(path)
         with safe_open(str(path), framework="pt") as f:
             counts = _layer_counts(path, f.metadata() or {})
+            keys = set(f.keys())
+            if 2 * sum(counts.values()) != len(keys):  # before building any name from counts
+                raise ValueError(
+                    f"{path}: the layer list names {2 * sum(counts.values())} tensors, the file "
+                    f"holds {len(keys)}"
+                )
             expected = {
                 f"{name}/{i}/{part}"
                 for name, n in counts.items()
                 for i in range(n)
                 for part in ("expert_ids_TK", "weights_TK")
             }
-            keys = set(f.keys())
             if keys != expected:
                 odd = sorted(keys ^ expected)[0]
                 state = "missing" if odd in expected else "unexpected"

@@ -50,7 +50,12 @@ FIELDS = {
 
 class RoutingTrace:
     """Per step and MoE layer: tokens per expert, drops, load CV, max/mean, dead experts and
-    per-EP-rank load, written to `path` (JSON lines) by rank 0 every `every` steps."""
+    per-EP-rank load, written to `path` (JSON lines) by rank 0 every `every` steps.
+
+    `resume_from=step` (a run resumed from a checkpoint at `step`) keeps the file's lines up to
+    that step and drops later ones (steps are then numbered from resume_from + 1); by default the file
+    starts empty. `training_only=False`
+    counts eval-mode forwards too."""
 
     def __init__(
         self,
@@ -59,7 +64,7 @@ class RoutingTrace:
         every: int = 1,
         *,
         group=None,
-        append: bool = False,
+        resume_from: int | None = None,
         training_only: bool = True,
     ):
         if not isinstance(every, int) or every < 1:
@@ -75,17 +80,19 @@ class RoutingTrace:
         self.ep = [
             layer.config.num_experts // layer.experts.num_experts for _, layer in self.layers
         ]
-        self.steps_done = 0
+        self.steps_done = resume_from or 0  # default line numbers continue after it
         self.buffer: list[torch.Tensor] = []  # one packed row per step, on the device
         self.step_ids: list[int] = []
         self.current: list[torch.Tensor | None] = [None] * len(self.layers)
         self.hooks = [
             layer.register_forward_hook(self._hook(i)) for i, (_, layer) in enumerate(self.layers)
         ]
-        if self.writer:
+        if self.writer:  # a new file, or (resuming) the lines up to the checkpoint's step
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
-                self.path.write_text("")
+            kept = []
+            if resume_from is not None and self.path.exists():
+                kept = [r for r in read_trace(self.path) if r["step"] <= resume_from]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def _hook(self, index: int):
         def add(layer, inputs, output) -> None:

@@ -80,7 +80,8 @@ def test_replayed_forward_equals_recorded_bit_for_bit(options):
     assert routes["1"][1].expert_ids_TK.shape == (15, model[1].config.top_k)
     with moe.record_routing(model) as again, moe.replay_routing(model, routes):
         for i, x in enumerate(xs):
-            replayed = run(model, x, seed=i)
+            # gshard: another seed, same result (random routing's draw is replayed)
+            replayed = run(model, x, seed=i + 100 * (options.get("router") == "gshard"))
             assert_same(replayed, recorded[i])
     for a, b in zip(ids(again).values(), ids(routes).values()):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
@@ -233,8 +234,11 @@ def test_mismatches_are_errors_naming_the_layer(tmp_path):
     with pytest.raises(ValueError, match="layer '1', forward 0: expert_ids_TK must be int64"):
         moe.Routes.load(tmp_path / "dtype.safetensors")
     save_file(tensors, tmp_path / "count.safetensors", metadata={**meta, "layers": '{"1": 2}'})
-    with pytest.raises(ValueError, match="tensor '1/1/expert_ids_TK' is missing"):
+    with pytest.raises(ValueError, match="the layer list names 4 tensors, the file holds 2"):
         moe.Routes.load(tmp_path / "count.safetensors")
+    save_file(tensors, tmp_path / "name.safetensors", metadata={**meta, "layers": '{"2": 1}'})
+    with pytest.raises(ValueError, match="tensor '1/0/expert_ids_TK' is unexpected"):
+        moe.Routes.load(tmp_path / "name.safetensors")
     tensors["1/0/weights_TK"] = r.weights_TK[:, :1].contiguous()
     tensors["1/0/expert_ids_TK"] = routes["1"][0].expert_ids_TK
     save_file(tensors, tmp_path / "shape.safetensors", metadata=meta)

@@ -89,6 +89,14 @@ def test_trace_equals_layer_stats_by_hand(tmp_path):
     check(lines, by_hand, ep=1)
     assert any(line["dropped"] > 0 for line in lines)
     assert not model[1]._forward_hooks  # close removed the hooks
+    # resumed from a checkpoint at step 3: later lines go, the new step 4 follows
+    with moe.RoutingTrace(model, path, resume_from=3) as again:
+        assert moe.read_trace(path) == lines[:6]
+        again_by_hand = train_steps(model, again, 1, seed=5)
+        again.step()  # a step with no forward: zeros
+    resumed = moe.read_trace(path)
+    check(resumed[:8], by_hand[:3] + again_by_hand, ep=1)
+    assert resumed[8]["step"] == 5 and resumed[8]["routed_per_expert"] == [0] * E
 
 
 def test_no_host_read_between_log_intervals(tmp_path, monkeypatch):

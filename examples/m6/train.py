@@ -217,7 +217,8 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
             raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
     rt = Runtime(rank, world, device, mesh, autocast)
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end
-    trace = moe.RoutingTrace(model, out / "routing_trace.jsonl", every=10, append=args.resume)
+    trace_path, resume_from = out / "routing_trace.jsonl", start if args.resume else None
+    trace = moe.RoutingTrace(model, trace_path, every=10, resume_from=resume_from)
     tokens_per_step = args.global_batch * cfg.seq_len
     say(
         f"{cfg.name}: {total:,} parameters ({experts:,} in experts), {cfg.active_params:,} active "
