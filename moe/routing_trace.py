@@ -53,9 +53,8 @@ class RoutingTrace:
     per-EP-rank load, written to `path` (JSON lines) by rank 0 every `every` steps.
 
     `resume_from=step` (a run resumed from a checkpoint at `step`) keeps the file's lines up to
-    that step and drops later ones (steps are then numbered from resume_from + 1); by default the file
-    starts empty. `training_only=False`
-    counts eval-mode forwards too."""
+    that step, drops later ones and numbers new steps from step + 1; by default the file starts
+    empty. `training_only=False` counts eval-mode forwards too."""
 
     def __init__(
         self,
