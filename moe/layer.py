@@ -24,6 +24,9 @@ class MoELayer(nn.Module):
     default; moe.parallel.parallelize installs an ExpertParallelDispatcher from outside.
     """
 
+    route_replay = None  # set by moe.replay_routing: forces the top-k choice (routing_replay)
+    route_recorder = None  # set by moe.record_routing: keeps each forward's choice
+
     def __init__(
         self,
         d_model: int,
@@ -84,8 +87,6 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
-        self.route_replay = None  # set by moe.replay_routing: forces the top-k choice
-        self.route_recorder = None  # set by moe.record_routing: keeps each forward's choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
