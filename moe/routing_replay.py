@@ -17,9 +17,16 @@ Under replay the router still computes its scores; only the top-k choice is repl
 combine weights are the router's own scores at the recorded experts, normalised as the router
 normalises them (so the router gets gradients through them, as in Megatron-Core's router
 replay), or the recorded weights with `weights=True`. Aux losses are the router's usual ones,
-computed from its scores and the replayed choice. Capacity and drops follow the replayed
-choice: the dispatch plan is built from it. GShard's declined second expert e is recorded as
+computed from its scores and the replayed choice (noisy_topk's smooth load estimate keeps
+its own noisy threshold). Capacity and drops follow the replayed choice: the dispatch plan is
+built from it. GShard's declined second expert e is recorded as
 ~e = -1 - e and replayed as declined. Expert-choice routing has no per-token choice: an error.
+
+Checks: layer names, k, dtypes and shapes, expert ids (range; prototype groups) are checked
+when replay_routing is entered, before any layer changes (one host read of the ids there); a
+token count that differs from the record is raised by that layer's forward before it routes.
+Replay runs eagerly; under torch.compile it gave the recorded outputs in a quick check, but
+the per-forward record lookup is Python state the compiler guards on (not tuned for it).
 """
 
 import contextlib
