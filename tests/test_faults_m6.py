@@ -16,7 +16,17 @@ from examples.m6.ckpt_io import complete_steps, load_latest
 from examples.m6.config import get_config
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--no-plots", "--eval-every", "1000", "--global-batch", "8", "--threads", "1"]
+FAST = [
+    "--no-plots",
+    "--eval-every",
+    "1000",
+    "--global-batch",
+    "8",
+    "--threads",
+    "1",
+    "--log-every",
+    "1",
+]
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:

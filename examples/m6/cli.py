@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import moe
+from examples.device import add_device_args
 from examples.m6.config import M6Config, get_config
 from examples.m6.plan import check_layout
 
@@ -73,8 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    add_device_args(g)
     g.add_argument(
         "--threads",
         type=int,
@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
     g.add_argument("--eval-batch", type=int, default=256)
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="read the metrics back every n steps: the only host sync of training",
+    )
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     g = p.add_argument_group("parallelism (under torchrun)")
@@ -146,8 +152,26 @@ def resolve_config(args) -> M6Config:
     return cfg.equal_flops_dense() if args.dense else cfg
 
 
+# Integer flags and their least value (None: not given, the default applies).
+POSITIVE_INTS = (
+    ("dp", 1),
+    ("ep", 1),
+    ("groups", 1),
+    ("eval_batch", 1),
+    ("eval_every", 1),
+    ("log_every", 1),
+    ("save_every", 0),
+    ("threads", 0),
+    ("micro_batch", 1),
+)
+
+
 def check_args(args, cfg: M6Config, world: int) -> None:
     """Every error we can find before building anything."""
+    for name, low in POSITIVE_INTS:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     ep = args.ep or 1
     dp = args.dp or max(world // ep, 1)
     if world == 1 and dp * ep > 1:
@@ -174,8 +198,6 @@ def check_args(args, cfg: M6Config, world: int) -> None:
     micro = args.micro_batch or per_rank
     if micro < 1 or per_rank % micro:
         raise UsageError(f"--micro-batch {micro} must divide the per-rank batch {per_rank}")
-    if args.groups < 1:
-        raise UsageError(f"--groups must be >= 1, got {args.groups}")
     for name in ("lr", "weight_decay", "clip", "timeout"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (name in ("lr", "timeout") and value == 0):

@@ -25,6 +25,14 @@ KERNEL_MODULES = (
 )
 
 
+def autotune_configs(configs: list) -> list:
+    """The configs a kernel autotunes over; only the first (the default) when the environment
+    sets MOE_TRITON_AUTOTUNE=0 (the test suite does: one compile per shape, no tuning runs)."""
+    if os.environ.get("MOE_TRITON_AUTOTUNE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return list(configs[:1])
+    return list(configs)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     knobs = getattr(triton, "knobs", None)
