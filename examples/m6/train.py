@@ -216,6 +216,10 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
             say(f"warning: skipped checkpoint {problem}")
         if state["config"] != cfg.to_dict() or state["vocab"] != data.vocab.words:
             raise UsageError(f"--resume: {path} holds a different config or vocabulary")
+        if set(state["history"]["load"]) != set(cfg.moe_block_names()):
+            raise UsageError(
+                f"--resume: {path}/state.json: field 'history.load' names other layers"
+            )
         history, start = state["history"], state["step"]
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
