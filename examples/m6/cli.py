@@ -12,7 +12,7 @@ from pathlib import Path
 
 import moe
 from examples.device import add_device_args
-from examples.m6.config import M6Config, get_config
+from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
 from examples.m6.plan import check_layout
 
 DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a laptop CPU to DP x EP.
@@ -20,6 +20,7 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     python examples/m6/train.py                          # tiny config, digits, CPU, about a minute
     python examples/m6/train.py --resume --steps 800     # continue from the newest checkpoint step
     python examples/m6/train.py --dense                  # dense baseline at equal active FLOPs
+    python examples/m6/train.py --config m6-tiny-gpu     # the same task sized for one GPU
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
@@ -52,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("model")
-    g.add_argument("--config", default="m6-tiny", help="m6-tiny, m6-base, m6-10b, m6-100b, m6-1t")
+    g.add_argument(
+        "--config",
+        default="m6-tiny",
+        help="m6-tiny, m6-tiny-gpu (one GPU), m6-base, m6-10b, m6-100b, m6-1t",
+    )
     g.add_argument("--router", help="topk, prototype (M6-T), switch, gshard, noisy_topk")
     g.add_argument("--experts", type=int, help="experts per MoE layer (0: dense)")
     g.add_argument("--top-k", type=int, help="experts per token (prototypes for 'prototype')")
@@ -67,7 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
     g.add_argument("--steps", type=int, default=500)
-    g.add_argument("--global-batch", type=int, default=64, help="examples per step, all ranks")
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        help=f"examples per step, all ranks (default {DEFAULT_GLOBAL_BATCH}; "
+        f"{TRAIN_DEFAULTS['m6-tiny-gpu']['global_batch']} for m6-tiny-gpu)",
+    )
     g.add_argument("--micro-batch", type=int, help="examples per forward per rank (default: all)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=int, default=30)
@@ -134,8 +144,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_config(args) -> M6Config:
-    """The named config with the command line's overrides."""
+    """The named config with the command line's overrides; fills in the config's training
+    defaults (e.g. its global batch) where the command line gave none."""
     cfg = get_config(args.config)
+    defaults = {"global_batch": DEFAULT_GLOBAL_BATCH, **TRAIN_DEFAULTS.get(cfg.name, {})}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     changes = {
         field: getattr(args, arg)
         for field, arg in (
