@@ -24,8 +24,9 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
-SIGTERM or SIGINT (Ctrl-C) finishes the current step, saves a checkpoint and exits with
-status 130 (SIGINT) or 143 (SIGTERM); --resume continues from it.
+SIGTERM or SIGINT (Ctrl-C) finishes the current step (under torchrun: the steps up to the
+next --log-every read), saves a checkpoint and exits with status 130 (SIGINT) or 143
+(SIGTERM); --resume continues from it. A second signal exits at once without saving.
 """
 
 

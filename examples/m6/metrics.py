@@ -37,7 +37,7 @@ class StepMetrics:
         """[loss share, aux, dropped, routed, load of each layer's experts...] on the device;
         summed over ranks, the loss share is the global-batch loss per target token."""
         sums = self.sums.clone()
-        sums[0] /= global_targets.to(sums)
+        sums[0] /= global_targets.double()  # a CPU scalar: passed by value, no copy or sync
         return torch.cat([sums, *(self.load[name] for name, _ in self.layers)])
 
 

@@ -128,7 +128,7 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
             ignore_index=m6data.IGNORE,
             reduction="sum",
         )
-        aux = moe.aux_loss(model).to(ce.device)
+        aux = moe.aux_loss(model).to(ce.device, non_blocking=True)  # dense: a CPU zero
         (ce * scale + aux / len(micro)).backward()
         metrics.add(ce, aux, len(micro))
     clip_gradients(model, opt, args, rt.mesh)
