@@ -6,7 +6,7 @@ dispatch, a kernel launch) whatever its size, so a step's time is about (operato
 (host time per operator) while the GPU keeps up. This script counts the aten operators one
 step dispatches (an upper bound on its kernel launches) and its model FLOPs, for each preset.
 
-    PYTHONPATH=. python bench/m6_step_ops.py            # prints a markdown table
+    PYTHONPATH=. python bench/m6_step_ops.py   # prints the table, writes bench/results/<date>-cpu-m6-step-ops.md
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench.common import write_report  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import train  # noqa: E402
 from examples.m6.cli import parse_args, resolve_config  # noqa: E402
@@ -65,14 +66,24 @@ def measure(name: str, steps: int = 3) -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     rows = [measure(name) for name in PRESETS]
-    print("| preset | global batch | tokens/step | active params | aten ops/step | "
-          "GFLOP/step | CPU s/step (1 thread) | CPU tokens/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    lines = [
+        "# M6 step: operators and FLOPs per preset",
+        "",
+        "`PYTHONPATH=. python bench/m6_step_ops.py` (one CPU thread; aten ops of one training "
+        "step, forward + backward + AdamW; FLOPs: 6 x active params + attention, per token).",
+        "",
+        "| preset | global batch | tokens/step | active params | aten ops/step | GFLOP/step | "
+        "CPU s/step | CPU tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"| {r['name']} | {r['batch']} | {r['tokens']:,} | {r['active']:,} | {r['ops']:,} | "
             f"{r['gflop']:.1f} | {r['cpu_s']:.3f} | {r['tokens'] / r['cpu_s']:,.0f} |"
         )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    print("report:", write_report("m6-step-ops", text, torch.device("cpu")))
 
 
 if __name__ == "__main__":
