@@ -82,7 +82,7 @@ class MetricsLog:
 
 
 class Progress:
-    """A tqdm bar on a terminal; piped output (CI, logs) gets one line per finished step."""
+    """A tqdm bar on a terminal; piped output (CI, logs) gets one line per --log-every read."""
 
     def __init__(self, start: int, total: int, enabled: bool):
         self.enabled, self.total, self.bar = enabled, total, None

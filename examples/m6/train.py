@@ -257,15 +257,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                 continue  # nothing read back: the device runs ahead of the host
             records, stopping = log.flush(world, signalled)
             tok_s = done * tokens_per_step / (time.perf_counter() - t0 - eval_s)
-            first = step + 1 - len(records)
-            for i, m in enumerate(records):
-                for key in ("loss", "aux", "drop"):
-                    history[key].append(m[key])
-                history["step"].append(first + i + 1)
-                history["lr"].append(lr_at(first + i, args))
-                history["tokens_per_s"].append(tok_s)
-                for name, share in m["load"].items():
-                    history["load"][name].append(share)
+            _add_to_history(history, records, step, tok_s, args)
             m = records[-1]
             progress.update(
                 step,
@@ -308,6 +300,19 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
+
+
+def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float, args) -> None:
+    """The metrics of the steps up to `last` (0-based) read at one log interval."""
+    first = last + 1 - len(records)
+    for i, m in enumerate(records):
+        for key in ("loss", "aux", "drop"):
+            history[key].append(m[key])
+        history["step"].append(first + i + 1)
+        history["lr"].append(lr_at(first + i, args))
+        history["tokens_per_s"].append(tok_s)
+        for name, share in m["load"].items():
+            history["load"][name].append(share)
 
 
 def _state(step: int, history: dict, cfg: M6Config, data) -> dict:
