@@ -80,6 +80,24 @@ def test_precision_backend_and_autocast():
         assert torch.mm(torch.randn(2, 3), torch.randn(3, 2)).dtype == torch.float32
 
 
+def test_m6_ranks_take_their_local_gpu_and_nccl(monkeypatch):
+    """Under torchrun with --device auto, rank 1 of 2 binds cuda:1 and starts NCCL."""
+    import argparse
+
+    from examples.m6 import setup
+
+    _gpus(monkeypatch, 2, "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: calls.append(("init", b)))
+    device = exdevice.resolve_device("auto")
+    assert setup.init_distributed(argparse.Namespace(timeout=5.0), device) == (1, 2, True)
+    assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]
+
+
 def test_m6_device_errors_are_one_line(monkeypatch, tmp_path, capsys):
     _gpus(monkeypatch, 1)
     for spec, message in [("cuda:7", "no GPU 7"), ("tpu", "is unknown")]:
