@@ -1,8 +1,10 @@
 """Fault injection on the M6 example's command line: killed saves, signals, an unwritable run
 directory and bad arguments. Subprocesses run the real CLI (`python examples/m6/train.py`)."""
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,17 @@ from examples.m6.ckpt_io import complete_steps, load_latest
 from examples.m6.config import get_config
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--no-plots", "--eval-every", "1000", "--global-batch", "8", "--threads", "1"]
+FAST = [
+    "--no-plots",
+    "--eval-every",
+    "1000",
+    "--global-batch",
+    "8",
+    "--threads",
+    "1",
+    "--log-every",
+    "1",
+]
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -44,6 +56,13 @@ def _fresh_model_and_opt():
         (["--clip", "-1"], "--clip must be a finite number >= 0"),
         (["--run-dir", "/proc/moe-run"], "--run-dir /proc/moe-run is not writable"),
         (["--run-dir", "/dev/null/run"], "--run-dir /dev/null/run is not writable"),
+        (["--eval-batch", "0"], "--eval-batch must be >= 1, got 0"),
+        (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+        (["--threads", "-1"], "--threads must be >= 0, got -1"),
+        (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+        (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
+        (["--ep", "0"], "--ep must be >= 1, got 0"),
+        (["--device", "tpu"], "--device 'tpu' is unknown"),
     ],
 )
 def test_bad_arguments_are_one_error_line_before_any_work(argv, message, tmp_path, capsys):
@@ -108,3 +127,69 @@ def test_signal_finishes_the_step_saves_and_exits_nonzero(sig, tmp_path):
         ["--steps", str(step + 2), "--run-dir", str(tmp_path), "--resume", "--quiet", *FAST]
     )
     assert resumed["steps_this_run"] == 2 and len(resumed["losses"]) == step + 2
+
+
+def test_second_signal_exits_at_once_with_one_line(tmp_path):
+    """Ctrl-C while the first stop request is being honoured: exit now, one line, no traceback.
+    Two different signals, so the kernel cannot merge them into one pending signal."""
+    proc = _start(tmp_path, "--steps", "400")
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), (proc.returncode, err)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: SIG") and " again: " in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run directory holding one published step (step 2)."""
+    run_dir = tmp_path_factory.mktemp("m6-saved")
+    train.run(["--steps", "2", "--run-dir", str(run_dir), "--quiet", *FAST])
+    return run_dir
+
+
+def _damage(state: dict, field: str, value) -> None:
+    *parents, leaf = field.split(".")
+    for key in parents:
+        state = state[key]
+    if value is _DELETE:
+        del state[leaf]
+    else:
+        state[leaf] = value
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("step", "abc"),
+        ("config", _DELETE),
+        ("vocab", 5),
+        ("history", _DELETE),
+        ("history.loss", "abc"),
+        ("history.step", [1, "x"]),
+        ("history.aux", [0.1]),
+        ("rng", [999]),
+    ],
+)
+def test_damaged_state_on_resume_is_one_line_naming_the_field(
+    saved_run, tmp_path, capsys, field, value
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    (step_dir,) = [p for _, p in complete_steps(run_dir / "checkpoint")]
+    state = json.loads((step_dir / "state.json").read_text())
+    _damage(state, field, value)
+    (step_dir / "state.json").write_text(json.dumps(state))
+    argv = ["--steps", "4", "--run-dir", str(run_dir), "--resume", "--quiet", *FAST]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --resume: ") and "\n" not in err, err
+    assert f"field {field!r}" in err, err

@@ -1,6 +1,6 @@
 """Fine-tune a Hugging Face MoE model with moe's layers, then save it back for transformers.
 
-    python examples/hf/finetune.py                         # tiny Qwen3-MoE built here, CPU
+    python examples/hf/finetune.py                         # tiny Qwen3-MoE built here
     python examples/hf/finetune.py --model path/to/hf_dir  # any local Mixtral / Qwen-MoE / ...
     torchrun --nproc-per-node 2 examples/hf/finetune.py --ep 2
 
@@ -8,6 +8,8 @@ Steps: build (or load) the model -> moe.from_hf (sparse-MoE blocks become moe la
 optionally moe.parallel.parallelize over (dp, ep) -> train on a synthetic next-token task
 (each sequence counts up by a random stride, mod the vocabulary) -> moe.save_hf_checkpoint
 -> transformers' from_pretrained reloads it, and its logits are compared with ours.
+--device auto (the default) trains on CUDA when available, in bf16 autocast (--precision fp32
+turns it off); the loss is read back once per --log-every steps, not every step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moe  # noqa: E402
+from examples.device import (  # noqa: E402
+    activate,
+    add_device_args,
+    autocast,
+    backend,
+    resolve_device,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,10 +45,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="read the loss every n steps")
     p.add_argument("--quiet", action="store_true")
+    add_device_args(p)
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.seq_len < 2 or not args.lr > 0:
         p.error("--steps, --batch must be >= 1, --seq-len >= 2 and --lr > 0")
+    if args.log_every < 1:
+        p.error(f"--log-every must be >= 1, got {args.log_every}")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -66,9 +83,10 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, device = int(os.environ.get("WORLD_SIZE", "1")), args.device
+    activate(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend(device))
     rank = dist.get_rank() if world > 1 else 0
     if args.batch % world or world % args.ep:
         raise SystemExit(f"error: --batch must divide by {world} ranks and --ep divide them")
@@ -78,27 +96,32 @@ def main(argv=None) -> dict:
         AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_qwen3_moe()
     ).float()
     moe.from_hf(model)
+    model.to(device)
     if world > 1:
         mesh = moe.parallel.init_mesh(dp=world // args.ep, ep=args.ep)
         moe.parallel.parallelize(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     vocab = model.config.get_text_config().vocab_size
-    losses = []
+    losses, pending = [], []  # pending: losses of the steps since the last read, on device
     model.train()
     for step in range(args.steps):
         ids = batch(step, args.batch, args.seq_len, vocab, args.seed).chunk(world)[rank]
-        loss = model(ids, labels=ids).loss + moe.aux_loss(model)
+        ids = ids.to(device, non_blocking=True)
+        with autocast(args.precision, device):
+            loss = model(ids, labels=ids).loss + moe.aux_loss(model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
-        if (step + 1) % max(args.steps // 10, 1) == 0:
+        pending.append(loss.detach().float())
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            losses += torch.stack(pending).cpu().tolist()  # one read per log interval
+            pending = []
             say(f"step {step + 1}/{args.steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f}")
     moe.save_hf_checkpoint(model, args.out)
     probe = batch(10**6, 4, args.seq_len, vocab, args.seed)
     model.eval()
-    with torch.no_grad():
-        ours = model(probe).logits
+    with torch.no_grad():  # fp32, no autocast: compared with transformers' fp32 CPU reload
+        ours = model(probe.to(device)).logits.cpu()
     result = {"first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:])}
     if rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(args.out).float().eval()

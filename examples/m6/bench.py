@@ -27,19 +27,23 @@ TRAIN = ROOT / "examples" / "m6" / "train.py"
 
 def variants(args) -> list[tuple[str, int, list[str]]]:
     """(label, processes, extra arguments) of every run."""
-    runs = [("MoE", 1, []), ("dense", 1, ["--dense"])]
+    cpu = ["--device", "cpu"]  # --device auto would take a GPU where there is one
+    runs = [("MoE", 1, cpu), ("dense", 1, ["--dense", *cpu])]
     if not args.no_ranks:
         runs += [
-            ("MoE dp=2 ep=2", 4, ["--dp", "2", "--ep", "2"]),
-            ("dense dp=4", 4, ["--dense", "--dp", "4"]),
+            ("MoE dp=2 ep=2", 4, ["--dp", "2", "--ep", "2", *cpu]),
+            ("dense dp=4", 4, ["--dense", "--dp", "4", *cpu]),
         ]
     if torch.cuda.is_available() and not args.cpu_only:
         runs += [("MoE", 1, ["--device", "cuda"]), ("dense", 1, ["--dense", "--device", "cuda"])]
+        gpu = ["--config", "m6-tiny-gpu", "--device", "cuda"]
+        runs += [("MoE gpu-preset", 1, gpu), ("dense gpu-preset", 1, ["--dense", *gpu])]
     return runs
 
 
 def run_one(label: str, procs: int, extra: list[str], args, workdir: Path) -> dict:
-    run_dir = workdir / f"{label.replace(' ', '_').replace('=', '')}-{procs}-{len(extra)}"
+    flags = "_".join(a.strip("-").replace(":", "") for a in extra)
+    run_dir = workdir / f"{label.replace(' ', '_').replace('=', '')}-{procs}-{flags}"
     common = ["--steps", str(args.steps), "--run-dir", str(run_dir), "--no-plots", "--quiet"]
     if procs == 1:
         cmd = [sys.executable, str(TRAIN), *common, *extra]

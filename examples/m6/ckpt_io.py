@@ -79,6 +79,48 @@ def save_step(root: Path, model, opt, state: dict) -> Path:
     return final
 
 
+HISTORY_LISTS = ("step", "loss", "aux", "drop", "lr", "tokens_per_s", "eval_step", "eval_loss")
+
+
+def check_state(state, step: int) -> None:
+    """A ValueError naming the first field of state.json that is missing or of the wrong type
+    (the file is untrusted: checked before anything is loaded)."""
+
+    def bad(field: str, what: str):
+        return ValueError(f"state.json: field {field!r} {what}")
+
+    if not isinstance(state, dict):
+        raise ValueError("state.json does not hold an object")
+    if type(state.get("step")) is not int or state["step"] != step:
+        raise bad("step", f"must be the directory's step {step}, got {state.get('step')!r}")
+    if not isinstance(state.get("config"), dict):
+        raise bad("config", "must be an object")
+    vocab = state.get("vocab")
+    if not isinstance(vocab, list) or not all(isinstance(w, str) for w in vocab):
+        raise bad("vocab", "must be a list of words")
+    history = state.get("history")
+    if not isinstance(history, dict):
+        raise bad("history", "must be an object")
+    for key in HISTORY_LISTS:
+        values = history.get(key)
+        if not isinstance(values, list) or not all(_number(v) for v in values):
+            raise bad(f"history.{key}", "must be a list of numbers")
+    for key in HISTORY_LISTS[1:6]:
+        if len(history[key]) != len(history["step"]):
+            raise bad(f"history.{key}", f"must have one entry per step ({len(history['step'])})")
+    if not isinstance(history.get("title"), str):
+        raise bad("history.title", "must be a string")
+    if "rng" in state:
+        rng, size = state["rng"], torch.get_rng_state().numel()
+        ok = isinstance(rng, list) and len(rng) == size
+        if not ok or not all(type(b) is int and 0 <= b < 256 for b in rng):
+            raise bad("rng", f"must be {size} bytes (ints 0..255)")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
     """(state, step directory, problems with newer steps) of the newest step that loads.
 
@@ -89,12 +131,11 @@ def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
     for step, path in complete_steps(root):
         try:
             state = json.loads((path / "state.json").read_text())
-            if not isinstance(state, dict) or state.get("step") != step:
-                raise ValueError(f"state.json does not describe step {step}")
+            check_state(state, step)
             extra = moe.parallel.load_checkpoint(str(path / "weights"), unwrap(model), opt)
             if extra.get("step") != step:
                 raise ValueError(f"weights of step {extra.get('step')}, directory of {step}")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             problems.append(f"{path.name}: {e}")
             continue
         if _world()[1] == 1 and "rng" in state:

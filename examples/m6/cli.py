@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import moe
-from examples.m6.config import M6Config, get_config
+from examples.device import add_device_args
+from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
 from examples.m6.plan import check_layout
 
 DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a laptop CPU to DP x EP.
@@ -19,11 +20,13 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     python examples/m6/train.py                          # tiny config, digits, CPU, about a minute
     python examples/m6/train.py --resume --steps 800     # continue from the newest checkpoint step
     python examples/m6/train.py --dense                  # dense baseline at equal active FLOPs
+    python examples/m6/train.py --config m6-tiny-gpu     # the same task sized for one GPU
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
-SIGTERM or SIGINT (Ctrl-C) finishes the current step, saves a checkpoint and exits with
-status 130 (SIGINT) or 143 (SIGTERM); --resume continues from it.
+SIGTERM or SIGINT (Ctrl-C) finishes the current step (under torchrun: the steps up to the
+next --log-every read), saves a checkpoint and exits with status 130 (SIGINT) or 143
+(SIGTERM); --resume continues from it. A second signal exits at once without saving.
 """
 
 
@@ -51,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("model")
-    g.add_argument("--config", default="m6-tiny", help="m6-tiny, m6-base, m6-10b, m6-100b, m6-1t")
+    g.add_argument(
+        "--config",
+        default="m6-tiny",
+        help="m6-tiny, m6-tiny-gpu (one GPU), m6-base, m6-10b, m6-100b, m6-1t",
+    )
     g.add_argument("--router", help="topk, prototype (M6-T), switch, gshard, noisy_topk")
     g.add_argument("--experts", type=int, help="experts per MoE layer (0: dense)")
     g.add_argument("--top-k", type=int, help="experts per token (prototypes for 'prototype')")
@@ -66,15 +73,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
     g.add_argument("--steps", type=int, default=500)
-    g.add_argument("--global-batch", type=int, default=64, help="examples per step, all ranks")
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        help=f"examples per step, all ranks (default {DEFAULT_GLOBAL_BATCH}; "
+        f"{TRAIN_DEFAULTS['m6-tiny-gpu']['global_batch']} for m6-tiny-gpu)",
+    )
     g.add_argument("--micro-batch", type=int, help="examples per forward per rank (default: all)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=int, default=30)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    add_device_args(g)
     g.add_argument(
         "--threads",
         type=int,
@@ -91,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
     g.add_argument("--eval-batch", type=int, default=256)
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="read the metrics back every n steps: the only host sync of training",
+    )
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     g = p.add_argument_group("parallelism (under torchrun)")
@@ -128,8 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_config(args) -> M6Config:
-    """The named config with the command line's overrides."""
+    """The named config with the command line's overrides; fills in the config's training
+    defaults (e.g. its global batch) where the command line gave none."""
     cfg = get_config(args.config)
+    defaults = {"global_batch": DEFAULT_GLOBAL_BATCH, **TRAIN_DEFAULTS.get(cfg.name, {})}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     changes = {
         field: getattr(args, arg)
         for field, arg in (
@@ -146,8 +168,26 @@ def resolve_config(args) -> M6Config:
     return cfg.equal_flops_dense() if args.dense else cfg
 
 
+# Integer flags and their least value (None: not given, the default applies).
+POSITIVE_INTS = (
+    ("dp", 1),
+    ("ep", 1),
+    ("groups", 1),
+    ("eval_batch", 1),
+    ("eval_every", 1),
+    ("log_every", 1),
+    ("save_every", 0),
+    ("threads", 0),
+    ("micro_batch", 1),
+)
+
+
 def check_args(args, cfg: M6Config, world: int) -> None:
     """Every error we can find before building anything."""
+    for name, low in POSITIVE_INTS:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     ep = args.ep or 1
     dp = args.dp or max(world // ep, 1)
     if world == 1 and dp * ep > 1:
@@ -174,8 +214,6 @@ def check_args(args, cfg: M6Config, world: int) -> None:
     micro = args.micro_batch or per_rank
     if micro < 1 or per_rank % micro:
         raise UsageError(f"--micro-batch {micro} must divide the per-rank batch {per_rank}")
-    if args.groups < 1:
-        raise UsageError(f"--groups must be >= 1, got {args.groups}")
     for name in ("lr", "weight_decay", "clip", "timeout"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (name in ("lr", "timeout") and value == 0):

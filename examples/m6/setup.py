@@ -11,28 +11,22 @@ import torch.distributed as dist
 
 import moe
 import moe.parallel
+from examples.device import activate, backend
 
 
-def init_distributed(args) -> tuple[int, int, bool]:
-    """(rank, world, whether we initialised the process group) from torchrun's variables."""
+def init_distributed(args, device: torch.device) -> tuple[int, int, bool]:
+    """(rank, world, whether we initialised the process group) from torchrun's variables;
+    NCCL when this rank trains on a GPU (its LOCAL_RANK's, see examples/device.py), else gloo."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, False
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    activate(device)  # before NCCL starts: each rank on its own GPU
     # A collective timeout: a dead or stuck rank becomes an error on the others, not a hang.
     timeout = datetime.timedelta(seconds=args.timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    dist.init_process_group(backend(device), timeout=timeout)
     return dist.get_rank(), world, True
-
-
-def pick_device(args) -> torch.device:
-    if args.device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    return torch.device(args.device)
 
 
 def topology(world: int) -> str:

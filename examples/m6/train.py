@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples.m6` importable
@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import moe  # noqa: E402
+from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6.ckpt_io import load_latest, save_step  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
@@ -38,7 +39,7 @@ from examples.m6.cli import (  # noqa: E402
 )
 from examples.m6.config import M6Config  # noqa: E402
 from examples.m6.evaluate import evaluate  # noqa: E402
-from examples.m6.metrics import Progress, StepMetrics, new_history  # noqa: E402
+from examples.m6.metrics import MetricsLog, Progress, StepMetrics, new_history  # noqa: E402
 from examples.m6.model import count_params  # noqa: E402
 from examples.m6.plan import default_ep, plan_report  # noqa: E402
 from examples.m6.report import final_evaluation, make_plots, print_summary  # noqa: E402
@@ -47,7 +48,6 @@ from examples.m6.setup import (  # noqa: E402
     clip_gradients,
     init_distributed,
     make_optimizer,
-    pick_device,
     setup_parallel,
     topology,
 )
@@ -69,7 +69,8 @@ class Interrupted(RuntimeError):
 
 class StopOnSignal:
     """While active, SIGTERM and SIGINT only set `signum`; the loop finishes its step, saves
-    and stops. A second signal gets the previous handler (e.g. Ctrl-C twice aborts)."""
+    and stops. A second signal (Ctrl-C twice) exits at once with one line, saving nothing
+    (the previous checkpoint stays: saves are atomic)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -78,9 +79,13 @@ class StopOnSignal:
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if self.signum is None:
+            self.signum = signum
+            return
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"error: {name} again: exiting now without saving this step\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -100,18 +105,19 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def train_step(model, opt, data, enc, step: int, args, rt: Runtime, stop: bool):
-    """One optimizer step over this rank's shard of the global batch: (global metrics, whether
-    any rank was asked to stop)."""
+def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Tensor:
+    """One optimizer step over this rank's shard of the global batch. Returns this rank's
+    metric row on the device (StepMetrics.row); nothing is read back to the host."""
     world = rt.world
     global_idx = m6data.global_batch_indices(step, len(enc), args.global_batch, args.seed)
-    global_targets = int((enc.labels_NL[global_idx] != m6data.IGNORE).sum())
+    global_targets = (enc.labels_NL[global_idx] != m6data.IGNORE).sum()  # host tensor, no read
+    scale = world / global_targets.double()
     local_idx = m6data.shard(global_idx, rt.rank, world)
     micro = local_idx.split(args.micro_batch or local_idx.shape[0])
     for group in opt.param_groups:
         group["lr"] = lr_at(step, args)
     opt.zero_grad(set_to_none=True)
-    metrics = StepMetrics(moe.moe_layers(model))
+    metrics = StepMetrics(moe.moe_layers(model), rt.device)
     for idx in micro:
         b = m6data.make_batch(data, enc, idx).to(rt.device)
         with rt.autocast:
@@ -122,13 +128,13 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime, stop: bool):
             ignore_index=m6data.IGNORE,
             reduction="sum",
         )
-        aux = moe.aux_loss(model).to(ce.device)
-        (ce * (world / global_targets) + aux / len(micro)).backward()
+        aux = moe.aux_loss(model).to(ce.device, non_blocking=True)  # dense: a CPU zero
+        (ce * scale + aux / len(micro)).backward()
         metrics.add(ce, aux, len(micro))
     clip_gradients(model, opt, args, rt.mesh)
     opt.step()
     moe.update_router_biases(model)
-    return metrics.reduce(world, global_targets, stop)
+    return metrics.row(global_targets)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -138,10 +144,11 @@ def run(argv: list[str] | None = None) -> dict:
         cfg = resolve_config(args)
         if args.plan:
             return run_plan(args, cfg)
-    rank, world, owns_group = init_distributed(args)
+        device = resolve_device(args.device)
+    rank, world, owns_group = init_distributed(args, device)
     try:
         check_args(args, cfg, world)
-        return train(args, cfg, rank, world)
+        return train(args, cfg, rank, world, device)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -185,16 +192,13 @@ def load_data(args, cfg: M6Config) -> tuple[m6data.Dataset, M6Config]:
     return data, cfg
 
 
-def train(args, cfg: M6Config, rank: int, world: int) -> dict:
+def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> dict:
     out = run_dir(args, cfg)
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    device = pick_device(args)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     data, cfg = load_data(args, cfg)
     enc = m6data.encode(data.train, data.vocab, cfg.text_len)
     torch.manual_seed(args.seed)
@@ -215,10 +219,11 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
         history, start = state["history"], state["step"]
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
-    rt = Runtime(rank, world, device, mesh, autocast)
-    # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end
+    rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
+    # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
+    # read back at the metrics' log interval, so it adds no host sync of its own
     trace_path, resume_from = out / "routing_trace.jsonl", start if args.resume else None
-    trace = moe.RoutingTrace(model, trace_path, every=10, resume_from=resume_from)
+    trace = moe.RoutingTrace(model, trace_path, every=args.log_every, resume_from=resume_from)
     tokens_per_step = args.global_batch * cfg.seq_len
     say(
         f"{cfg.name}: {total:,} parameters ({experts:,} in experts), {cfg.active_params:,} active "
@@ -233,25 +238,34 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
     progress = Progress(start, args.steps, rank == 0 and not args.quiet)
     t0, done, eval_s = time.perf_counter(), 0, 0.0  # eval_s: held-out passes, not training
     model.train()
+    log = MetricsLog()
     signals = StopOnSignal()
     with signals:
         for step in range(start, stop):
-            m, stopping = train_step(
-                model, opt, data, enc, step, args, rt, signals.signum is not None
-            )
+            log.append(train_step(model, opt, data, enc, step, args, rt))
             trace.step(step + 1)
             done += 1
+            evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
+            save_now = args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop
+            signalled = signals.signum is not None
+            if not (
+                (step + 1) % args.log_every == 0
+                or step + 1 == stop
+                or evaluate_now
+                or save_now
+                or (world == 1 and signalled)  # with ranks, the flag travels with the log
+            ):
+                continue  # nothing read back: the device runs ahead of the host
+            records, stopping = log.flush(world, signalled)
             tok_s = done * tokens_per_step / (time.perf_counter() - t0 - eval_s)
-            for key in ("loss", "aux", "drop"):
-                history[key].append(m[key])
-            history["step"].append(step + 1)
-            history["lr"].append(lr_at(step, args))
-            history["tokens_per_s"].append(tok_s)
+            _add_to_history(history, records, step, tok_s, args)
+            m = records[-1]
             progress.update(
                 step,
                 f"loss {m['loss']:.3f} aux {m['aux']:.4f} {tok_s:,.0f} tok/s drop {100 * m['drop']:.1f}%",
+                len(records),
             )
-            if (step + 1) % eval_every == 0 and step + 1 < args.steps:
+            if evaluate_now:
                 t_eval = time.perf_counter()
                 ev = evaluate(
                     model, data, data.test, cfg.text_len, rt, args.eval_batch, generate=False
@@ -259,7 +273,7 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
                 history["eval_step"].append(step + 1)
                 history["eval_loss"].append(ev["loss"])
                 eval_s += time.perf_counter() - t_eval
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
+            if save_now:
                 save_step(out / "checkpoint", model, opt, _state(step + 1, history, cfg, data))
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
@@ -289,6 +303,17 @@ def train(args, cfg: M6Config, rank: int, world: int) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
+
+
+def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float, args) -> None:
+    """The metrics of the steps up to `last` (0-based) read at one log interval."""
+    first = last + 1 - len(records)
+    for i, m in enumerate(records):
+        for key in ("loss", "aux", "drop"):
+            history[key].append(m[key])
+        history["step"].append(first + i + 1)
+        history["lr"].append(lr_at(first + i, args))
+        history["tokens_per_s"].append(tok_s)
 
 
 def _state(step: int, history: dict, cfg: M6Config, data) -> dict:

@@ -25,6 +25,24 @@ KERNEL_MODULES = (
 )
 
 
+def autotune_pinned() -> bool:
+    """MOE_TRITON_AUTOTUNE=0 (the test suite sets it): no autotuning, one config per kernel."""
+    return os.environ.get("MOE_TRITON_AUTOTUNE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def autotune_prune(prune=None):
+    """The autotuner's early_config_prune, pinned: under MOE_TRITON_AUTOTUNE=0 only the first
+    config that `prune` keeps (already fitted to the dtype and epilogue) is returned, so Triton
+    compiles that one without benchmarking. Pinning here rather than in the config list keeps
+    the pruning: a single listed config would skip it (no fp32 BLOCK_K halving)."""
+
+    def early_config_prune(configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs) if prune is not None else list(configs)
+        return kept[:1] if autotune_pinned() else kept
+
+    return early_config_prune
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     knobs = getattr(triton, "knobs", None)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from moe.kernels.triton import lang as tlx
 from moe.kernels.triton.activations import act_bwd, act_fwd
-from moe.kernels.triton.common import dot_flags, e_pow2, interpreting, m_bucket
+from moe.kernels.triton.common import autotune_prune, dot_flags, e_pow2, interpreting, m_bucket
 from moe.kernels.triton.mma import mma
 from moe.kernels.triton.schedule import expert_tile, max_row_tiles
 
@@ -63,7 +63,7 @@ def _prune(configs, named_args, **kwargs):
 @triton.autotune(
     configs=_configs(),
     key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": autotune_prune(_prune)},
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.triton import lang as tlx
-from moe.kernels.triton.common import dot_flags, interpreting, m_bucket
+from moe.kernels.triton.common import autotune_prune, dot_flags, interpreting, m_bucket
 from moe.kernels.triton.mma import mma
 
 
@@ -41,7 +41,7 @@ def _prune(configs, named_args, **kwargs):
 @triton.autotune(
     configs=_configs(),
     key=["E", "I", "J", "M_BUCKET", "GATHER", "HAS_DBIAS"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": autotune_prune(_prune)},
 )
 @triton.jit
 def _ragged_reduce_kernel(
