@@ -108,12 +108,16 @@ def test_m6_steps_between_log_intervals_read_nothing(tmp_path, monkeypatch):
             counted.append(step) if reads.active else None
             return step_fn(model, opt, data, enc, step, args, rt)
 
-        def flush(self, *args, **kwargs):
-            reads.active = False
-            return flush_fn(self, *args, **kwargs)
+        def reading(flush_fn):  # the log interval's reads: metrics and the routing trace
+            def flush(self, *args, **kwargs):
+                reads.active = False
+                return flush_fn(self, *args, **kwargs)
+
+            return flush
 
         monkeypatch.setattr(train, "train_step", train_step)
-        monkeypatch.setattr(m6metrics.MetricsLog, "flush", flush)
+        monkeypatch.setattr(m6metrics.MetricsLog, "flush", reading(flush_fn))
+        monkeypatch.setattr(moe.RoutingTrace, "flush", reading(moe.RoutingTrace.flush))
         argv = ["--steps", "9", "--log-every", "4", "--global-batch", "16", "--micro-batch", "8"]
         summary = train.run(
             [*argv, "--eval-every", "1000", "--quiet", "--no-plots", "--run-dir", str(tmp_path)]
