@@ -91,7 +91,12 @@ def parallelize(
                                  over all ranks     (mesh flattened to "dp_ep")
 
     so gradients are reduced by the time backward() returns and training equals
-    single-process training on the global batch at any (dp, ep).
+    single-process training on the global batch at any (dp, ep) and in any reduce dtype.
+
+    Before anything else every rank's model and settings (these arguments, the all-to-all's
+    ranks per node from the argument, MOE_RANKS_PER_NODE or LOCAL_WORLD_SIZE, and for "auto"
+    the threshold and cost model) are compared: a difference, or a bad value on any rank, is
+    the same ValueError on every rank naming it (moe/parallel/config_check.py).
 
     mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
     "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
