@@ -90,7 +90,9 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
     if any(id(b) not in names for b in blocks):
         raise ValueError("blocks must be submodules of the model")
     record["blocks"] = ",".join(names[id(b)] for b in blocks)
-    record.update(s)  # reshard_after_forward, sync_params, ...
+    for name, value in s.items():  # reshard_after_forward, sync_params, ...
+        plain = value is None or isinstance(value, (bool, int, float, str))
+        record[name] = value if plain else repr(value)
     return record
 
 
