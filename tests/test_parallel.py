@@ -100,10 +100,9 @@ CASES = [
         [4, 4, 4, 4],
         {"parallel": {"grad_dtype": torch.bfloat16}, "sgd": True},
     ),
-    ("dp2_ep2_float64_fsdp", 2, 2, [6, 2, 0, 5], {"dtype": torch.float64, "sgd": True,
-                                                 "parallel": {"data_parallel": "fsdp"}}),
-    ("dp1_ep4_float64_ddp", 1, 4, [3, 5, 4, 1], {"dtype": torch.float64, "sgd": True}),
-]  # fmt: skip
+    # float64 used to take FSDP2's other divide branch: expert gradients 1/world too small
+    ("dp1_ep4_float64_ddp", 1, 4, [3, 5, 0, 4], {"dtype": torch.float64, "sgd": True}),
+]
 TOLERANCES = {
     "bf16": {"rtol": 2e-2, "atol": 2e-3},
     "float64": {"rtol": 1e-10, "atol": 1e-12},
