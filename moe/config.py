@@ -10,6 +10,20 @@ from moe.kernels.activations import ACTIVATIONS
 from moe.kernels.expert_mlp import BACKENDS
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+MAX_INT = 2**31 - 1  # sizes and counts: expert offsets are int32 on device
+MAX_FACTOR = 1e4
+# Upper bounds of the float options, so that no value overflows in forward (1e308 * k * T is
+# inf) or means nothing (a jitter eps above 1 can flip an input's sign; a bias step above 1
+# dwarfs every routing score). Lower bounds are checked in __post_init__.
+FLOAT_MAX = {
+    "capacity_factor": MAX_FACTOR,
+    "eval_capacity_factor": MAX_FACTOR,
+    "route_scale": MAX_FACTOR,
+    "jitter_eps": 1.0,
+    "aux_loss_coef": MAX_FACTOR,
+    "z_loss_coef": MAX_FACTOR,
+    "bias_update_rate": 1.0,
+}
 DROP_POLICIES = ("position", "probs")
 
 
@@ -20,6 +34,10 @@ class MoEConfig:
     Capacity per expert is ceil(capacity_factor * top_k * T / E), at least `min_capacity`
     (and at most T); `capacity_factor=None` is dropless. Expert choice uses
     C = ceil(capacity_factor * T / E) tokens per expert (capacity_factor defaults to top_k).
+
+    Every number is finite and bounded: ints are at most MAX_INT (2**31 - 1); capacity
+    factors, route_scale and the loss coefficients at most MAX_FACTOR (1e4); jitter_eps and
+    bias_update_rate at most 1 (FLOAT_MAX).
     """
 
     d_model: int
@@ -27,21 +45,21 @@ class MoEConfig:
     num_experts: int
     top_k: int = 2
     router: str = "topk"
-    capacity_factor: float | None = None
-    eval_capacity_factor: float | None = None  # None: same as capacity_factor
+    capacity_factor: float | None = None  # in (0, 1e4]; None: dropless
+    eval_capacity_factor: float | None = None  # in (0, 1e4]; None: same as capacity_factor
     min_capacity: int = 4
     drop_policy: str = "position"  # "position": token order, first choices first; "probs"
     score_func: str = "softmax"  # "softmax" or "sigmoid"
     softmax_before_topk: bool = True  # False: top-k on logits, then softmax over the k
     normalize_weights: bool = False  # renormalise the k combine weights to sum to 1
-    route_scale: float = 1.0
+    route_scale: float = 1.0  # combine weights are multiplied by it; in (0, 1e4]
     num_groups: int = 1  # group-limited routing: experts split into groups...
     topk_groups: int = 1  # ...and tokens pick experts only inside their best groups
-    jitter_eps: float = 1e-2  # switch: multiplicative input jitter U(1-eps, 1+eps) in training
-    aux_loss_coef: float = 1e-2
+    jitter_eps: float = 1e-2  # switch: input jitter U(1-eps, 1+eps) in training; in [0, 1]
+    aux_loss_coef: float = 1e-2  # in [0, 1e4], as z_loss_coef
     balance_loss: str = "batch"  # "batch" | "sequence" (DeepSeek-V3) | "global": see balance.py
     z_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert bias
+    bias_update_rate: float = 0.0  # in (0, 1]: aux-loss-free balancing by a per-expert bias
     activation: str = "gelu"
     bias: bool = False
     backend: str = "auto"
@@ -54,6 +72,7 @@ class MoEConfig:
     def __post_init__(self):
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
+            _check_upper_bound(f.name, getattr(self, f.name))
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
             if value <= 0:
@@ -112,6 +131,18 @@ class MoEConfig:
         return {f.name for f in fields(cls)}
 
 
+def _check_upper_bound(name: str, value) -> None:
+    """Ints at most MAX_INT, the floats of FLOAT_MAX at most their bound (ValueError)."""
+    if isinstance(value, bool) or value is None:
+        return
+    limit = MAX_INT if isinstance(value, int) and name not in FLOAT_MAX else FLOAT_MAX.get(name)
+    if limit is not None and value > limit:
+        shown = limit if isinstance(limit, int) else f"{limit:g}"
+        text = repr(value)
+        text = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+        raise ValueError(f"{name} must be <= {shown}, got {text}")
+
+
 def _choose(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
@@ -130,7 +161,7 @@ def _check_type(name: str, value, annotation) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok and not math.isfinite(value):
+        if ok and isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     else:
         ok = isinstance(value, kind)

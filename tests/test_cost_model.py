@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,6 +108,45 @@ def test_profile_round_trip_and_bad_files(tmp_path):
         load_profile(path)
     with pytest.raises(ValueError, match="not a file"):
         load_profile(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("a_inter", 1e308, "CostModel.a_inter=1e+308 s is outside the physical range"),
+        ("a_coll", 2.0, "CostModel.a_coll=2.0 s is outside the physical range"),
+        ("a_ring", -1e-6, "CostModel.a_ring=-1e-06 s is outside"),
+        ("bw_inter", 1e-320, "CostModel.bw_inter=1e-320 B/s is outside the physical range"),
+        ("bw_copy", 1e15, "CostModel.bw_copy=1000000000000000.0 B/s is outside"),
+        ("bw_intra", 0.0, "CostModel.bw_intra=0.0 B/s is outside"),
+        ("a_intra", float("nan"), "CostModel.a_intra must be a finite number"),
+        ("bw_intra", "1e9", "CostModel.bw_intra must be a finite number"),
+        ("a_coll", True, "CostModel.a_coll must be a finite number"),
+    ],
+)
+def test_values_outside_physical_ranges_are_refused(tmp_path, field, value, message):
+    """Built or loaded: a hostile profile is a ValueError naming the field, not a NaN in the
+    crossover and 'cannot convert float NaN to integer' in every rank's first all-to-all."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(NVLINK_IB, **{field: value})
+    path = tmp_path / "hostile.json"
+    doc = {"version": 1, "model": {**dataclasses.asdict(NVLINK_IB), field: value}, "meta": {}}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_profile(path)
+
+
+def test_extreme_but_valid_models_choose_without_error():
+    """At the ends of the ranges the crossover stays a finite int."""
+    slowest = CostModel(1.0, 1.0, 1e3, 1.0, 1e3, 1e3, 1.0)
+    fastest = CostModel(0.0, 0.0, 1e14, 0.0, 1e14, 1e14, 0.0)
+    mixed = CostModel(0.0, 0.0, 1e14, 1.0, 1e3, 1e14, 0.0)
+    for model in (slowest, fastest, mixed):
+        for N, L in [(2, 2), (64, 8)]:
+            assert model.choose(1 << 20, N, L) in ("flat", "hierarchical")
+            assert 0 <= model.crossover_bytes(N, L) <= 1 << 62
+    unexercised = CostModel.fit([(flat_terms(1 << 20, 1, 4), 1e-3)])  # no network samples
+    assert unexercised.bw_inter == 1e14 and unexercised.a_inter == 0.0
 
 
 def _auto_body(rank: int, world_size: int) -> list[str]:

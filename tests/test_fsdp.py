@@ -1,5 +1,6 @@
 """parallelize() on FSDP2: ddp and fsdp at (dp, ep) in (4,1), (2,2), (1,4) on 4 gloo ranks
-equal single-process training on the global batch; fsdp holds 1/world of every tensor."""
+equal single-process training on the global batch; fsdp holds 1/world of every tensor; the
+gradients are right in every reduce dtype (float64, float32, bf16, float16)."""
 
 import os
 
@@ -17,6 +18,19 @@ from tests.test_parallel import D, build_model
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]
 SIZES = [5, 7, 3, 6]  # uneven rows per rank
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+# (name, parameter dtype, grad_dtype): FSDP2 divides gradients by a different rule for
+# float32 / bf16 than for every other reduce dtype; each must give the single-process values.
+DTYPE_CASES = [
+    ("float64", torch.float64, None),
+    ("bf16", torch.bfloat16, None),
+    ("float16", torch.float16, None),
+    ("float32 reduced in float64", torch.float32, torch.float64),
+    ("float32 reduced in bf16", torch.float32, torch.bfloat16),
+    ("float32 reduced in float16", torch.float32, torch.float16),
+]
+# Relative error (norm) allowed per gradient: far below the 1 - 1/world = 0.75 of a gradient
+# divided by the world size twice, above 16-bit rounding.
+REL_ERR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
 def _batch(step):
@@ -95,9 +109,57 @@ def _layouts_body(rank, world):
     return report
 
 
-def test_ddp_and_fsdp_equal_single_process_at_every_layout():
-    reports = run_ranks(_layouts_body, 4, timeout=300)
-    assert all(len(r) == 2 * len(LAYOUTS) for r in reports)
+def _step_grads(model, shard, world, dtype):
+    """Gradients of one step on the global batch (this rank's rows of it), as float64."""
+    x, y = (t[shard].to(dtype) for t in _batch(0))
+    _loss(model, x, y, world, sum(SIZES))[1].backward()
+    full = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for n, p in model.named_parameters()}  # fmt: skip
+    return {n: g.double() for n, g in full.items()}
+
+
+def _dtypes_body(rank, world):
+    """Every (mode, layout, dtype case): the gradients of one step against those of the same
+    model (same parameter dtype) in one process on the global batch."""
+    start = sum(SIZES[:rank])
+    shard = slice(start, start + SIZES[rank])
+    errors = {}
+    for name, dtype, grad_dtype in DTYPE_CASES:
+        reference = _step_grads(build_model().to(dtype), slice(None), 1, dtype)
+        for mode in ("fsdp", "ddp"):
+            for dp, ep in LAYOUTS:
+                model = parallelize(
+                    build_model().to(dtype), init_mesh(dp=dp, ep=ep), mode, grad_dtype=grad_dtype
+                )
+                got = _step_grads(model, shard, world, dtype)
+                for n, g in got.items():
+                    want = reference[n]
+                    rel = float((g - want).norm() / want.norm())
+                    errors[(name, mode, dp, ep, n)] = rel
+    return errors
+
+
+def _layouts_and_dtypes_body(rank, world):
+    return _layouts_body(rank, world), _dtypes_body(rank, world)  # one spawn for both
+
+
+def test_ddp_and_fsdp_equal_single_process_at_every_layout_and_dtype():
+    """float32 trains as in one process; in every dtype case the first step's gradients
+    equal the single-process ones. float64 and float16 take FSDP2's pre/post-divide branch,
+    where a custom divide factor was applied twice under replicate and at dp=1 (expert
+    gradients 1/world of the truth)."""
+    results = run_ranks(_layouts_and_dtypes_body, 4, timeout=300)
+    assert all(len(report) == 2 * len(LAYOUTS) for report, _ in results)
+    bounds = {
+        name: max(REL_ERR[dtype], REL_ERR[grad_dtype or dtype])
+        for name, dtype, grad_dtype in DTYPE_CASES
+    }
+    num_params = len(list(build_model().parameters()))
+    bad = []
+    for _, errors in results:
+        assert len(errors) == len(DTYPE_CASES) * 2 * len(LAYOUTS) * num_params
+        bad += [(key, rel) for key, rel in errors.items() if not rel <= bounds[key[0]]]
+    assert not bad, bad[:10]
 
 
 def _compose_body(rank, world):

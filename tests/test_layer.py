@@ -241,6 +241,44 @@ def test_bad_input_and_config_errors():
         moe.MoELayer(8, 8, 4, drop_policy="random")
 
 
+OVERFLOWING = [  # (field, value, message): refused at construction, not in forward
+    ("capacity_factor", 1e308, "capacity_factor must be <= 10000"),
+    ("capacity_factor", float("inf"), "capacity_factor must be a finite number"),
+    ("capacity_factor", 10**400, "capacity_factor must be <= 10000"),
+    ("eval_capacity_factor", 1e5, "eval_capacity_factor must be <= 10000"),
+    ("eval_capacity_factor", float("nan"), "eval_capacity_factor must be a finite number"),
+    ("jitter_eps", 1e308, "jitter_eps must be <= 1"),
+    ("route_scale", 1e308, "route_scale must be <= 10000"),
+    ("aux_loss_coef", 1e308, "aux_loss_coef must be <= 10000"),
+    ("z_loss_coef", float("-inf"), "z_loss_coef must be a finite number"),
+    ("bias_update_rate", 1e308, "bias_update_rate must be <= 1"),
+    ("min_capacity", 10**400, "min_capacity must be <= 2147483647"),
+    ("d_ff", 2**31, "d_ff must be <= 2147483647"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", OVERFLOWING)
+def test_overflowing_config_values_are_refused_at_construction(field, value, message):
+    args = {"d_model": 8, "d_ff": 8, "num_experts": 4}
+    router = {"router": "switch", "top_k": 1} if field == "jitter_eps" else {}
+    with pytest.raises(ValueError, match=message):
+        moe.MoELayer(**{**args, **router, field: value})
+
+
+def test_largest_allowed_values_run_forward():
+    """At the bounds every option still gives a finite forward (capacity = all tokens)."""
+    layer = moe.MoELayer(
+        8, 8, 4, top_k=1, router="switch", capacity_factor=1e4, eval_capacity_factor=1e4,
+        jitter_eps=1.0, route_scale=1e4, aux_loss_coef=1e4, bias_update_rate=1.0,
+        min_capacity=2**31 - 1,
+    )  # fmt: skip
+    x = torch.randn(7, 8, requires_grad=True)
+    y = layer(x)
+    (y.sum() + layer.aux_loss).backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert expert_capacity(7, 4, 1, 1e308) == 7 and expert_capacity(7, 4, 1, float("inf")) == 7
+
+
 def test_aux_loss_sums_layers_and_is_weighted():
     model = torch.nn.Sequential(moe.MoELayer(8, 8, 4), moe.MoELayer(8, 8, 4, aux_loss_coef=0.5))
     model(torch.randn(6, 8))

@@ -1,5 +1,10 @@
 """EP x DP on gloo ranks equals single-process training on the global batch."""
 
+import dataclasses
+import json
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,7 +40,9 @@ def global_batches(sizes):
 
 def train(model, batches, shard, world, sgd=False):
     """Optimizer steps; the loss is normalised so its sum over ranks / world is the global mean.
-    SGD where gradients are communicated in bf16: Adam would amplify rounding of tiny grads."""
+    SGD where gradients are communicated in bf16 (Adam would amplify rounding of tiny grads)
+    and in float64 (SGD's step is proportional to the gradient: a wrong scale shows)."""
+    dtype = next(model.parameters()).dtype
     if sgd:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
@@ -43,7 +50,7 @@ def train(model, batches, shard, world, sgd=False):
     losses = []
     for x, y in batches:
         n_global = x.shape[0]
-        x, y = x[shard], y[shard]
+        x, y = x[shard].to(dtype), y[shard].to(dtype)
         loss = (model(x) - y).square().sum() * world / (n_global * D)
         opt.zero_grad()
         loss.backward()
@@ -61,9 +68,8 @@ def _ep_dp_body(rank, world, cases, dispatcher):
     out = {}
     for name, dp, ep, sizes, options in cases:
         mesh = init_mesh(dp=dp, ep=ep)
-        model = parallelize(
-            build_model(**options.get("model", {})), mesh, **options.get("parallel", {})
-        )
+        model = build_model(**options.get("model", {})).to(options.get("dtype", torch.float32))
+        model = parallelize(model, mesh, **options.get("parallel", {}))
         if dispatcher != "expert_parallel":  # another strategy behind the same seam
             for _, layer in moe.moe_layers(model):
                 layer.dispatcher = build_dispatcher(
@@ -94,17 +100,24 @@ CASES = [
         [4, 4, 4, 4],
         {"parallel": {"grad_dtype": torch.bfloat16}, "sgd": True},
     ),
+    # float64 used to take FSDP2's other divide branch: expert gradients 1/world too small
+    ("dp1_ep4_float64_ddp", 1, 4, [3, 5, 0, 4], {"dtype": torch.float64, "sgd": True}),
 ]
+TOLERANCES = {
+    "bf16": {"rtol": 2e-2, "atol": 2e-3},
+    "float64": {"rtol": 1e-10, "atol": 1e-12},
+    "": {"rtol": 1e-4, "atol": 1e-5},
+}
 
 
 @pytest.mark.parametrize("dispatcher", ["expert_parallel", "allgather"])
 def test_ep_dp_training_equals_single_process(dispatcher):
     results = run_ranks(_ep_dp_body, 4, CASES, dispatcher, timeout=120)
     for name, _dp, ep, sizes, options in CASES:
-        reference = build_model()
+        reference = build_model().to(options.get("dtype", torch.float32))
         train(reference, global_batches(sizes), slice(None), 1, "sgd" in options)
         ref_params = dict(reference.named_parameters())
-        tol = {"rtol": 2e-2, "atol": 2e-3} if "bf16" in name else {"rtol": 1e-4, "atol": 1e-5}
+        tol = next(t for key, t in TOLERANCES.items() if key in name)
         for rank in range(4):
             params, _, offsets = results[rank][name]
             assert offsets[0] == (rank % ep) * (E // ep)
@@ -131,19 +144,80 @@ def test_frozen_parameters_are_left_alone():
         assert torch.equal(bias_grad, results[0][1])
 
 
-def _mismatch_body(rank, world):
-    model = build_model(num_experts=8 if rank == 3 else 4)
+def _settings_error(rank, model, mesh, env, cost_model, **kwargs):
+    """parallelize's error message on this rank, with `env` set and `cost_model` in force."""
+    from moe.comm.alltoall import set_cost_model
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    set_cost_model(cost_model)
     try:
-        parallelize(model, init_mesh(dp=2, ep=2))
+        parallelize(model, mesh, **kwargs)
     except ValueError as e:
         return str(e)
+    finally:
+        set_cost_model(None)
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     return "no error"
 
 
-def test_mismatched_config_raises_on_every_rank():
-    messages = run_ranks(_mismatch_body, 4, timeout=60)
-    for m in messages:
-        assert "num_experts differs across ranks" in m and "rank 3 has 8" in m
+def _mismatch_body(rank, world, profile_dir):
+    """Rank 3 differs in one setting at a time (or fails locally); every rank must name it,
+    and none may hang."""
+    from moe.comm.cost_model import NVLINK_IB
+
+    odd = rank == 3
+    hostile = os.path.join(profile_dir, "hostile.json")
+    if rank == 0:
+        doc = {"version": 1, "model": {**dataclasses.asdict(NVLINK_IB), "a_inter": 1e308}}
+        with open(hostile, "w") as f:
+            json.dump(doc, f)
+    dist.barrier()
+    hier = {"algorithm": "hierarchical", "ranks_per_node": 2}
+    cases = {  # name: (env, cost model, parallelize kwargs); dp=1, ep=4
+        "algorithm": ({}, None, {"algorithm": "flat" if odd else "hierarchical"}),
+        "ranks_per_node": ({}, None, {**hier, "ranks_per_node": 4 if odd else 2}),
+        "env": ({"MOE_RANKS_PER_NODE": "4" if odd else "2"}, None, {"algorithm": "auto"}),
+        "local_world_size": ({"LOCAL_WORLD_SIZE": "2" if odd else "4"}, None, {}),
+        "data_parallel": ({}, None, {"data_parallel": "fsdp" if odd else "ddp"}),
+        "reduce_dtype": ({}, None, {"grad_dtype": torch.bfloat16 if odd else None}),
+        "cost_model": ({}, replace(NVLINK_IB, a_inter=5e-6) if odd else NVLINK_IB, {}),
+        "bad_setting": ({}, None, {"data_parallel": "zero" if odd else "ddp"}),
+        "hostile_profile": ({"MOE_A2A_COST_PROFILE": hostile} if odd else {}, None, {}),
+    }
+    out = {"num_experts": _settings_error(rank, build_model(num_experts=8 if odd else 4),
+                                          init_mesh(dp=2, ep=2), {}, None)}  # fmt: skip
+    for name, (env, cost_model, kwargs) in cases.items():
+        out[name] = _settings_error(rank, build_model(), init_mesh(dp=1, ep=4), env, cost_model,
+                                    **kwargs)  # fmt: skip
+    dist.barrier()  # still in step after every failed check
+    return out
+
+
+def test_mismatched_config_raises_on_every_rank(tmp_path):
+    """Models or settings that differ across ranks (which used to hang in the first
+    all-to-all or FSDP collective) are one error on every rank, naming the field and ranks."""
+    expected = {
+        "num_experts": ["1.num_experts differs across ranks", "rank 3 has 8"],
+        "algorithm": ["algorithm differs across ranks", "rank 3 has flat"],
+        "ranks_per_node": ["ranks_per_node differs across ranks", "rank 3 has 4"],
+        "env": ["ranks_per_node differs across ranks", "rank 3 has 4", "ranks 0-2 have 2"],
+        "local_world_size": ["ranks_per_node differs across ranks", "rank 3 has 2"],
+        "data_parallel": ["data_parallel differs across ranks", "rank 3 has fsdp"],
+        "reduce_dtype": ["mp_policy.reduce_dtype differs", "rank 3 has torch.bfloat16"],
+        "cost_model": ["cost_model.a_inter differs across ranks", "rank 3 has 5e-06"],
+        "bad_setting": ["setup failed on 1 rank(s): rank 3", "data_parallel must be"],
+        "hostile_profile": ["rank 3: ValueError: CostModel.a_inter=1e+308 s is outside"],
+    }
+    results = run_ranks(_mismatch_body, 4, str(tmp_path), timeout=60)
+    for rank, out in enumerate(results):
+        for name, fragments in expected.items():
+            for fragment in fragments:
+                assert fragment in out[name], (rank, name, out[name])
 
 
 def _bad_ep_body(rank, world):

@@ -7,7 +7,7 @@ import numpy as np
 
 from bench.a2a.tables import busbw
 from moe.comm.alltoall import pipeline_chunks
-from moe.comm.cost_model import NVLINK_IB, CostModel, flat_terms, hier_terms, nnls
+from moe.comm.cost_model import MAX_BANDWIDTH, NVLINK_IB, CostModel, flat_terms, hier_terms, nnls
 
 GPU_CLUSTER = NVLINK_IB
 
@@ -49,7 +49,7 @@ def fit_model(loopback: dict, emulated: dict) -> CostModel:
         b.append(row["time_us"]["raw"])
     A_, b_ = np.array(A), np.array(b) * 1e-6
     theta = nnls(A_ / b_[:, None], np.ones_like(b_))
-    inv = [max(v, 1e-15) for v in theta]
+    inv = [max(v, 1 / MAX_BANDWIDTH) for v in theta]  # unexercised: at the physical bound
     return CostModel(theta[0], theta[1], 1 / inv[2], theta[3], 1 / inv[4], 1 / inv[5], theta[6])
 
 

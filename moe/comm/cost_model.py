@@ -29,6 +29,34 @@ PROFILE_VERSION = 1
 _MAX_PROFILE_BYTES = 1 << 16
 
 
+# Physical ranges of a profile's values. A latency of a second per message or call is far
+# beyond any interconnect (NCCL: microseconds) and a bandwidth of 1 kB/s is far below any; the
+# upper bound, 100 TB/s, is about ten times an HBM3e stack's read + write rate. Values outside
+# are a broken or hostile profile: 1e308 or 1e-320 would turn the crossover into inf - inf.
+MAX_LATENCY_S = 1.0
+MIN_BANDWIDTH = 1e3
+MAX_BANDWIDTH = 1e14
+
+
+def check_physical_ranges(values: dict[str, object]) -> None:
+    """Raise ValueError naming the first field that is not a finite number in its range:
+    alphas (a_*) are seconds in [0, MAX_LATENCY_S], bandwidths (bw_*) bytes/s in
+    [MIN_BANDWIDTH, MAX_BANDWIDTH]. Used on every CostModel, built, fitted or loaded."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"CostModel.{name} must be a finite number, got {v!r}")
+        if name.startswith("bw"):
+            if not MIN_BANDWIDTH <= v <= MAX_BANDWIDTH:
+                raise ValueError(
+                    f"CostModel.{name}={v!r} B/s is outside the physical range "
+                    f"[{MIN_BANDWIDTH:g}, {MAX_BANDWIDTH:g}] B/s"
+                )
+        elif not 0 <= v <= MAX_LATENCY_S:
+            raise ValueError(
+                f"CostModel.{name}={v!r} s is outside the physical range [0, {MAX_LATENCY_S:g}] s"
+            )
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Alpha (seconds per call or message) and beta (bytes per second) terms of one rank.
@@ -36,6 +64,8 @@ class CostModel:
     a_coll: fixed cost per collective call; a_intra / a_inter: per message inside a node /
     across nodes; bw_intra / bw_inter: bytes/s one rank gets inside a node / on the network;
     bw_copy: bytes/s of a local re-layout; a_ring: one step of a ring all_gather.
+    Every value must lie in its physical range (check_physical_ranges): alphas in
+    [0, MAX_LATENCY_S], bandwidths in [MIN_BANDWIDTH, MAX_BANDWIDTH].
     """
 
     a_coll: float
@@ -47,12 +77,7 @@ class CostModel:
     a_ring: float
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"CostModel.{f.name} must be a finite number, got {v!r}")
-            if v < 0 or (f.name.startswith("bw") and v <= 0):
-                raise ValueError(f"CostModel.{f.name} must be positive, got {v!r}")
+        check_physical_ranges({f.name: getattr(self, f.name) for f in fields(self)})
 
     def vector(self) -> np.ndarray:
         """Unknowns in the order of flat_terms / hier_terms (bandwidths inverted)."""
@@ -102,7 +127,8 @@ class CostModel:
 
         Rows come from flat_terms / hier_terms (hierarchical: sum of the three parts, i.e. one
         chunk, nothing overlapped). Rows are weighted by 1/time (relative error). Unknowns no
-        sample exercises come out 0 (alphas) or very large (bandwidths).
+        sample exercises come out 0 (alphas) or MAX_BANDWIDTH (bandwidths); a fit outside the
+        physical ranges is a ValueError naming the field.
         """
         pairs = list(samples)
         if not pairs:
@@ -114,7 +140,7 @@ class CostModel:
         if np.any(~np.isfinite(b)) or np.any(b <= 0):
             raise ValueError("measured times must be positive and finite")
         theta = nnls(A / b[:, None], np.ones_like(b))
-        inv = [max(float(v), 1e-15) for v in theta]
+        inv = [max(float(v), 1 / MAX_BANDWIDTH) for v in theta]
         return cls(
             float(theta[0]), float(theta[1]), 1 / inv[2], float(theta[3]), 1 / inv[4],
             1 / inv[5], float(theta[6]),

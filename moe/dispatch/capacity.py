@@ -23,11 +23,13 @@ def expert_capacity(
     """C = ceil(capacity_factor * k * T / E), at least min_capacity, at most T; None = dropless.
 
     Computed from shapes only (no device values), so every rank that sees the same T computes
-    the same C.
+    the same C. MoEConfig bounds the factor (<= 1e4); a product past T (even inf) is T here
+    rather than an OverflowError from ceil.
     """
     if capacity_factor is None:
         return None
-    capacity = math.ceil(capacity_factor * top_k * num_tokens / num_experts)
+    raw = capacity_factor * top_k * num_tokens / num_experts
+    capacity = math.ceil(raw) if raw < num_tokens else num_tokens
     return min(max(capacity, min_capacity), num_tokens)
 
 

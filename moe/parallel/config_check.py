@@ -1,26 +1,102 @@
-"""Before any exchange, every rank must have built the same MoE model and mesh.
+"""Before any exchange, every rank must have built the same MoE model and mesh and asked for
+the same parallel settings.
 
 One record per rank (every MoEConfig field of every MoE layer, every parameter's dtype and
-shape, the mesh, the layer count, or this rank's own setup error) is all-gathered once, so a
-mismatch or a failure on one rank is the same clear ValueError on every rank instead of a hang,
-a gloo size error or "Connection closed by peer".
+shape, the mesh, the layer count, the settings of parallelize() and what the all-to-all reads
+from the environment, or this rank's own setup error) is all-gathered once, so a mismatch or a
+failure on one rank is the same clear ValueError on every rank instead of a hang, a gloo size
+error or "Connection closed by peer".
 """
 
-from dataclasses import fields
+import os
+from dataclasses import asdict, fields
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from moe.comm.consistency import all_gather_records, describe_mismatch
+from moe.comm import alltoall
+from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
+from moe.comm.topology import ENV_RANKS_PER_NODE, validate_ranks_per_node
 from moe.layer import moe_layers
+
+DATA_PARALLEL = ("ddp", "fsdp")
 
 
 def _describe(t) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def config_record(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None) -> dict:
+def _ranks_per_node(ranks_per_node: int | None, ep: int) -> int | str:
+    """The ranks per node the hierarchical exchange will use over the EP group, by
+    moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, LOCAL_WORLD_SIZE) but without
+    its host-name collective: "hostname" when that is what decides (it is the same on every
+    rank by construction). Invalid values raise ValueError naming their source."""
+    if ranks_per_node is not None:
+        return validate_ranks_per_node(ranks_per_node, ep, "ranks_per_node")
+    env = os.environ.get(ENV_RANKS_PER_NODE)
+    if env:
+        return validate_ranks_per_node(env, ep, ENV_RANKS_PER_NODE)
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world:
+        return validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
+    return "hostname"
+
+
+def exchange_record(algorithm: str, ranks_per_node: int | None, ep: int) -> dict[str, Scalar]:
+    """What decides how the all-to-all runs: the algorithm; for a 2D exchange the ranks per
+    node and the pipeline chunking; for "auto" the threshold override and every value of the
+    cost model (a loaded profile is validated here, on the rank that reads it)."""
+    if algorithm not in alltoall.ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {alltoall.ALGORITHMS}, got {algorithm!r}")
+    record: dict[str, Scalar] = {"algorithm": algorithm}
+    if algorithm == "flat":
+        return record
+    record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep)
+    record[alltoall.ENV_PIPELINE_MIN_BYTES] = os.environ.get(alltoall.ENV_PIPELINE_MIN_BYTES)
+    if algorithm == "auto":
+        record["set_hierarchical_threshold"] = alltoall._threshold_override
+        env = alltoall.ENV_HIERARCHICAL_MAX_BYTES
+        record[env] = os.environ.get(env)
+        model = alltoall.cost_model(dist.get_backend())
+        if model is None:
+            record["cost_model"] = None
+        else:
+            record.update({f"cost_model.{k}": v for k, v in asdict(model).items()})
+    return record
+
+
+def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[str, Scalar]:
+    """parallelize()'s own settings, validated, as comparable scalars. Keys it does not know
+    (options added later) are compared as they are."""
+    s = dict(settings)
+    data_parallel = s.pop("data_parallel", "ddp")
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    mp_policy, grad_dtype = s.pop("mp_policy", None), s.pop("grad_dtype", None)
+    if mp_policy is not None and grad_dtype is not None:
+        raise ValueError("give grad_dtype or mp_policy, not both")
+    mp_policy = mp_policy or MixedPrecisionPolicy(reduce_dtype=grad_dtype)
+    record: dict[str, Scalar] = {"data_parallel": data_parallel}
+    algorithm, ranks_per_node = s.pop("algorithm", "auto"), s.pop("ranks_per_node", None)
+    record.update(exchange_record(algorithm, ranks_per_node, mesh.size(1)))
+    for f in fields(mp_policy):
+        value = getattr(mp_policy, f.name)
+        record[f"mp_policy.{f.name}"] = value if isinstance(value, bool) else str(value)
+    record["offload_policy"] = type(s.pop("offload_policy", None)).__name__
+    blocks = s.pop("blocks", None) or []
+    names = {id(m): n for n, m in model.named_modules()}
+    if any(id(b) not in names for b in blocks):
+        raise ValueError("blocks must be submodules of the model")
+    record["blocks"] = ",".join(names[id(b)] for b in blocks)
+    for name, value in s.items():  # reshard_after_forward, sync_params, ...
+        plain = value is None or isinstance(value, (bool, int, float, str))
+        record[name] = value if plain else repr(value)
+    return record
+
+
+def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> dict:
     """What this rank must agree on with every other; raises ValueError for a local problem."""
     names = tuple(mesh.mesh_dim_names or ())
     if names != ("dp", "ep"):
@@ -33,7 +109,7 @@ def config_record(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None
         "world_size": dist.get_world_size(),
         "dp": dp,
         "ep": ep,
-        "ranks_per_node": ranks_per_node,
+        **settings_record(model, mesh, settings or {}),
         "moe_layers": len(layers),
         "moe_layer_names": ",".join(name for name, _ in layers),
     }
@@ -50,11 +126,13 @@ def config_record(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None
     return record
 
 
-def check_config(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None = None) -> None:
-    """Raise the same ValueError on every rank if any rank failed to describe its model or the
-    ranks disagree; the message names the field (layer.option, or the tensor) and the ranks."""
+def check_config(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> None:
+    """Raise the same ValueError on every rank if any rank failed to describe its model or
+    settings, or the ranks disagree; the message names the field (a setting, layer.option, an
+    environment variable or the tensor) and the ranks. `settings`: parallelize()'s arguments
+    (data_parallel, algorithm, ranks_per_node, mp_policy, grad_dtype, ...)."""
     try:
-        record = {"setup_error": None, **config_record(model, mesh, ranks_per_node)}
+        record = {"setup_error": None, **config_record(model, mesh, settings)}
     except Exception as e:  # still join the exchange, so every rank learns of this error
         record = {"setup_error": f"{type(e).__name__}: {e}"}
     records = all_gather_records(record)
@@ -64,4 +142,4 @@ def check_config(model: nn.Module, mesh: DeviceMesh, ranks_per_node: int | None 
         raise ValueError(f"parallelize: setup failed on {len(failed)} rank(s): {detail}")
     message = describe_mismatch(records)
     if message is not None:
-        raise ValueError(f"parallelize: the ranks built different models: {message}")
+        raise ValueError(f"parallelize: the ranks differ in their model or settings: {message}")

@@ -41,6 +41,33 @@ def _to_ep_dtensors(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
     return local
 
 
+class _DivideBy:
+    """FSDP2 all-reduce hook: divide the reduced gradient shard in place (no communication)."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        grad.div_(self.factor)
+
+
+def _divide_expert_grads(experts: nn.Module, ep: int, sum_only: bool) -> None:
+    """Make the experts' reduced gradient sum / world (= dp * ep) in every reduce dtype.
+
+    Each expert's local gradient already sums the tokens of its whole EP group, so the mean
+    over dp that FSDP2 computes by default is ep times too large. FSDP2's default (no custom
+    divide factor) is right in each of its branches (AVG / PREMUL_SUM for float32 and bf16,
+    pre- and post-division for float64 and float16, SUM then divide on gloo); a custom factor
+    is not: with a reduce-scatter over one rank (dp=1, and always under replicate) it is
+    applied on top of the pre/post division, so float64 and float16 came out 1/world too
+    small. So FSDP2 keeps its default mean over dp and the remaining 1/ep is one in-place
+    division of the reduced shard, after FSDP2's reduction whatever branch it took.
+    """
+    experts.set_force_sum_reduction_for_comms(sum_only)
+    if ep > 1:
+        experts.set_all_reduce_hook(_DivideBy(ep))
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -64,18 +91,32 @@ def parallelize(
                                  over all ranks     (mesh flattened to "dp_ep")
 
     so gradients are reduced by the time backward() returns and training equals
-    single-process training on the global batch at any (dp, ep).
+    single-process training on the global batch at any (dp, ep) and in any reduce dtype.
+
+    Before anything else every rank's model and settings (these arguments, the all-to-all's
+    ranks per node from the argument, MOE_RANKS_PER_NODE or LOCAL_WORLD_SIZE, and for "auto"
+    the threshold and cost model) are compared: a difference, or a bad value on any rank, is
+    the same ValueError on every rank naming it (moe/parallel/config_check.py).
 
     mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
     "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
     first, so every rank starts from one model.
     """
-    if data_parallel not in ("ddp", "fsdp"):
-        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
-    if mp_policy is not None and grad_dtype is not None:
-        raise ValueError("give grad_dtype or mp_policy, not both")
-    check_config(model, mesh, ranks_per_node)  # same error on every rank, before any exchange
+    settings = {
+        "data_parallel": data_parallel,
+        "algorithm": algorithm,
+        "ranks_per_node": ranks_per_node,
+        "mp_policy": mp_policy,
+        "grad_dtype": grad_dtype,
+        "offload_policy": offload_policy,
+        "reshard_after_forward": reshard_after_forward,
+        "blocks": blocks,
+        "sync_params": sync_params,
+    }
+    # Validates the settings too: a bad value on one rank is the same error on every rank,
+    # raised before any exchange.
+    check_config(model, mesh, settings)
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
@@ -91,7 +132,6 @@ def parallelize(
     # Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide (FSDP2's own switch).
     sum_only = dist.get_backend() != "nccl"
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
-    world = mesh.size()
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
         layer.dispatcher = ExpertParallelDispatcher(
@@ -99,14 +139,7 @@ def parallelize(
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         wrap(layer.experts, mesh=mesh["dp"], **common)
-        # Each expert's gradient already sums its whole EP group's tokens; summing over dp and
-        # dividing by dp would scale it by ep: divide by the world size instead.
-        layer.experts.set_gradient_divide_factor(float(world))
-        # FSDP2 divides twice when forced to SUM with a custom factor and a reduce-scatter over
-        # one rank (always so for replicate): force SUM only where a real reduce-scatter runs.
-        layer.experts.set_force_sum_reduction_for_comms(
-            sum_only and data_parallel == "fsdp" and mesh["dp"].size() > 1
-        )
+        _divide_expert_grads(layer.experts, mesh["ep"].size(), sum_only)
     units = [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]
     for module in dict.fromkeys(units):  # once each: the model may itself be an MoELayer
         wrap(module, mesh=all_ranks, **common)
