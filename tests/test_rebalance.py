@@ -88,6 +88,7 @@ def test_placement_moves_only_what_it_must_and_keeps_small_gains():
 def _place(layer, slot_of_expert):
     """Re-place a single-process layer's experts by hand: weights follow their slots."""
     slot_E = torch.tensor(slot_of_expert)
+    assert sorted(slot_of_expert) == list(range(len(slot_of_expert)))
     with torch.no_grad():
         old_E = layer.slot_of_expert_E.clone()
         for p in layer.experts.parameters():
@@ -310,3 +311,30 @@ def test_rebalance_on_gloo_ranks_and_checkpoint_at_other_layouts(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     load_checkpoint(path, model, opt)
     torch.testing.assert_close(_probe(model, _batch(99)[0]), saved_out, **TOL)
+
+
+def test_hf_export_in_canonical_order_after_placement(tmp_path):
+    """to_hf and save_hf_checkpoint write canonical experts; load_hf_checkpoint into a placed
+    model reads them back (placement reset to canonical)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf_parity import fresh
+
+    reference = fresh("qwen2_moe")
+    ids = torch.randint(0, 97, (2, 9))
+    expected = reference.eval()(ids).logits
+    model = moe.from_hf(fresh("qwen2_moe")).eval()
+    for layer in (m for _, m in moe.moe_layers(model)):
+        E_ = layer.config.num_experts
+        _place(layer, list(reversed(range(E_))))
+        assert layer.slot_of_expert_E.tolist() != list(range(E_))
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-6)
+    moe.save_hf_checkpoint(model, str(tmp_path / "out"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    torch.testing.assert_close(again.eval()(ids).logits, expected, rtol=1e-5, atol=1e-6)
+    placed = moe.from_hf(fresh("qwen2_moe")).eval()
+    for layer in (m for _, m in moe.moe_layers(placed)):
+        _place(layer, [(e + 2) % layer.config.num_experts for e in range(layer.config.num_experts)])
+    moe.load_hf_checkpoint(placed, str(tmp_path / "out"))
+    torch.testing.assert_close(placed(ids).logits, expected, rtol=1e-5, atol=1e-6)
+    exported = moe.to_hf(model)
+    torch.testing.assert_close(exported(ids).logits, expected, rtol=1e-5, atol=1e-6)
