@@ -338,3 +338,18 @@ def test_hf_export_in_canonical_order_after_placement(tmp_path):
     torch.testing.assert_close(placed(ids).logits, expected, rtol=1e-5, atol=1e-6)
     exported = moe.to_hf(model)
     torch.testing.assert_close(exported(ids).logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_without_placement_loads_in_canonical_order(tmp_path):
+    old = _model(seed=1)
+    for layer in old[1::2]:
+        del layer._buffers["slot_of_expert_E"]  # as saved before placements existed
+    save_checkpoint(str(tmp_path / "old"), old)
+    for layer in old[1::2]:
+        layer.register_buffer("slot_of_expert_E", torch.arange(E))
+    model = _model(seed=2)
+    for layer in model[1::2]:
+        _place(layer, list(reversed(range(E))))
+    load_checkpoint(str(tmp_path / "old"), model)
+    assert all(m.slot_of_expert_E.tolist() == list(range(E)) for m in model[1::2])
+    torch.testing.assert_close(_probe(model, _batch(5)[0]), _probe(old, _batch(5)[0]))
