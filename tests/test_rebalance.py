@@ -155,6 +155,9 @@ def test_load_count_training_only_not_twice_under_checkpointing():
     layer.train()
     layer(x).sum().backward()
     assert torch.equal(layer.load_since_rebalance, 2 * first)
+    with pytest.raises(ValueError, match="min_gain"):
+        rebalance_experts(layer, min_gain=1.5)
+    assert torch.equal(layer.load_since_rebalance, 2 * first)  # refused before any change
     report = rebalance_experts(layer)  # one process: nothing to place, the count restarts
     assert not report.layers and layer.load_since_rebalance is None
 
@@ -221,12 +224,18 @@ def _count_all_to_all(calls):
 def _layout_body(rank, world, layouts, path):
     results = {}
     probe = _batch(99)[0]  # the same global batch on every rank: the single-process output
-    for dp, ep, mode in layouts:
+    for layout in layouts:
+        dp, ep, mode, *grouped = layout
         mesh = init_mesh(dp=dp, ep=ep)
         runs = {}
         for rebalance in (False, True):
             model = parallelize(_model(), mesh, mode)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            if grouped:  # moe's grouped optimizer apply: state read through state_of
+                opt = moe.parallel.GroupedApply(
+                    model.parameters(), torch.optim.AdamW, groups=2, lr=1e-2, weight_decay=0.1
+                )
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             for step in (0, 1):
                 _step(model, opt, step, rank, world)
             before = _probe(model, probe)
@@ -240,7 +249,7 @@ def _layout_body(rank, world, layouts, path):
                     dist.all_to_all_single = original
                 after = _probe(model, probe)
                 torch.testing.assert_close(after, before, **TOL)
-                if path is not None and (dp, ep, mode) == layouts[0]:
+                if path is not None and layout == layouts[0]:
                     save_checkpoint(path, model, opt)
                     results["saved_out"] = after
                     results["saved_slots"] = [m.slot_of_expert_E.tolist() for m in model[1::2]]
@@ -261,7 +270,7 @@ def _layout_body(rank, world, layouts, path):
         dist.all_reduce(total)
         replicas = dp if mode == "ddp" else 1
         expected = replicas * sum(moved[i] * per_expert[i] for i in (1, 3))
-        results[(dp, ep, mode)] = {
+        results[layout] = {
             "moved": moved,
             "bytes": total.tolist(),
             "expected": expected,
@@ -294,15 +303,15 @@ def _check_layouts(results, layouts):
 
 
 def test_rebalance_on_gloo_ranks_and_checkpoint_at_other_layouts(tmp_path):
-    """4 ranks: ddp (1, 4) and fsdp (2, 2), saving after the rebalance; 2 ranks: ddp (1, 2),
-    and the checkpoint loaded at fsdp (1, 2); then in one process."""
+    """4 ranks: ddp (1, 4) and fsdp (2, 2), saving after the rebalance; 2 ranks: ddp (1, 2)
+    with GroupedApply, and the checkpoint loaded at fsdp (1, 2); then in one process."""
     path = str(tmp_path / "ckpt")
     layouts = [(1, 4, "ddp"), (2, 2, "fsdp")]
     results = run_ranks(_layout_body, 4, layouts, path, timeout=120)[0]
     _check_layouts(results, layouts)
     saved_out, saved_slots = results["saved_out"], results["saved_slots"]
     assert any(s != list(range(E)) for s in saved_slots)
-    small = [(1, 2, "ddp")]
+    small = [(1, 2, "ddp", "grouped")]
     results, out, slots = run_ranks(_load_body, 2, small, (1, 2, "fsdp"), path, timeout=120)[0]
     _check_layouts(results, small)
     assert slots == saved_slots
