@@ -303,10 +303,10 @@ def _check_layouts(results, layouts):
 
 
 def test_rebalance_on_gloo_ranks_and_checkpoint_at_other_layouts(tmp_path):
-    """4 ranks: ddp (1, 4) and fsdp (2, 2), saving after the rebalance; 2 ranks: ddp (1, 2)
+    """4 ranks: ddp (1, 4), saving after the rebalance, fsdp and ddp (2, 2); 2 ranks: ddp (1, 2)
     with GroupedApply, and the checkpoint loaded at fsdp (1, 2); then in one process."""
     path = str(tmp_path / "ckpt")
-    layouts = [(1, 4, "ddp"), (2, 2, "fsdp")]
+    layouts = [(1, 4, "ddp"), (2, 2, "fsdp"), (2, 2, "ddp")]
     results = run_ranks(_layout_body, 4, layouts, path, timeout=120)[0]
     _check_layouts(results, layouts)
     saved_out, saved_slots = results["saved_out"], results["saved_slots"]
