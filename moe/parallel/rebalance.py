@@ -165,7 +165,8 @@ def rebalance_experts(
     optimizer.step() (outside forward / backward), with the optimizer whose state must move
     along (a torch optimizer or GroupedApply; None moves weights and gradients only). A
     layer's placement changes only when its largest rank load drops by at least `min_gain`
-    (relative). In one process, or with ep = 1, it only resets the counts (no-op)."""
+    (relative). In one process, or with ep = 1, it only resets the counts (no-op). Ranks
+    holding different placements are a ValueError on every rank, before anything moves."""
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     if optimizer is not None and not (
@@ -189,9 +190,16 @@ def rebalance_experts(
     if mesh is not None and mesh.size() != dist.get_world_size():
         raise ValueError("rebalance_experts needs the model's mesh to span every rank")
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
-    load = torch.cat(counts)
-    dist.all_reduce(load)  # the one collective every call makes: the summed loads
-    loads = load.tolist()
+    # The one collective every call makes: summed loads, and each layer's placement s summed
+    # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
+    slots = torch.cat([layer.slot_of_expert_E for _, layer in layers])
+    load = torch.cat([torch.cat(counts), slots, slots * slots])
+    dist.all_reduce(load)
+    n, world = slots.numel(), dist.get_world_size()
+    summed, squares = load[n : 2 * n], load[2 * n :]
+    if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
+        raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
+    loads = load[:n].tolist()
     plans, start = [], 0
     for (name, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
