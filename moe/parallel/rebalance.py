@@ -154,6 +154,11 @@ def _exchange(jobs, device) -> tuple[int, int]:
     return sum(len(bs) for bs in send), send_buf.numel()
 
 
+def _restart_counts(layers) -> None:
+    for _, layer in layers:
+        layer.load_since_rebalance = None
+
+
 @torch.no_grad()
 def rebalance_experts(
     model: nn.Module, optimizer=None, *, min_gain: float = 0.05
@@ -178,11 +183,11 @@ def rebalance_experts(
     counts = []
     for _, layer in layers:
         load_E = getattr(layer, "load_since_rebalance", None)
-        layer.load_since_rebalance = None
         slots = layer.slot_of_expert_E
         counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     report = RebalanceReport()
     if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
+        _restart_counts(layers)
         return report
     if not dist.is_initialized():
         raise ValueError("experts are split over ranks but torch.distributed is not initialized")
@@ -200,6 +205,7 @@ def rebalance_experts(
     if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
         raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
     loads = load[:n].tolist()
+    _restart_counts(layers)
     plans, start = [], 0
     for (name, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
