@@ -1,5 +1,7 @@
 """MoELayer: route -> plan and dispatch -> experts -> combine -> record, one seam per stage."""
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -87,6 +89,12 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
+        # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
+        # parallelism. The router, its bias, stats and loads stay in canonical ids; only the
+        # dispatch plan is built in slots. Persistent, so checkpoints carry it.
+        slots = torch.arange(num_experts, dtype=torch.long, device=device)
+        self.register_buffer("slot_of_expert_E", slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -129,13 +137,21 @@ class MoELayer(nn.Module):
         return routing
 
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
+        """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
-        if routing.token_ids_EC is not None:
-            return plan_expert_choice(routing.token_ids_EC, routing.weights_EC, num_tokens)
+        slot_E = self.slot_of_expert_E
+        if routing.token_ids_EC is not None:  # expert e's chosen tokens -> slot slot_E[e]
+            ids_SC = torch.empty_like(routing.token_ids_EC).index_copy_(
+                0, slot_E, routing.token_ids_EC
+            )
+            weights_SC = torch.zeros_like(routing.weights_EC).index_copy(
+                0, slot_E, routing.weights_EC
+            )
+            return plan_expert_choice(ids_SC, weights_SC, num_tokens)
         factor = capacity_factor_for(c, self.training)
         capacity = expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity)
         return plan_token_choice(
-            routing.expert_ids_TK,
+            slot_E[routing.expert_ids_TK],
             routing.weights_TK,
             c.num_experts,
             capacity,
@@ -156,6 +172,7 @@ class MoELayer(nn.Module):
     def _record(self, routing: Routing, plan: DispatchPlan) -> None:
         if in_recomputation():  # checkpointed forward run again in backward: already recorded
             return
+        plan = self._canonical_counts(plan)
         probs_TE = routing.probs_TE.detach()
         entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
         num_pairs = max(plan.num_rows, 1)
@@ -172,6 +189,31 @@ class MoELayer(nn.Module):
         algorithm = getattr(self.dispatcher, "last_algorithm", None)  # expert-parallel only
         if algorithm is not None:  # 1 when "auto" chose the hierarchical all-to-all
             self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
+
+    def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
+        """The plan's per-expert counts back in canonical expert ids (stats, loads)."""
+        slot_E = self.slot_of_expert_E
+        return dataclasses.replace(
+            plan, counts_E=plan.counts_E[slot_E], routed_E=plan.routed_E[slot_E]
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
+        """A state dict without a placement (saved before placements existed) is in canonical
+        order; a placement read from a file must be a permutation of the experts."""
+        key = prefix + "slot_of_expert_E"
+        if key not in state_dict:
+            state_dict = {**state_dict, key: torch.arange(self.config.num_experts)}
+        else:
+            slots = state_dict[key]
+            E = self.config.num_experts
+            if (
+                not isinstance(slots, torch.Tensor)
+                or slots.dtype != torch.long
+                or tuple(slots.shape) != (E,)
+                or not torch.equal(slots.sort().values.cpu(), torch.arange(E))
+            ):
+                raise ValueError(f"{self.name}: {key} is not a permutation of {E} expert ids")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
 
     def extra_repr(self) -> str:
         c = self.config

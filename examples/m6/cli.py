@@ -133,6 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
     g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
+    g.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=0,
+        help="re-place experts on EP ranks by their load every n steps (0: never)",
+    )
     g = p.add_argument_group("memory plan (meta device, no allocation)")
     g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
     g.add_argument("--world-size", type=int, help="devices of the planned cluster")
@@ -202,6 +208,8 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(f"--ep {args.ep} needs an MoE model; {cfg.name} is dense")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.rebalance_every < 0:
+        raise UsageError(f"--rebalance-every must be >= 0, got {args.rebalance_every}")
     if args.stop_after is not None and not 0 < args.stop_after < args.steps:
         raise UsageError(
             f"--stop-after must be in (0, --steps={args.steps}), got {args.stop_after}"

@@ -134,6 +134,8 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
     clip_gradients(model, opt, args, rt.mesh)
     opt.step()
     moe.update_router_biases(model)
+    if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+        moe.parallel.rebalance_experts(model, opt)  # weights and optimizer state move together
     return metrics.row(global_targets)
 
 

@@ -113,13 +113,18 @@ def in_recomputation() -> bool:
 def record_balance(layer, routing, plan) -> None:
     """After a forward of `layer`: add the sequence/global balance term to layer.aux_loss, the
     balance metrics to layer.stats, and (in training) the routed load to the load accumulated
-    since the last moe.update_router_biases."""
+    since the last moe.update_router_biases and the kept load to the load accumulated since
+    the last moe.parallel.rebalance_experts (both in canonical expert ids)."""
     c = layer.config
     layer.stats.update(balance_metrics(plan.routed_E))
     if layer.training:
         load_E = plan.routed_E.detach()
         previous = getattr(layer, "load_since_update", None)
         layer.load_since_update = load_E if previous is None else previous + load_E
+        # Rows each expert computed (kept pairs) since moe.parallel.rebalance_experts last ran
+        kept_E = plan.counts_E.detach()
+        previous = getattr(layer, "load_since_rebalance", None)
+        layer.load_since_rebalance = kept_E if previous is None else previous + kept_E
     if c.balance_loss == "batch" or routing.expert_ids_TK is None:
         return
     if c.balance_loss == "sequence":

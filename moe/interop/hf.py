@@ -67,9 +67,10 @@ def _copy_in(layer: HFMoELayer, block: nn.Module) -> None:
 
 @torch.no_grad()
 def _copy_out(block: nn.Module, layer: HFMoELayer) -> None:
-    gate_up = torch.cat([layer.experts.w1, layer.experts.w3], dim=2).transpose(1, 2)
-    block.experts.gate_up_proj.copy_(gate_up)
-    block.experts.down_proj.copy_(layer.experts.w2.transpose(1, 2))
+    slot_E = layer.slot_of_expert_E  # canonical expert order (moe.parallel.rebalance_experts)
+    w1, w2, w3 = (w[slot_E] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3))
+    block.experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=2).transpose(1, 2))
+    block.experts.down_proj.copy_(w2.transpose(1, 2))
     block.gate.weight.copy_(layer.router.weight)
     if getattr(block.gate, "e_score_correction_bias", None) is not None:
         block.gate.e_score_correction_bias.copy_(layer.router.expert_bias)

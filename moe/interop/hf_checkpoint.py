@@ -204,6 +204,8 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     _check(pieces, weight_map, _headers(set(weight_map.values())), path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    for layer in owners.values():  # every expert is read in canonical order
+        layer.slot_of_expert_E.copy_(torch.arange(layer.config.num_experts))
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:
@@ -274,13 +276,15 @@ def save_hf_checkpoint(model: nn.Module, path: str) -> str:
     writes_experts = _holders(model)
     state = model.state_dict(keep_vars=True)
     tensors, blocks = {}, {}
+    slots = {m.name: m.slot_of_expert_E.tolist() for m in _layers(model).values()}
     for p in _pieces(model, fused=False):  # every rank in the same order: gathers are collective
         if p.expert is not None:
             if p.name not in blocks:
                 blocks[p.name] = _gathered(state[p.name], expert=True)
-            first = model.get_submodule(p.name.rsplit(".experts.", 1)[0]).experts.expert_offset
-            if p.local and writes_experts:
-                tensors[p.hub_key] = blocks[p.name][p.expert - first].t()
+            layer = model.get_submodule(p.name.rsplit(".experts.", 1)[0])
+            first, slot = layer.experts.expert_offset, slots[layer.name][p.expert]
+            if first <= slot < first + layer.experts.num_experts and writes_experts:
+                tensors[p.hub_key] = blocks[p.name][slot - first].t()  # canonical expert ids
             continue
         value = _gathered(state[p.name], expert=False)
         if rank == 0:

@@ -1,0 +1,243 @@
+"""rebalance_experts: move experts between expert-parallel ranks by their measured load.
+
+Under expert parallelism rank r holds the experts in slots [r*L, (r+1)*L), and the most loaded
+rank's all-to-all volume and GEMMs set every rank's step time. After an optimizer step,
+
+    report = moe.parallel.rebalance_experts(model, optimizer)
+
+sums each layer's per-expert load since the previous call over all ranks (one all-reduce),
+plans a placement minimising the largest rank load (moe.parallel.placement: LPT with L experts
+per rank, pairwise swaps, kept when the gain is below `min_gain`) and applies it exactly.
+
+Why a placement map and not a permutation of expert ids: every MoELayer keeps its router in
+canonical expert ids and holds `slot_of_expert_E` (a persistent buffer): expert e's weights sit
+in slot slot_of_expert_E[e] of the stacked expert tensors, and only the dispatch plan is built
+in slots. So router weight rows, the score-correction bias, expert groups of group-limited
+top-k, balance losses, stats and accumulated loads never move and keep their exact function;
+only the moving experts' weight rows, their optimizer state (AdamW exp_avg / exp_avg_sq, fp32
+masters: every state tensor shaped like the parameter; scalar `step` is shared by all experts)
+and any pending gradient rows travel, in one all-to-all of bytes, straight from the rank that
+holds a row to the rank that will (under FSDP2's "fsdp" each (dp, ep) rank holds a slice of
+its experts and sends only that; under "ddp" each dp replica exchanges within its own EP
+group). No rank ever gathers all experts. The model then computes the same function and
+training continues as it would have (float32 reduction-order differences at most).
+
+Checkpoints carry the placement (the buffer is in the state dict), so a save after a rebalance
+reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from moe.layer import MoELayer, moe_layers
+from moe.parallel.placement import Placement, plan_placement
+
+
+@dataclass
+class RebalanceReport:
+    """What one call did: each layer's placement decision (keyed by module name) and what this
+    rank sent: expert rows (one row = one expert's slice of one tensor) and bytes."""
+
+    layers: dict[str, Placement] = field(default_factory=dict)
+    rows_sent: int = 0
+    bytes_sent: int = 0
+
+    @property
+    def moved_experts(self) -> int:
+        return sum(len(p.moved) for p in self.layers.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def ep_size(layer: MoELayer) -> int:
+    """Expert-parallel ranks the layer's experts are spread over (1 in one process)."""
+    return layer.config.num_experts // layer.experts.num_experts
+
+
+def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
+    """The optimizer's per-element state tensors of `p` (shaped like it), in key order."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "state_of"):  # moe.memory.GroupedApply
+        state = optimizer.state_of(p)
+    else:
+        state = optimizer.state.get(p, {})
+    shape = _local(p).shape
+    return [
+        state[k]
+        for k in sorted(state)
+        if isinstance(state[k], torch.Tensor) and _local(state[k]).shape == shape
+    ]
+
+
+def _moving_tensors(layer: MoELayer, optimizer) -> list[torch.Tensor]:
+    """Local views of everything indexed by slot: parameters, optimizer state, gradients."""
+    out = []
+    for _, p in layer.experts.named_parameters(recurse=False):
+        out.append(_local(p))
+        out += [_local(s) for s in _optimizer_states(optimizer, p)]
+        if p.grad is not None:
+            out.append(_local(p.grad))
+    return out
+
+
+def _slot_range(layer: MoELayer) -> tuple[int, int]:
+    """(first slot, number of slots) held by this rank (a slice of its EP block under fsdp)."""
+    w1 = layer.experts.w1
+    if not isinstance(w1, DTensor):
+        raise ValueError(
+            f"{layer.name}: experts are split over ranks but not DTensors; "
+            "use moe.parallel.parallelize"
+        )
+    shape, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+    return offset[0], shape[0]
+
+
+def _transfers(old, new, ranges):
+    """[(src rank, dst rank, src row, dst row)] in one order every rank agrees on: each slot
+    whose expert changes is filled, on every rank holding it, from a rank holding the slot the
+    expert leaves (the holder at the same position: under "ddp" the same dp replica)."""
+    holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
+    expert_of_slot = [0] * len(new)
+    for e, s in enumerate(new):
+        expert_of_slot[s] = e
+    out = []
+    for s in range(len(new)):
+        src = old[expert_of_slot[s]]
+        if src == s:
+            continue
+        for i, q in enumerate(holders[s]):
+            h = holders[src][i % len(holders[src])]
+            out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
+    return out
+
+
+def _row_bytes(t: torch.Tensor, row: int) -> torch.Tensor:
+    r = t[row]
+    if not r.is_contiguous():
+        raise ValueError("expert tensors must have contiguous rows")
+    return r.reshape(-1).view(torch.uint8)
+
+
+def _exchange(jobs, device) -> tuple[int, int]:
+    """jobs: [(tensors, transfers)] per layer. One all_to_all_single of the moving rows as
+    bytes over the default group; received rows are written in place afterwards."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    send = [[] for _ in range(world)]
+    recv_plan = [[] for _ in range(world)]  # (tensor, row) in the order the peer packs them
+    for tensors, transfers in jobs:
+        for src, dst, src_row, dst_row in transfers:
+            for t in tensors:
+                if src == me:
+                    send[dst].append(_row_bytes(t, src_row))
+                if dst == me:
+                    recv_plan[src].append((t, dst_row))
+    send_sizes = [sum(b.numel() for b in bs) for bs in send]
+    recv_sizes = [sum(_row_bytes(t, r).numel() for t, r in plan) for plan in recv_plan]
+    rows = [b.to(device) for bs in send for b in bs]
+    send_buf = torch.cat(rows) if rows else torch.empty(0, dtype=torch.uint8, device=device)
+    recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes)
+    offset = 0
+    for plan in recv_plan:
+        for t, row in plan:
+            dest = _row_bytes(t, row)
+            dest.copy_(recv_buf[offset : offset + dest.numel()])
+            offset += dest.numel()
+    return sum(len(bs) for bs in send), send_buf.numel()
+
+
+def _restart_counts(layers) -> None:
+    for _, layer in layers:
+        layer.load_since_rebalance = None
+
+
+@torch.no_grad()
+def rebalance_experts(
+    model: nn.Module, optimizer=None, *, min_gain: float = 0.05
+) -> RebalanceReport:
+    """Re-place every MoE layer's experts on its expert-parallel ranks by the load (rows its
+    experts computed in training forwards) since the previous call, and reset that count.
+
+    Collective over all ranks of the model's mesh; call it on every rank, after
+    optimizer.step() (outside forward / backward), with the optimizer whose state must move
+    along (a torch optimizer or GroupedApply; None moves weights and gradients only). A
+    layer's placement changes only when its largest rank load drops by at least `min_gain`
+    (relative). In one process, or with ep = 1, it only resets the counts (no-op). Ranks
+    holding different placements are a ValueError on every rank, before anything moves."""
+    if not 0.0 <= min_gain < 1.0:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    if optimizer is not None and not (
+        hasattr(optimizer, "state") or hasattr(optimizer, "state_of")
+    ):
+        raise ValueError(f"optimizer {type(optimizer).__name__} exposes no per-parameter state")
+    layers = moe_layers(model)
+    sizes = [ep_size(layer) for _, layer in layers]
+    counts = []
+    for _, layer in layers:
+        load_E = getattr(layer, "load_since_rebalance", None)
+        slots = layer.slot_of_expert_E
+        counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
+    report = RebalanceReport()
+    if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
+        _restart_counts(layers)
+        return report
+    if not dist.is_initialized():
+        raise ValueError("experts are split over ranks but torch.distributed is not initialized")
+    mesh = getattr(model, "_moe_mesh", None)
+    if mesh is not None and mesh.size() != dist.get_world_size():
+        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
+    ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
+    # The one collective every call makes: summed loads, and each layer's placement s summed
+    # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
+    slots = torch.cat([layer.slot_of_expert_E for _, layer in layers])
+    load = torch.cat([torch.cat(counts), slots, slots * slots])
+    dist.all_reduce(load)
+    n, world = slots.numel(), dist.get_world_size()
+    summed, squares = load[n : 2 * n], load[2 * n :]
+    if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
+        raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
+    loads = load[:n].tolist()
+    _restart_counts(layers)
+    plans, start = [], 0
+    for (name, layer), w in zip(layers, sizes):
+        E = layer.config.num_experts
+        placement = plan_placement(
+            loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
+        )
+        start += E
+        report.layers[name] = placement
+        plans.append(placement)
+    changed = [i for i, p in enumerate(plans) if p.changed]
+    if not changed:  # every rank computed the same plans: no rank exchanges
+        return report
+    # Where each rank's rows sit (a rank's slice of its EP block under fsdp): one all_gather.
+    device = layers[0][1].slot_of_expert_E.device
+    multi = [i for i, w in enumerate(sizes) if w > 1]
+    mine = torch.tensor([v for r in ranges for v in r], dtype=torch.long, device=device)
+    everyone = mine.new_empty(dist.get_world_size() * mine.numel())
+    dist.all_gather_into_tensor(everyone, mine)
+    table = everyone.view(dist.get_world_size(), -1).tolist()
+    jobs = []
+    for i in changed:
+        _, layer = layers[i]
+        if hasattr(layer.experts, "reshard"):  # FSDP2 may keep gathered weights from a forward
+            layer.experts.reshard()  # without backward: drop them so the next one re-gathers
+        k = multi.index(i)
+        rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
+        transfers = _transfers(
+            layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
+        )
+        jobs.append((_moving_tensors(layer, optimizer), transfers))
+    report.rows_sent, report.bytes_sent = _exchange(jobs, device)
+    for i in changed:
+        layer = layers[i][1]
+        layer.slot_of_expert_E.copy_(torch.tensor(plans[i].slot_of_expert))
+    return report
