@@ -19,8 +19,9 @@ read once; rank 0 appends one line per step and layer:
 tokens_per_expert: pairs each expert computed (after capacity drops); routed_per_expert: pairs
 the router sent it (before drops). The load metrics are those of routed_per_expert, as in
 layer.stats: load_cv = std / mean (population std), max_over_mean, dead_experts = experts with
-no pair; rank_load = routed pairs per EP rank, the E experts grouped into `ep` contiguous
-blocks (ep = 1 without expert parallelism). `read_trace` reads a file back, checking each line.
+no pair; rank_load = routed pairs per EP rank: expert e counts for the rank holding its slot
+(`layer.slot_of_expert_E[e] // (E/ep)`, contiguous blocks until moe.parallel.rebalance_experts
+moves experts; ep = 1 without expert parallelism). `read_trace` reads a file back, checking each line.
 """
 
 import json
@@ -132,14 +133,17 @@ class RoutingTrace:
         self.buffer, self.step_ids = [], []
         if not self.writer:
             return
+        # where each expert lives now (moe.parallel.rebalance_experts may have moved it)
+        slots = [layer.slot_of_expert_E.tolist() for _, layer in self.layers]
         with self.path.open("a") as f:
             for step, row in zip(step_ids, values):
                 offset = 0
-                for (name, _), E, ep in zip(self.layers, self.experts, self.ep):
+                for (name, _), E, ep, slot in zip(self.layers, self.experts, self.ep, slots):
                     kept, routed = row[offset : offset + E], row[offset + E : offset + 2 * E]
                     dropped = row[offset + 2 * E]
                     offset += 2 * E + 1
-                    f.write(json.dumps(trace_line(step, name, kept, routed, dropped, ep)) + "\n")
+                    line = trace_line(step, name, kept, routed, dropped, ep, slot)
+                    f.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         """Write what is buffered and remove the hooks."""
@@ -159,9 +163,20 @@ def _device(layer) -> torch.device:
     return layer.router.weight.device
 
 
-def trace_line(step: int, layer: str, kept: list, routed: list, dropped: int, ep: int) -> dict:
-    """One JSON line: the counts and the load metrics of `routed` (see the module docstring)."""
+def trace_line(
+    step: int,
+    layer: str,
+    kept: list,
+    routed: list,
+    dropped: int,
+    ep: int,
+    slots: list | None = None,
+) -> dict:
+    """One JSON line: the counts and the load metrics of `routed` (see the module docstring).
+    `slots[e]` is expert e's row in the experts' weights (default e): EP rank slots[e] // (E/ep)
+    holds it."""
     E = len(routed)
+    slots = slots if slots is not None else list(range(E))
     mean = sum(routed) / E
     std = math.sqrt(sum((c - mean) ** 2 for c in routed) / E)
     block = E // ep
@@ -175,7 +190,9 @@ def trace_line(step: int, layer: str, kept: list, routed: list, dropped: int, ep
         "max_over_mean": max(routed) / mean if mean > 0 else 0.0,
         "dead_experts": sum(c == 0 for c in routed),
         "ep": ep,
-        "rank_load": [sum(routed[r * block : (r + 1) * block]) for r in range(ep)],
+        "rank_load": [
+            sum(c for c, slot in zip(routed, slots) if slot // block == r) for r in range(ep)
+        ],
     }
 
 

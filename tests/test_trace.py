@@ -186,3 +186,19 @@ def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(ImportError, match="needs matplotlib"):
         plot_trace.plot_trace(path, tmp_path / "x.png")
+
+
+def test_rank_load_follows_the_placement():
+    """After moe.parallel.rebalance_experts moves experts, an expert's load counts for the
+    rank holding its slot, not for its canonical block."""
+    from moe.routing_trace import trace_line
+
+    routed = [int(v) for v in torch.randint(1, 50, (8,))]
+    slots = [int(v) for v in torch.randperm(8)]
+    line = trace_line(3, "layer", routed, routed, 0, 4, slots)
+    by_hand = [0] * 4
+    for count, slot in zip(routed, slots):
+        by_hand[slot // 2] += count
+    assert line["rank_load"] == by_hand
+    canonical = trace_line(3, "layer", routed, routed, 0, 4)["rank_load"]
+    assert canonical == [routed[2 * r] + routed[2 * r + 1] for r in range(4)]
