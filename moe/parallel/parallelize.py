@@ -21,7 +21,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from moe.dispatch import ExpertParallelDispatcher
+from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher, agree_overlap
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -54,6 +54,7 @@ def parallelize(
     blocks: list[nn.Module] | None = None,
     grad_dtype: torch.dtype | None = None,
     sync_params: bool = True,
+    overlap: int | str | None = None,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
@@ -69,13 +70,15 @@ def parallelize(
     mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
     "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
-    first, so every rank starts from one model.
+    first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
+    installs the OverlappedDispatcher, which hides the exchange behind the experts.
     """
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
     if mp_policy is not None and grad_dtype is not None:
         raise ValueError("give grad_dtype or mp_policy, not both")
     check_config(model, mesh, ranks_per_node)  # same error on every rank, before any exchange
+    overlap = agree_overlap(overlap)
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
@@ -94,8 +97,11 @@ def parallelize(
     world = mesh.size()
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        layer.dispatcher = ExpertParallelDispatcher(
-            mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend
+        ep_args = (mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend)
+        layer.dispatcher = (
+            ExpertParallelDispatcher(*ep_args)
+            if overlap is None
+            else OverlappedDispatcher(*ep_args, degree=overlap)
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         wrap(layer.experts, mesh=mesh["dp"], **common)
