@@ -154,18 +154,31 @@ def test_pipeline_order_forward_and_backward(algorithm):
     assert ["".join(t) for t in traces] == [expected] * 4
 
 
-def _failing_body(rank, world):
-    model = parallelize(build(0, 8), init_mesh(dp=1, ep=world), algorithm="flat", overlap=2)
-    x = torch.randn(4, D, requires_grad=True)
+def _failing_body(rank, world, algorithm):
+    """Rank 2 fails inside its first chunk's experts, with exchanges in flight."""
+    model = parallelize(
+        build(0, 8), init_mesh(dp=1, ep=world), algorithm=algorithm, ranks_per_node=2, overlap=2
+    )
+
+    def fail(*_):
+        raise RuntimeError("rank 2 fails in its experts")
+
     if rank == 2:
-        raise RuntimeError("rank 2 fails before the layer")
-    model(x).sum().backward()
+        model[1].experts.register_forward_hook(fail)
+    model(torch.randn(4, D, requires_grad=True)).sum().backward()
     return "finished"
 
 
-def test_a_failing_rank_ends_the_run_with_an_error():
-    with pytest.raises(AssertionError, match="rank 2 fails before the layer"):
-        run_ranks(_failing_body, 4, timeout=10, deadline=60)
+@pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
+def test_a_failing_rank_is_an_error_on_every_rank(algorithm):
+    """The other ranks' pending exchanges time out with an error (no rank hangs: each one
+    reports a failure of its own within the grace period, none has to be killed)."""
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_failing_body, 4, algorithm, timeout=10, deadline=240, grace=60)
+    message = str(info.value)
+    assert "rank 2 fails in its experts" in message
+    assert all(f"--- rank {r} failed" in message for r in range(4)), message
+    assert "killed" not in message
 
 
 def test_validate_overlap():
