@@ -132,10 +132,16 @@ def _trace_body(rank, world, algorithm):
 
     overlap_exchange.start_exchange = traced
     model = parallelize(
-        build(0, 8), init_mesh(dp=1, ep=world), algorithm=algorithm, ranks_per_node=2, overlap=2
+        build(0, 8, num_shared_experts=1),
+        init_mesh(dp=1, ep=world),
+        algorithm=algorithm,
+        ranks_per_node=2,
+        overlap=2,
     )
     layer = model[1]
     layer.experts.register_forward_hook(lambda *_: events.append("X"))
+    layer.shared_experts.register_forward_hook(lambda *_: events.append("H"))
+    layer.shared_experts.register_full_backward_hook(lambda *_: events.append("h"))
     x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     y = model(x)
     events.append("|")
@@ -146,11 +152,12 @@ def _trace_body(rank, world, algorithm):
 @pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
 def test_pipeline_order_forward_and_backward(algorithm):
     traces = run_ranks(_trace_body, 4, algorithm, timeout=60)
-    # forward: both dispatches start, land chunk 0, experts 0, start its combine, land chunk 1
-    # (it travelled during experts 0), experts 1, start combine 1, land both combines.
-    # backward: both combine gradients start; then per chunk from the last: land, start its
-    # dispatch gradient (it travels during the other chunk's expert backward); land both.
-    expected = "SSLXSLXSLL|SSLSLSLL"
+    # forward: both dispatches start, the shared experts run (H), land chunk 0, experts 0 (X),
+    # start its combine, land chunk 1 (it travelled during experts 0), experts 1, start
+    # combine 1, land both combines. backward: both combine gradients start; then per chunk
+    # from the last: land, (expert backward,) start its dispatch gradient, which travels
+    # during the other chunk's expert backward and, for the last, the shared backward (h).
+    expected = "SSHLXSLXSLL|SSLSLShLL"
     assert ["".join(t) for t in traces] == [expected] * 4
 
 
