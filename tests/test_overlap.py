@@ -49,7 +49,16 @@ CASES = [
         {"capacity_factor": 0.5, "min_capacity": 1},
         {"algorithm": "hierarchical", "ranks_per_node": 2},
     ),
-    ("ddp_dp2_ep2_shared", 2, 2, [6, 2, 5, 8], 3, 12, {"num_shared_experts": 1}, {}),
+    (
+        "ddp_dp2_ep2_shared_checkpointed",
+        2,
+        2,
+        [6, 2, 5, 8],
+        3,
+        12,
+        {"num_shared_experts": 1, "checkpoint": True},
+        {},
+    ),
     (
         "fsdp_dp2_ep2_empty_experts",
         2,

@@ -11,6 +11,8 @@ every rank. Why by expert rather than by row range:
   * the send buffer is still one gather: rows are gathered from the tokens in (chunk,
     destination, expert) order, so each chunk is one contiguous slice.
 The price: n <= L (a larger n is clamped), and a chunk's size follows its experts' load.
+The experts module is called once per chunk: under FSDP2 with dp > 1 it is unsharded and its
+gradient reduced once per chunk too (correct, more dp traffic; pure EP has none).
 
 Forward, per layer call: one count exchange (with three extra columns: the requested degree,
 checked equal on every rank, each rank's measured expert time per row, and its row total, so
