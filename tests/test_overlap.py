@@ -10,12 +10,19 @@ from torch import nn
 
 import moe
 from moe.comm.cost_model import CostModel
-from moe.dispatch import OverlappedDispatcher, choose_degree, overlap_exchange, validate_overlap
+from moe.dispatch import (
+    OverlappedDispatcher,
+    choose_degree,
+    overlap_exchange,
+    overlapped,
+    validate_overlap,
+)
 from moe.dispatch.overlap_degree import pipelined_time
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
 D, F = 16, 24
+SLOW_LINK = CostModel(1e-3, 1e-4, 1e9, 1e-4, 1e7, 1e9, 1e-3)  # 10 MB/s network
 
 
 def build(seed, num_experts, **options):
@@ -78,13 +85,24 @@ def _equal_body(rank, world, cases):
     for name, dp, ep, sizes, overlap, E, options, popts in cases:
         g = torch.Generator().manual_seed(100 + rank)
         x_TD, g_TD = torch.randn(2, sizes[rank], D, generator=g)
-        results, layers = [], []
+        results, layers, degrees = [], [], []
+        # auto: the cost model (tested below) says "pipeline"; the measurements must agree
+        overlapped.choose_degree = lambda *args, **kw: args[5]  # max_degree
         for ov in (None, overlap):
             model = parallelize(
                 build(0, E, **options), init_mesh(dp=dp, ep=ep), **popts, overlap=ov
             )
-            results.append([step(model, x_TD, g_TD) for _ in range(2)])  # twice: clock, reuse
+            results.append([])
+            for _ in range(3):  # auto: n = 1 first (nothing measured), then the model's n, ...
+                results[-1].append(step(model, x_TD, g_TD))
+                degrees.append(getattr(model[1].dispatcher, "last_degree", 0))
             layers.append(model[1])
+        overlapped.choose_degree = choose_degree
+        if overlap == "auto":
+            everyone = [None] * world
+            dist.all_gather_object(everyone, degrees)
+            if any(d != degrees for d in everyone) or degrees[3:5] != [1, E // ep]:
+                problems.append(f"{name}: auto degrees {everyone}")
         plain, over = results
         if not isinstance(layers[1].dispatcher, OverlappedDispatcher):
             problems.append(f"{name}: overlap={overlap} did not install the overlapped dispatcher")
@@ -123,7 +141,7 @@ def test_overlapped_equals_plain_dispatcher_on_gloo():
     assert [p for problems in results for p in problems] == []
 
 
-def _trace_body(rank, world, algorithm):
+def _trace_body(rank, world):
     """The order in which exchanges start (S) and land (L), with expert calls (X), for a
     two-chunk layer: forward and backward must interleave exchange and compute."""
     events = []
@@ -140,34 +158,37 @@ def _trace_body(rank, world, algorithm):
         return traced_land
 
     overlap_exchange.start_exchange = traced
-    model = parallelize(
-        build(0, 8, num_shared_experts=1),
-        init_mesh(dp=1, ep=world),
-        algorithm=algorithm,
-        ranks_per_node=2,
-        overlap=2,
-    )
-    layer = model[1]
-    layer.experts.register_forward_hook(lambda *_: events.append("X"))
-    layer.shared_experts.register_forward_hook(lambda *_: events.append("H"))
-    layer.shared_experts.register_full_backward_hook(lambda *_: events.append("h"))
-    x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-    y = model(x)
-    events.append("|")
-    y.square().sum().backward()
-    return [e[0] for e in events]
+    traces = {}
+    for algorithm in ("flat", "hierarchical"):
+        model = parallelize(
+            build(0, 8, num_shared_experts=1),
+            init_mesh(dp=1, ep=world),
+            algorithm=algorithm,
+            ranks_per_node=2,
+            overlap=2,
+        )
+        layer = model[1]
+        layer.experts.register_forward_hook(lambda *_: events.append("X"))
+        layer.shared_experts.register_forward_hook(lambda *_: events.append("H"))
+        layer.shared_experts.register_full_backward_hook(lambda *_: events.append("h"))
+        x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        events.clear()
+        y = model(x)
+        events.append("|")
+        y.square().sum().backward()
+        traces[algorithm] = "".join(e[0] for e in events)
+    return traces
 
 
-@pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
-def test_pipeline_order_forward_and_backward(algorithm):
-    traces = run_ranks(_trace_body, 4, algorithm, timeout=60)
+def test_pipeline_order_forward_and_backward():
+    traces = run_ranks(_trace_body, 4, timeout=60)
     # forward: both dispatches start, the shared experts run (H), land chunk 0, experts 0 (X),
     # start its combine, land chunk 1 (it travelled during experts 0), experts 1, start
     # combine 1, land both combines. backward: both combine gradients start; then per chunk
     # from the last: land, (expert backward,) start its dispatch gradient, which travels
     # during the other chunk's expert backward and, for the last, the shared backward (h).
     expected = "SSHLXSLXSLL|SSLSLShLL"
-    assert ["".join(t) for t in traces] == [expected] * 4
+    assert traces == [{"flat": expected, "hierarchical": expected}] * 4
 
 
 def _failing_body(rank, world, algorithm):
@@ -203,9 +224,6 @@ def test_validate_overlap():
     for bad in (0, -1, 1.5, True, "fast"):
         with pytest.raises(ValueError, match="overlap must be None, an int >= 1 or 'auto'"):
             validate_overlap(bad)
-
-
-SLOW_LINK = CostModel(1e-3, 1e-4, 1e9, 1e-4, 1e7, 1e9, 1e-3)  # 10 MB/s network
 
 
 def test_auto_degree_pipelines_only_where_it_pays():

@@ -14,9 +14,10 @@ The price: n <= L (a larger n is clamped), and a chunk's size follows its expert
 The experts module is called once per chunk: under FSDP2 with dp > 1 it is unsharded and its
 gradient reduced once per chunk too (correct, more dp traffic; pure EP has none).
 
-Forward, per layer call: one count exchange (with three extra columns: the requested degree,
-checked equal on every rank, each rank's measured expert time per row, and its row total, so
-overlap="auto" chooses the same degree everywhere without another collective); then every
+Forward, per layer call: one count exchange (with extra columns: the requested degree,
+checked equal on every rank, each rank's measured expert time per row, its row total and its
+measured layer times, so overlap="auto" chooses the same degree everywhere without another
+collective); then every
 chunk's dispatch is started (async), the shared experts run while the first is in flight, and
 for each chunk in turn: wait for its rows, compute its experts, start its combine. Backward
 (autograd's order; a `_Receive` node starts the gradient exchange and returns, its `_Send`
@@ -27,6 +28,7 @@ next chunk's expert backward (and at the end the shared experts' backward) runs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -60,7 +62,10 @@ from moe.dispatch.permute import (
 )
 from moe.kernels import resolve_backend
 
-EXTRA = 3  # columns riding on the count exchange: degree asked, expert ps per row, row total
+# columns riding on the count exchange: degree asked, expert ps per row, row total, and the
+# measured forward us of this layer plain (n = 1) and pipelined (n > 1), 0 = not measured yet
+EXTRA = 5
+PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this many calls
 
 
 @register_dispatcher("overlap")
@@ -86,6 +91,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.clock = ExpertClock()
         self.worker = Worker()
         self.last_degree = 1
+        self.calls = 0
+        self.layer_seconds = {False: 0.0, True: 0.0}  # forward time: plain, pipelined (EMA)
 
     def _exchange_counts(self, plan: DispatchPlan, hierarchical: bool):
         """One collective: -> host lists send[d][l], recv[s][l], extras[s], and the count
@@ -94,7 +101,10 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         counts_WL = plan.counts_E.view(W, L).to(torch.long)
         asked = 0 if self.degree == "auto" else int(self.degree)
         ps_per_row = int(self.clock.seconds_per_row * 1e12)
-        extra = torch.tensor([asked, ps_per_row, 0], dtype=torch.long, device=counts_WL.device)
+        plain_us, piped_us = (int(self.layer_seconds[k] * 1e6) for k in (False, True))
+        extra = torch.tensor(
+            [asked, ps_per_row, 0, plain_us, piped_us], dtype=torch.long, device=counts_WL.device
+        )
         extra[2] = counts_WL.sum()
         send_WX = torch.cat([counts_WL, extra.expand(W, EXTRA)], 1)
         if hierarchical:
@@ -133,9 +143,28 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             min(L, MAX_DEGREE),
             hierarchical=self.last_algorithm == "hierarchical",
         )
-        return n, max_bytes
+        return self._verified(n, extras), max_bytes
+
+    def _verified(self, n: int, extras) -> int:
+        """The model's degree only while pipelining is measured faster than plain (slowest
+        rank's forward time of this layer): the first calls measure plain (no expert time
+        yet), then pipelined, and every PROBE_EVERY calls the option not in use is measured
+        again. A pure function of shared values and the call count: all ranks agree."""
+        if n == 1:
+            return 1
+        plain = max(int(e[3]) for e in extras) if all(e[3] for e in extras) else 0
+        piped = max(int(e[4]) for e in extras) if all(e[4] for e in extras) else 0
+        if not plain:
+            return 1
+        if not piped:
+            return n
+        faster = n if piped < plain else 1
+        probe = self.calls % PROBE_EVERY == 0
+        return (1 if faster == n else n) if probe else faster
 
     def run(self, x_TD, plan, experts, shared=None):
+        began = time.perf_counter()
+        self.calls += 1
         W, L, E = self.ep_size, self.num_local, self.ep_size * self.num_local
         if plan.counts_E.numel() != E:  # checked before any collective
             raise ValueError(
@@ -177,6 +206,9 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         dropped = out_kept.new_zeros(plan.num_rows - kept, out_kept.shape[1])
         out_MD = torch.cat([out_kept, dropped])
         y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
+        if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
+            seconds, old = time.perf_counter() - began, self.layer_seconds[n > 1]
+            self.layer_seconds[n > 1] = seconds if old == 0 else 0.5 * (old + seconds)
         return y_TD, shared_TD
 
     def _compute(self, recv_RD, recv_WL, b0, b1, experts, plan):
