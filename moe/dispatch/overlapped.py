@@ -71,9 +71,10 @@ PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this man
 @register_dispatcher("overlap")
 class OverlappedDispatcher(ExpertParallelDispatcher):
     """Expert-parallel dispatch pipelined over `degree` chunks of local experts (an int >= 1
-    or "auto": from moe.comm's cost model and the measured expert time; 1 without a cost
-    model, e.g. gloo without MOE_A2A_COST_PROFILE). `dispatch` / `combine` called directly
-    behave as the plain dispatcher; MoELayer calls `run`, which overlaps."""
+    or "auto": from moe.comm's cost model and the measured expert time, kept only while the
+    layer is measured faster pipelined than plain (CPU); 1 without a cost model, e.g. gloo
+    without MOE_A2A_COST_PROFILE). `dispatch` / `combine` called directly behave as the plain
+    dispatcher; MoELayer calls `run`, which overlaps."""
 
     def __init__(
         self,
