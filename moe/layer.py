@@ -113,16 +113,23 @@ class MoELayer(nn.Module):
     def _forward_tokens(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
         routing = self._route(x_TD)
-        x_RD, offsets_L, ctx = self.dispatcher.dispatch(x_TD, self._plan(routing, len(x_TD)))
-        out_RD = self.experts(
-            x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens
-        )
-        if self.config.check_finite:
-            check_experts_finite(self.name, self.experts, out_RD, offsets_L)
-        y_TD = self.dispatcher.combine(out_RD, ctx).to(x_TD.dtype)
-        if self.shared_experts is not None:  # dense: every token, never exchanged
-            y_TD = y_TD + self.shared_experts(x_TD).to(x_TD.dtype)
-        self._record(routing, ctx.plan)
+        plan = self._plan(routing, len(x_TD))
+
+        def experts(x_RD, offsets_L, ctx):
+            out_RD = self.experts(
+                x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens
+            )
+            if self.config.check_finite:
+                check_experts_finite(self.name, self.experts, out_RD, offsets_L)
+            return out_RD
+
+        # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
+        shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)
+        y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared)
+        y_TD = y_TD.to(x_TD.dtype)
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD.to(x_TD.dtype)
+        self._record(routing, plan)
         return y_TD
 
     def _route(self, x_TD: torch.Tensor) -> Routing:

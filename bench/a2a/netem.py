@@ -69,8 +69,9 @@ def tbf_stats(num_nodes: int) -> str:
     return "\n".join(out)
 
 
-def run_emulated(cfg: dict) -> dict:
-    """Run the sweep with N x L ranks in N namespaces joined by tbf-shaped veth links."""
+def run_emulated(cfg: dict, entry: str = ENTRY) -> dict:
+    """Run `entry --worker-config` (default: the all-to-all sweep) with N x L ranks in N
+    namespaces joined by tbf-shaped veth links; returns the JSON rank 0 wrote to cfg['json']."""
     N, L = cfg["emulate"]
     setup_network(N, cfg["rate_mbit"], cfg["burst_kb"], cfg["latency_ms"])
     procs: list[subprocess.Popen] = []
@@ -96,7 +97,7 @@ def run_emulated(cfg: dict) -> dict:
                 "exec",
                 f"{NS_PREFIX}{node}",
                 sys.executable,
-                ENTRY,
+                entry,
                 "--worker-config",
                 json.dumps(worker_cfg),
             ]

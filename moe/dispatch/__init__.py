@@ -22,11 +22,14 @@ from moe.dispatch.dispatcher import (
     DISPATCHERS,
     DispatchContext,
     Dispatcher,
+    ExpertFn,
     build_dispatcher,
     register_dispatcher,
 )
 from moe.dispatch.expert_parallel import ExpertParallelDispatcher
 from moe.dispatch.local import LocalDispatcher
+from moe.dispatch.overlap_degree import choose_degree, validate_overlap
+from moe.dispatch.overlapped import OverlappedDispatcher
 from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,

@@ -6,13 +6,16 @@ A dispatcher owns the path between the routing plan and the experts, and back:
     out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens)
     y_TD = dispatcher.combine(out_RD, ctx)  # weighted sum back to tokens (if not done above)
 
-It never calls the experts. A new strategy (another all-to-all, an overlapped or node-aware
+MoELayer calls `dispatcher.run(x_TD, plan, experts, shared)`, whose default is exactly the
+three lines above (then the shared experts). A new strategy (another all-to-all, a node-aware
 exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a user
-installs it as `MoELayer.dispatcher`. Every rank of a distributed dispatcher must call
-dispatch and combine once per forward, also with zero tokens, so collectives always match.
+installs it as `MoELayer.dispatcher`. A strategy that interleaves exchange and compute (the
+overlapped dispatcher) overrides `run` instead. Every rank of a distributed dispatcher must call
+dispatch and combine (or run) once per forward, also with zero tokens, so collectives match.
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,8 @@ import torch
 from moe.dispatch.permute import DispatchPlan
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
+# (x_RD, offsets_L, ctx) -> out_RD: the layer's experts as the dispatcher sees them
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, "DispatchContext"], torch.Tensor]
 
 
 def register_dispatcher(name: str):
@@ -73,3 +78,16 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """Expert outputs -> y_TD, each token the weighted sum of its experts' outputs."""
+
+    def run(
+        self,
+        x_TD: torch.Tensor,
+        plan: DispatchPlan,
+        experts: ExpertFn,
+        shared: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (y_TD, shared output or None): dispatch, experts, combine, then `shared()` (the
+        layer's dense work on every token). Overridden by strategies that overlap them."""
+        x_RD, offsets_L, ctx = self.dispatch(x_TD, plan)
+        y_TD = self.combine(experts(x_RD, offsets_L, ctx), ctx)
+        return y_TD, None if shared is None else shared()

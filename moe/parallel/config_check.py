@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
 from moe.comm.topology import ENV_RANKS_PER_NODE, validate_ranks_per_node
+from moe.dispatch.overlap_degree import validate_overlap
 from moe.layer import moe_layers
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -90,6 +91,7 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
     if any(id(b) not in names for b in blocks):
         raise ValueError("blocks must be submodules of the model")
     record["blocks"] = ",".join(names[id(b)] for b in blocks)
+    record["overlap"] = repr(validate_overlap(s.pop("overlap", None)))
     for name, value in s.items():  # reshard_after_forward, sync_params, ...
         plain = value is None or isinstance(value, (bool, int, float, str))
         record[name] = value if plain else repr(value)

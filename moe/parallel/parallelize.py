@@ -21,7 +21,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from moe.dispatch import ExpertParallelDispatcher
+from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -81,6 +81,7 @@ def parallelize(
     blocks: list[nn.Module] | None = None,
     grad_dtype: torch.dtype | None = None,
     sync_params: bool = True,
+    overlap: int | str | None = None,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
@@ -101,7 +102,8 @@ def parallelize(
     mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
     "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
-    first, so every rank starts from one model.
+    first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
+    installs the OverlappedDispatcher, which hides the exchange behind the experts.
     """
     settings = {
         "data_parallel": data_parallel,
@@ -113,6 +115,7 @@ def parallelize(
         "reshard_after_forward": reshard_after_forward,
         "blocks": blocks,
         "sync_params": sync_params,
+        "overlap": overlap,
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
@@ -134,8 +137,11 @@ def parallelize(
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        layer.dispatcher = ExpertParallelDispatcher(
-            mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend
+        ep_args = (mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend)
+        layer.dispatcher = (
+            ExpertParallelDispatcher(*ep_args)
+            if overlap is None
+            else OverlappedDispatcher(*ep_args, degree=overlap)
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         wrap(layer.experts, mesh=mesh["dp"], **common)

@@ -1,0 +1,86 @@
+"""Markdown report and PNG plot of bench/overlap.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def summarise(row: dict) -> dict:
+    """Ideal, and the share of min(exchange, experts) that each overlapped variant hid."""
+    t = row["median_s"]
+    ideal = max(t["exchange"], t["experts"])
+    smaller = min(t["exchange"], t["experts"])
+    variants = [n for n in t if n.startswith("n=") or n == "auto"]
+    hidden = {n: (t["plain"] - t[n]) / smaller for n in variants}
+    return {"ideal": ideal, "smaller": smaller, "hidden": hidden, "variants": variants}
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    names = ["exchange", "experts", "plain"] + summarise(rows[0])["variants"] + ["ideal"]
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [
+            (summarise(r)["ideal"] if name == "ideal" else r["median_s"][name]) * 1e3 for r in rows
+        ]
+        xs = [k + (i - len(names) / 2) * width for k in range(len(rows))]
+        ax.bar(xs, values, width, label=name, hatch="//" if name == "ideal" else None)
+    ax.set_xticks(range(len(rows)), [f"{r['rate_mbit']} Mbit/s" for r in rows])
+    ax.set_ylabel("forward + backward, ms (slowest rank, median)")
+    ax.set_title("One MoE layer on 4 gloo ranks, emulated 2x2 network")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
+    png = path.with_suffix(".png")
+    plot(png, rows)
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    variants = summarise(rows[0])["variants"]
+    head = ["link", "exchange", "experts", "plain", *variants, "ideal", "auto picks"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    hid = ["link", *[f"{v} hid" for v in variants]]
+    hidden_lines = ["| " + " | ".join(hid) + " |", "|" + "---|" * len(hid)]
+    for r in rows:
+        s, t = summarise(r), r["median_s"]
+        ms = [f"{t[n] * 1e3:.0f}" for n in ("exchange", "experts", "plain", *variants)]
+        cells = [f"{r['rate_mbit']} Mbit/s", *ms, f"{s['ideal'] * 1e3:.0f}"]
+        lines.append("| " + " | ".join(cells + [f"n={r['auto_degree']}"]) + " |")
+        pct = [f"{s['hidden'][v] * 100:.0f}%" for v in variants]
+        hidden_lines.append("| " + " | ".join([f"{r['rate_mbit']} Mbit/s", *pct]) + " |")
+    loads = ", ".join(f"{r['load_before']:.1f} -> {r['load_after']:.1f}" for r in rows)
+    text = f"""# Overlapped expert-parallel dispatch, {meta["date"]} (2-core CPU, gloo)
+
+Command: `python bench/overlap.py --emulate {meta["emulate"]} --rates {meta["rates"]}
+--tokens {meta["tokens"]} --d-model {meta["d_model"]} --d-ff {meta["d_ff"]} --experts
+{meta["experts"]} --top-k {meta["top_k"]} --rounds {meta["rounds"]}` (root: network namespaces).
+
+One MoELayer (d_model={meta["d_model"]}, d_ff={meta["d_ff"]}, {meta["experts"]} experts, top-{meta["top_k"]},
+{meta["tokens"]} tokens per rank, float32, gelu, torch backend) parallelized over 4 gloo ranks
+(ep=4, flat all-to-all) laid out as {meta["emulate"]} nodes: ranks of one node talk over the
+namespace's loopback, nodes over a veth pair shaped by `tc tbf` both ways (burst
+{meta["burst_kb"]} kB). Each rank has one intra-op thread. Times: forward + backward of the
+layer in ms, the slowest rank's time per round, median of {meta["rounds"]} interleaved rounds.
+exchange = the layer's four all-to-alls alone (dispatch, combine, their gradients) on the same
+rows; experts = the local experts' forward + backward alone on the same rows; ideal =
+max(exchange, experts); auto = overlap="auto" with a link model fitted from two exchanges
+(t = a + b * S). Machine load (1-min load average, before -> after each rate): {loads}; the
+2 cores were shared with other jobs, so compute times are inflated and noisy.
+
+![times]({png.name})
+
+{chr(10).join(lines)}
+
+Share of min(exchange, experts) hidden, (plain - t) / min(exchange, experts); goal >= 60%:
+
+{chr(10).join(hidden_lines)}
+"""
+    path.write_text(text)

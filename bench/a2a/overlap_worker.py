@@ -1,0 +1,136 @@
+"""One rank of the overlap benchmark: one MoE layer's forward + backward with the plain and the
+overlapped dispatcher, next to the exchange alone and the experts alone, all on the same rows.
+
+Every variant runs in interleaved rounds (one fwd + bwd each, after a barrier); a variant's
+time is the median over rounds of the slowest rank's time. "auto" gets a cost model fitted on
+this network from two exchanges timed here (t = a + b * S), identical on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import moe
+from moe.comm import set_cost_model
+from moe.comm.alltoall import exchange, plan_all_to_all
+from moe.comm.cost_model import CostModel
+from moe.comm.topology import get_topology
+from moe.parallel import init_mesh, parallelize
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(op) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    op()
+    return _slowest(time.perf_counter() - start)
+
+
+def fit_link(x_ND, send, N: int, L: int) -> CostModel:
+    """t = a + b * S from exchanges of S and S / 4 bytes (max over ranks, median of 3), as a
+    CostModel whose flat_time(S) is exactly a + b * S on this N x L layout."""
+    W = N * L
+    points = []
+    for div in (1, 4):
+        rows = [c // div for c in send]
+        x = x_ND[: sum(rows)]
+        plan = plan_all_to_all(x, rows, algorithm="flat")
+        t = statistics.median(_timed(lambda x=x, plan=plan: exchange(x, plan)) for _ in range(3))
+        points.append((max(sum(rows), 1) * x.shape[1] * x.element_size(), t))
+    (s1, t1), (s2, t2) = points
+    b = max((t1 - t2) / max(s1 - s2, 1), 1e-12)
+    a = max(t1 - b * s1, 0.0)
+    if N > 1:  # the bytes that leave the node set the time
+        return CostModel(a, 0.0, 1e15, 0.0, (W - L) / W / b, 1e15, a)
+    return CostModel(a, 0.0, (L - 1) / L / b, 0.0, 1e15, 1e15, a)
+
+
+def worker_main(cfg: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    W, rank = dist.get_world_size(), dist.get_rank()
+    D, F, E, T, K = cfg["d_model"], cfg["d_ff"], cfg["experts"], cfg["tokens"], cfg["top_k"]
+    L = E // W
+    mesh = init_mesh(dp=1, ep=W)
+    load_before = os.getloadavg()[0]
+
+    def make(overlap):
+        torch.manual_seed(0)
+        layer = moe.MoELayer(D, F, E, top_k=K, aux_loss_coef=0.0)
+        return parallelize(layer, mesh, algorithm="flat", overlap=overlap)
+
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(rank))
+    degrees = [n for n in cfg["degrees"] if n <= L]
+    models = {"plain": make(None), **{f"n={n}": make(n) for n in degrees}}
+
+    def layer_op(model):
+        def op():
+            xx = x.clone().requires_grad_()
+            model(xx).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        return op
+
+    # The rows this layer exchanges and computes, for the exchange-alone and experts-alone.
+    plain = models["plain"]
+    layer_op(plain)()
+    counts_WL = plain.stats["tokens_per_expert"].view(W, L)
+    recv_WL = torch.empty_like(counts_WL)
+    dist.all_to_all_single(recv_WL, counts_WL.contiguous())
+    send = counts_WL.sum(1).tolist()
+    rows = torch.randn(sum(send), D)
+    plan = plan_all_to_all(rows, send, algorithm="flat")
+    x_RD = torch.randn(int(recv_WL.sum()), D)
+    offsets_L = torch.cumsum(recv_WL.sum(0), 0).to(torch.int32)
+
+    def exchange_op():  # the layer's four exchanges: dispatch, combine and their gradients
+        r = rows.clone().requires_grad_()
+        exchange(exchange(r, plan), plan.reverse()).sum().backward()
+
+    def experts_op():
+        xr = x_RD.clone().requires_grad_()
+        plain.experts(xr, offsets_L).sum().backward()
+        plain.zero_grad(set_to_none=True)
+
+    topo = get_topology(ranks_per_node=cfg["ranks_per_node"])
+    link = fit_link(rows, send, topo.num_nodes, topo.ranks_per_node)
+    set_cost_model(link)
+    models["auto"] = make("auto")
+    ops = {name: layer_op(m) for name, m in models.items()}
+    ops["exchange"], ops["experts"] = exchange_op, experts_op
+    for op in ops.values():  # warm-up (auto: its first calls measure the experts, at n = 1)
+        for _ in range(cfg["warmup"]):
+            op()
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    names = list(ops)
+    for r in range(cfg["rounds"]):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(_timed(ops[name]))
+    result = {
+        "rate_mbit": cfg["rate_mbit"],
+        "median_s": {n: statistics.median(s) for n, s in samples.items()},
+        "min_s": {n: min(s) for n, s in samples.items()},
+        "auto_degree": models["auto"].dispatcher.last_degree,
+        "link_model": {"a_s": link.a_coll, "bytes_per_s": link.bw_inter},
+        "send_bytes": sum(send) * D * 4,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+    if rank == 0:
+        Path(cfg["json"]).write_text(json.dumps({"meta": cfg, "rows": [result]}, indent=1))
+        print(json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()

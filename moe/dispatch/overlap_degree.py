@@ -1,0 +1,103 @@
+"""How many chunks the overlapped dispatcher pipelines: the `overlap=` argument, its check
+across ranks, the expert clock, and the cost-model choice behind overlap="auto"."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moe.comm.cost_model import CostModel
+
+MAX_DEGREE = 8
+CHUNK_OVERHEAD_S = 1e-4  # host cost of one more chunk per pass (launches, small ops), assumed
+MIN_GAIN = 0.05  # "auto" pipelines only for a predicted gain of at least 5%
+
+
+def validate_overlap(overlap: int | str | None) -> int | str | None:
+    """None (plain dispatcher), an int >= 1 (the degree) or "auto"; ValueError otherwise."""
+    if overlap is None or overlap == "auto":
+        return overlap
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
+        raise ValueError(f"overlap must be None, an int >= 1 or 'auto', got {overlap!r}")
+    return overlap
+
+
+def pipelined_time(x: float, e: float, n: int) -> float:
+    """Seconds of one pass with n chunks: send chunk 1, compute, return the last chunk, and
+    in between the slower of the link (a chunk out and one back) and the experts (one chunk).
+    x: one chunk's one-way exchange; e: one chunk's compute. n = 1 is plain: 2x + e."""
+    return 2 * x + e + (n - 1) * max(2 * x, e)
+
+
+def choose_degree(
+    model: CostModel | None,
+    max_bytes: int,
+    num_nodes: int,
+    ranks_per_node: int,
+    expert_seconds: float,
+    max_degree: int,
+    hierarchical: bool = False,
+) -> int:
+    """The degree with the least predicted forward + backward time (backward compute = 2x
+    forward), 1 without a cost model or an expert measurement, or unless the gain is at least
+    MIN_GAIN. A pure function of values every rank shares, so all ranks agree.
+
+    max_bytes: the largest per-rank send buffer; expert_seconds: forward expert time of one
+    rank's rows (measured)."""
+    if model is None or expert_seconds <= 0 or max_degree < 2:
+        return 1
+    N, L = num_nodes, ranks_per_node
+
+    def exchange(n: int) -> float:
+        S = max_bytes / n
+        return model.hier_time(S, N, L) if hierarchical else model.flat_time(S, N, L)
+
+    def total(n: int) -> float:
+        x, over = exchange(n), CHUNK_OVERHEAD_S * (n - 1)
+        fwd = pipelined_time(x, expert_seconds / n, n)
+        bwd = pipelined_time(x, 2 * expert_seconds / n, n)
+        return fwd + bwd + 2 * over
+
+    best = min(range(1, max_degree + 1), key=total)
+    return best if total(best) <= (1 - MIN_GAIN) * total(1) else 1
+
+
+class ExpertClock:
+    """Forward expert seconds per row on this rank (running mean of recent calls). CPU: host
+    time around the (synchronous) expert call. CUDA: events, read one call later and only if
+    already complete (query(), no sync)."""
+
+    def __init__(self, decay: float = 0.5) -> None:
+        self.decay = decay
+        self.seconds_per_row = 0.0
+        self._pending: list[tuple[object, object, int]] = []
+        self._t0 = 0.0
+
+    def start(self, x: torch.Tensor):
+        if x.is_cuda:
+            self._resolve()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start, rows: int) -> None:
+        if rows <= 0:
+            return
+        if isinstance(start, float):
+            self._update(time.perf_counter() - start, rows)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end, rows))
+
+    def _resolve(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end, rows = self._pending.pop(0)
+            self._update(start.elapsed_time(end) / 1e3, rows)
+
+    def _update(self, seconds: float, rows: int) -> None:
+        rate = seconds / rows
+        old = self.seconds_per_row
+        self.seconds_per_row = rate if old == 0 else self.decay * old + (1 - self.decay) * rate

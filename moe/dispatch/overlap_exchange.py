@@ -1,0 +1,157 @@
+"""Exchanges that run in the background while the experts compute, and the autograd pair that
+starts one (`send`) and lands it (`receive`) in forward and backward.
+
+Flat: one `all_to_all_single(async_op=True)`. On NCCL that already runs on the communicator's
+own stream, ordered after the producer by an event, and `work.wait()` makes the current stream
+wait on its completion event: no host sync. On gloo it runs on gloo's worker threads.
+Hierarchical: the two-stage exchange of moe.comm (`AllToAllPlan.run`) runs on one worker
+thread per dispatcher; a single FIFO thread keeps the order of collectives the same on every
+rank. On CUDA that thread runs on a dedicated stream with events (MOE_OVERLAP_CUDA_STREAM=1;
+off by default and not run on a GPU yet); without it a CUDA hierarchical exchange runs at
+launch, in order, and simply does not overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from moe.comm.alltoall import AllToAllPlan
+
+ENV_CUDA_STREAM = "MOE_OVERLAP_CUDA_STREAM"
+Landing = Callable[[], torch.Tensor]
+
+
+class Worker:
+    """One background thread (created on first use) that runs hierarchical exchanges in the
+    order they were submitted."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream = None
+
+    def submit(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
+        if x_ND.is_cuda and os.environ.get(ENV_CUDA_STREAM) != "1":
+            y_ND = plan.run(x_ND)  # guarded: no side stream, no overlap
+            return lambda: y_ND
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-overlap")
+        if not x_ND.is_cuda:
+            future = self._pool.submit(_run_no_grad, plan, x_ND)
+            return future.result
+        return self._submit_cuda(plan, x_ND)
+
+    def _submit_cuda(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
+        """The exchange on a side stream: it waits for x's producer by an event, and the
+        consumer's stream waits for its end by an event; the host only waits for the worker
+        thread to have enqueued the work (no device sync)."""
+        device = x_ND.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream, ready = self._stream, torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+
+        def job():
+            with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                x_ND.record_stream(stream)  # x's memory stays ours until the exchange ends
+                y_ND = plan.run(x_ND)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return y_ND, done
+
+        future = self._pool.submit(job)
+
+        def land() -> torch.Tensor:
+            y_ND, done = future.result()
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            y_ND.record_stream(current)
+            return y_ND
+
+        return land
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _run_no_grad(plan: AllToAllPlan, x_ND: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # grad mode is per thread: the caller's autograd Function owns it
+        return plan.run(x_ND)
+
+
+def start_exchange(x_ND: torch.Tensor, plan: AllToAllPlan, worker: Worker) -> Landing:
+    """Start exchanging x_ND's rows by `plan`; the returned function waits and gives y."""
+    x_ND = x_ND.contiguous()
+    if plan.algorithm != "flat":
+        return worker.submit(plan, x_ND)
+    y_ND = x_ND.new_empty((sum(plan.recv), x_ND.shape[1]))
+    work = dist.all_to_all_single(
+        y_ND, x_ND, list(plan.recv), list(plan.send), group=plan.group, async_op=True
+    )
+
+    def land() -> torch.Tensor:
+        work.wait()
+        return y_ND
+
+    return land
+
+
+class Ticket:
+    """One exchange's two landings: forward (rows) and backward (their gradient)."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self.forward: Landing | None = None
+        self.backward: Landing | None = None
+
+
+class _Send(torch.autograd.Function):
+    """Starts the exchange; returns a 0-d token. Backward lands the gradient exchange that
+    `_Receive.backward` started, so the engine is free to run other work in between."""
+
+    @staticmethod
+    def forward(ctx, x_ND, plan, ticket, worker):
+        ctx.set_materialize_grads(False)
+        ctx.ticket = ticket
+        ticket.forward = start_exchange(x_ND, plan, worker)
+        return x_ND.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token):
+        landing, ctx.ticket.backward = ctx.ticket.backward, None
+        return landing(), None, None, None
+
+
+class _Receive(torch.autograd.Function):
+    """Lands the exchange `_Send` started; backward starts the reverse exchange of the
+    gradient and returns at once."""
+
+    @staticmethod
+    def forward(ctx, _token, plan, ticket, worker):
+        ctx.plan, ctx.ticket, ctx.worker = plan, ticket, worker
+        landing, ticket.forward = ticket.forward, None
+        return landing()
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        ctx.ticket.backward = start_exchange(grad_MD, ctx.plan.reverse(), ctx.worker)
+        return None, None, None, None
+
+
+def send(x_ND: torch.Tensor, plan: AllToAllPlan, worker: Worker) -> tuple[torch.Tensor, Ticket]:
+    """Start the exchange of x_ND (autograd-aware): -> (token, ticket) for `receive`."""
+    ticket = Ticket()
+    return _Send.apply(x_ND, plan, ticket, worker), ticket
+
+
+def receive(token: torch.Tensor, ticket: Ticket, plan: AllToAllPlan, worker: Worker):
+    """Wait for the exchange started by `send` and return the received rows."""
+    return _Receive.apply(token, plan, ticket, worker)

@@ -1,0 +1,271 @@
+"""Overlapped expert-parallel dispatch: the exchange of one chunk of rows runs while the experts
+compute another, in forward and in backward.
+
+Chunks are groups of whole local experts: chunk c holds local experts [c*L//n, (c+1)*L//n) of
+every rank. Why by expert rather than by row range:
+  * exact: every expert sees all its rows in one expert call, as in the plain dispatcher, so
+    outputs and every gradient are the same numbers (no weight gradient is split into partial
+    sums over chunks, no GEMM is cut smaller);
+  * free to agree on: the boundaries depend only on L and n, and the per-chunk split sizes
+    come from the per-expert counts that the one count exchange already delivers;
+  * the send buffer is still one gather: rows are gathered from the tokens in (chunk,
+    destination, expert) order, so each chunk is one contiguous slice.
+The price: n <= L (a larger n is clamped), and a chunk's size follows its experts' load.
+The experts module is called once per chunk: under FSDP2 with dp > 1 it is unsharded and its
+gradient reduced once per chunk too (correct, more dp traffic; pure EP has none).
+
+Forward, per layer call: one count exchange (with extra columns: the requested degree,
+checked equal on every rank, each rank's measured expert time per row, its row total and its
+measured layer times, so overlap="auto" chooses the same degree everywhere without another
+collective); then every
+chunk's dispatch is started (async), the shared experts run while the first is in flight, and
+for each chunk in turn: wait for its rows, compute its experts, start its combine. Backward
+(autograd's order; a `_Receive` node starts the gradient exchange and returns, its `_Send`
+node waits for it): every chunk's combine gradient is started at once, then for each chunk
+from the last: wait, expert backward, start its dispatch gradient, which travels while the
+next chunk's expert backward (and at the end the shared experts' backward) runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from moe.comm.alltoall import (
+    AllToAllPlan,
+    choose_algorithm,
+    cost_model,
+    exchange_counts,
+    gather_count_matrix,
+    get_subgroups,
+    pipeline_chunks,
+)
+from moe.comm.topology import get_topology
+from moe.dispatch.dispatcher import DispatchContext, register_dispatcher
+from moe.dispatch.expert_parallel import ExpertParallelDispatcher
+from moe.dispatch.overlap_degree import (
+    MAX_DEGREE,
+    ExpertClock,
+    choose_degree,
+    validate_overlap,
+)
+from moe.dispatch.overlap_exchange import Worker, receive, send
+from moe.dispatch.permute import (
+    DispatchPlan,
+    gather_tokens,
+    permute_rows,
+    sort_rows_by_expert,
+    weighted_sum_rows,
+)
+from moe.kernels import resolve_backend
+
+# columns riding on the count exchange: degree asked, expert ps per row, row total, and the
+# measured forward us of this layer plain (n = 1) and pipelined (n > 1), 0 = not measured yet
+EXTRA = 5
+PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this many calls
+
+
+@register_dispatcher("overlap")
+class OverlappedDispatcher(ExpertParallelDispatcher):
+    """Expert-parallel dispatch pipelined over `degree` chunks of local experts (an int >= 1
+    or "auto": from moe.comm's cost model and the measured expert time, kept only while the
+    layer is measured faster pipelined than plain (CPU); 1 without a cost model, e.g. gloo
+    without MOE_A2A_COST_PROFILE). `dispatch` / `combine` called directly behave as the plain
+    dispatcher; MoELayer calls `run`, which overlaps."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_local_experts: int,
+        algorithm: str = "auto",
+        ranks_per_node: int | None = None,
+        backend: str = "auto",
+        degree: int | str = "auto",
+    ):
+        super().__init__(group, num_local_experts, algorithm, ranks_per_node, backend)
+        if validate_overlap(degree) is None:
+            raise ValueError("degree must be an int >= 1 or 'auto', got None")
+        self.degree = degree
+        self.clock = ExpertClock()
+        self.worker = Worker()
+        self.last_degree = 1
+        self.calls = 0
+        self.layer_seconds = {False: 0.0, True: 0.0}  # forward time: plain, pipelined (EMA)
+
+    def _exchange_counts(self, plan: DispatchPlan, hierarchical: bool):
+        """One collective: -> host lists send[d][l], recv[s][l], extras[s], and the count
+        matrix [s][d][l] when the exchange may be hierarchical."""
+        W, L = self.ep_size, self.num_local
+        counts_WL = plan.counts_E.view(W, L).to(torch.long)
+        asked = 0 if self.degree == "auto" else int(self.degree)
+        ps_per_row = int(self.clock.seconds_per_row * 1e12)
+        plain_us, piped_us = (int(self.layer_seconds[k] * 1e6) for k in (False, True))
+        extra = torch.tensor(
+            [asked, ps_per_row, 0, plain_us, piped_us], dtype=torch.long, device=counts_WL.device
+        )
+        extra[2] = counts_WL.sum()
+        send_WX = torch.cat([counts_WL, extra.expand(W, EXTRA)], 1)
+        if hierarchical:
+            matrix = gather_count_matrix(send_WX.reshape(-1), self.group).view(W, W, L + EXTRA)
+            recv_WX = matrix[:, dist.get_rank(self.group)]
+            host = torch.cat([send_WX, matrix.reshape(W * W, -1)]).tolist()
+            send_h, matrix_h = host[:W], host[W:]
+            M = [[matrix_h[s * W + d][:L] for d in range(W)] for s in range(W)]
+            recv_h = [M[s][dist.get_rank(self.group)] for s in range(W)]
+            extras = [matrix_h[s * W][L:] for s in range(W)]
+        else:
+            recv_WX = exchange_counts(send_WX.reshape(-1), self.group).view(W, L + EXTRA)
+            host = torch.cat([send_WX, recv_WX]).tolist()
+            send_h, recv_h, extras = host[:W], [r[:L] for r in host[W:]], [r[L:] for r in host[W:]]
+            M = None
+        return [r[:L] for r in send_h], recv_h, extras, M, recv_WX[:, :L]
+
+    def _choose(self, extras, D: int, elem: int, topo) -> tuple[int, int]:
+        """(degree, max per-rank bytes) from what every rank received: identical everywhere."""
+        asked = {int(e[0]) for e in extras}
+        if len(asked) > 1:
+            seen = ", ".join(f"rank {s} has {e[0] or 'auto'}" for s, e in enumerate(extras))
+            raise ValueError(f"overlap degree differs across ranks: {seen}")
+        rows = [int(e[2]) for e in extras]
+        max_bytes = max(rows) * D * elem
+        L = self.num_local
+        if self.degree != "auto":
+            return max(1, min(int(self.degree), L)), max_bytes
+        expert_s = max(int(e[1]) for e in extras) * 1e-12 * sum(rows) / len(rows)
+        n = choose_degree(
+            cost_model(dist.get_backend(self.group)),
+            max_bytes,
+            topo.num_nodes,
+            topo.ranks_per_node,
+            expert_s,
+            min(L, MAX_DEGREE),
+            hierarchical=self.last_algorithm == "hierarchical",
+        )
+        return self._verified(n, extras), max_bytes
+
+    def _verified(self, n: int, extras) -> int:
+        """The model's degree only while pipelining is measured faster than plain (slowest
+        rank's forward time of this layer): the first calls measure plain (no expert time
+        yet), then pipelined, and every PROBE_EVERY calls the option not in use is measured
+        again. A pure function of shared values and the call count: all ranks agree."""
+        if n == 1:
+            return 1
+        plain = max(int(e[3]) for e in extras) if all(e[3] for e in extras) else 0
+        piped = max(int(e[4]) for e in extras) if all(e[4] for e in extras) else 0
+        if not plain:
+            return 1
+        if not piped:
+            return n
+        faster = n if piped < plain else 1
+        probe = self.calls % PROBE_EVERY == 0
+        return (1 if faster == n else n) if probe else faster
+
+    def run(self, x_TD, plan, experts, shared=None):
+        began = time.perf_counter()
+        self.calls += 1
+        W, L, E = self.ep_size, self.num_local, self.ep_size * self.num_local
+        if plan.counts_E.numel() != E:  # checked before any collective
+            raise ValueError(
+                f"plan has {plan.counts_E.numel()} experts; this dispatcher expects "
+                f"num_local_experts={L} x {W} ranks = {E}"
+            )
+        topo = get_topology(self.group, self.ranks_per_node)
+        flat = self._flat()
+        send_h, recv_h, extras, M, recv_WL = self._exchange_counts(plan, not flat)
+        D, elem = x_TD.shape[1], x_TD.element_size()
+        self.last_algorithm = "flat"
+        if not flat:
+            max_bytes = max(sum(map(sum, row)) for row in M) * D * elem
+            chosen = self.algorithm
+            if chosen == "auto":
+                chosen = choose_algorithm(topo, max_bytes, backend=dist.get_backend(self.group))
+            self.last_algorithm = chosen
+            if chosen == "hierarchical":
+                get_subgroups(topo, self.group)
+        n, _ = self._choose(extras, D, elem, topo)
+        self.last_degree = n
+        bounds = [c * L // n for c in range(n + 1)]
+        plans = [self._chunk_plan(send_h, recv_h, M, topo, b0, b1, D * elem, x_TD.device)
+                 for b0, b1 in zip(bounds, bounds[1:])]  # fmt: skip
+        kept = sum(map(sum, send_h))
+        plan_c = chunk_order(plan, bounds, L, kept) if n > 1 else plan
+        x_MD = gather_tokens(x_TD, plan_c)
+        x_chunks = torch.split(x_MD[:kept], [sum(p.send) for p in plans])
+        sent = [send(x, p, self.worker) for x, p in zip(x_chunks, plans)]
+        shared_TD = None if shared is None else shared()  # while the first chunk travels
+        returning = []
+        for (token, ticket), p, b0, b1 in zip(sent, plans, bounds, bounds[1:]):
+            recv_RD = receive(token, ticket, p, self.worker)
+            out_RD = self._compute(recv_RD, recv_WL, b0, b1, experts, plan_c)
+            back = p.reverse()
+            returning.append((*send(out_RD, back, self.worker), back))
+        rows = [receive(token, ticket, back, self.worker) for token, ticket, back in returning]
+        out_kept = torch.cat(rows) if len(rows) > 1 else rows[0]
+        dropped = out_kept.new_zeros(plan.num_rows - kept, out_kept.shape[1])
+        out_MD = torch.cat([out_kept, dropped])
+        y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
+        if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
+            seconds, old = time.perf_counter() - began, self.layer_seconds[n > 1]
+            self.layer_seconds[n > 1] = seconds if old == 0 else 0.5 * (old + seconds)
+        return y_TD, shared_TD
+
+    def _compute(self, recv_RD, recv_WL, b0, b1, experts, plan):
+        """Experts [b0, b1) on their received rows ((source, expert)-major -> expert-major
+        and back, as the plain dispatcher)."""
+        W, L = recv_WL.shape
+        device = recv_RD.device
+        expert_R = torch.repeat_interleave(
+            torch.arange(b0, b1, device=device).repeat(W),
+            recv_WL[:, b0:b1].reshape(-1),
+            output_size=recv_RD.shape[0],
+        )
+        order_R, inverse_R = sort_rows_by_expert(expert_R)
+        in_chunk_L = torch.zeros(L, dtype=torch.bool, device=device)
+        in_chunk_L[b0:b1] = True
+        counts_L = torch.where(in_chunk_L, recv_WL.sum(0), 0)
+        offsets_L = torch.cumsum(counts_L, 0).to(torch.int32)
+        x_RD = permute_rows(recv_RD, order_R, inverse_R)
+        start = self.clock.start(x_RD)
+        out_RD = experts(x_RD, offsets_L, DispatchContext(plan))
+        self.clock.stop(start, x_RD.shape[0])
+        return permute_rows(out_RD, inverse_R, order_R)
+
+    def _chunk_plan(self, send_h, recv_h, M, topo, b0, b1, row_bytes, device) -> AllToAllPlan:
+        """Split sizes of the chunk of local experts [b0, b1) (no collective)."""
+        send = tuple(sum(r[b0:b1]) for r in send_h)
+        recv = tuple(sum(r[b0:b1]) for r in recv_h)
+        recv_t = torch.tensor(recv, dtype=torch.long, device=device)
+        if self.last_algorithm != "hierarchical":
+            return AllToAllPlan("flat", self.group, send, recv, recv_t)
+        C = tuple(tuple(sum(M[s][d][b0:b1]) for d in range(len(M))) for s in range(len(M)))
+        max_bytes = max(sum(r) for r in C) * row_bytes
+        K = pipeline_chunks(max_bytes, topo.num_nodes)
+        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, K)
+
+
+def chunk_order(plan: DispatchPlan, bounds: list[int], L: int, kept: int) -> DispatchPlan:
+    """The same plan with its kept rows reordered (chunk, destination rank, local expert);
+    within an expert the order is kept, dropped rows stay at the tail."""
+    E = plan.counts_E.numel()
+    device = plan.counts_E.device
+    chunk_L = torch.zeros(L, dtype=torch.long, device=device)
+    for c, (b0, b1) in enumerate(zip(bounds, bounds[1:])):
+        chunk_L[b0:b1] = c
+    expert_M = torch.repeat_interleave(
+        torch.arange(E, device=device), plan.counts_E, output_size=kept
+    )
+    key_M = chunk_L[expert_M % L] * E + expert_M
+    perm_M = torch.cat(
+        [torch.argsort(key_M, stable=True), torch.arange(kept, plan.num_rows, device=device)]
+    )
+    inverse_M = torch.empty_like(perm_M)
+    inverse_M[perm_M] = torch.arange(plan.num_rows, device=device)
+    return replace(
+        plan,
+        token_ids_M=plan.token_ids_M[perm_M],
+        pair_rows_TK=None if plan.pair_rows_TK is None else inverse_M[plan.pair_rows_TK],
+        weights_M=None if plan.weights_M is None else plan.weights_M[perm_M],
+    )
