@@ -187,7 +187,7 @@ def test_overlapping_chunks_and_unparseable_metadata(tmp_path):
     write_metadata(directory, doc)
     refused(tmp_path, "overlap")
     write_metadata(directory, '{"format": "moe-dcp", "version": 2, "tensors": {')
-    refused(tmp_path, "unreadable checkpoint metadata")
+    refused(tmp_path, "metadata.json.: not valid JSON")
     write_metadata(directory, [1, 2])
     refused(tmp_path, "expected a JSON object")
 
