@@ -32,6 +32,7 @@ from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from moe.checkpoint.folder import MARKER, FolderLock, make_staging, new_id, remove_stale_staging
 from moe.checkpoint.metadata import METADATA
 from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
+from moe.checkpoint.validate import check_objects
 from moe.comm.consistency import all_gather_records
 from moe.untrusted import UntrustedFileError, read_bytes
 
@@ -184,36 +185,22 @@ def checkpoint_dir(path: str) -> str:
     return directory
 
 
-def _check_objects(objects: dict) -> None:
-    opt = objects.get("optimizer")
-    if opt is None:
-        return
-    ok = (
-        isinstance(opt, dict)
-        and isinstance(opt.get("state_values", {}), dict)
-        and all(isinstance(v, dict) for v in opt.get("state_values", {}).values())
-        and isinstance(opt.get("param_groups", []), list)
-        and all(isinstance(g, dict) for g in opt.get("param_groups", []))
-        and isinstance(opt.get("loss_scaler") or {}, dict)
-    )
-    if not ok:
-        raise CheckpointError("metadata: objects.optimizer is malformed")
-    if not isinstance(objects.get("extra", {}), dict):
-        raise CheckpointError("metadata: objects.extra is not a JSON object")
-
-
-def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
+def load_checkpoint(
+    path: str, model: nn.Module, opt=None, *, allow_config_change: bool = False
+) -> dict:
     """Load the checkpoint under `path` into `model` and `opt` at any layout. Collective.
-    Validates everything first; any problem raises CheckpointError (a ValueError) naming it
-    on every rank and changes nothing. Returns the `extra` saved with it."""
+    Validates everything first (tensors, optimizer hyper-parameters and state, and the MoE
+    settings each layer was saved with: a difference is an error unless
+    `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
+    every rank and changes nothing. Returns the `extra` saved with it."""
     problems: list[str] = []
     stored, objects, loaded = {}, {}, {}
     cls = CheckpointError
     try:
         directory = checkpoint_dir(path)
         stored, objects = read_metadata_json(directory)
-        _check_objects(objects)
-        loaded = st.targets(model, opt, stored, objects, problems)
+        check_objects(objects)
+        loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
     except CheckpointError as e:
         problems.append(str(e))
         cls = type(e)
