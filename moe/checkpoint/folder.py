@@ -4,9 +4,12 @@ that carry a marker so that only what a save wrote itself is ever removed.
 One save at a time per folder: `FolderLock` takes an exclusive flock on `<folder>/.moe-save.lock`
 without waiting, so a second concurrent saver gets a CheckpointError instead of both reporting
 success while one save is lost. The kernel drops the lock when its holder dies, so a killed
-save never leaves the folder locked. The lock file itself stays (removing it would race).
+save never leaves the folder locked. The holder removes the lock file before releasing it; a
+saver that locked a file already removed (it opened it just before) sees that the path no
+longer names its file and counts the folder as busy.
 """
 
+import contextlib
 import fcntl
 import os
 import re
@@ -39,16 +42,22 @@ class FolderLock:
             raise CheckpointError(f"cannot create the lock file {path!r}: {e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            current = os.stat(path, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
             os.close(fd)
             raise CheckpointError(
                 f"another save into {self.folder!r} is in progress (it holds {path!r}); "
                 "nothing was written: save again when it has finished, or into another folder"
             ) from None
-        self.fd = fd
+        self.fd, self.path = fd, path
 
     def release(self) -> None:
         if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # still holding it: no other saver has it
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
 
