@@ -59,6 +59,7 @@ def _value_problem(value, ref, where: str, name: str) -> str | None:
 def _groups(opt, saved: list, problems: list) -> None:
     live = opt.param_groups
     grouped = hasattr(opt, "load_hyperparameters")
+    saved = [{k: v for k, v in g.items() if k not in NOT_RESTORED} for g in saved]
     if len(saved) != len(live):
         if not grouped:
             return  # a torch optimizer keeps its own groups then (nothing is applied)
@@ -71,10 +72,9 @@ def _groups(opt, saved: list, problems: list) -> None:
         saved = [saved[0]] * len(live)
     for i, (group, ref) in enumerate(zip(saved, live)):
         for key, value in group.items():
-            if key not in NOT_RESTORED:
-                where = f"optimizer param_groups[{i}].{key}"
-                if problem := _value_problem(value, ref.get(key), where, key):
-                    problems.append(problem)
+            where = f"optimizer param_groups[{i}].{key}"
+            if problem := _value_problem(value, ref.get(key), where, key):
+                problems.append(problem)
 
 
 def _state_values(opt, values: dict, named: dict, live: dict, problems: list) -> None:
