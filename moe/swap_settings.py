@@ -7,6 +7,7 @@ against it, and any difference is a ValueError naming the layer and the field.
 """
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,11 +17,13 @@ from moe.config import MoEConfig
 from moe.convert import build_layer, install
 from moe.ffn_match import ConversionError, match_ffn
 from moe.layer import MoELayer, moe_layers
+from moe.untrusted import read_json
 
 SETTINGS_FILE = "moe_config.json"
 FORMAT = "moe.swap_ffn"
 VERSION = 1
 _MAX_BYTES = 16 << 20  # a settings file is small; refuse anything larger before reading it
+# Read as an untrusted file (moe.untrusted): regular, bounded size and depth, no duplicate keys.
 _ENTRY_KEYS = {"path", "block", "kind", "config"}
 
 
@@ -45,14 +48,9 @@ def save_moe_settings(model: nn.Module, directory: str | Path) -> Path:
 def read_moe_settings(directory: str | Path) -> list[dict]:
     """The validated layer entries of `directory/moe_config.json` (untrusted input)."""
     path = Path(directory) / SETTINGS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ValueError(f"{path}: no MoE settings file (write it with moe.save_moe_settings)")
-    if path.stat().st_size > _MAX_BYTES:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes is too large for MoE settings")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, _MAX_BYTES, root=directory, error=ValueError, what="MoE settings")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: 'format' must be {FORMAT!r}")
     if data.get("version") != VERSION:
@@ -78,7 +76,21 @@ def read_moe_settings(directory: str | Path) -> list[dict]:
             MoEConfig(**config)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}.config: {e}") from None
+    _refuse_duplicates(path, entries)
     return entries
+
+
+def _refuse_duplicates(path: Path, entries: list[dict]) -> None:
+    """One entry per module: with two, readers would disagree on which one applies."""
+    for key in ("path", "block"):
+        first: dict[str, int] = {}
+        for i, entry in enumerate(entries):
+            j = first.setdefault(entry[key], i)
+            if j != i:
+                raise ValueError(
+                    f"{path}: layers[{j}] and layers[{i}] both describe the module "
+                    f"{entry[key]!r} ({key}); a settings file has one entry per module"
+                )
 
 
 def check_moe_settings(model: nn.Module, directory: str | Path) -> None:

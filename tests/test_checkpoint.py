@@ -236,3 +236,33 @@ def test_reshard_2_ranks_to_1_process_to_4_ranks(tmp_path):
         for key, value in full_state(reference, ref_opt).items():
             assert torch.equal(after[key], value), key
         assert error is not None and "checksum" in error, error
+
+
+def _save_while_locked(rank, world, path):
+    model = shard_tiny(tiny(0), _dp_mesh(world))
+    try:
+        save_checkpoint(path, model, adamw(model))
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _dp_mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def test_locked_folder_is_the_same_error_on_every_rank(tmp_path):
+    """Rank 0 finds the folder locked by another saver: every rank raises, none hangs, and
+    nothing is written."""
+    from moe.checkpoint.folder import FolderLock
+
+    lock = FolderLock(str(tmp_path))
+    lock.acquire()
+    try:
+        errors = run_ranks(_save_while_locked, 2, str(tmp_path), timeout=60)
+        assert os.listdir(tmp_path) == [".moe-save.lock"]
+    finally:
+        lock.release()
+    assert all(e is not None and "another save into" in e for e in errors), errors

@@ -187,7 +187,7 @@ def test_overlapping_chunks_and_unparseable_metadata(tmp_path):
     write_metadata(directory, doc)
     refused(tmp_path, "overlap")
     write_metadata(directory, '{"format": "moe-dcp", "version": 2, "tensors": {')
-    refused(tmp_path, "unreadable checkpoint metadata")
+    refused(tmp_path, "metadata.json.: not valid JSON")
     write_metadata(directory, [1, 2])
     refused(tmp_path, "expected a JSON object")
 
@@ -270,3 +270,204 @@ def test_mismatched_model_names_the_tensors(tmp_path):
     assert "model/0.weight: checkpoint has float32[7, 5], expected float32[8, 5]" in message
     assert "model/3.weight: missing from the checkpoint" in message
     assert "optim/0.weight/exp_avg: this optimizer (SGD) has no such state" in message
+
+
+# ---- issue 26: saves that keep other files, locking, ids, untrusted metadata, validation
+
+
+def test_save_writes_and_removes_only_its_own_entries(tmp_path):
+    (tmp_path / "ckpt-best").mkdir()
+    (tmp_path / "ckpt-best" / "weights.pt").write_bytes(b"mine")
+    (tmp_path / "ckpt-beef").mkdir()  # a hex-looking name, still not the save's
+    (tmp_path / "ckpt-epoch3.txt").write_text("notes")
+    (tmp_path / ".tmp-notes").mkdir()
+    ours_before = set(os.listdir(tmp_path))
+    model, opt = model_and_opt()
+    first = save_checkpoint(str(tmp_path), model, opt)
+    second = save_checkpoint(str(tmp_path), model, opt)
+    names = set(os.listdir(tmp_path))
+    assert ours_before <= names
+    assert (tmp_path / "ckpt-best" / "weights.pt").read_bytes() == b"mine"
+    assert (tmp_path / "ckpt-epoch3.txt").read_text() == "notes"
+    assert not os.path.exists(first) and os.path.isdir(second)  # the previous save is replaced
+    assert names - ours_before == {"LATEST", os.path.basename(second)}
+    load_checkpoint(str(tmp_path), *model_and_opt(seed=5))
+
+
+def test_stale_staging_of_a_killed_save_is_removed(tmp_path):
+    model, opt = model_and_opt()
+    save_checkpoint(str(tmp_path), model, opt)
+    stale = tmp_path / ".tmp-0123456789abcdef"  # as a killed save leaves it: marker inside
+    stale.mkdir()
+    (stale / ".moe-staging").touch()
+    (stale / "data-00000.bin").write_bytes(b"x")
+    unmarked = tmp_path / ".tmp-fedcba9876543210"
+    unmarked.mkdir()
+    save_checkpoint(str(tmp_path), model, opt)
+    assert not stale.exists() and unmarked.is_dir()
+
+
+def test_ids_do_not_depend_on_the_seeded_rng(tmp_path):
+    """The same seeded script saving twice to one path (it used to fail with 'Directory not
+    empty'); a save does not consume the user's random numbers."""
+    model, opt = model_and_opt()
+    for _ in range(2):
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        save_checkpoint(str(tmp_path), model, opt)
+        assert torch.equal(torch.get_rng_state(), before)
+    load_checkpoint(str(tmp_path), *model_and_opt(seed=5))
+
+
+HOLDER = """
+import sys
+from moe.checkpoint.folder import FolderLock
+lock = FolderLock(sys.argv[1])
+lock.acquire()
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_concurrent_save_is_a_clear_error_never_a_lost_save(tmp_path):
+    """Another process saving into the folder (holding its lock): this save refuses before
+    writing anything; once the other has finished, saving works."""
+    model, opt = model_and_opt()
+    save_checkpoint(str(tmp_path), model, opt, extra={"step": 1})
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        listing = sorted(os.listdir(tmp_path))
+        with pytest.raises(CheckpointError, match="another save into .* is in progress"):
+            save_checkpoint(str(tmp_path), model, opt, extra={"step": 2})
+        assert sorted(os.listdir(tmp_path)) == listing
+    finally:
+        holder.communicate("\n", timeout=60)
+    save_checkpoint(str(tmp_path), model, opt, extra={"step": 3})
+    assert load_checkpoint(str(tmp_path), *model_and_opt(seed=5))["step"] == 3
+
+
+def test_metadata_that_is_no_regular_file_is_refused(tmp_path):
+    directory, _ = saved(tmp_path)
+    path = os.path.join(directory, "metadata.json")
+    os.remove(path)
+    os.mkfifo(path)  # used to block forever
+    refused(tmp_path, "metadata.json.: is a FIFO, not a regular file")
+    os.remove(path)
+    os.symlink("/dev/zero", path)  # used to raise MemoryError after 2.4 GB
+    refused(tmp_path, "resolves to '/dev/zero', outside")
+    os.remove(path)
+    os.mkfifo(os.path.join(tmp_path, "LATEST.fifo"))
+    os.replace(os.path.join(tmp_path, "LATEST.fifo"), os.path.join(tmp_path, "LATEST"))
+    refused(tmp_path, "LATEST.: is a FIFO")
+
+
+def test_deeply_nested_or_duplicated_metadata_is_one_error(tmp_path):
+    directory, doc = saved(tmp_path)
+    doc["objects"]["extra"] = "PLACEHOLDER"
+    deep = "[" * 5000 + "]" * 5000  # RecursionError before
+    write_metadata(directory, json.dumps(doc).replace('"PLACEHOLDER"', deep))
+    refused(tmp_path, "metadata.json.: JSON nested 5002 levels deep")
+    doc["objects"]["extra"] = {}
+    write_metadata(directory, json.dumps(doc)[:-1] + ', "version": 3}')
+    refused(tmp_path, "key 'version' appears twice")
+
+
+def test_many_small_chunks_load_in_linear_time(tmp_path):
+    """16,000 one-element chunks (the pairwise overlap test took 92 s on them): they load
+    and give the right values; one overlapping chunk among them is found."""
+    n = 16_000
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(n, 1))
+    save_checkpoint(str(tmp_path), model)
+    directory = checkpoint_dir(str(tmp_path))
+    with open(os.path.join(directory, "metadata.json")) as f:
+        doc = json.load(f)
+    whole = chunk(doc, "model/0.weight")
+    with open(os.path.join(directory, whole["file"]), "rb") as f:
+        f.seek(whole["offset"])
+        data = f.read(whole["length"])
+    doc["tensors"]["model/0.weight"]["chunks"] = [
+        dict(whole, offsets=[i, 0], sizes=[1, 1], offset=whole["offset"] + 4 * i, length=4,
+             crc32=zlib.crc32(data[4 * i : 4 * i + 4]))
+        for i in range(n)
+    ]  # fmt: skip
+    write_metadata(directory, doc)
+    twin = nn.Sequential(nn.Embedding(n, 1))
+    load_checkpoint(str(tmp_path), twin)
+    assert torch.equal(twin[0].weight, model[0].weight)
+    doc["tensors"]["model/0.weight"]["chunks"][-1]["offsets"] = [n - 2, 0]
+    write_metadata(directory, doc)
+    with pytest.raises(CheckpointError, match=r"chunks at \[15998, 0\] overlap"):
+        load_checkpoint(str(tmp_path), twin)
+
+
+@pytest.mark.parametrize(
+    "group_key,value,match",
+    [
+        ("lr", float("nan"), "param_groups.0..lr: nan is not finite"),
+        ("lr", "0.1", "param_groups.0..lr: expected a number"),
+        ("lr", -1.0, "lr: must be >= 0"),
+        ("betas", [0.9], "betas: expected a list of 2 values"),
+        ("betas", [0.9, 1.5], "betas must lie in"),
+        ("eps", float("inf"), "eps: inf is not finite"),
+        ("amsgrad", 1, "amsgrad: expected bool"),
+    ],
+)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bad_optimizer_hyperparameters_refused_before_any_change(
+    tmp_path, group_key, value, match, grouped
+):
+    directory, doc = saved(tmp_path, grouped=grouped)
+    doc["objects"]["optimizer"]["param_groups"][0][group_key] = value
+    write_metadata(directory, json.dumps(doc))  # NaN / Infinity as Python's json writes them
+    refused(tmp_path, match, grouped=grouped)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bad_json_optimizer_state_refused_before_any_change(tmp_path, grouped):
+    directory, doc = saved(tmp_path, grouped=grouped)
+    doc["objects"]["optimizer"]["state_values"] = {"0.weight": {"step": "abc"}}
+    write_metadata(directory, doc)
+    refused(tmp_path, "optimizer state 0.weight/step", grouped=grouped)
+    doc["objects"]["optimizer"]["state_values"] = {"9.weight": {"x": 1}}
+    write_metadata(directory, doc)
+    refused(tmp_path, "'9.weight': not a parameter", grouped=grouped)
+
+
+def _moe_model(seed: int, **options):
+    import moe
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 6), moe.MoELayer(6, 10, 4, **options))
+
+
+def test_moe_settings_travel_with_the_checkpoint(tmp_path):
+    saved_model = _moe_model(0, top_k=2, router="topk", activation="gelu", backend="torch")
+    save_checkpoint(str(tmp_path), saved_model)
+    other = _moe_model(1, top_k=1, router="switch", activation="relu")
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(str(tmp_path), other)
+    message = str(info.value)
+    for field, ours, theirs in [("top_k", 2, 1), ("router", "'topk'", "'switch'"),
+                                ("activation", "'gelu'", "'relu'")]:  # fmt: skip
+        assert f"MoE layer '1': {field}={ours} in the checkpoint, {field}={theirs}" in message
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    load_checkpoint(str(tmp_path), other, allow_config_change=True)
+    assert torch.equal(other[1].experts.w1, saved_model[1].experts.w1)
+    same = _moe_model(2, top_k=2, router="topk", activation="gelu", backend="auto")
+    load_checkpoint(str(tmp_path), same)  # how a layer runs (backend) may differ
+    directory = checkpoint_dir(str(tmp_path))
+    with open(os.path.join(directory, "metadata.json")) as f:
+        doc = json.load(f)
+    del doc["objects"]["moe_layers"]  # a checkpoint of an older release
+    write_metadata(directory, doc)
+    load_checkpoint(str(tmp_path), _moe_model(3, top_k=1, router="switch", activation="relu"))

@@ -110,3 +110,27 @@ def test_public_api_is_reachable_from_import_moe():
              "moe.dispatch.all_to_all"]  # fmt: skip
     code = "import moe\n" + "\n".join(f"assert callable({n}), '{n}'" for n in names)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_settings_with_two_entries_for_one_module_are_refused_by_every_reader(tmp_path):
+    """swap_ffn_from_settings used to apply the last of two conflicting entries, while
+    check_moe_settings rejected the file."""
+    import json
+
+    model = moe.swap_ffn(tiny_transformer(), num_experts=4, top_k=2)
+    path = moe.save_moe_settings(model, tmp_path)
+    doc = json.loads(path.read_text())
+    twin = json.loads(json.dumps(doc["layers"][1]))
+    twin["config"]["top_k"] = 1
+    doc["layers"].append(twin)
+    path.write_text(json.dumps(doc))
+    match = r"layers\[1\] and layers\[3\] both describe the module '1.mlp'"
+    dense = tiny_transformer()
+    with pytest.raises(ValueError, match=match):
+        moe.swap_ffn_from_settings(dense, tmp_path)
+    assert not moe.moe_layers(dense)  # nothing changed
+    with pytest.raises(ValueError, match=match):
+        moe.check_moe_settings(model, tmp_path)
+    path.write_text('{"format": "moe.swap_ffn", "version": 1, "layers": ' + "[" * 200 + "]" * 201)
+    with pytest.raises(ValueError, match="moe_config.json.: JSON nested 201 levels deep"):
+        moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)

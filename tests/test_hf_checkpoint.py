@@ -148,3 +148,115 @@ def test_errors_name_the_key_and_change_nothing(tmp_path):
         moe.load_hf_checkpoint(model, str(tmp_path))
     with pytest.raises(HFCheckpointError, match="call moe.from_hf"):
         moe.load_hf_checkpoint(torch.nn.Linear(2, 2), str(tmp_path / "hub"))
+
+
+# ---- issue 26: saves keep other files; duplicate keys, untrusted index and headers
+
+
+def _listing(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
+def test_save_leaves_other_files_and_replaces_only_its_own(tmp_path):
+    reference = saved("mixtral", tmp_path / "hub")
+    model = converted_from_config("mixtral")
+    moe.load_hf_checkpoint(model, str(tmp_path / "hub"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    (out / "README.md").write_text("# my model")
+    moe.save_hf_checkpoint(model, str(out))
+    first = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    moe.save_hf_checkpoint(model, str(out))
+    second = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (out / "README.md").read_text() == "# my model"
+    shards = {p.name for p in out.glob("*.safetensors")}
+    assert shards == set(second.values()) and not shards & set(first.values())
+    assert not [p for p in out.iterdir() if p.is_dir()]  # no staging left behind
+    again = converted_from_config("mixtral")
+    moe.load_hf_checkpoint(again, str(out))
+    ids = torch.randint(0, 97, (2, 9))
+    torch.testing.assert_close(logits(again, ids), logits(reference, ids), rtol=1e-5, atol=1e-6)
+
+    foreign = tmp_path / "foreign"  # weights this function did not write: refused, untouched
+    reference.save_pretrained(foreign)
+    (foreign / "tokenizer.json").write_text("{}")
+    before = _listing(foreign)
+    with pytest.raises(HFCheckpointError, match=r"holds \['model.safetensors'\], which"):
+        moe.save_hf_checkpoint(model, str(foreign))
+    assert _listing(foreign) == before and not [p for p in foreign.iterdir() if p.is_dir()]
+
+
+def test_concurrent_hf_save_is_refused(tmp_path):
+    from moe.checkpoint.folder import FolderLock
+
+    model = converted_from_config("mixtral")
+    lock = FolderLock(str(tmp_path / "out"))
+    lock.acquire()
+    try:
+        with pytest.raises(HFCheckpointError, match="another save into"):
+            moe.save_hf_checkpoint(model, str(tmp_path / "out"))
+        assert os.listdir(tmp_path / "out") == [".moe-save.lock"]  # nothing was written
+    finally:
+        lock.release()
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_duplicate_keys_and_untrusted_files_are_refused(tmp_path):
+    saved("mixtral", tmp_path / "hub")
+    good = load_file(tmp_path / "hub" / "model.safetensors")
+    model = converted_from_config("mixtral")
+    before = copy.deepcopy(model.state_dict())
+    key = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+
+    def attempt(match, write):
+        d = tmp_path / f"case{len(os.listdir(tmp_path))}"
+        d.mkdir()
+        write(d)
+        with pytest.raises(HFCheckpointError, match=match):
+            moe.load_hf_checkpoint(model, str(d))
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+    def two_shards(d):  # the key in both shards, the index pointing at the [1] copy
+        save_file(good, d / "a.safetensors")
+        save_file({key: torch.randn(1)}, d / "b.safetensors")
+        weight_map = {**{k: "a.safetensors" for k in good}, key: "b.safetensors"}
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    attempt(f"key '{key}' is stored in both 'a.safetensors' and 'b.safetensors'", two_shards)
+
+    def listed_twice(d):
+        save_file(good, d / "a.safetensors")
+        entries = ", ".join(f'"{k}": "a.safetensors"' for k in [*good, key])
+        (d / "model.safetensors.index.json").write_text('{"weight_map": {' + entries + "}}")
+
+    attempt(f"key '{key}' appears twice", listed_twice)
+
+    def bad_header(d):
+        (d / "model.safetensors").write_bytes(
+            (20).to_bytes(8, "little") + b'{"x": [1, 2' + b" " * 9
+        )
+
+    attempt(r"safetensors file '.*model.safetensors': not valid JSON", bad_header)
+
+    def huge_header(d):
+        (d / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+
+    attempt("header length 1099511627776 does not fit the file", huge_header)
+
+    def fifo_index(d):
+        os.mkfifo(d / "model.safetensors.index.json")
+
+    attempt("safetensors index .*: is a FIFO", fifo_index)
+
+    def nested_index(d):
+        (d / "model.safetensors.index.json").write_text("[" * 3000 + "]" * 3000)
+
+    attempt("JSON nested 3000 levels deep", nested_index)
+
+    def zero_link(d):
+        os.symlink("/dev/zero", d / "model.safetensors")
+
+    attempt("'model.safetensors' is not a plain file in the directory", zero_link)

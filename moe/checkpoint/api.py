@@ -4,9 +4,11 @@ Layout of `path/`:
     LATEST                       name of the current complete checkpoint (replaced atomically)
     ckpt-<id>/metadata.json      JSON metadata (moe.checkpoint.metadata)
     ckpt-<id>/data-<rank>.bin    raw bytes of the chunks that rank owns (no gather to one rank)
-Every rank writes into `path/.tmp-<id>/`; when DCP has finished on every rank (metadata
-written last, by the coordinator), rank 0 renames the directory to `ckpt-<id>` and then
-replaces LATEST, so a save killed at any point leaves the previous checkpoint loadable.
+    .moe-save.lock               held (flock) by the one save in progress (moe.checkpoint.folder)
+Every rank writes into `path/.tmp-<id>/` (<id> from os.urandom); when DCP has finished on every
+rank (metadata written last, by the coordinator), rank 0 renames the directory to `ckpt-<id>`,
+replaces LATEST, and removes the checkpoint LATEST named before, so a save killed at any point
+leaves the previous checkpoint loadable. Nothing else in `path` is ever removed.
 
 Checkpoints of the older `manifest.json` format (moe-checkpoint v1) are refused with a
 CheckpointError saying so (no legacy reader): load them with the release that wrote them and
@@ -27,11 +29,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.checkpoint import state as st
 from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from moe.checkpoint.folder import MARKER, FolderLock, make_staging, new_id, remove_stale_staging
 from moe.checkpoint.metadata import METADATA
 from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
+from moe.checkpoint.validate import check_objects
 from moe.comm.consistency import all_gather_records
+from moe.untrusted import UntrustedFileError, read_bytes
 
 LATEST = "LATEST"
+STAGING = ".tmp-"
 _NAME = re.compile(r"ckpt-[0-9a-f]{1,32}")
 
 
@@ -41,14 +47,6 @@ def _dist() -> bool:
 
 def _device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
-def _shared_id() -> str:
-    ident = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    if _dist():
-        ident = ident.to(_device())
-        dist.broadcast(ident, src=0)
-    return f"{int(ident.item()):x}"
 
 
 def _agree(problems: list[str], cls: type = CheckpointError) -> None:
@@ -73,6 +71,11 @@ def fsync_dir(path) -> None:
 
 
 def _commit(path: str, tmp: str, final: str) -> None:
+    """Publish `tmp` as `final` and point LATEST at it; then remove the checkpoint LATEST
+    named before (a save's own entry) and staging directories of killed saves. Nothing else
+    in `path` is touched. Called on rank 0 with the folder's lock held."""
+    previous = _latest_name(path)
+    os.remove(os.path.join(tmp, MARKER))
     fsync_dir(tmp)
     os.rename(tmp, final)
     pointer = os.path.join(path, LATEST + ".tmp")
@@ -82,40 +85,78 @@ def _commit(path: str, tmp: str, final: str) -> None:
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(path, LATEST))
     fsync_dir(path)
-    keep = os.path.basename(final)
-    for name in os.listdir(path):
-        if name != keep and (name.startswith("ckpt-") or name.startswith(".tmp-")):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    old = os.path.join(path, previous) if previous else None
+    if old and old != final and os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    remove_stale_staging(path, STAGING)
+
+
+def _latest_name(path: str) -> str | None:
+    """The checkpoint directory LATEST names, if it is a well-formed name (else None)."""
+    try:
+        name = read_bytes(os.path.join(path, LATEST), 100, root=path).decode("ascii").strip()
+    except (UntrustedFileError, UnicodeDecodeError):
+        return None
+    return name if _NAME.fullmatch(name) else None
+
+
+def _begin(path: str) -> tuple[FolderLock | None, str]:
+    """Rank 0 locks the folder and creates the staging directory; every rank learns the id
+    (or rank 0's error) in one exchange, before anything else is written."""
+    rank0 = not _dist() or dist.get_rank() == 0
+    lock, ident, problem = None, "", ""
+    if rank0:
+        try:
+            lock = FolderLock(path)
+            lock.acquire()
+            ident = new_id()
+            make_staging(path, STAGING, ident)
+        except (CheckpointError, OSError) as e:
+            if lock is not None:
+                lock.release()
+            lock, problem = None, str(e)
+    if _dist():
+        first = all_gather_records({"id": ident, "problem": problem})[0]
+        ident, problem = first["id"], first["problem"]
+    if problem:
+        raise CheckpointError(f"save_checkpoint: {problem}")
+    os.makedirs(os.path.join(path, f"{STAGING}{ident}"), exist_ok=True)  # other nodes
+    return lock, str(ident)
 
 
 def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
     """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
     Collective: every rank calls it and writes only its own shards. `extra` is JSON
-    metadata (e.g. the step). Returns the directory of the new checkpoint."""
+    metadata (e.g. the step). Returns the directory of the new checkpoint. Only the save's
+    own entries in `path` are written or removed; a concurrent save into the same folder is
+    a CheckpointError."""
     tensors, objects = st.collect(model, opt)
     try:
         objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
-    ident = _shared_id()
-    tmp, final = os.path.join(path, f".tmp-{ident}"), os.path.join(path, f"ckpt-{ident}")
-    os.makedirs(tmp, exist_ok=True)
-    with warnings.catch_warnings():  # "assuming ... a single process": intended
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=JsonStorageWriter(tmp, objects), no_dist=not _dist())
-    failed = torch.zeros(1, dtype=torch.int64)
-    error = None
-    if not _dist() or dist.get_rank() == 0:
-        try:
-            _commit(path, tmp, final)
-        except OSError as e:
-            failed += 1
-            error = e
-    if _dist():
-        failed = failed.to(_device())
-        dist.all_reduce(failed)
-    if int(failed.item()):
-        raise OSError(f"save_checkpoint: committing {final} failed on rank 0: {error}")
+    lock, ident = _begin(path)
+    try:
+        tmp, final = os.path.join(path, f"{STAGING}{ident}"), os.path.join(path, f"ckpt-{ident}")
+        with warnings.catch_warnings():  # "assuming ... a single process": intended
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=JsonStorageWriter(tmp, objects), no_dist=not _dist())
+        failed = torch.zeros(1, dtype=torch.int64)
+        error = None
+        if lock is not None:
+            try:
+                _commit(path, tmp, final)
+            except OSError as e:
+                failed += 1
+                error = e
+        if _dist():
+            failed = failed.to(_device())
+            dist.all_reduce(failed)
+        if int(failed.item()):
+            raise OSError(f"save_checkpoint: committing {final} failed on rank 0: {error}")
+    finally:
+        if lock is not None:
+            lock.release()
     return final
 
 
@@ -129,10 +170,10 @@ def checkpoint_dir(path: str) -> str:
             "version does not read: load it with the release that wrote it and save again"
         )
     pointer = os.path.join(path, LATEST)
-    if not os.path.isfile(pointer):
+    if not os.path.lexists(pointer):
         raise CheckpointNotFoundError(f"no complete checkpoint under {path!r} (no {LATEST} file)")
-    with open(pointer, encoding="utf-8", errors="replace") as f:
-        name = f.read(100).strip()
+    data = read_bytes(pointer, 100, root=path, error=CheckpointError, what="checkpoint pointer")
+    name = data.decode("utf-8", errors="replace").strip()
     if not _NAME.fullmatch(name):
         raise CheckpointError(f"{pointer} names {name!r:.80}, not a checkpoint directory")
     directory = os.path.join(path, name)
@@ -144,36 +185,22 @@ def checkpoint_dir(path: str) -> str:
     return directory
 
 
-def _check_objects(objects: dict) -> None:
-    opt = objects.get("optimizer")
-    if opt is None:
-        return
-    ok = (
-        isinstance(opt, dict)
-        and isinstance(opt.get("state_values", {}), dict)
-        and all(isinstance(v, dict) for v in opt.get("state_values", {}).values())
-        and isinstance(opt.get("param_groups", []), list)
-        and all(isinstance(g, dict) for g in opt.get("param_groups", []))
-        and isinstance(opt.get("loss_scaler") or {}, dict)
-    )
-    if not ok:
-        raise CheckpointError("metadata: objects.optimizer is malformed")
-    if not isinstance(objects.get("extra", {}), dict):
-        raise CheckpointError("metadata: objects.extra is not a JSON object")
-
-
-def load_checkpoint(path: str, model: nn.Module, opt=None) -> dict:
+def load_checkpoint(
+    path: str, model: nn.Module, opt=None, *, allow_config_change: bool = False
+) -> dict:
     """Load the checkpoint under `path` into `model` and `opt` at any layout. Collective.
-    Validates everything first; any problem raises CheckpointError (a ValueError) naming it
-    on every rank and changes nothing. Returns the `extra` saved with it."""
+    Validates everything first (tensors, optimizer hyper-parameters and state, and the MoE
+    settings each layer was saved with: a difference is an error unless
+    `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
+    every rank and changes nothing. Returns the `extra` saved with it."""
     problems: list[str] = []
     stored, objects, loaded = {}, {}, {}
     cls = CheckpointError
     try:
         directory = checkpoint_dir(path)
         stored, objects = read_metadata_json(directory)
-        _check_objects(objects)
-        loaded = st.targets(model, opt, stored, objects, problems)
+        check_objects(objects)
+        loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
     except CheckpointError as e:
         problems.append(str(e))
         cls = type(e)

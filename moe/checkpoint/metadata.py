@@ -135,32 +135,39 @@ def _chunk(raw, key: str, i: int, entry: TensorEntry, directory: str, sizes: dic
         raise CheckpointError(
             f"{where}: length {length} bytes, but {entry.dtype} x {list(csizes)} is {want}"
         )
-    real = resolve_file(directory, file, f"tensor {key!r}")
-    if real not in sizes:
-        sizes[real] = os.path.getsize(real)
-    if offset + length > sizes[real]:
+    if file not in sizes:  # once per file, not per chunk
+        sizes[file] = os.path.getsize(resolve_file(directory, file, f"tensor {key!r}"))
+    size = sizes[file]
+    if offset + length > size:
         raise CheckpointError(
             f"tensor {key!r}: bytes {offset}..{offset + length} lie beyond the end of "
-            f"{file!r} ({sizes[real]} bytes; truncated or forged)"
+            f"{file!r} ({size} bytes; truncated or forged)"
         )
     return Chunk(offsets, csizes, file, offset, length, crc)
 
 
 def _check_tiling(key: str, entry: TensorEntry) -> None:
-    """Chunks must cover the tensor exactly once."""
+    """Chunks must cover the tensor exactly once. Every layout DCP writes (one chunk per
+    DTensor shard) is a grid: the product of one partition per dimension. That is checked in
+    O(n log n) for n chunks (a pairwise overlap test would be quadratic in forged metadata)."""
     chunks = [c for c in entry.chunks if math.prod(c.sizes) > 0]
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1 :]:
-            if all(
-                ao < bo + bs and bo < ao + as_
-                for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-            ):
-                raise CheckpointError(f"tensor {key!r}: chunks {a.offsets} and {b.offsets} overlap")
+    total = math.prod(entry.shape)
     covered = sum(math.prod(c.sizes) for c in chunks)
-    if covered != math.prod(entry.shape):
-        raise CheckpointError(
-            f"tensor {key!r}: chunks cover {covered} of {math.prod(entry.shape)} elements"
-        )
+    starts: set[tuple[int, ...]] = set()
+    for c in chunks:
+        if c.offsets in starts:
+            raise CheckpointError(f"tensor {key!r}: chunks at {list(c.offsets)} overlap")
+        starts.add(c.offsets)
+    for dim in range(len(entry.shape)):
+        spans = sorted({(c.offsets[dim], c.sizes[dim]) for c in chunks})
+        for (a, na), (b, _) in zip(spans, spans[1:]):
+            if b < a + na:
+                raise CheckpointError(
+                    f"tensor {key!r}: chunks overlap or do not form a grid in dim {dim} "
+                    f"(spans {a}+{na} and {b}...); every layout DCP writes is a grid"
+                )
+    if covered != total:
+        raise CheckpointError(f"tensor {key!r}: chunks cover {covered} of {total} elements")
 
 
 def parse(raw, directory: str) -> tuple[dict[str, TensorEntry], dict]:

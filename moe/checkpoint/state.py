@@ -17,11 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from moe.checkpoint import validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
-
-# Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
-NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
+from moe.checkpoint.validate import NOT_RESTORED
 
 
 def _is_grouped(opt) -> bool:
@@ -78,7 +77,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything to save: tensors by key, and the JSON objects."""
     check_layout(model)
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
-    objects: dict = {"optimizer": None}
+    objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
     if opt is None:
         return tensors, objects
     state, groups = _optimizer_state(model, opt)
@@ -116,10 +115,14 @@ def _check(key: str, entry: TensorEntry | None, shape, dtype, problems: list) ->
     return False
 
 
-def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems: list) -> dict:
+def targets(
+    model, opt, stored: dict[str, TensorEntry], objects: dict, problems: list, allow_change: bool
+) -> dict:
     """Empty tensors (same layout as the live ones) to load into, after checking every
-    stored key, shape and dtype against the model and optimizer."""
+    stored key, shape and dtype against the model and optimizer, and every JSON value that
+    `apply` will set (moe.checkpoint.validate)."""
     check_layout(model)
+    validate.check_moe_settings(model, objects.get("moe_layers"), allow_change, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
@@ -144,6 +147,8 @@ def targets(model, opt, stored: dict[str, TensorEntry], objects: dict, problems:
             saved.setdefault(fqn, set()).add(key)
     grouped = _is_grouped(opt)
     live = {} if grouped else get_optimizer_state_dict(model, opt)["state"]
+    live_state = {n: opt.state_of(p) for n, p in named.items()} if grouped else live
+    validate.check_optimizer(opt, objects, named, live_state, problems)
     for fqn, p in named.items():
         for key in sorted(saved.get(fqn, ())):
             k, entry = f"optim/{fqn}/{key}", stored[f"optim/{fqn}/{key}"]

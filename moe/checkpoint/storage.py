@@ -26,6 +26,7 @@ from torch.futures import Future
 
 from moe.checkpoint import metadata as meta
 from moe.checkpoint.errors import CheckpointError
+from moe.untrusted import open_regular, read_json
 
 MAX_METADATA_BYTES = 256 << 20
 
@@ -107,13 +108,9 @@ class JsonStorageWriter(StorageWriter):
 def read_metadata_json(directory: str) -> tuple[dict[str, meta.TensorEntry], dict]:
     """Read and validate `metadata.json` (every check of moe.checkpoint.metadata.parse)."""
     path = os.path.join(directory, meta.METADATA)
-    try:
-        if os.path.getsize(path) > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata: {e}") from e
+    raw = read_json(
+        path, MAX_METADATA_BYTES, root=directory, error=CheckpointError, what="checkpoint metadata"
+    )
     return meta.parse(raw, directory)
 
 
@@ -165,7 +162,7 @@ class JsonStorageReader(StorageReader):
             by_file.setdefault(self.storage[req.storage_index].file, []).append(req)
         for name, reqs in by_file.items():
             path = meta.resolve_file(self.directory, name, f"tensor {reqs[0].storage_index.fqn!r}")
-            with open(path, "rb") as f:
+            with open_regular(path, root=self.directory, error=CheckpointError) as f:
                 for req in reqs:
                     self._read_one(f, req, planner)
         fut: Future = Future()

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe.untrusted import read_json
+
 PROFILE_VERSION = 1
 _MAX_PROFILE_BYTES = 1 << 16
 
@@ -208,12 +210,7 @@ def load_profile(path: str | Path) -> CostModel:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"cost profile {str(p)!r} is not a file")
-    if p.stat().st_size > _MAX_PROFILE_BYTES:
-        raise ValueError(f"cost profile {str(p)!r} is larger than {_MAX_PROFILE_BYTES} bytes")
-    try:
-        doc = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cost profile {str(p)!r} is not valid JSON: {e}") from None
+    doc = read_json(p, _MAX_PROFILE_BYTES, error=ValueError, what="cost profile")  # untrusted
     if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
         raise ValueError(f"cost profile {str(p)!r}: 'version' must be {PROFILE_VERSION}")
     model = doc.get("model")

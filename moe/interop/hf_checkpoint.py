@@ -10,14 +10,15 @@ headers, before any weight changes: missing or extra keys, shape mismatches and 
 the directory are one HFCheckpointError naming them. No pickle; transformers is not needed.
 
 save_hf_checkpoint writes the hub layout that transformers' from_pretrained loads (config.json,
-per-rank shards, index), each rank writing its experts, into a staging directory published by
-one rename.
+per-rank shards, index), each rank writing its experts, into a staging directory inside the
+folder; the new index, replaced last, publishes the save. Only files of the previous save
+(named in its own index) are removed; other files (tokenizer, README) are left alone.
 """
 
 import json
 import os
+import re
 import shutil
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -25,16 +26,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from moe.checkpoint.api import fsync_dir
+from moe.checkpoint.folder import FolderLock, make_staging, new_id, remove_stale_staging
 from moe.comm.consistency import all_gather_records
 from moe.interop.hf import HFMoELayer
 from moe.interop.hf_families import FAMILIES
+from moe.interop.hf_files import (
+    INDEX,
+    SINGLE,
+    HFCheckpointError,
+    headers_of,
+    inside,
+    read_index,
+    weight_map_of,
+)
 
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+SAVED_BY = "moe.save_hf_checkpoint"  # in the index's metadata: this folder's shards are ours
+STAGING = ".moe-hf-"
+_SHARD = re.compile(r"model-[0-9a-f]{16}-\d{5}-of-\d{5}\.safetensors")
+_OTHER_WEIGHTS = (SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json")
 _SHARED = ("gate_proj", "up_proj", "down_proj")
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint that does not fit the model (nothing was changed)."""
 
 
 @dataclass(frozen=True)
@@ -110,59 +121,19 @@ def _pieces(model: nn.Module, fused: bool) -> list[Piece]:
     return pieces
 
 
-def _inside(directory: str, name: str) -> str:
-    root = os.path.realpath(directory)
-    path = os.path.realpath(os.path.join(root, name))
-    if os.path.basename(name) != name or os.path.dirname(path) != root:
-        raise HFCheckpointError(f"{directory}: file {name!r} is not a plain file in the directory")
-    return path
-
-
-def _weight_map(directory: str) -> dict[str, str]:
-    """hub key -> file path, from the index or the single file's header."""
-    from safetensors import safe_open
-
-    index = os.path.join(directory, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-        except (OSError, ValueError, AttributeError) as e:
-            raise HFCheckpointError(f"{index} is unreadable: {e}") from e
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise HFCheckpointError(f"{index}: 'weight_map' must map keys to file names")
-        return {k: _inside(directory, v) for k, v in weight_map.items()}
-    single = _inside(directory, SINGLE)
-    if not os.path.isfile(single):
-        raise HFCheckpointError(f"{directory}: neither {INDEX} nor {SINGLE} found")
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-
-
-def _headers(files: set[str]) -> dict[str, tuple[tuple, str]]:
-    """hub key -> (shape, dtype) from the safetensors headers (no tensor data read)."""
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(files):
-        try:
-            with safe_open(file, "pt") as f:
-                for key in f.keys():  # noqa: SIM118
-                    s = f.get_slice(key)
-                    out[key] = (tuple(s.get_shape()), s.get_dtype())
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise HFCheckpointError(f"{file}: not a readable safetensors file: {e}") from e
-    return out
-
-
-def _check(pieces: list[Piece], weight_map: dict, headers: dict, directory: str) -> None:
+def _check(
+    pieces: list[Piece], weight_map: dict, headers: dict, stored_in: dict, directory: str
+) -> None:
     problems = []
     wanted = {p.hub_key for p in pieces}
     for p in pieces:
         if p.hub_key not in weight_map or p.hub_key not in headers:
             problems.append(f"missing key {p.hub_key} (for {p.name})")
+        elif weight_map[p.hub_key] != stored_in[p.hub_key]:
+            problems.append(
+                f"{p.hub_key}: the index names {os.path.basename(weight_map[p.hub_key])!r}, "
+                f"but it is stored in {os.path.basename(stored_in[p.hub_key])!r}"
+            )
         elif headers[p.hub_key][0] != p.shape:
             problems.append(
                 f"{p.hub_key}: checkpoint shape {headers[p.hub_key][0]}, model expects {p.shape}"
@@ -198,10 +169,18 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     expert-parallel or not. Checks everything first; returns the model."""
     from safetensors import safe_open
 
-    weight_map = _weight_map(path)
+    weight_map = weight_map_of(path)
+    if weight_map is None:
+        single = inside(path, SINGLE)
+        if not os.path.lexists(single):
+            raise HFCheckpointError(f"{path}: neither {INDEX} nor {SINGLE} found")
+        headers, stored_in = headers_of({single}, path)
+        weight_map = dict(stored_in)
+    else:
+        headers, stored_in = headers_of(set(weight_map.values()), path)
     fused = any(k.endswith(".experts.gate_up_proj") for k in weight_map)
     pieces = _pieces(model, fused)
-    _check(pieces, weight_map, _headers(set(weight_map.values())), path)
+    _check(pieces, weight_map, headers, stored_in, path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     for layer in owners.values():  # every expert is read in canonical order
@@ -210,12 +189,18 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     for p in pieces:
         if not p.local:
             continue
-        with safe_open(weight_map[p.hub_key], "pt") as f:
-            if p.expert is None and p.fused is None:
-                _place(state[p.name], f.get_tensor(p.hub_key), p.name)
-                continue
-            experts = owners[p.name.rsplit(".experts.", 1)[0]].experts
-            value = _read(f, p, experts.expert_offset, experts.num_experts)
+        file = weight_map[p.hub_key]
+        try:
+            with safe_open(file, "pt") as f:
+                if p.expert is None and p.fused is None:
+                    _place(state[p.name], f.get_tensor(p.hub_key), p.name)
+                    continue
+                experts = owners[p.name.rsplit(".experts.", 1)[0]].experts
+                value = _read(f, p, experts.expert_offset, experts.num_experts)
+        except HFCheckpointError:
+            raise
+        except Exception as e:  # safetensors' own error types; the file changed under us
+            raise HFCheckpointError(f"safetensors file {file!r}: {p.hub_key}: {e}") from e
         if p.fused is not None:
             _place(state[p.name], value, p.name)
             continue
@@ -267,9 +252,81 @@ def _holders(model: nn.Module) -> bool:
     return all(r["layout"] != records[rank]["layout"] for r in records[:rank])
 
 
+def _previous_shards(path: str) -> list[str]:
+    """Shard files of the previous save_hf_checkpoint into `path` (named in its own index),
+    to remove once the new save is published. Weight files it did not write are an error:
+    they would shadow or mix with the new weights, and they are not this save's to delete."""
+    foreign = [n for n in _OTHER_WEIGHTS if os.path.lexists(os.path.join(path, n))]
+    previous = []
+    if os.path.lexists(os.path.join(path, INDEX)):
+        doc = read_index(path)
+        meta = doc.get("metadata") if isinstance(doc, dict) else None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(meta, dict) or meta.get("saved_by") != SAVED_BY:
+            foreign.append(INDEX)
+        elif isinstance(weight_map, dict):
+            names = {v for v in weight_map.values() if isinstance(v, str)}
+            previous = sorted(n for n in names if _SHARD.fullmatch(n))
+    if foreign:
+        raise HFCheckpointError(
+            f"{path} holds {sorted(foreign)}, which save_hf_checkpoint did not write: remove "
+            "them or save into another folder (nothing was written)"
+        )
+    return previous
+
+
+def _begin(path: str, world: int) -> tuple[FolderLock | None, str, list[str]]:
+    """Rank 0 locks the folder, finds the previous save's shards and creates the staging
+    directory; every rank learns the id or rank 0's error in one exchange."""
+    lock, ident, problem, previous = None, "", "", []
+    if _world()[0] == 0:
+        try:
+            lock = FolderLock(path)
+            lock.acquire()
+            previous = _previous_shards(path)
+            ident = new_id()
+            make_staging(path, STAGING, ident)
+        except (ValueError, OSError) as e:  # CheckpointError and HFCheckpointError included
+            if lock is not None:
+                lock.release()
+            lock, problem = None, str(e)
+    if world > 1:
+        first = all_gather_records({"id": ident, "problem": problem})[0]
+        ident, problem = first["id"], first["problem"]
+    if problem:
+        raise HFCheckpointError(f"save_hf_checkpoint: {problem}")
+    return lock, str(ident), previous
+
+
+def _publish(model: nn.Module, path: str, staging: str, everyone: list, previous: list) -> None:
+    """Rank 0: move the new shards and config.json into `path`, replace the index (the commit
+    point: until then the previous save stays whole), then delete the previous save's shards
+    and the staging directory. Other files in `path` are left alone."""
+    weight_map = {k: v for r in everyone for k, v in r.items()}
+    doc = {"metadata": {"saved_by": SAVED_BY}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(staging, INDEX), "w") as f:
+        json.dump(doc, f)
+    model.config.to_json_file(os.path.join(staging, "config.json"))
+    fsync_dir(staging)
+    for name in sorted(set(weight_map.values())):  # fresh names: nothing is overwritten
+        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    os.replace(os.path.join(staging, "config.json"), os.path.join(path, "config.json"))
+    fsync_dir(path)
+    os.replace(os.path.join(staging, INDEX), os.path.join(path, INDEX))
+    fsync_dir(path)
+    for name in set(previous) - set(weight_map.values()):
+        old = os.path.join(path, name)
+        if os.path.isfile(old) and not os.path.islink(old):
+            os.remove(old)
+    shutil.rmtree(staging, ignore_errors=True)
+    remove_stale_staging(path, STAGING)
+
+
 @torch.no_grad()
 def save_hf_checkpoint(model: nn.Module, path: str) -> str:
-    """Write the model in the hub layout transformers loads (collective under EP)."""
+    """Write the model in the hub layout transformers loads (collective under EP) into the
+    folder `path`: config.json, the index and this save's shards. Other files there
+    (tokenizer, README) are left alone; the previous save's shards are replaced."""
     from safetensors.torch import save_file
 
     rank, world = _world()
@@ -289,25 +346,27 @@ def save_hf_checkpoint(model: nn.Module, path: str) -> str:
         value = _gathered(state[p.name], expert=False)
         if rank == 0:
             tensors[p.hub_key] = value
-    ident = all_gather_records({"id": uuid.uuid4().hex[:12]})[0]["id"] if world > 1 else None
-    staging = f"{path.rstrip(os.sep)}.partial-{ident or uuid.uuid4().hex[:12]}"
-    os.makedirs(staging, exist_ok=True)
-    file = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
-    if tensors:
-        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-        save_file(cpu, os.path.join(staging, file), metadata={"format": "pt"})
-    keys = {k: file for k in tensors}
-    everyone = all_gather_records(keys) if world > 1 else [keys]
-    if rank == 0:
-        weight_map = {k: v for r in everyone for k, v in r.items()}
-        with open(os.path.join(staging, INDEX), "w") as f:
-            json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f)
-        model.config.to_json_file(os.path.join(staging, "config.json"))
-        old = f"{path.rstrip(os.sep)}.old-{uuid.uuid4().hex[:12]}"
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
+    lock, ident, previous = _begin(path, world)
+    error = ""
+    try:
+        staging = os.path.join(path, f"{STAGING}{ident}")
+        os.makedirs(staging, exist_ok=True)  # rank 0 made it; other nodes' view
+        file = f"model-{ident}-{rank + 1:05d}-of-{world:05d}.safetensors"
+        if tensors:
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+            save_file(cpu, os.path.join(staging, file), metadata={"format": "pt"})
+        keys = {k: file for k in tensors}
+        everyone = all_gather_records(keys) if world > 1 else [keys]
+        if lock is not None:
+            try:
+                _publish(model, path, staging, everyone, previous)
+            except OSError as e:
+                error = f"save_hf_checkpoint: publishing into {path} failed on rank 0: {e}"
+    finally:
+        if lock is not None:
+            lock.release()
     if world > 1:
-        dist.barrier()
+        error = all_gather_records({"error": error})[0]["error"]
+    if error:
+        raise OSError(error)
     return path

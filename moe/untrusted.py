@@ -1,0 +1,125 @@
+"""Reading files that may have been tampered with (checkpoint metadata, HF indexes and
+safetensors headers, settings files, cost profiles).
+
+Only regular files are opened (a FIFO would block, /dev/zero would never end), optionally
+only inside a directory (no link leading out), at most `max_bytes` are read, and JSON is
+parsed in time linear in the file with a bounded nesting depth (deep nesting would exhaust
+Python's stack) and without duplicate keys (json keeps the last silently). Every problem is
+one error, of the caller's type, naming the file and what is wrong.
+"""
+
+import json
+import os
+import re
+import stat
+
+import numpy as np
+
+MAX_DEPTH = 64
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class UntrustedFileError(ValueError):
+    """An untrusted file is missing, not a regular file, too large or malformed."""
+
+
+def _where(path, what: str) -> str:
+    return f"{what} {os.fspath(path)!r}" if what else repr(os.fspath(path))
+
+
+def open_regular(path, *, root=None, error: type = UntrustedFileError, what: str = ""):
+    """Open `path` for binary reading if it is a regular file (and, with `root`, if its real
+    path lies inside `root`); anything else is `error` naming the file."""
+    name = _where(path, what)
+    target = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if root is not None:
+        top, target = os.path.realpath(root), os.path.realpath(path)
+        if os.path.commonpath([top, target]) != top or target == top:
+            raise error(f"{name}: resolves to {target!r}, outside {top!r}")
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # the resolved path holds no link at its end
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError:
+        raise error(f"{name}: no such file") from None
+    except OSError as e:
+        raise error(f"{name}: cannot open: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        raise error(f"{name}: is {kind}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(
+    path, max_bytes: int, *, root=None, error: type = UntrustedFileError, what: str = ""
+) -> bytes:
+    """The whole content of a regular file of at most `max_bytes` bytes."""
+    with open_regular(path, root=root, error=error, what=what) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(max_bytes + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(data) > max_bytes:
+        raise error(f"{_where(path, what)}: larger than the limit of {max_bytes} bytes")
+    return data
+
+
+def json_depth(data: bytes) -> int:
+    """Deepest nesting of [ and { outside strings, in linear time without recursion."""
+    code = np.frombuffer(_STRING.sub(b'""', data), dtype=np.uint8)
+    opens = (code == ord("[")) | (code == ord("{"))
+    closes = (code == ord("]")) | (code == ord("}"))
+    step = opens.astype(np.int8) - closes.astype(np.int8)
+    step = step[opens | closes]
+    return int(np.cumsum(step, dtype=np.int64).max()) if step.size else 0
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def parse_json(
+    data: bytes, where: str, *, max_depth: int = MAX_DEPTH, error: type = UntrustedFileError
+):
+    """Decode JSON bytes from an untrusted source named `where`."""
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise error(f"{where}: JSON nested {depth} levels deep (at most {max_depth} allowed)")
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_object)
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text ({e})") from None
+    except _DuplicateKey as e:
+        raise error(f"{where}: key {e.args[0]!r:.100} appears twice in one JSON object") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; an int of too many digits
+        raise error(f"{where}: not valid JSON ({e})") from None
+
+
+def read_json(
+    path,
+    max_bytes: int,
+    *,
+    max_depth: int = MAX_DEPTH,
+    root=None,
+    error: type = UntrustedFileError,
+    what: str = "",
+):
+    """Parse the JSON file `path`: a regular file (inside `root` if given) of at most
+    `max_bytes` bytes, nested at most `max_depth` deep, without duplicate keys."""
+    data = read_bytes(path, max_bytes, root=root, error=error, what=what)
+    return parse_json(data, _where(path, what), max_depth=max_depth, error=error)
