@@ -37,6 +37,7 @@ def _configs() -> list[triton.Config]:
         c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
         c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
     ]
@@ -44,14 +45,17 @@ def _configs() -> list[triton.Config]:
 
 def _prune(configs, named_args, **kwargs):
     """Fit registers and shared memory. Activation epilogues (up, dact) keep at most 64 fp32
-    accumulator elements per thread per accumulator: more spills on sm_90 (checked with
-    cuobjdump on the compiled kernels). 4-byte (fp32) operands take half the K step."""
+    tile elements per thread: one accumulator, or for SwiGLU two (up: h and g; dact: the
+    accumulator beside the loaded h and g). More spills on sm_90: tools/triton_aot_check.py
+    compiles every kept config and fails on any stack byte. 4-byte (fp32) operands take half
+    the K step."""
     wide = named_args["a_ptr"].element_size() == 4
     act_epilogue = kwargs.get("EPILOGUE") in (EPI_ACT, EPI_ACT_BWD)
+    tiles = 2 if act_epilogue and kwargs.get("GATED") else 1
     kept = []
     for c in configs:
         per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
-        if act_epilogue and per_thread > 64:
+        if act_epilogue and per_thread * tiles > 64:
             continue
         if wide:
             meta = dict(c.kwargs, BLOCK_K=c.kwargs["BLOCK_K"] // 2)
