@@ -462,3 +462,30 @@ def test_ragged_reduce_two_outputs(name, prepermute):
         assert_close(db[e], b_e[:, :J].sum(0), torch.float32, f"db[{e}]")
         if hi == lo:
             assert torch.all(out[e] == 0) and torch.all(out2[e] == 0) and torch.all(db[e] == 0)
+
+
+TMA_CASES = {
+    # aligned rows (TMA taken) with empty experts, a dropped tail, one expert taking all rows
+    "swiglu-bias-aligned": ([5, 0, 17, 2], 2, 24, 40, "swiglu", True, True),
+    "gelu-no-gather-aligned": ([0, 0, 33, 0], 4, 16, 20, "gelu", False, False),
+    "M=1-aligned": ([0, 1], 0, 8, 12, "swiglu", False, True),
+    "unaligned-falls-back": ([3, 9], 1, 5, 7, "swiglu", True, True),
+}
+
+
+@pytest.mark.parametrize("name", list(TMA_CASES))
+def test_expert_mlp_tma_path(name, monkeypatch):
+    """MOE_TRITON_TMA=1: weight (and contiguous activation) tiles through tensor descriptors
+    (the sm_90 path, run here by the interpreter); outputs and every gradient vs float64."""
+    from moe.kernels.triton import grouped_mm
+
+    monkeypatch.setenv("MOE_TRITON_TMA", "1")
+    taken = []
+    real = grouped_mm.tma_ok
+    monkeypatch.setattr(grouped_mm, "tma_ok", lambda *a: taken.append(real(*a)) or taken[-1])
+    counts, tail, D, F, act, bias, gather = TMA_CASES[name]
+    check_case(make_case(counts, tail, D, F, act, bias, gather))
+    if name == "unaligned-falls-back":
+        assert taken and not any(taken)
+    else:
+        assert sum(taken) >= 3, taken  # up (or down), dact, dx all took TMA

@@ -179,18 +179,13 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
         )
     for role, (ints, flags) in roles.items():
         configs = rows._prune(rows._configs(), probe, **flags)
-        for cfg in configs[:1] if first_only else configs:
-            consts = dict(flags, DOT_F32=False, PRECISION="tf32", E_POW2=triton.next_power_of_2(E + 1),
-                          EVEN_K=ints["K"] % cfg.kwargs["BLOCK_K"] == 0, GROUP_M=8)  # fmt: skip
-            yield (
-                f"rows {role}",
-                rows._ragged_rows_kernel,
-                dict(base, **ints),
-                consts,
-                cfg,
-                True,
-                False,
-            )
+        for tma in (False, True):  # the pointer path (default) and the opt-in TMA path
+            for cfg in configs[:1] if first_only else configs:
+                consts = dict(flags, DOT_F32=False, PRECISION="tf32", E_POW2=triton.next_power_of_2(E + 1),
+                              EVEN_K=ints["K"] % cfg.kwargs["BLOCK_K"] == 0, GROUP_M=8, USE_TMA=tma,
+                              B_T=ints["stride_bn"] != 1)  # fmt: skip
+                label = f"rows {role}{' TMA' if tma else ''}"
+                yield label, rows._ragged_rows_kernel, dict(base, **ints), consts, cfg, True, tma
     yield from wgrad_variants(p, probe, M, D, E, F, first_only)
     if gelu:
         yield from misc_variants(p, M, D, T)

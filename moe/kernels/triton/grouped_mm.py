@@ -14,6 +14,8 @@ arithmetic is int64, so M*K, E*K*N may exceed 2**31. Any K, N >= 1 (masked loads
 are multiples of 16 (8 for 2-byte types with 16-byte rows) are the fast case on GPUs.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -64,9 +66,40 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
+@triton.jit
+def weight_desc(ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """TMA descriptor of the [E, K, N] weights; B_T: the memory is [E, N, K] (a w^T view)."""
+    if B_T:
+        desc = tl.make_tensor_descriptor(
+            ptr,
+            shape=[E, N, K],
+            strides=[stride_be, stride_bn, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+    else:
+        desc = tl.make_tensor_descriptor(
+            ptr,
+            shape=[E, K, N],
+            strides=[stride_be, stride_bk, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
+        )
+    return desc
+
+
+@triton.jit
+def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile of expert e at (k0, n0)."""
+    if B_T:
+        tile = tl.trans(desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+    else:
+        tile = desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    return tile
+
+
 @triton.autotune(
     configs=_configs(),
-    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER"],
+    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER", "USE_TMA", "B_T"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -78,6 +111,7 @@ def _ragged_rows_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
@@ -117,39 +151,82 @@ def _ragged_rows_kernel(
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
-    for kk in range(0, num_k):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = mma(a, b, acc, DOT_F32, PRECISION)
-        if GATED and EPILOGUE == 1:
-            if EVEN_K:
-                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+    if USE_TMA:
+        # TMA (sm_90): descriptors built on the device; reads past K / N / M are zero-filled.
+        # Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T views, B_T), so a tile
+        # never crosses into the next expert. Contiguous A rows: [M, K] (for dx, one per half
+        # of [dh | dg]); a last row tile may read the next expert's rows, whose outputs are
+        # never stored.
+        e32 = tl.minimum(seg, E - 1)
+        n0 = pid_n * BLOCK_N
+        b_desc = weight_desc(b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        b2_desc = weight_desc(
+            b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
+        )
+        if not GATHER:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+        for kk in range(0, num_k):
+            if GATHER:
+                a = tl.load(
+                    a_ptrs, mask=live[:, None] & (offs_k < K - kk * BLOCK_K)[None, :], other=0.0
+                )
             else:
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-        b2_ptrs += BLOCK_K * stride_bk
-    if GATED and EPILOGUE == 0:
-        # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
-        a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
-        b2_ptrs = b2_ptr + b_off
+                a = a_desc.load([row0, kk * BLOCK_K])
+            acc = mma(
+                a,
+                weight_tile(b_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N),
+                acc,
+                DOT_F32,
+                PRECISION,
+            )
+            if GATED and EPILOGUE == 1:
+                b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+        if GATED and EPILOGUE == 0:
+            a2_desc = tl.make_tensor_descriptor(
+                a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+            for kk in range(0, num_k):
+                a = a2_desc.load([row0, kk * BLOCK_K])
+                b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                acc = mma(a, b2, acc, DOT_F32, PRECISION)
+    else:
         for kk in range(0, num_k):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = offs_k < K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = mma(a, b2, acc, DOT_F32, PRECISION)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = mma(a, b, acc, DOT_F32, PRECISION)
+            if GATED and EPILOGUE == 1:
+                if EVEN_K:
+                    b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
             a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
             b2_ptrs += BLOCK_K * stride_bk
+        if GATED and EPILOGUE == 0:
+            # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
+            a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
+            b2_ptrs = b2_ptr + b_off
+            for kk in range(0, num_k):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                    b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < K - kk * BLOCK_K
+                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                    b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = mma(a, b2, acc, DOT_F32, PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b2_ptrs += BLOCK_K * stride_bk
 
     if HAS_BIAS:
         bias_ok = offs_n < tl.where(is_expert, N, 0)
@@ -194,6 +271,7 @@ def ragged_mm(
     pre: torch.Tensor | None = None,
     save_pre: bool = False,
     gated: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Launch the ragged-rows kernel; `out` has one row per expert row (M = out.shape[0]).
 
@@ -202,6 +280,9 @@ def ragged_mm(
     times b2. `gated` (swiglu): the up/dx roles need b2; the dact role (EPILOGUE=2) reads h and g
     from `pre` ([M, 2N]) and writes dh, dg into `out` ([M, 2N]). b_EKN / b2_EKN may be strided
     views (w^T). `out` and `pre` need unit column stride. Returns `out`.
+    tma: load weight tiles (and contiguous A tiles) through tensor descriptors. Default: off
+    unless MOE_TRITON_TMA=1 on an sm_90+ GPU (not yet run on a GPU; the interpreter runs it);
+    used only where TMA's 16-byte alignment holds.
     """
     M, E = out.shape[0], offsets_E.shape[0]
     K, N = b_EKN.shape[1], b_EKN.shape[2]
@@ -213,6 +294,11 @@ def ragged_mm(
     assert out.stride(1) == 1 and (pre is None or pre.stride(1) == 1)
     dot_f32, precision = dot_flags(a_MK.dtype)
     pre_t = pre if pre is not None else out
+    b_t = b_EKN.stride(2) != 1
+    use_tma = tma_ok(a_MK, b_EKN, b2_EKN, K, gated and epilogue == EPI_PLAIN, idx_M is not None)
+    use_tma = use_tma and (tma_default(a_MK.device) if tma is None else tma)
+    if use_tma and not interpreting():
+        ensure_allocator()
     grid = lambda meta: (max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     _ragged_rows_kernel[grid](
         a_MK, idx_M if idx_M is not None else offsets_E, b_EKN,
@@ -223,6 +309,43 @@ def ragged_mm(
         bias_EN.stride(0) if bias_EN is not None else 0, pre_t.stride(0), out.stride(0),
         EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
         HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, DOT_F32=dot_f32, PRECISION=precision,
-        E_POW2=e_pow2(E), GROUP_M=8,
+        E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t,
     )  # fmt: skip
     return out
+
+
+def tma_default(device: torch.device) -> bool:
+    """The TMA path is opt-in (MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
+    sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
+    if os.environ.get("MOE_TRITON_TMA", "0") != "1":
+        return False
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_ok(a_MK, b_EKN, b2_EKN, K: int, split_a: bool, gather: bool) -> bool:
+    """TMA needs a unit-stride last dimension and 16-byte aligned strides and bases."""
+    es = b_EKN.element_size()
+    b_strides = sorted(b_EKN.stride()[1:])
+    if b_strides[0] != 1 or b_strides[1] * es % 16 or b_EKN.stride(0) * es % 16:
+        return False
+    bases = [b_EKN] + ([b2_EKN] if b2_EKN is not None else [])
+    if not gather:
+        if a_MK.stride(1) != 1 or a_MK.stride(0) * es % 16 or (split_a and K * es % 16):
+            return False
+        bases.append(a_MK)
+    return all(t.data_ptr() % 16 == 0 for t in bases)
+
+
+_ALLOCATOR_SET = False
+
+
+def ensure_allocator() -> None:
+    """Device-built tensor descriptors need global scratch (Triton's persistent matmul tutorial)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+        )
+        _ALLOCATOR_SET = True
