@@ -56,6 +56,24 @@ def cuda_time(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+PROFILES: list[str] = []
+
+
+def profile(step, steps: int = 3) -> str:
+    """The kernels of `steps` fwd+bwd steps by self device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
+
+
 def _empty_cache() -> None:
     if DEV == "cuda":
         torch.cuda.empty_cache()
@@ -125,6 +143,8 @@ def candidates(s, args, dtype, state):
         "titan-style": (lambda: titan(s, dtype, state), True),
         "moe triton": (lambda: moe_layer(s, "triton", dtype), True),
         "moe torch": (lambda: moe_layer(s, "torch", dtype), True),
+        # the opt-in TMA path (MOE_TRITON_TMA=1 while this candidate runs)
+        "moe triton TMA": (lambda: moe_layer(s, "triton", dtype), True),
     }
     if not args.no_compile:
         for name in ("titan-style", "moe triton", "moe torch"):
@@ -165,6 +185,8 @@ def reference(s, x_TD, dy_TD, state):
 def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
     _empty_cache()
     t0, ms = time.perf_counter(), None
+    env_before = os.environ.get("MOE_TRITON_TMA")
+    os.environ["MOE_TRITON_TMA"] = "1" if "TMA" in name else "0"
     try:
         module = build()
         if shares and "titan" not in name:  # titan-style loads it when built
@@ -193,6 +215,8 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
             w1 = getattr(module, "_orig_mod", module)
             w1 = w1.experts.w1 if hasattr(w1, "experts") else w1.w1
             errs = [rel_err(y, ref[0]), rel_err(x.grad, ref[1]), rel_err(w1.grad, ref[2])]
+        if args.profile and name in ("moe triton", "moe triton TMA"):
+            PROFILES.append(f"### {s.name}, {name}\n\n```\n{profile(step)}\n```\n")
         tflops = expert_flops(s) / ms / 1e9
         row = (
             f"| {s.name} | {name} | {ms:.2f} | {tflops:.0f} | {peak:.0f} | "
@@ -207,6 +231,10 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
         msg = str(e).splitlines()[0][:100] if str(e) else ""
         row = f"| {s.name} | {name} | failed: {type(e).__name__}: {msg} | | | | |"
     finally:
+        if env_before is None:
+            os.environ.pop("MOE_TRITON_TMA", None)
+        else:
+            os.environ["MOE_TRITON_TMA"] = env_before
         module = x = y = None  # noqa: F841
         gc.collect()
         _empty_cache()
@@ -222,6 +250,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="no compile, no peers, 5 iterations")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile moe triton (and TMA) per shape: top kernels in the report",
+    )
     p.add_argument("--only", default="", help="comma-separated candidate names to run")
     p.add_argument("--no-roles", action="store_true", help="skip the GEMM-role table")
     p.add_argument("--smoke-cpu", action="store_true", help="tests only: run every candidate on "
@@ -283,6 +316,8 @@ def main(argv=None) -> int:
         "| shape | candidate | fwd+bwd ms | TFLOP/s | peak MiB | err y | err dx | err dW1 | wall |"
     )
     lines += [head, "|---|---|---|---|---|---|---|---|---|", *rows, "", *notes, ""]
+    if PROFILES:
+        lines += ["## Profiles (3 fwd+bwd steps, kernels by self device time)", "", *PROFILES]
     if not args.no_roles:
         lines += [
             "## GEMM roles alone: moe Triton vs CUTLASS (torch._grouped_mm)",

@@ -10,9 +10,14 @@ CUTLASS runs on the permuted rows (no gather, no epilogue): a lower bound on its
 import torch
 
 ROLES = ("up", "down", "dact", "dx", "wgrad13", "wgrad2")
+# Triton-only variants timed beside them: the opt-in TMA path, and the weight gradient as it was
+# before the rebuild (x gathered in the loop, dW1 and dW3 in two launches).
+VARIANTS = {"up TMA": "up", "down TMA": "down", "dact TMA": "dact", "dx TMA": "dx",
+            "wgrad13 gathered, 2 launches": "wgrad13"}  # fmt: skip
 
 
 def role_flops(role: str, M: int, d: int, F: int) -> int:
+    role = VARIANTS.get(role, role)
     n = {"up": 2 * F, "down": d, "dact": F, "dx": d, "wgrad13": 2 * F, "wgrad2": d}[role]
     k = {"up": d, "down": F, "dact": d, "dx": 2 * F, "wgrad13": d, "wgrad2": F}[role]
     return 2 * M * k * n
@@ -48,22 +53,59 @@ def _triton_calls(t, E, d, F):
     M = t["token"].shape[0]
     act, pre, dpre = (t["x"].new_empty(M, n) for n in (F, 2 * F, 2 * F))
     out, dx = t["x"].new_empty(M, d), t["x"].new_empty(M, d)
-    dw13, dw2 = t["x"].new_empty(E, d, 2 * F), t["x"].new_empty(E, F, d)
+    dw13, dw2 = t["x"].new_empty(E, d, 2 * F), t["x"].new_empty(E, F, d)  # dW1 | dW3 views
     off, w1, w3, w2 = t["offsets"], t["w1"], t["w3"], t["w2"]
-    return {
-        "up": lambda: ragged_mm(t["x"], w1, off, act, epilogue=EPI_ACT, act=sw, b2_EKN=w3,
-                                idx_M=t["token"], pre=pre, save_pre=True, gated=True),
-        "down": lambda: ragged_mm(t["act"], w2, off, out),
-        "dact": lambda: ragged_mm(t["dout"], w2.transpose(1, 2), off, dpre, epilogue=EPI_ACT_BWD,
-                                  act=sw, pre=t["pre"], gated=True),
-        "dx": lambda: ragged_mm(t["pre"], w1.transpose(1, 2), off, dx,
-                                b2_EKN=w3.transpose(1, 2), gated=True),
-        "wgrad13": lambda: (
-            ragged_reduce_mm(t["x"], t["pre"][:, :F], off, dw13[:, :, :F], idx_M=t["token"]),
-            ragged_reduce_mm(t["x"], t["pre"][:, F:], off, dw13[:, :, F:], idx_M=t["token"]),
-        ),
-        "wgrad2": lambda: ragged_reduce_mm(t["act"], t["dout"], off, dw2),
-    }  # fmt: skip
+    dw1, dw3 = dw13[:, :, :F], dw13[:, :, F:]
+    calls = {}
+    for tma, suffix in ((False, ""), (True, " TMA")):
+        calls.update(
+            {
+                "up" + suffix: lambda tma=tma: ragged_mm(
+                    t["x"],
+                    w1,
+                    off,
+                    act,
+                    epilogue=EPI_ACT,
+                    act=sw,
+                    b2_EKN=w3,
+                    idx_M=t["token"],
+                    pre=pre,
+                    save_pre=True,
+                    gated=True,
+                    tma=tma,
+                ),
+                "down" + suffix: lambda tma=tma: ragged_mm(t["act"], w2, off, out, tma=tma),
+                "dact" + suffix: lambda tma=tma: ragged_mm(
+                    t["dout"],
+                    w2.transpose(1, 2),
+                    off,
+                    dpre,
+                    epilogue=EPI_ACT_BWD,
+                    act=sw,
+                    pre=t["pre"],
+                    gated=True,
+                    tma=tma,
+                ),
+                "dx" + suffix: lambda tma=tma: ragged_mm(
+                    t["pre"],
+                    w1.transpose(1, 2),
+                    off,
+                    dx,
+                    b2_EKN=w3.transpose(1, 2),
+                    gated=True,
+                    tma=tma,
+                ),
+            }
+        )
+    calls["wgrad13"] = lambda: ragged_reduce_mm(
+        t["x"], t["pre"], off, dw1, idx_M=t["token"], out2_EIJ=dw3
+    )
+    calls["wgrad13 gathered, 2 launches"] = lambda: (
+        ragged_reduce_mm(t["x"], t["pre"][:, :F], off, dw1, idx_M=t["token"], prepermute=False),
+        ragged_reduce_mm(t["x"], t["pre"][:, F:], off, dw3, idx_M=t["token"], prepermute=False),
+    )
+    calls["wgrad2"] = lambda: ragged_reduce_mm(t["act"], t["dout"], off, dw2)
+    return calls  # fmt: skip
 
 
 def _cutlass_calls(t, E, d, F):
@@ -94,10 +136,10 @@ def role_table(shape, time_fn, device, dtype=torch.bfloat16) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the report says why
         return [f"| {s.name} | all | triton unavailable: {type(e).__name__}: {e} | | | | |"]
     theirs = _cutlass_calls(t, s.E, s.d, s.F)
-    for role in ROLES:
+    for role in (*ROLES, *VARIANTS):
         fl = role_flops(role, M, s.d, s.F)
         cells = []
-        for fn in (ours[role], theirs[role]):
+        for fn in (ours[role], theirs[VARIANTS.get(role, role)]):
             try:
                 ms = time_fn(fn)
                 cells.append((ms, fl / ms / 1e9))

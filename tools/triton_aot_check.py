@@ -13,11 +13,14 @@ reads the facts that decide Hopper speed from the compiled kernel:
             inside the loop is a full drain every iteration, i.e. no overlap)
 
   python -m tools.triton_aot_check [--arch 90] [--dtype bf16] [--shapes mixtral,...] [--first]
+                                   [--jobs N]   (parallel compiles; identical ones run once)
 Must run with TRITON_INTERPRET unset. Exit status 1 if, on sm_90+, a GEMM variant lacks wgmma,
 a TMA role lacks TMA, any GEMM config spills, or a GEMM main loop is not pipelined; 2 on misuse.
 """
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import subprocess
@@ -107,8 +110,8 @@ def unpipelined_loops(ttgir: str) -> list[str]:
     return problems
 
 
-def compile_variant(kernel, args: dict, consts: dict, config, target, cache: dict) -> dict:
-    """args: name -> pointer type string, or the int value the JIT would see."""
+def _spec(kernel, args: dict, consts: dict, config):
+    """What triton.compile gets for one variant, and a key equal for identical compiles."""
     fn = _jit_fn(kernel)
     consts = dict(consts)
     options = {}
@@ -132,6 +135,12 @@ def compile_variant(kernel, args: dict, consts: dict, config, target, cache: dic
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     key = (fn.__name__, repr(sorted(consts.items())), repr(signature), repr(attrs), repr(options))
+    return fn, signature, consts, attrs, options, key
+
+
+def compile_variant(kernel, args: dict, consts: dict, config, target, cache: dict) -> dict:
+    """args: name -> pointer type string, or the int value the JIT would see."""
+    fn, signature, consts, attrs, options, key = _spec(kernel, args, consts, config)
     if key in cache:
         return cache[key]
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
@@ -146,6 +155,21 @@ def compile_variant(kernel, args: dict, consts: dict, config, target, cache: dic
         unpipelined=unpipelined_loops(compiled.asm["ttgir"]),
     )
     return r
+
+
+def _all_variants(dtype: str, shapes: list[str], first: bool) -> list[tuple]:
+    return [
+        (name, v)
+        for i, name in enumerate(shapes)
+        for v in variants(dtype, SHAPES[name], first, gelu=i == 0)
+    ]
+
+
+def _compile_job(job):
+    """Worker: compile variant number `index` of the same list the parent built."""
+    dtype, shapes, first, arch, index = job
+    _, (label, kernel, kargs, consts, cfg, _, _) = _all_variants(dtype, shapes, first)[index]
+    return compile_variant(kernel, kargs, consts, cfg, GPUTarget("cuda", arch, 32), {})
 
 
 def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
@@ -242,6 +266,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {tuple(SHAPES)}")
     parser.add_argument("--first", action="store_true", help="only the first pruned config")
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4), help="compilers")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -249,24 +274,32 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this check compiles the kernels", file=sys.stderr)
         return 2
-    target = GPUTarget("cuda", args.arch, 32)
-    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.dtype}")
-    cache, bad = {}, 0
-    for i, name in enumerate(args.shapes.split(",")):
-        print(f"-- {name} (T, d, E, k, F) = {SHAPES[name]}")
-        for label, kernel, kargs, consts, cfg, is_gemm, wants_tma in variants(
-            args.dtype, SHAPES[name], args.first, gelu=i == 0
-        ):
-            r = compile_variant(kernel, kargs, consts, cfg, target, cache)
-            shape = "" if cfg is None else " ".join(str(v) for v in cfg.kwargs.values())
-            shape += "" if cfg is None else f" w{cfg.num_warps}s{cfg.num_stages}"
-            res = r["res"]
-            regs = f"regs {res['regs']:3d} stack {res['stack']:3d}" if res else "regs ?"
-            problems = failures(r, is_gemm, wants_tma, args.arch)
-            bad += bool(problems)
-            print(f"{label:28s} {shape:20s} wgmma {r['wgmma']!s:5s} tma {r['tma']!s:5s} "
-                  f"shared {r['shared']:6d} {regs}  {'FAIL: ' + '; '.join(problems) if problems else 'ok'}")  # fmt: skip
-    print(f"{bad} failing variant(s)" if bad else "all GEMM variants pass")
+    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.dtype}", flush=True)
+    shapes = args.shapes.split(",")
+    todo = _all_variants(args.dtype, shapes, args.first)
+    first_of = {}  # compile key -> index of its first variant: identical compiles run once
+    for index, (_, (_label, kernel, kargs, consts, cfg, _, _)) in enumerate(todo):
+        first_of.setdefault(_spec(kernel, kargs, consts, cfg)[-1], index)
+    jobs = [(args.dtype, shapes, args.first, args.arch, i) for i in first_of.values()]
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max(args.jobs, 1), mp_context=ctx) as pool:
+        done = dict(zip(first_of, pool.map(_compile_job, jobs)))
+    bad, current = 0, None
+    for name, (label, kernel, kargs, consts, cfg, is_gemm, wants_tma) in todo:
+        if name != current:
+            current = name
+            print(f"-- {name} (T, d, E, k, F) = {SHAPES[name]}")
+        r = done[_spec(kernel, kargs, consts, cfg)[-1]]
+        shape = "" if cfg is None else " ".join(str(v) for v in cfg.kwargs.values())
+        shape += "" if cfg is None else f" w{cfg.num_warps}s{cfg.num_stages}"
+        res = r["res"]
+        regs = f"regs {res['regs']:3d} stack {res['stack']:3d}" if res else "regs ?"
+        problems = failures(r, is_gemm, wants_tma, args.arch)
+        bad += bool(problems)
+        print(f"{label:32s} {shape:18s} wgmma {r['wgmma']!s:5s} tma {r['tma']!s:5s} "
+              f"shared {r['shared']:6d} {regs}  {'FAIL: ' + '; '.join(problems) if problems else 'ok'}")  # fmt: skip
+    print(f"{len(todo)} variants, {len(jobs)} distinct compiles: ", end="")
+    print(f"{bad} failing" if bad else "all GEMM variants pass")
     return 1 if bad else 0
 
 
