@@ -48,16 +48,17 @@ def _configs() -> list[triton.Config]:
 def _prune(configs, named_args, **kwargs):
     """Fit registers and shared memory. Activation epilogues (up, dact) keep at most 64 fp32
     tile elements per thread: one accumulator, or for SwiGLU two (up: h and g; dact: the
-    accumulator beside the loaded h and g). More spills on sm_90: tools/triton_aot_check.py
-    compiles every kept config and fails on any stack byte. 4-byte (fp32) operands take half
-    the K step."""
+    accumulator beside the loaded h and g); so does SwiGLU's dx (two K loops: triton 3.6 spills
+    128x128 on 4 warps). More spills on sm_90: tools/triton_aot_check.py compiles every kept
+    config and fails on any stack byte. 4-byte (fp32) operands take half the K step."""
     wide = named_args["a_ptr"].element_size() == 4
     act_epilogue = kwargs.get("EPILOGUE") in (EPI_ACT, EPI_ACT_BWD)
     tiles = 2 if act_epilogue and kwargs.get("GATED") else 1
+    two_loops = kwargs.get("EPILOGUE") == EPI_PLAIN and kwargs.get("GATED")  # dx of SwiGLU
     kept = []
     for c in configs:
         per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
-        if act_epilogue and per_thread * tiles > 64:
+        if (act_epilogue or two_loops) and per_thread * tiles > 64:
             continue
         if wide:
             meta = dict(c.kwargs, BLOCK_K=c.kwargs["BLOCK_K"] // 2)
