@@ -47,6 +47,10 @@ def test_reads_resources_and_flags_failures():
     r = dict(wgmma=False, tma=False, res=dict(regs=96, stack=0, local=0), unpipelined=["x"])
     assert aot.failures(r, True, True, 90) == ["no wgmma", "no TMA", "x"]
     assert aot.failures(r, False, True, 90) == [] and aot.failures(r, True, True, 80) == []
+    r = dict(wgmma=True, tma=True, res={}, unpipelined=[])  # no cuobjdump: cannot pass
+    assert aot.failures(r, True, True, 90) == [
+        "no resource usage (cuobjdump missing or unreadable): spills unchecked"
+    ]
 
 
 SNIPPET = """

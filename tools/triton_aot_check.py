@@ -252,7 +252,9 @@ def failures(r: dict, is_gemm: bool, wants_tma: bool, arch: int) -> list[str]:
     bad = [] if r["wgmma"] else ["no wgmma"]
     if wants_tma and not r["tma"]:
         bad.append("no TMA")
-    if r["res"].get("stack", 0) or r["res"].get("local", 0):
+    if not r["res"]:
+        bad.append("no resource usage (cuobjdump missing or unreadable): spills unchecked")
+    elif r["res"].get("stack", 0) or r["res"].get("local", 0):
         bad.append(f"spills ({r['res']['stack']} B stack, {r['res'].get('local', 0)} B local)")
     bad += r["unpipelined"]
     return bad
