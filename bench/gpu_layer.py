@@ -1,11 +1,14 @@
 """One MoE FFN layer (SwiGLU experts, bf16, dropless) forward + backward on one CUDA GPU, side
 by side in one run: a dense SwiGLU FFN of equal active FLOPs (width k*F), a torchtitan-style
 layer (bench/titan_style.py), DeepSpeed-MoE (capacity 1.0) and Tutel (capacity 0) when they
-import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd.
+import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd, and
+backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs).
 
-    python bench/gpu_layer.py                       # the four shapes, everything (< 5 min, H100)
+    python bench/gpu_layer.py                       # the four shapes, everything (target < 5 min
+                                                    # on one H100, not yet measured; --max-minutes)
     python bench/gpu_layer.py --quick               # no compile, no peers, fewer iterations
     python bench/gpu_layer.py --shapes mixtral,512/256/8/2/384 --iters 20
+    python bench/gpu_layer.py --profile             # + torch.profiler kernel tables (moe triton)
 
 Per candidate: median fwd+bwd ms from CUDA events after warm-up, expert TFLOP/s, peak MiB
 (torch.cuda.max_memory_allocated over one step, only that candidate resident), and the
@@ -117,7 +120,7 @@ def deepspeed_layer(s, dtype):
 
     _init_dist()
     torch.manual_seed(0)
-    layer = MoE(s.d, SwiGLU(s.d, s.F), num_experts=s.E, ep_size=1, k=s.k, capacity_factor=1.0,
+    layer = MoE(s.d, SwiGLU(s.d, s.F, device=DEV, dtype=dtype), num_experts=s.E, ep_size=1, k=s.k, capacity_factor=1.0,
                 eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True, use_rts=False)  # fmt: skip
     return _First(layer, batch_dim=True).to(DEV, dtype)
 
@@ -147,7 +150,7 @@ def candidates(s, args, dtype, state):
         "moe triton TMA": (lambda: moe_layer(s, "triton", dtype), True),
     }
     if not args.no_compile:
-        for name in ("titan-style", "moe triton", "moe torch"):
+        for name in ("moe triton", "moe torch"):
             build, shares = c[name]
             c[name + " compiled"] = (lambda b=build: torch.compile(b()), shares)
     notes = []
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="also profile moe triton (and TMA) per shape: top kernels in the report",
     )
+    p.add_argument("--max-minutes", type=float, default=4.5, help="past this, skip the remaining "
+                   "compiled candidates and peers (their rows say so)")  # fmt: skip
     p.add_argument("--only", default="", help="comma-separated candidate names to run")
     p.add_argument("--no-roles", action="store_true", help="skip the GEMM-role table")
     p.add_argument("--smoke-cpu", action="store_true", help="tests only: run every candidate on "
@@ -288,6 +293,7 @@ def main(argv=None) -> int:
         "",
     ]
     rows, notes = [], []
+    t_start = time.perf_counter()
     for s in shapes:
         g = torch.Generator(device=DEV).manual_seed(1)
         x_TD = torch.randn(s.T, s.d, device=DEV, dtype=dtype, generator=g)
@@ -303,6 +309,10 @@ def main(argv=None) -> int:
         notes += [n for n in shape_notes if n not in notes]
         times = {}
         for name, (build, shares) in cands.items():
+            optional = name.endswith("compiled") or not shares and name != "dense"
+            if optional and time.perf_counter() - t_start > 60 * args.max_minutes:
+                rows.append(f"| {s.name} | {name} | skipped: over --max-minutes | | | | | | |")
+                continue
             row, ms = run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args)
             rows.append(row)
             times[name] = ms
@@ -330,6 +340,7 @@ def main(argv=None) -> int:
             table = role_table(s, lambda fn: cuda_time(fn, args.iters, args.warmup), DEV)
             print("\n".join(table), flush=True)
             lines += table
+    lines.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
     out_dir = os.environ.get("OUT")
     if args.smoke_cpu:
