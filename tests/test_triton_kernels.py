@@ -470,6 +470,7 @@ TMA_CASES = {
     "gelu-no-gather-aligned": ([0, 0, 33, 0], 4, 16, 20, "gelu", False, False),
     "M=1-aligned": ([0, 1], 0, 8, 12, "swiglu", False, True),
     "unaligned-falls-back": ([3, 9], 1, 5, 7, "swiglu", True, True),
+    "bf16-swiglu-aligned": ([6, 0, 11], 3, 16, 24, "swiglu", False, True),
 }
 
 
@@ -484,7 +485,8 @@ def test_expert_mlp_tma_path(name, monkeypatch):
     real = grouped_mm.tma_ok
     monkeypatch.setattr(grouped_mm, "tma_ok", lambda *a: taken.append(real(*a)) or taken[-1])
     counts, tail, D, F, act, bias, gather = TMA_CASES[name]
-    check_case(make_case(counts, tail, D, F, act, bias, gather))
+    dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
+    check_case(make_case(counts, tail, D, F, act, bias, gather, dtype=dtype), dtype)
     if name == "unaligned-falls-back":
         assert taken and not any(taken)
     else:
