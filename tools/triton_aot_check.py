@@ -181,7 +181,7 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     probe = {"a_ptr": torch.empty(0, dtype=DTYPES[dtype])}
     mb = triton.next_power_of_2(M)
     base = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, b2_ptr=p, bias_ptr=p, pre_ptr=p, out_ptr=p,
-                offsets_ptr="*i32", M=M, E=E, M_BUCKET=mb, stride_biase=F)  # fmt: skip
+                offsets_ptr="*i32", M=M, E=E, M_BUCKET=mb, stride_biase=F, NUM_PROGS=132)  # fmt: skip
     up = dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=F, stride_bn=1)
     roles = {
         "up swiglu (gather)": (dict(up, stride_pm=2 * F, stride_om=F),

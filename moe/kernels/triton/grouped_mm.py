@@ -98,6 +98,161 @@ def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK
     return tile
 
 
+@triton.jit
+def _rows_tile(
+    pid, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, M_BUCKET,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One output tile (virtual row tile x column tile) of the ragged-rows GEMM."""
+    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
+    # each expert's weight tiles are reused from L2.
+    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
+    num_pid_n = tlx.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
+    if seg <= E:  # else: a virtual tile past the real ones
+        is_expert = seg < E
+        # Vector compares only (the interpreter mistypes vector & scalar-bool masks).
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seg_end
+        live = offs_m < tl.where(is_expert, seg_end, 0)  # rows read: none in the tail segment
+        rows = offs_m.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        e64 = tl.minimum(seg, E - 1).to(tl.int64)
+
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
+        else:
+            src = rows
+        a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+        k64, n64 = offs_k.to(tl.int64), offs_n.to(tl.int64)
+        b_off = e64 * stride_be + k64[:, None] * stride_bk + n64[None, :] * stride_bn
+        b_ptrs = b_ptr + b_off
+        b2_ptrs = b2_ptr + b_off
+        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
+        if USE_TMA:
+            # TMA (sm_90): descriptors built on the device; reads past K / N / M are zero-filled.
+            # Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T views, B_T), so a tile
+            # never crosses into the next expert. Contiguous A rows: [M, K] (for dx, one per half
+            # of [dh | dg]); a last row tile may read the next expert's rows, whose outputs are
+            # never stored.
+            e32 = tl.minimum(seg, E - 1)
+            n0 = pid_n * BLOCK_N
+            b_desc = weight_desc(
+                b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
+            )
+            b2_desc = weight_desc(
+                b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
+            )
+            if not GATHER:
+                a_desc = tl.make_tensor_descriptor(
+                    a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
+            for kk in range(0, num_k):
+                if GATHER:
+                    a = tl.load(
+                        a_ptrs, mask=live[:, None] & (offs_k < K - kk * BLOCK_K)[None, :], other=0.0
+                    )
+                else:
+                    a = a_desc.load([row0, kk * BLOCK_K])
+                acc = mma(
+                    a,
+                    weight_tile(b_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N),
+                    acc,
+                    DOT_F32,
+                    PRECISION,
+                )
+                if GATED and EPILOGUE == 1:
+                    b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                    acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+            if GATED and EPILOGUE == 0:
+                a2_desc = tl.make_tensor_descriptor(
+                    a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
+                for kk in range(0, num_k):
+                    a = a2_desc.load([row0, kk * BLOCK_K])
+                    b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                    acc = mma(a, b2, acc, DOT_F32, PRECISION)
+        else:
+            for kk in range(0, num_k):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < K - kk * BLOCK_K
+                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = mma(a, b, acc, DOT_F32, PRECISION)
+                if GATED and EPILOGUE == 1:
+                    if EVEN_K:
+                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                    else:
+                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+                b2_ptrs += BLOCK_K * stride_bk
+            if GATED and EPILOGUE == 0:
+                # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
+                a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
+                b2_ptrs = b2_ptr + b_off
+                for kk in range(0, num_k):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                    else:
+                        k_ok = offs_k < K - kk * BLOCK_K
+                        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc = mma(a, b2, acc, DOT_F32, PRECISION)
+                    a_ptrs += BLOCK_K * stride_ak
+                    b2_ptrs += BLOCK_K * stride_bk
+
+        if HAS_BIAS:
+            bias_ok = offs_n < tl.where(is_expert, N, 0)
+            bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out_mask = row_ok[:, None] & n_ok[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        out_ty = out_ptr.dtype.element_ty
+        if EPILOGUE == 0:
+            tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
+        elif EPILOGUE == 1:
+            if SAVE_PRE:
+                pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+                tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
+                if GATED:
+                    tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
+            tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
+        else:
+            pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+            pre_mask = live[:, None] & n_ok[None, :]
+            h = tl.load(pre_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
+            g = h
+            if GATED:
+                g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
+            dh, dg = act_bwd(acc, h, g, ACT)
+            tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
+            if GATED:
+                tl.store(out_ptrs + N, dg.to(out_ty), mask=out_mask)
+
+
 @triton.autotune(
     configs=_configs(),
     key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER", "USE_TMA", "B_T"],
@@ -112,150 +267,22 @@ def _ragged_rows_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, B_T: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr, NUM_PROGS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
-    # each expert's weight tiles are reused from L2.
-    pid = tl.program_id(0)
-    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
-    num_pid_n = tlx.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
-    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
-    if seg > E:
-        return
-    is_expert = seg < E
-    # Vector compares only (the interpreter mistypes vector & scalar-bool masks).
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < seg_end
-    live = offs_m < tl.where(is_expert, seg_end, 0)  # rows read: none in the tail segment
-    rows = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    e64 = tl.minimum(seg, E - 1).to(tl.int64)
-
-    if GATHER:
-        src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
-    else:
-        src = rows
-    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
-    k64, n64 = offs_k.to(tl.int64), offs_n.to(tl.int64)
-    b_off = e64 * stride_be + k64[:, None] * stride_bk + n64[None, :] * stride_bn
-    b_ptrs = b_ptr + b_off
-    b2_ptrs = b2_ptr + b_off
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
     if USE_TMA:
-        # TMA (sm_90): descriptors built on the device; reads past K / N / M are zero-filled.
-        # Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T views, B_T), so a tile
-        # never crosses into the next expert. Contiguous A rows: [M, K] (for dx, one per half
-        # of [dh | dg]); a last row tile may read the next expert's rows, whose outputs are
-        # never stored.
-        e32 = tl.minimum(seg, E - 1)
-        n0 = pid_n * BLOCK_N
-        b_desc = weight_desc(b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
-        b2_desc = weight_desc(
-            b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
-        )
-        if not GATHER:
-            a_desc = tl.make_tensor_descriptor(
-                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-            )
-        for kk in range(0, num_k):
-            if GATHER:
-                a = tl.load(
-                    a_ptrs, mask=live[:, None] & (offs_k < K - kk * BLOCK_K)[None, :], other=0.0
-                )
-            else:
-                a = a_desc.load([row0, kk * BLOCK_K])
-            acc = mma(
-                a,
-                weight_tile(b_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N),
-                acc,
-                DOT_F32,
-                PRECISION,
-            )
-            if GATED and EPILOGUE == 1:
-                b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
-                acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-        if GATED and EPILOGUE == 0:
-            a2_desc = tl.make_tensor_descriptor(
-                a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-            )
-            for kk in range(0, num_k):
-                a = a2_desc.load([row0, kk * BLOCK_K])
-                b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
-                acc = mma(a, b2, acc, DOT_F32, PRECISION)
+        # Persistent (the sm_90 path): NUM_PROGS programs (one per SM) stride over the tiles.
+        total = (tlx.cdiv(M, BLOCK_M) + E) * tlx.cdiv(N, BLOCK_N)
+        for pid in range(tl.program_id(0), total, NUM_PROGS):
+            _rows_tile(pid, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+                M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
+                stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+                PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
     else:
-        for kk in range(0, num_k):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = mma(a, b, acc, DOT_F32, PRECISION)
-            if GATED and EPILOGUE == 1:
-                if EVEN_K:
-                    b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-            b2_ptrs += BLOCK_K * stride_bk
-        if GATED and EPILOGUE == 0:
-            # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
-            a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
-            b2_ptrs = b2_ptr + b_off
-            for kk in range(0, num_k):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                    b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < K - kk * BLOCK_K
-                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                    b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc = mma(a, b2, acc, DOT_F32, PRECISION)
-                a_ptrs += BLOCK_K * stride_ak
-                b2_ptrs += BLOCK_K * stride_bk
-
-    if HAS_BIAS:
-        bias_ok = offs_n < tl.where(is_expert, N, 0)
-        bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    out_mask = row_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    out_ty = out_ptr.dtype.element_ty
-    if EPILOGUE == 0:
-        tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
-    elif EPILOGUE == 1:
-        if SAVE_PRE:
-            pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
-            tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
-            if GATED:
-                tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
-        tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
-    else:
-        pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
-        pre_mask = live[:, None] & n_ok[None, :]
-        h = tl.load(pre_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
-        g = h
-        if GATED:
-            g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
-        dh, dg = act_bwd(acc, h, g, ACT)
-        tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
-        if GATED:
-            tl.store(out_ptrs + N, dg.to(out_ty), mask=out_mask)
+        _rows_tile(tl.program_id(0), a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+            M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
+            stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+            PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
 
 
 def ragged_mm(
@@ -300,7 +327,12 @@ def ragged_mm(
     use_tma = use_tma and (tma_default(a_MK.device) if tma is None else tma)
     if use_tma and not interpreting():
         ensure_allocator()
-    grid = lambda meta: (max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    num_progs = persistent_programs(a_MK.device)
+
+    def grid(meta):
+        tiles = max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, num_progs),) if use_tma else (tiles,)
+
     _ragged_rows_kernel[grid](
         a_MK, idx_M if idx_M is not None else offsets_E, b_EKN,
         b2_EKN if b2_EKN is not None else b_EKN, bias_EN if bias_EN is not None else b_EKN,
@@ -310,7 +342,7 @@ def ragged_mm(
         bias_EN.stride(0) if bias_EN is not None else 0, pre_t.stride(0), out.stride(0),
         EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
         HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, DOT_F32=dot_f32, PRECISION=precision,
-        E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t,
+        E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
     )  # fmt: skip
     return out
 
@@ -350,3 +382,11 @@ def ensure_allocator() -> None:
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
         )
         _ALLOCATOR_SET = True
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of the persistent (TMA) grid: one per SM; 3 in the interpreter, so the tests
+    walk the strided tile loop."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
