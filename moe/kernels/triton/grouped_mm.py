@@ -12,6 +12,11 @@ The row-tile -> expert map comes from `triton_schedule.expert_tile` (on device, 
 tail rows (dropped pairs, >= offsets[-1]) are written as exact zeros by the tail tiles. Pointer
 arithmetic is int64, so M*K, E*K*N may exceed 2**31. Any K, N >= 1 (masked loads); K, N that
 are multiples of 16 (8 for 2-byte types with 16-byte rows) are the fast case on GPUs.
+
+The sm_90 path (USE_TMA; opt-in with MOE_TRITON_TMA=1 until it has passed the suite on a GPU)
+loads weight tiles and contiguous A tiles through tensor descriptors built on the device and
+runs a persistent grid (one program per SM striding over the tiles in the grouped order).
+The pointer path stays for older GPUs, unaligned shapes and the default.
 """
 
 import os
