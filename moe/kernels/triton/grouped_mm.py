@@ -105,7 +105,7 @@ def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK
 
 @triton.jit
 def _rows_tile(
-    pid, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
+    pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
     M, N, K, E, M_BUCKET,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
@@ -151,23 +151,9 @@ def _rows_tile(
         acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
         if USE_TMA:
-            # TMA (sm_90): descriptors built on the device; reads past K / N / M are zero-filled.
-            # Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T views, B_T), so a tile
-            # never crosses into the next expert. Contiguous A rows: [M, K] (for dx, one per half
-            # of [dh | dg]); a last row tile may read the next expert's rows, whose outputs are
-            # never stored.
+            # TMA (sm_90): the descriptors come from the kernel (built once per program).
             e32 = tl.minimum(seg, E - 1)
             n0 = pid_n * BLOCK_N
-            b_desc = weight_desc(
-                b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
-            )
-            b2_desc = weight_desc(
-                b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
-            )
-            if not GATHER:
-                a_desc = tl.make_tensor_descriptor(
-                    a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-                )
             for kk in range(0, num_k):
                 if GATHER:
                     a = tl.load(
@@ -187,9 +173,6 @@ def _rows_tile(
                     acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
                 a_ptrs += BLOCK_K * stride_ak
             if GATED and EPILOGUE == 0:
-                a2_desc = tl.make_tensor_descriptor(
-                    a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-                )
                 for kk in range(0, num_k):
                     a = a2_desc.load([row0, kk * BLOCK_K])
                     b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
@@ -276,15 +259,37 @@ def _ragged_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     if USE_TMA:
-        # Persistent (the sm_90 path): NUM_PROGS programs (one per SM) stride over the tiles.
+        # The sm_90 path: TMA descriptors built on the device, once per program; reads past
+        # K / N / M are zero-filled. Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T
+        # views, B_T), so a tile never crosses into the next expert. Contiguous A rows: [M, K]
+        # (for dx, one per half of [dh | dg]); a last row tile may read the next expert's rows,
+        # whose outputs are never stored. Gathered A rows load through pointers.
+        b_desc = weight_desc(b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        b2_desc = weight_desc(
+            b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
+        )
+        if GATHER:
+            a_desc = b_desc  # unused
+            a2_desc = b_desc
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+            if GATED and EPILOGUE == 0:
+                a2_desc = tl.make_tensor_descriptor(
+                    a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
+            else:
+                a2_desc = a_desc  # unused
+        # Persistent: NUM_PROGS programs (one per SM) stride over the tiles in grouped order.
         total = (tlx.cdiv(M, BLOCK_M) + E) * tlx.cdiv(N, BLOCK_N)
         for pid in range(tl.program_id(0), total, NUM_PROGS):
-            _rows_tile(pid, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
                 M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
                 stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
                 PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
-    else:
-        _rows_tile(tl.program_id(0), a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+    else:  # the descriptor slots are unused
+        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
             M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
             stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
             PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
