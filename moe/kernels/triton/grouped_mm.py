@@ -19,8 +19,6 @@ runs a persistent grid (one program per SM striding over the tiles in the groupe
 The pointer path stays for older GPUs, unaligned shapes and the default.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +28,7 @@ from moe.kernels.triton.activations import act_bwd, act_fwd
 from moe.kernels.triton.common import dot_flags, e_pow2, interpreting, m_bucket
 from moe.kernels.triton.mma import mma
 from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+from moe.kernels.triton.tma import ensure_allocator, persistent_programs, tma_default, tma_ok
 
 EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
 
@@ -355,48 +354,3 @@ def ragged_mm(
         E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
     )  # fmt: skip
     return out
-
-
-def tma_default(device: torch.device) -> bool:
-    """The TMA path is opt-in (MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
-    sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
-    if os.environ.get("MOE_TRITON_TMA", "0") != "1":
-        return False
-    if device.type != "cuda":
-        return interpreting()
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def tma_ok(a_MK, b_EKN, b2_EKN, K: int, split_a: bool, gather: bool) -> bool:
-    """TMA needs a unit-stride last dimension and 16-byte aligned strides and bases."""
-    es = b_EKN.element_size()
-    b_strides = sorted(b_EKN.stride()[1:])
-    if b_strides[0] != 1 or b_strides[1] * es % 16 or b_EKN.stride(0) * es % 16:
-        return False
-    bases = [b_EKN] + ([b2_EKN] if b2_EKN is not None else [])
-    if not gather:
-        if a_MK.stride(1) != 1 or a_MK.stride(0) * es % 16 or (split_a and K * es % 16):
-            return False
-        bases.append(a_MK)
-    return all(t.data_ptr() % 16 == 0 for t in bases)
-
-
-_ALLOCATOR_SET = False
-
-
-def ensure_allocator() -> None:
-    """Device-built tensor descriptors need global scratch (Triton's persistent matmul tutorial)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(
-            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
-        )
-        _ALLOCATOR_SET = True
-
-
-def persistent_programs(device: torch.device) -> int:
-    """Programs of the persistent (TMA) grid: one per SM; 3 in the interpreter, so the tests
-    walk the strided tile loop."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
