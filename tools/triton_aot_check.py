@@ -1,16 +1,26 @@
 """Compile the Triton kernels for a GPU target on a machine without one (ahead-of-time check).
 
 The interpreter (TRITON_INTERPRET=1) checks the math but is lenient about types and never
-lowers to PTX. This builds every kernel role the way the JIT would specialise it for a large
-Mixtral-like shape (ints equal to 1 become constants, pointers and multiples of 16 get the
-divisibility hint) and reports, per variant, whether it uses wgmma and cp.async pipelining,
-its shared memory, and from the cubin (cuobjdump) its registers and stack (spill) bytes.
+lowers to PTX. This builds every kernel role the way the JIT would specialise it at the four GPU
+benchmark shapes (bench/gpu_layer.py; ints equal to 1 become constants, pointers and multiples of
+16 get the divisibility hint), for every config the autotuner may pick (after `_prune`), and
+reads the facts that decide Hopper speed from the compiled kernel:
+  wgmma     the GEMM uses Hopper's warpgroup MMA (PTX `wgmma`)
+  tma       tensor-descriptor loads (PTX `cp.async.bulk.tensor`) where the role is meant to
+  spills    ptxas's stack / local memory (cuobjdump -res-usage): any byte is a spill
+  pipelined every GEMM main loop (an scf.for holding a warp_group_dot in the TTGIR) issues its
+            loads asynchronously and never waits for all of them at once (`async_wait {num = 0}`
+            inside the loop is a full drain every iteration, i.e. no overlap)
 
-  python -m tools.triton_aot_check [--arch 90] [--dtype bf16] [--all-configs]
-Must run with TRITON_INTERPRET unset. Exit status 1 if a GEMM variant lacks wgmma (sm_90).
+  python -m tools.triton_aot_check [--arch 90] [--dtype bf16] [--shapes mixtral,...] [--first]
+                                   [--jobs N]   (parallel compiles; identical ones run once)
+Must run with TRITON_INTERPRET unset. Exit status 1 if, on sm_90+, a GEMM variant lacks wgmma,
+a TMA role lacks TMA, any GEMM config spills, or a GEMM main loop is not pipelined; 2 on misuse.
 """
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import subprocess
@@ -28,7 +38,13 @@ from moe.kernels.triton import grouped_mm_wgrad as wgrad
 from moe.kernels.triton import schedule as schedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-D, F, E, M, T = 4096, 14336, 8, 32771, 16384
+# (T, d, E, k, F) of bench/gpu_layer.py's shapes
+SHAPES = {
+    "mixtral": (8192, 4096, 8, 2, 14336),
+    "olmoe": (16384, 2048, 64, 8, 1024),
+    "qwen3": (16384, 2048, 128, 8, 768),
+    "deepseek": (8192, 7168, 64, 8, 2048),
+}
 
 
 def _jit_fn(kernel):
@@ -37,20 +53,65 @@ def _jit_fn(kernel):
     return kernel
 
 
-def _resources(cubin: bytes) -> str:
+def resources(cubin: bytes) -> dict:
+    """{'regs', 'stack', 'local'} from cuobjdump -res-usage ({} when cuobjdump is missing)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return "regs ?"
+        return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
         out = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return f"regs {m.group(1):>3s} stack {m.group(2):>4s}" if m else "regs ?"
+    return parse_resources(out)
 
 
-def compile_variant(kernel, args: dict, consts: dict, config, target) -> dict:
-    """args: name -> pointer type string, or the int value the JIT would see."""
+def parse_resources(text: str) -> dict:
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if not m:
+        return {}
+    local = re.search(r"LOCAL:(\d+)", text)
+    return dict(
+        regs=int(m.group(1)), stack=int(m.group(2)), local=int(local.group(1) if local else 0)
+    )
+
+
+def _loops(ttgir: str) -> list[list[str]]:
+    """The body lines of every scf.for (nested loops' lines excluded from their parent's)."""
+    loops, stack = [], []
+    for line in ttgir.splitlines():
+        code = re.sub(r'loc\(.*?\)|"[^"]*"', "", line)
+        opens = "scf.for" in code and code.rstrip().endswith("{")
+        if opens:
+            stack.append(([], 0))
+        if not stack:
+            continue
+        body, depth = stack[-1]
+        if not opens:
+            body.append(code)
+        depth += code.count("{") - code.count("}")
+        stack[-1] = (body, depth)
+        if depth <= 0:
+            loops.append(stack.pop()[0])
+    return loops
+
+
+def unpipelined_loops(ttgir: str) -> list[str]:
+    """Why each GEMM main loop (a loop with a warp_group_dot / dot) is not pipelined, if it is
+    not: a synchronous tensor load in the loop, or a full async_wait drain per iteration."""
+    problems = []
+    for body in _loops(ttgir):
+        text = "\n".join(body)
+        if not re.search(r"warp_group_dot |tt\.dot |ttng\.tc_gen5_mma", text):
+            continue
+        if re.search(r"async_wait [^\n]*\{num = 0 : i32\}", text):
+            problems.append("async_wait {num = 0} in the loop (loads drained every iteration)")
+        if re.search(r"= tt\.(load|descriptor_load) [^\n]*: (tensor<|!tt\.tensordesc)", text):
+            problems.append("synchronous tensor load in the loop")
+    return problems
+
+
+def _spec(kernel, args: dict, consts: dict, config):
+    """What triton.compile gets for one variant, and a key equal for identical compiles."""
     fn = _jit_fn(kernel)
     consts = dict(consts)
     options = {}
@@ -65,39 +126,69 @@ def compile_variant(kernel, args: dict, consts: dict, config, target) -> dict:
         value = args[name]
         if isinstance(value, str):
             signature[name] = value
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif value == 1:
             signature[name], consts[name] = "constexpr", 1
         else:
             signature[name] = "i32"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    key = (fn.__name__, repr(sorted(consts.items())), repr(signature), repr(attrs), repr(options))
+    return fn, signature, consts, attrs, options, key
+
+
+def compile_variant(kernel, args: dict, consts: dict, config, target, cache: dict) -> dict:
+    """args: name -> pointer type string, or the int value the JIT would see."""
+    fn, signature, consts, attrs, options, key = _spec(kernel, args, consts, config)
+    if key in cache:
+        return cache[key]
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
     ptx = compiled.asm["ptx"]
-    return dict(
+    cache[key] = r = dict(
         wgmma="wgmma" in ptx,
+        tma="cp.async.bulk.tensor" in ptx,
         cp_async="cp.async" in ptx,
         shared=compiled.metadata.shared,
-        resources=_resources(compiled.asm["cubin"]) if "cubin" in compiled.asm else "regs ?",
+        res=resources(compiled.asm["cubin"]) if "cubin" in compiled.asm else {},
+        unpipelined=unpipelined_loops(compiled.asm["ttgir"]),
     )
+    return r
 
 
-def variants(dtype: str, all_configs: bool):
-    """(label, kernel, args, consts, config, is_gemm) for every role of every kernel."""
+def _all_variants(dtype: str, shapes: list[str], first: bool) -> list[tuple]:
+    return [
+        (name, v)
+        for i, name in enumerate(shapes)
+        for v in variants(dtype, SHAPES[name], first, gelu=i == 0)
+    ]
+
+
+def _compile_job(job):
+    """Worker: compile variant number `index` of the same list the parent built."""
+    dtype, shapes, first, arch, index = job
+    _, (label, kernel, kargs, consts, cfg, _, _) = _all_variants(dtype, shapes, first)[index]
+    return compile_variant(kernel, kargs, consts, cfg, GPUTarget("cuda", arch, 32), {})
+
+
+def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
+    """(label, kernel, args, consts, config, is_gemm, wants_tma) for every role of every kernel
+    at one (T, d, E, k, F) shape."""
+    T, D, E, k, F = shape
+    M = T * k
     p = f"*{dtype}"
     probe = {"a_ptr": torch.empty(0, dtype=DTYPES[dtype])}
+    mb = triton.next_power_of_2(M)
     base = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, b2_ptr=p, bias_ptr=p, pre_ptr=p, out_ptr=p,
-                offsets_ptr="*i32", M=M, E=E, M_BUCKET=65536, stride_biase=F)  # fmt: skip
+                offsets_ptr="*i32", M=M, E=E, M_BUCKET=mb, stride_biase=F, NUM_PROGS=132)  # fmt: skip
     up = dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=F, stride_bn=1)
     roles = {
-        "up gelu (gather, b1)": (dict(up, stride_pm=F, stride_om=F),
-                                 dict(EPILOGUE=1, ACT=0, GATED=False, GATHER=True, HAS_BIAS=True, SAVE_PRE=True)),
         "up swiglu (gather)": (dict(up, stride_pm=2 * F, stride_om=F),
                                dict(EPILOGUE=1, ACT=4, GATED=True, GATHER=True, HAS_BIAS=False, SAVE_PRE=True)),
-        "down (b2)": (dict(N=D, K=F, stride_am=F, stride_ak=1, stride_be=D * F, stride_bk=D, stride_bn=1,
-                           stride_pm=D, stride_om=D),
-                      dict(EPILOGUE=0, ACT=0, GATED=False, GATHER=False, HAS_BIAS=True, SAVE_PRE=False)),
+        "down": (dict(N=D, K=F, stride_am=F, stride_ak=1, stride_be=D * F, stride_bk=D, stride_bn=1,
+                      stride_pm=D, stride_om=D),
+                 dict(EPILOGUE=0, ACT=0, GATED=False, GATHER=False, HAS_BIAS=False, SAVE_PRE=False)),
         "dact swiglu (w2^T)": (dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=1,
                                     stride_bn=D, stride_pm=2 * F, stride_om=2 * F),
                                dict(EPILOGUE=2, ACT=4, GATED=True, GATHER=False, HAS_BIAS=False, SAVE_PRE=False)),
@@ -105,37 +196,68 @@ def variants(dtype: str, all_configs: bool):
                                         stride_bn=F, stride_pm=D, stride_om=D),
                                    dict(EPILOGUE=0, ACT=0, GATED=True, GATHER=False, HAS_BIAS=False, SAVE_PRE=False)),
     }  # fmt: skip
+    if gelu:
+        roles["up gelu (gather, b1)"] = (
+            dict(up, stride_pm=F, stride_om=F),
+            dict(EPILOGUE=1, ACT=0, GATED=False, GATHER=True, HAS_BIAS=True, SAVE_PRE=True),
+        )
     for role, (ints, flags) in roles.items():
         configs = rows._prune(rows._configs(), probe, **flags)
-        for cfg in configs if all_configs else configs[:1]:
-            consts = dict(flags, DOT_F32=False, PRECISION="tf32", E_POW2=16, EVEN_K=True, GROUP_M=8)
-            yield f"rows {role}", rows._ragged_rows_kernel, dict(base, **ints), consts, cfg, True
+        for tma in (False, True):  # the pointer path (default) and the opt-in TMA path
+            for cfg in configs[:1] if first_only else configs:
+                consts = dict(flags, DOT_F32=False, PRECISION="tf32", E_POW2=triton.next_power_of_2(E + 1),
+                              EVEN_K=ints["K"] % cfg.kwargs["BLOCK_K"] == 0, GROUP_M=8, USE_TMA=tma,
+                              B_T=ints["stride_bn"] != 1)  # fmt: skip
+                label = f"rows {role}{' TMA' if tma else ''}"
+                yield label, rows._ragged_rows_kernel, dict(base, **ints), consts, cfg, True, tma
+    yield from wgrad_variants(p, probe, M, D, E, F, first_only)
+    if gelu:
+        yield from misc_variants(p, M, D, T)
+
+
+def wgrad_variants(p, probe, M, D, E, F, first_only):
+    """dW1 and dW3 in one launch from the pre-permuted x copy (the compiled path), and dW2."""
     red = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, offsets_ptr="*i32", order_ptr="*i32", out_ptr=p,
-               dbias_ptr="*fp32", M=M, I=D, J=F, E=E, M_BUCKET=65536, stride_am=D, stride_bm=2 * F,
-               stride_oe=D * F, stride_oi=F, stride_dbe=F)  # fmt: skip
-    configs = wgrad._prune(wgrad._configs(), probe)
-    for cfg in configs if all_configs else configs[:1]:
-        flags = dict(GATHER=True, HAS_DBIAS=True, DOT_F32=False, PRECISION="tf32")
-        yield "wgrad (gather, db)", wgrad._ragged_reduce_kernel, red, flags, cfg, True
+               out2_ptr=p, dbias_ptr="*fp32", M=M, I=D, J=F, E=E, M_BUCKET=triton.next_power_of_2(M),
+               stride_am=D, stride_bm=2 * F, stride_oe=D * F, stride_oi=F, stride_dbe=F)  # fmt: skip
+    dw2 = dict(red, I=F, J=D, stride_am=F, stride_bm=D, stride_oi=D, stride_dbe=D)
+    flags = dict(GATHER=False, HAS_DBIAS=False, DOT_F32=False, PRECISION="tf32", GROUP_J=8)
+    for label, args, two in (("dW1+dW3 (x pre-permuted)", red, True), ("dW2", dw2, False)):
+        consts = dict(flags, TWO_OUT=two)
+        configs = wgrad._prune(wgrad._configs(), probe, **consts)
+        for cfg in configs[:1] if first_only else configs:
+            yield f"wgrad {label}", wgrad._ragged_reduce_kernel, args, consts, cfg, True, False
+
+
+def misc_variants(p, M, D, T):
     gs = dict(src_ptr=p, rows_ptr="*i64", seg_ptr="*i64", w_ptr="*fp32", out_ptr=p, T=T, D=D, M=M,
               KF=2, stride_s=D, stride_o=D)  # fmt: skip
     for fixed in (True, False):
         flags = dict(FIXED_K=fixed, WEIGHTED=fixed, BLOCK_T=16, BLOCK_D=256)
         label = "combine fwd" if fixed else "rows_to_tokens"
-        yield label, gather_sum._gather_sum_kernel, gs, flags, None, False
+        yield label, gather_sum._gather_sum_kernel, gs, flags, None, False, False
     cb = dict(dy_ptr=p, out_ptr=p, rows_ptr="*i64", w_ptr="*fp32", dout_ptr=p, dw_ptr="*fp32", T=T,
               D=D, M=M, KF=2, stride_dy=D, stride_out=D, stride_dout=D)  # fmt: skip
     flags = dict(K_POW2=2, BLOCK_T=16, BLOCK_D=256)
-    yield "combine bwd", gather_sum._combine_bwd_kernel, cb, flags, None, False
+    yield "combine bwd", gather_sum._combine_bwd_kernel, cb, flags, None, False, False
     sched = dict(offsets_ptr="*i32", out_ptr="*i32", E=512, M=M)
-    yield (
-        "schedule (E=512)",
-        schedule._schedule_kernel,
-        sched,
-        dict(BLOCK_M=128, E_POW2=1024),
-        None,
-        False,
-    )
+    consts = dict(BLOCK_M=128, E_POW2=1024)
+    yield "schedule (E=512)", schedule._schedule_kernel, sched, consts, None, False, False
+
+
+def failures(r: dict, is_gemm: bool, wants_tma: bool, arch: int) -> list[str]:
+    """What is wrong with one compiled GEMM variant on sm_90+ (empty: nothing)."""
+    if not is_gemm or arch < 90:
+        return []
+    bad = [] if r["wgmma"] else ["no wgmma"]
+    if wants_tma and not r["tma"]:
+        bad.append("no TMA")
+    if not r["res"]:
+        bad.append("no resource usage (cuobjdump missing or unreadable): spills unchecked")
+    elif r["res"].get("stack", 0) or r["res"].get("local", 0):
+        bad.append(f"spills ({r['res']['stack']} B stack, {r['res'].get('local', 0)} B local)")
+    bad += r["unpipelined"]
+    return bad
 
 
 def main(argv=None) -> int:
@@ -144,28 +266,42 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    parser.add_argument(
-        "--all-configs", action="store_true", help="every autotune config, not the first"
-    )
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {tuple(SHAPES)}")
+    parser.add_argument("--first", action="store_true", help="only the first pruned config")
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4), help="compilers")
     args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; choose from {tuple(SHAPES)}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this check compiles the kernels", file=sys.stderr)
         return 2
-    target = GPUTarget("cuda", args.arch, 32)
-    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.dtype}")
-    bad = 0
-    for label, kernel, kargs, consts, cfg, is_gemm in variants(args.dtype, args.all_configs):
-        r = compile_variant(kernel, kargs, consts, cfg, target)
-        shape = (
-            ""
-            if cfg is None
-            else " ".join(str(v) for v in cfg.kwargs.values())
-            + f" w{cfg.num_warps}s{cfg.num_stages}"
-        )
-        print(f"{label:28s} {shape:20s} wgmma {r['wgmma']!s:5s} cp.async {r['cp_async']!s:5s} "
-              f"shared {r['shared']:6d}  {r['resources']}")  # fmt: skip
-        if is_gemm and args.arch >= 90 and not r["wgmma"]:
-            bad += 1
+    print(f"triton {triton.__version__}, target sm_{args.arch}, {args.dtype}", flush=True)
+    shapes = args.shapes.split(",")
+    todo = _all_variants(args.dtype, shapes, args.first)
+    first_of = {}  # compile key -> index of its first variant: identical compiles run once
+    for index, (_, (_label, kernel, kargs, consts, cfg, _, _)) in enumerate(todo):
+        first_of.setdefault(_spec(kernel, kargs, consts, cfg)[-1], index)
+    jobs = [(args.dtype, shapes, args.first, args.arch, i) for i in first_of.values()]
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max(args.jobs, 1), mp_context=ctx) as pool:
+        done = dict(zip(first_of, pool.map(_compile_job, jobs)))
+    bad, current = 0, None
+    for name, (label, kernel, kargs, consts, cfg, is_gemm, wants_tma) in todo:
+        if name != current:
+            current = name
+            print(f"-- {name} (T, d, E, k, F) = {SHAPES[name]}")
+        r = done[_spec(kernel, kargs, consts, cfg)[-1]]
+        shape = "" if cfg is None else " ".join(str(v) for v in cfg.kwargs.values())
+        shape += "" if cfg is None else f" w{cfg.num_warps}s{cfg.num_stages}"
+        res = r["res"]
+        regs = f"regs {res['regs']:3d} stack {res['stack']:3d}" if res else "regs ?"
+        problems = failures(r, is_gemm, wants_tma, args.arch)
+        bad += bool(problems)
+        print(f"{label:32s} {shape:18s} wgmma {r['wgmma']!s:5s} tma {r['tma']!s:5s} "
+              f"shared {r['shared']:6d} {regs}  {'FAIL: ' + '; '.join(problems) if problems else 'ok'}")  # fmt: skip
+    print(f"{len(todo)} variants, {len(jobs)} distinct compiles: ", end="")
+    print(f"{bad} failing" if bad else "all GEMM variants pass")
     return 1 if bad else 0
 
 

@@ -121,12 +121,11 @@ def _bwd_op(
         dw2 = w2_EFD.new_empty(E, F, D)
         ragged_reduce_mm(act_MF, d_out_MD, offsets_E, dw2, dbias_EJ=db2_f, order_E=order)
         dw1 = w1_EDF.new_empty(E, D, F)
+        dw3 = w1_EDF.new_empty(E, D, F) if gated else dw3  # one launch: dpre = [dh | dg]
         ragged_reduce_mm(
-            x_TD, dpre[:, :F], offsets_E, dw1, idx_M=token_ids_M, dbias_EJ=db1_f, order_E=order
-        )
-        if gated:
-            dw3 = w1_EDF.new_empty(E, D, F)
-            ragged_reduce_mm(x_TD, dpre[:, F:], offsets_E, dw3, idx_M=token_ids_M, order_E=order)
+            x_TD, dpre if gated else dpre[:, :F], offsets_E, dw1, idx_M=token_ids_M,
+            dbias_EJ=db1_f, order_E=order, out2_EIJ=dw3 if gated else None,
+        )  # fmt: skip
         db1 = db1_f.to(x_TD.dtype) if has_b1 else db1
         db2 = db2_f.to(x_TD.dtype) if has_b2 else db2
     return dx, dw1, dw2, dw3, db1, db2

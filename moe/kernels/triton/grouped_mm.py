@@ -12,6 +12,11 @@ The row-tile -> expert map comes from `triton_schedule.expert_tile` (on device, 
 tail rows (dropped pairs, >= offsets[-1]) are written as exact zeros by the tail tiles. Pointer
 arithmetic is int64, so M*K, E*K*N may exceed 2**31. Any K, N >= 1 (masked loads); K, N that
 are multiples of 16 (8 for 2-byte types with 16-byte rows) are the fast case on GPUs.
+
+The sm_90 path (USE_TMA; opt-in with MOE_TRITON_TMA=1 until it has passed the suite on a GPU)
+loads weight tiles and contiguous A tiles through tensor descriptors built on the device and
+runs a persistent grid (one program per SM striding over the tiles in the grouped order).
+The pointer path stays for older GPUs, unaligned shapes and the default.
 """
 
 import torch
@@ -23,6 +28,7 @@ from moe.kernels.triton.activations import act_bwd, act_fwd
 from moe.kernels.triton.common import autotune_prune, dot_flags, e_pow2, interpreting, m_bucket
 from moe.kernels.triton.mma import mma
 from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+from moe.kernels.triton.tma import ensure_allocator, persistent_programs, tma_default, tma_ok
 
 EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
 
@@ -37,6 +43,7 @@ def _configs() -> list[triton.Config]:
         c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
         c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
     ]
@@ -44,14 +51,18 @@ def _configs() -> list[triton.Config]:
 
 def _prune(configs, named_args, **kwargs):
     """Fit registers and shared memory. Activation epilogues (up, dact) keep at most 64 fp32
-    accumulator elements per thread per accumulator: more spills on sm_90 (checked with
-    cuobjdump on the compiled kernels). 4-byte (fp32) operands take half the K step."""
+    tile elements per thread: one accumulator, or for SwiGLU two (up: h and g; dact: the
+    accumulator beside the loaded h and g); so does SwiGLU's dx (two K loops: triton 3.6 spills
+    128x128 on 4 warps). More spills on sm_90: tools/triton_aot_check.py compiles every kept
+    config and fails on any stack byte. 4-byte (fp32) operands take half the K step."""
     wide = named_args["a_ptr"].element_size() == 4
     act_epilogue = kwargs.get("EPILOGUE") in (EPI_ACT, EPI_ACT_BWD)
+    tiles = 2 if act_epilogue and kwargs.get("GATED") else 1
+    two_loops = kwargs.get("EPILOGUE") == EPI_PLAIN and kwargs.get("GATED")  # dx of SwiGLU
     kept = []
     for c in configs:
         per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
-        if act_epilogue and per_thread > 64:
+        if (act_epilogue or two_loops) and per_thread * tiles > 64:
             continue
         if wide:
             meta = dict(c.kwargs, BLOCK_K=c.kwargs["BLOCK_K"] // 2)
@@ -60,9 +71,178 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
+@triton.jit
+def weight_desc(ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """TMA descriptor of the [E, K, N] weights; B_T: the memory is [E, N, K] (a w^T view)."""
+    if B_T:
+        desc = tl.make_tensor_descriptor(
+            ptr,
+            shape=[E, N, K],
+            strides=[stride_be, stride_bn, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+    else:
+        desc = tl.make_tensor_descriptor(
+            ptr,
+            shape=[E, K, N],
+            strides=[stride_be, stride_bk, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
+        )
+    return desc
+
+
+@triton.jit
+def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile of expert e at (k0, n0)."""
+    if B_T:
+        tile = tl.trans(desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+    else:
+        tile = desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    return tile
+
+
+@triton.jit
+def _rows_tile(
+    pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, M_BUCKET,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One output tile (virtual row tile x column tile) of the ragged-rows GEMM."""
+    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
+    # each expert's weight tiles are reused from L2.
+    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
+    num_pid_n = tlx.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
+    if seg <= E:  # else: a virtual tile past the real ones
+        is_expert = seg < E
+        # Vector compares only (the interpreter mistypes vector & scalar-bool masks).
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seg_end
+        live = offs_m < tl.where(is_expert, seg_end, 0)  # rows read: none in the tail segment
+        rows = offs_m.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        e64 = tl.minimum(seg, E - 1).to(tl.int64)
+
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
+        else:
+            src = rows
+        a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+        k64, n64 = offs_k.to(tl.int64), offs_n.to(tl.int64)
+        b_off = e64 * stride_be + k64[:, None] * stride_bk + n64[None, :] * stride_bn
+        b_ptrs = b_ptr + b_off
+        b2_ptrs = b2_ptr + b_off
+        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
+        if USE_TMA:
+            # TMA (sm_90): the descriptors come from the kernel (built once per program).
+            e32 = tl.minimum(seg, E - 1)
+            n0 = pid_n * BLOCK_N
+            for kk in range(0, num_k):
+                if GATHER:
+                    a = tl.load(
+                        a_ptrs, mask=live[:, None] & (offs_k < K - kk * BLOCK_K)[None, :], other=0.0
+                    )
+                else:
+                    a = a_desc.load([row0, kk * BLOCK_K])
+                acc = mma(
+                    a,
+                    weight_tile(b_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N),
+                    acc,
+                    DOT_F32,
+                    PRECISION,
+                )
+                if GATED and EPILOGUE == 1:
+                    b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                    acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+            if GATED and EPILOGUE == 0:
+                for kk in range(0, num_k):
+                    a = a2_desc.load([row0, kk * BLOCK_K])
+                    b2 = weight_tile(b2_desc, e32, kk * BLOCK_K, n0, B_T, BLOCK_K, BLOCK_N)
+                    acc = mma(a, b2, acc, DOT_F32, PRECISION)
+        else:
+            for kk in range(0, num_k):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < K - kk * BLOCK_K
+                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = mma(a, b, acc, DOT_F32, PRECISION)
+                if GATED and EPILOGUE == 1:
+                    if EVEN_K:
+                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                    else:
+                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+                b2_ptrs += BLOCK_K * stride_bk
+            if GATED and EPILOGUE == 0:
+                # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
+                a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
+                b2_ptrs = b2_ptr + b_off
+                for kk in range(0, num_k):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+                    else:
+                        k_ok = offs_k < K - kk * BLOCK_K
+                        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc = mma(a, b2, acc, DOT_F32, PRECISION)
+                    a_ptrs += BLOCK_K * stride_ak
+                    b2_ptrs += BLOCK_K * stride_bk
+
+        if HAS_BIAS:
+            bias_ok = offs_n < tl.where(is_expert, N, 0)
+            bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out_mask = row_ok[:, None] & n_ok[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        out_ty = out_ptr.dtype.element_ty
+        if EPILOGUE == 0:
+            tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
+        elif EPILOGUE == 1:
+            if SAVE_PRE:
+                pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+                tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
+                if GATED:
+                    tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
+            tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
+        else:
+            pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
+            pre_mask = live[:, None] & n_ok[None, :]
+            h = tl.load(pre_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
+            g = h
+            if GATED:
+                g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
+            dh, dg = act_bwd(acc, h, g, ACT)
+            tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
+            if GATED:
+                tl.store(out_ptrs + N, dg.to(out_ty), mask=out_mask)
+
+
 @triton.autotune(
     configs=_configs(),
-    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER"],
+    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER", "USE_TMA", "B_T"],
     prune_configs_by={"early_config_prune": autotune_prune(_prune)},
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -74,106 +254,44 @@ def _ragged_rows_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr, NUM_PROGS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
-    # each expert's weight tiles are reused from L2.
-    pid = tl.program_id(0)
-    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
-    num_pid_n = tlx.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
-    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
-    if seg > E:
-        return
-    is_expert = seg < E
-    # Vector compares only (the interpreter mistypes vector & scalar-bool masks).
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < seg_end
-    live = offs_m < tl.where(is_expert, seg_end, 0)  # rows read: none in the tail segment
-    rows = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    e64 = tl.minimum(seg, E - 1).to(tl.int64)
-
-    if GATHER:
-        src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
-    else:
-        src = rows
-    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
-    k64, n64 = offs_k.to(tl.int64), offs_n.to(tl.int64)
-    b_off = e64 * stride_be + k64[:, None] * stride_bk + n64[None, :] * stride_bn
-    b_ptrs = b_ptr + b_off
-    b2_ptrs = b2_ptr + b_off
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    num_k = tl.where(is_expert, tlx.cdiv(K, BLOCK_K), 0)  # tail tiles skip the loop: zeros
-    for kk in range(0, num_k):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+    if USE_TMA:
+        # The sm_90 path: TMA descriptors built on the device, once per program; reads past
+        # K / N / M are zero-filled. Weights: one 3D descriptor [E, K, N] ([E, N, K] for the w^T
+        # views, B_T), so a tile never crosses into the next expert. Contiguous A rows: [M, K]
+        # (for dx, one per half of [dh | dg]); a last row tile may read the next expert's rows,
+        # whose outputs are never stored. Gathered A rows load through pointers.
+        b_desc = weight_desc(b_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        b2_desc = weight_desc(
+            b2_ptr, E, K, N, stride_be, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N
+        )
+        if GATHER:
+            a_desc = b_desc  # unused
+            a2_desc = b_desc
         else:
-            k_ok = offs_k < K - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = mma(a, b, acc, DOT_F32, PRECISION)
-        if GATED and EPILOGUE == 1:
-            if EVEN_K:
-                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+            if GATED and EPILOGUE == 0:
+                a2_desc = tl.make_tensor_descriptor(
+                    a_ptr + K, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
             else:
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-        b2_ptrs += BLOCK_K * stride_bk
-    if GATED and EPILOGUE == 0:
-        # dx for swiglu: A is [dh | dg] (2K columns); the second half pairs with B2 = w3^T.
-        a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
-        b2_ptrs = b2_ptr + b_off
-        for kk in range(0, num_k):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = mma(a, b2, acc, DOT_F32, PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b2_ptrs += BLOCK_K * stride_bk
-
-    if HAS_BIAS:
-        bias_ok = offs_n < tl.where(is_expert, N, 0)
-        bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    out_mask = row_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    out_ty = out_ptr.dtype.element_ty
-    if EPILOGUE == 0:
-        tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
-    elif EPILOGUE == 1:
-        if SAVE_PRE:
-            pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
-            tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
-            if GATED:
-                tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
-        tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
-    else:
-        pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
-        pre_mask = live[:, None] & n_ok[None, :]
-        h = tl.load(pre_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
-        g = h
-        if GATED:
-            g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
-        dh, dg = act_bwd(acc, h, g, ACT)
-        tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
-        if GATED:
-            tl.store(out_ptrs + N, dg.to(out_ty), mask=out_mask)
+                a2_desc = a_desc  # unused
+        # Persistent: NUM_PROGS programs (one per SM) stride over the tiles in grouped order.
+        total = (tlx.cdiv(M, BLOCK_M) + E) * tlx.cdiv(N, BLOCK_N)
+        for pid in range(tl.program_id(0), total, NUM_PROGS):
+            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+                M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
+                stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+                PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+    else:  # the descriptor slots are unused
+        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+            M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
+            stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+            PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
 
 
 def ragged_mm(
@@ -190,6 +308,7 @@ def ragged_mm(
     pre: torch.Tensor | None = None,
     save_pre: bool = False,
     gated: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Launch the ragged-rows kernel; `out` has one row per expert row (M = out.shape[0]).
 
@@ -198,6 +317,9 @@ def ragged_mm(
     times b2. `gated` (swiglu): the up/dx roles need b2; the dact role (EPILOGUE=2) reads h and g
     from `pre` ([M, 2N]) and writes dh, dg into `out` ([M, 2N]). b_EKN / b2_EKN may be strided
     views (w^T). `out` and `pre` need unit column stride. Returns `out`.
+    tma: load weight tiles (and contiguous A tiles) through tensor descriptors. Default: off
+    unless MOE_TRITON_TMA=1 on an sm_90+ GPU (not yet run on a GPU; the interpreter runs it);
+    used only where TMA's 16-byte alignment holds.
     """
     M, E = out.shape[0], offsets_E.shape[0]
     K, N = b_EKN.shape[1], b_EKN.shape[2]
@@ -209,7 +331,17 @@ def ragged_mm(
     assert out.stride(1) == 1 and (pre is None or pre.stride(1) == 1)
     dot_f32, precision = dot_flags(a_MK.dtype)
     pre_t = pre if pre is not None else out
-    grid = lambda meta: (max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    b_t = b_EKN.stride(2) != 1
+    use_tma = tma_ok(a_MK, b_EKN, b2_EKN, K, gated and epilogue == EPI_PLAIN, idx_M is not None)
+    use_tma = use_tma and (tma_default(a_MK.device) if tma is None else tma)
+    if use_tma and not interpreting():
+        ensure_allocator()
+    num_progs = persistent_programs(a_MK.device)
+
+    def grid(meta):
+        tiles = max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, num_progs),) if use_tma else (tiles,)
+
     _ragged_rows_kernel[grid](
         a_MK, idx_M if idx_M is not None else offsets_E, b_EKN,
         b2_EKN if b2_EKN is not None else b_EKN, bias_EN if bias_EN is not None else b_EKN,
@@ -219,6 +351,6 @@ def ragged_mm(
         bias_EN.stride(0) if bias_EN is not None else 0, pre_t.stride(0), out.stride(0),
         EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
         HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, DOT_F32=dot_f32, PRECISION=precision,
-        E_POW2=e_pow2(E), GROUP_M=8,
+        E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
     )  # fmt: skip
     return out

@@ -1,0 +1,364 @@
+"""One MoE FFN layer (SwiGLU experts, bf16, dropless) forward + backward on one CUDA GPU, side
+by side in one run: a dense SwiGLU FFN of equal active FLOPs (width k*F), a torchtitan-style
+layer (bench/titan_style.py), DeepSpeed-MoE (capacity 1.0) and Tutel (capacity 0) when they
+import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd, and
+backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs).
+
+    python bench/gpu_layer.py                       # the four shapes, everything (target < 5 min
+                                                    # on one H100, not yet measured; --max-minutes)
+    python bench/gpu_layer.py --quick               # no compile, no peers, fewer iterations
+    python bench/gpu_layer.py --shapes mixtral,512/256/8/2/384 --iters 20
+    python bench/gpu_layer.py --profile             # + torch.profiler kernel tables (moe triton)
+
+Per candidate: median fwd+bwd ms from CUDA events after warm-up, expert TFLOP/s, peak MiB
+(torch.cuda.max_memory_allocated over one step, only that candidate resident), and the
+norm-relative error of y, dx, dW1 against a float32 moe layer with the same (bf16-rounded)
+weights and routing. Then the GEMM-role table (bench/gpu_roles.py): every grouped GEMM role
+timed alone, moe's Triton kernel vs CUTLASS (torch._grouped_mm).
+Writes bench/results/<date>-<gpu>-gpu-layer.md, or $OUT/gpu-layer.md when $OUT is set.
+Without CUDA it prints one line and exits with status 2 (nothing was measured).
+"""
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_roles import role_table  # noqa: E402
+from titan_style import SwiGLU, TitanStyleMoE, expert_flops, parse_shapes  # noqa: E402
+
+import moe  # noqa: E402
+
+NO_CUDA_EXIT = 2
+DEV = "cuda"  # --smoke-cpu: "cpu", to test this script's plumbing without a GPU (no timings)
+
+
+def cuda_time(fn, iters: int, warmup: int) -> float:
+    """Median ms of fn() from CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if DEV == "cpu":  # --smoke-cpu: run the calls, time nothing
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+PROFILES: list[str] = []
+
+
+def profile(step, steps: int = 3) -> str:
+    """The kernels of `steps` fwd+bwd steps by self device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
+
+
+def _empty_cache() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel_err(a: torch.Tensor | None, ref: torch.Tensor | None) -> str:
+    if a is None or ref is None:
+        return "–"
+    a, ref = a.detach().float().cpu(), ref.float()
+    return f"{((a - ref).norm() / ref.norm().clamp_min(1e-30)).item():.1e}"
+
+
+def moe_layer(s, backend: str, dtype):
+    torch.manual_seed(0)
+    return moe.MoELayer(s.d, s.F, s.E, top_k=s.k, capacity_factor=None, activation="swiglu",
+                        backend=backend, device=DEV, dtype=dtype)  # fmt: skip
+
+
+def _init_dist() -> None:
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+
+
+class _First(torch.nn.Module):
+    """Keep y of layers that return (y, aux, ...); [T, d] in and out."""
+
+    def __init__(self, layer, batch_dim: bool):
+        super().__init__()
+        self.layer, self.batch_dim = layer, batch_dim
+
+    def forward(self, x):
+        y = self.layer(x.unsqueeze(0) if self.batch_dim else x)
+        y = y[0] if isinstance(y, tuple) else y
+        return y.squeeze(0) if self.batch_dim else y
+
+
+def deepspeed_layer(s, dtype):
+    from deepspeed.moe.layer import MoE
+
+    _init_dist()
+    torch.manual_seed(0)
+    layer = MoE(s.d, SwiGLU(s.d, s.F, device=DEV, dtype=dtype), num_experts=s.E, ep_size=1, k=s.k, capacity_factor=1.0,
+                eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True, use_rts=False)  # fmt: skip
+    return _First(layer, batch_dim=True).to(DEV, dtype)
+
+
+def tutel_layer(s, dtype):
+    from tutel import moe as tutel_moe
+
+    _init_dist()
+    torch.manual_seed(0)
+    layer = tutel_moe.moe_layer(
+        gate_type={"type": "top", "k": s.k, "capacity_factor": 0},
+        model_dim=s.d,
+        experts={"type": "ffn", "count_per_node": s.E, "hidden_size_per_expert": s.F,
+                 "activation_fn": lambda x: torch.nn.functional.silu(x)},
+    )  # fmt: skip
+    return _First(layer, batch_dim=False).to(DEV, dtype)
+
+
+def candidates(s, args, dtype, state):
+    """name -> (builder, shares moe's weights and routing); peers that do not import: notes."""
+    c = {
+        "dense": (lambda: SwiGLU(s.d, s.k * s.F, device=DEV, dtype=dtype), False),
+        "titan-style": (lambda: titan(s, dtype, state), True),
+        "moe triton": (lambda: moe_layer(s, "triton", dtype), True),
+        "moe torch": (lambda: moe_layer(s, "torch", dtype), True),
+        # the opt-in TMA path (MOE_TRITON_TMA=1 while this candidate runs)
+        "moe triton TMA": (lambda: moe_layer(s, "triton", dtype), True),
+    }
+    if not args.no_compile:
+        for name in ("moe triton", "moe torch"):
+            build, shares = c[name]
+            c[name + " compiled"] = (lambda b=build: torch.compile(b()), shares)
+    notes = []
+    if not args.no_peers:
+        for name, module, build in (
+            ("DeepSpeed cf1.0", "deepspeed", deepspeed_layer),
+            ("Tutel cf0", "tutel", tutel_layer),
+        ):
+            try:
+                __import__(module)
+                c[name] = (lambda b=build: b(s, dtype), False)
+            except Exception as e:  # noqa: BLE001 - the report says why
+                notes.append(f"{name} not run: `import {module}` failed ({type(e).__name__}: {e})")
+    return c, notes
+
+
+def titan(s, dtype, state):
+    layer = moe_layer(s, "torch", dtype)
+    layer.load_state_dict(state)
+    return TitanStyleMoE(layer.router, s.E, s.d, s.F, device=DEV, dtype=dtype).load_from_moe(layer)
+
+
+def reference(s, x_TD, dy_TD, state):
+    """y, dx, dW1 of a float32 moe layer with the candidates' (bf16-rounded) weights."""
+    ref = moe_layer(s, "torch", torch.float32)
+    ref.load_state_dict(state)
+    x = x_TD.float().requires_grad_()
+    y = ref(x)
+    y.backward(dy_TD.float())
+    out = (y.detach().cpu(), x.grad.cpu(), ref.experts.w1.grad.cpu())
+    del ref, x, y
+    return out
+
+
+def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
+    _empty_cache()
+    t0, ms = time.perf_counter(), None
+    env_before = os.environ.get("MOE_TRITON_TMA")
+    os.environ["MOE_TRITON_TMA"] = "1" if "TMA" in name else "0"
+    try:
+        module = build()
+        if shares and "titan" not in name:  # titan-style loads it when built
+            (getattr(module, "_orig_mod", module)).load_state_dict(state)
+        x = x_TD.detach().clone().requires_grad_()
+
+        def step():
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+            module(x).backward(dy_TD)
+            return module
+
+        step()  # compile / autotune before the timed warm-up
+        ms = cuda_time(step, args.iters, args.warmup)
+        module.zero_grad(set_to_none=True)
+        on_gpu = DEV == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        x.grad = None
+        y = module(x)
+        y.backward(dy_TD)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if on_gpu else float("nan")
+        errs = ["–"] * 3
+        if shares:
+            w1 = getattr(module, "_orig_mod", module)
+            w1 = w1.experts.w1 if hasattr(w1, "experts") else w1.w1
+            errs = [rel_err(y, ref[0]), rel_err(x.grad, ref[1]), rel_err(w1.grad, ref[2])]
+        if args.profile and name in ("moe triton", "moe triton TMA"):
+            PROFILES.append(f"### {s.name}, {name}\n\n```\n{profile(step)}\n```\n")
+        tflops = expert_flops(s) / ms / 1e9
+        row = (
+            f"| {s.name} | {name} | {ms:.2f} | {tflops:.0f} | {peak:.0f} | "
+            + " | ".join(errs)
+            + " |"
+        )
+    except torch.cuda.OutOfMemoryError:
+        ms = None
+        row = f"| {s.name} | {name} | OOM | | | | | "
+    except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
+        ms = None
+        msg = str(e).splitlines()[0][:100] if str(e) else ""
+        row = f"| {s.name} | {name} | failed: {type(e).__name__}: {msg} | | | | |"
+    finally:
+        if env_before is None:
+            os.environ.pop("MOE_TRITON_TMA", None)
+        else:
+            os.environ["MOE_TRITON_TMA"] = env_before
+        module = x = y = None  # noqa: F841
+        gc.collect()
+        _empty_cache()
+    return row + f" {time.perf_counter() - t0:.0f} s |", ms
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default="all", help="presets (mixtral, olmoe, qwen3, deepseek, "
+                   "all) or T/d/E/k/F, comma-separated")  # fmt: skip
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="no compile, no peers, 5 iterations")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile moe triton (and TMA) per shape: top kernels in the report",
+    )
+    p.add_argument("--max-minutes", type=float, default=4.5, help="past this, skip the remaining "
+                   "compiled candidates and peers (their rows say so)")  # fmt: skip
+    p.add_argument("--only", default="", help="comma-separated candidate names to run")
+    p.add_argument("--no-roles", action="store_true", help="skip the GEMM-role table")
+    p.add_argument("--smoke-cpu", action="store_true", help="tests only: run every candidate on "
+                   "CPU (float32, no timings, no compile, no peers) to check the script")  # fmt: skip
+    args = p.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shapes)  # bad --shapes: an error before anything runs
+    except ValueError as e:
+        p.error(str(e))
+    global DEV
+    DEV = "cpu" if args.smoke_cpu else "cuda"
+    if not args.smoke_cpu and not torch.cuda.is_available():
+        print("bench/gpu_layer.py: no CUDA device here; nothing measured (exit 2)")
+        return NO_CUDA_EXIT
+    if args.quick:
+        args.no_compile = args.no_peers = True
+        args.iters, args.warmup = min(args.iters, 5), min(args.warmup, 2)
+    if args.smoke_cpu:
+        args.no_compile = args.no_peers = True
+    dtype = torch.float32 if args.smoke_cpu else torch.bfloat16
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run, nothing timed)"
+    lines = [
+        f"# MoE layer fwd+bwd on {gpu} "
+        f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Run by `python bench/gpu_layer.py {' '.join(argv or sys.argv[1:])}`; "
+        f"torch {torch.__version__}, triton {__import__('triton').__version__}, bf16, SwiGLU, "
+        f"dropless (DeepSpeed: capacity 1.0, drops). Median of {args.iters} CUDA-event timings "
+        f"after {args.warmup} warm-up steps. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "
+        "Errors: ||a - ref|| / ||ref|| against a float32 moe layer with the same weights.",
+        "",
+    ]
+    rows, notes = [], []
+    t_start = time.perf_counter()
+    for s in shapes:
+        g = torch.Generator(device=DEV).manual_seed(1)
+        x_TD = torch.randn(s.T, s.d, device=DEV, dtype=dtype, generator=g)
+        dy_TD = torch.randn(s.T, s.d, device=DEV, dtype=dtype, generator=g)
+        state = {
+            k: v.detach().clone() for k, v in moe_layer(s, "torch", dtype).state_dict().items()
+        }
+        ref = reference(s, x_TD, dy_TD, state)
+        cands, shape_notes = candidates(s, args, dtype, state)
+        if args.only:
+            keep = {n.strip() for n in args.only.split(",")}
+            cands = {n: c for n, c in cands.items() if n in keep}
+        notes += [n for n in shape_notes if n not in notes]
+        times = {}
+        for name, (build, shares) in cands.items():
+            optional = name.endswith("compiled") or not shares and name != "dense"
+            if optional and time.perf_counter() - t_start > 60 * args.max_minutes:
+                rows.append(f"| {s.name} | {name} | skipped: over --max-minutes | | | | | | |")
+                continue
+            row, ms = run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args)
+            rows.append(row)
+            times[name] = ms
+            print(row, flush=True)
+        dense = times.get("dense")
+        best = min((v for k, v in times.items() if k.startswith("moe") and v), default=None)
+        if dense and best:
+            notes.append(f"{s.name}: best moe / dense = {best / dense:.2f}")
+        del ref, state, x_TD, dy_TD
+    head = (
+        "| shape | candidate | fwd+bwd ms | TFLOP/s | peak MiB | err y | err dx | err dW1 | wall |"
+    )
+    lines += [head, "|---|---|---|---|---|---|---|---|---|", *rows, "", *notes, ""]
+    if PROFILES:
+        lines += ["## Profiles (3 fwd+bwd steps, kernels by self device time)", "", *PROFILES]
+    if not args.no_roles:
+        lines += [
+            "## GEMM roles alone: moe Triton vs CUTLASS (torch._grouped_mm)",
+            "",
+            "| shape | role | triton ms | triton TFLOP/s | CUTLASS ms | CUTLASS TFLOP/s | "
+            "% of CUTLASS |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for s in shapes:
+            table = role_table(s, lambda fn: cuda_time(fn, args.iters, args.warmup), DEV)
+            print("\n".join(table), flush=True)
+            lines += table
+    lines.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s.")
+    text = "\n".join(lines) + "\n"
+    out_dir = os.environ.get("OUT")
+    if args.smoke_cpu:
+        print(text)
+        return 0  # nothing timed: no report
+    if out_dir:
+        path = os.path.join(out_dir, "gpu-layer.md")
+    else:
+        tag = torch.cuda.get_device_name().split()[-1].lower()
+        name = f"{datetime.date.today().isoformat()}-{tag}-gpu-layer.md"
+        path = os.path.join(os.path.dirname(__file__), "results", name)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
