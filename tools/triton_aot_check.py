@@ -88,7 +88,8 @@ def variants(dtype: str, all_configs: bool):
     p = f"*{dtype}"
     probe = {"a_ptr": torch.empty(0, dtype=DTYPES[dtype])}
     base = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, b2_ptr=p, bias_ptr=p, pre_ptr=p, out_ptr=p,
-                offsets_ptr="*i32", M=M, E=E, M_BUCKET=65536, stride_biase=F)  # fmt: skip
+                offsets_ptr="*i32", scale_ptr="*fp32", rowdot_ptr="*fp32", M=M, E=E,
+                M_BUCKET=65536, stride_biase=F)  # fmt: skip
     up = dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=F, stride_bn=1)
     roles = {
         "up gelu (gather, b1)": (dict(up, stride_pm=F, stride_om=F),
@@ -105,7 +106,11 @@ def variants(dtype: str, all_configs: bool):
                                         stride_bn=F, stride_pm=D, stride_om=D),
                                    dict(EPILOGUE=0, ACT=0, GATED=True, GATHER=False, HAS_BIAS=False, SAVE_PRE=False)),
     }  # fmt: skip
+    for role in ("up swiglu (gather)", "dact swiglu (w2^T)"):  # combine weights folded in
+        ints, flags = roles[role]
+        roles[role + " row scale"] = (ints, dict(flags, ROW_SCALE=True))
     for role, (ints, flags) in roles.items():
+        flags = dict(flags, ROW_SCALE=flags.get("ROW_SCALE", False))
         configs = rows._prune(rows._configs(), probe, **flags)
         for cfg in configs if all_configs else configs[:1]:
             consts = dict(flags, DOT_F32=False, PRECISION="tf32", E_POW2=16, EVEN_K=True, GROUP_M=8)
