@@ -179,6 +179,16 @@ def _bwd_input_op(
     E, D, F = w1_EDF.shape
     M = dpre.shape[0]
     empty = lambda: x_TD.new_empty(0)
+    dx = empty()
+    if need_x:  # first: the weight gradients are not alive yet while dx_MD is
+        dx_MD = x_TD.new_empty(M, D)
+        w3_t = w3_EDF.transpose(1, 2) if gated else None
+        ragged_mm(dpre, w1_EDF.transpose(1, 2), offsets_E, dx_MD, b2_EKN=w3_t, gated=gated)
+        if token_ids_M is None:
+            dx = dx_MD
+        else:
+            dx = rows_to_tokens(dx_MD, token_ids_M, offsets_E[-1], x_TD.shape[0])
+        del dx_MD
     dw1, dw3, db1 = empty(), empty(), empty()
     if need_w:
         db1_f = torch.empty(E, F, device=x_TD.device, dtype=torch.float32) if need_b1 else None
@@ -191,15 +201,6 @@ def _bwd_input_op(
             dw3 = w1_EDF.new_empty(E, D, F)
             ragged_reduce_mm(x_TD, dpre[:, F:], offsets_E, dw3, idx_M=token_ids_M, order_E=order)
         db1 = db1_f.to(x_TD.dtype) if need_b1 else db1
-    dx = empty()
-    if need_x:
-        dx_MD = x_TD.new_empty(M, D)
-        w3_t = w3_EDF.transpose(1, 2) if gated else None
-        ragged_mm(dpre, w1_EDF.transpose(1, 2), offsets_E, dx_MD, b2_EKN=w3_t, gated=gated)
-        if token_ids_M is None:
-            dx = dx_MD
-        else:
-            dx = rows_to_tokens(dx_MD, token_ids_M, offsets_E[-1], x_TD.shape[0])
     return dx, dw1, dw3, db1
 
 
