@@ -332,43 +332,49 @@ def mib(n: float) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=32)
+    ap.add_argument(
+        "--triton-scale",
+        type=int,
+        default=None,
+        help="scale for the triton kind (the interpreter is slow); default --scale",
+    )
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--kinds", nargs="*", default=list(KINDS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    s = args.scale
     rows, moved_rows = [], []
     for name in args.shapes:
         T, d, E, k, F_ = SHAPES[name]
-        shape = (T // s, d // s, E, k, F_ // s)
         for kind in args.kinds:
-            r = measure(kind, shape, dtype)
+            s = args.triton_scale if kind == "triton" and args.triton_scale else args.scale
+            r = measure(kind, (T // s, d // s, E, k, F_ // s), dtype)
             f = s * s
             print(name, kind, {k: v for k, v in r.items() if k != "moved"}, flush=True)
-            rows.append(f"| {name} | {kind} | {mib(r['saved'] * f)} | {mib(r['peak'] * f)} | "
+            rows.append(f"| {name} | {kind} | {s} | {mib(r['saved'] * f)} | {mib(r['peak'] * f)} | "
                         f"{mib((r['peak'] - r['grads']) * f)} | {mib(r['grads'] * f)} |")  # fmt: skip
             total = sum(r["moved"].values())
             per = ", ".join(f"{st} {mib(b * f)}" for st, b in sorted(r["moved"].items()))
-            moved_rows.append(f"| {name} | {kind} | {mib(total * f)} | {per} |")
+            moved_rows.append(f"| {name} | {kind} | {s} | {mib(total * f)} | {per} |")
     today = datetime.date.today().isoformat()
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"{today}-cpu-memory-replay.md")  # fmt: skip
     lines = [
         f"# Memory replay of one MoE layer fwd+bwd ({today}, CPU, {args.dtype})",
         "",
-        f"Command: `PYTHONPATH=. python bench/memory_replay.py --scale {s}` on the 2-core CPU "
-        "machine (Triton kernels under TRITON_INTERPRET=1). Shapes are the GPU benchmark's "
-        f"(T, d, E, k, F) scaled down {s}x in T, d and F, run once, and scaled back by {s}^2.",
+        f"Command: `PYTHONPATH=. python bench/memory_replay.py {' '.join(argv or sys.argv[1:])}` "
+        "on the 2-core CPU machine (Triton kernels under TRITON_INTERPRET=1). Shapes are the "
+        "GPU benchmark's (T, d, E, k, F) scaled down `scale`x in T, d and F, run once, and "
+        "scaled back by scale^2 (a larger scale overstates the routing metadata more).",
         "**Every MiB figure below is a projection to the full shape, not a GPU measurement.**",
         "",
         "saved = bytes kept for backward (x and parameters excluded); peak = peak live bytes "
         "of one fwd+bwd over the start (weight gradients included); peak - grads = the same "
         "without the weight gradients alive at the end; dense = SwiGLU FFN with d_ff = k*F.",
         "",
-        "| shape | layer | saved MiB | peak MiB | peak - grads MiB | grads MiB |",
-        "|---|---|---|---|---|---|",
+        "| shape | layer | scale | saved MiB | peak MiB | peak - grads MiB | grads MiB |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         "## Bytes moved outside the GEMMs (one fwd+bwd, MiB, projected)",
@@ -378,8 +384,8 @@ def main(argv=None) -> None:
         "their shapes; GEMM epilogues (activation, its backward, row scaling) count as GEMM. "
         "The minimum is about: read x once, write y once, the gathered rows once each way.",
         "",
-        "| shape | layer | total | per stage |",
-        "|---|---|---|---|",
+        "| shape | layer | scale | total | per stage |",
+        "|---|---|---|---|---|",
         *moved_rows,
         "",
     ]

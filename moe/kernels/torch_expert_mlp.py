@@ -138,7 +138,7 @@ def _(x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, gather_ids_R, row_w
     return out, x_ND.new_empty(R, F), x_ND.new_empty(R, F if activation in GATED else 0)
 
 
-@torch.library.custom_op("moe::expert_mlp_backward", mutates_args=())
+@torch.library.custom_op("moe::expert_mlp_backward", mutates_args=("h_RF", "g_RF"))
 def _bwd_op(
     dy: Tensor,
     x_ND: Tensor,
@@ -156,7 +156,8 @@ def _bwd_op(
     needs: list[bool],
 ) -> list[Tensor]:
     """Gradients in NEEDS order (x, w1, w2, w3, b1, b2, row_weights); empty where not asked.
-    Per chunk: the activation is recomputed from h, g and the input rows gathered again."""
+    Per chunk: the activation is recomputed from h, g and the input rows gathered again; h and
+    g are overwritten with their gradients (the saved buffers reused: no second [R, 2F])."""
     need = dict(zip(NEEDS, needs))
     E, D, F = w1_EDF.shape
     R = h_RF.shape[0]
@@ -196,16 +197,14 @@ def _bwd_op(
             _put(grads, "b2", c, E, c.bias_grad(d_b2))
         del a_nF, d_out_nD
         dh_nF, dgate_nF = activation_backward(da_nF, h_nF, activation, gate_nF)
-        del da_nF, h_nF, gate_nF
-        if need["b1"]:
-            _put(grads, "b1", c, E, c.bias_grad(dh_nF))
-        if need["w1"] or need["w3"]:
-            xb_nD = _rows_of(x_ND, ids, c)
-            _put(grads, "w1", c, E, c.wgrad(xb_nD, dh_nF))
-            if dgate_nF is not None:
-                _put(grads, "w3", c, E, c.wgrad(xb_nD, dgate_nF))
-            del xb_nD
-        if need["x"]:
+        del da_nF
+        # h, g are dead now: their saved buffers take dh, dg, so no [R, F] pair outlives this
+        # step next to them (the weight gradients that follow would otherwise add to it)
+        dh_nF = h_nF.copy_(dh_nF)
+        if dgate_nF is not None:
+            dgate_nF = gate_nF.copy_(dgate_nF)
+        del h_nF, gate_nF
+        if need["x"]:  # before the input-side weight gradients exist: a lower peak
             dxb_nD = c.mm(dh_nF, w1_EDF.transpose(1, 2))
             if dgate_nF is not None:
                 dxb_nD += c.mm(dgate_nF, w3_EDF.transpose(1, 2))
@@ -219,6 +218,15 @@ def _bwd_op(
                 grads["x"][rows] = dxb_nD
             else:  # the adjoint of the gather, in index order (deterministic on CPU)
                 grads["x"].index_add_(0, ids, dxb_nD)
+            del dxb_nD
+        if need["b1"]:
+            _put(grads, "b1", c, E, c.bias_grad(dh_nF))
+        if need["w1"] or need["w3"]:
+            xb_nD = _rows_of(x_ND, ids, c)
+            _put(grads, "w1", c, E, c.wgrad(xb_nD, dh_nF))
+            if dgate_nF is not None:
+                _put(grads, "w3", c, E, c.wgrad(xb_nD, dgate_nF))
+            del xb_nD
     shapes = {"x": x_ND.shape, "w1": (E, D, F), "w2": (E, F, D), "w3": (E, D, F),
               "b1": (E, F), "b2": (E, D)}  # fmt: skip
     for n in NEEDS:  # not asked for: empty; asked for but no chunk wrote it (no rows): zeros
