@@ -149,3 +149,18 @@ def test_layer_is_bitwise_repeatable_under_deterministic_mode(backend, dtype):
     assert all(g is not None for g in runs[0])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_twice_with_retain_graph(backend):
+    """State released early in backward survives when the graph is retained."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 16, generator=g, requires_grad=True)
+    w1 = torch.randn(2, 16, 24, generator=g, requires_grad=True)
+    w2 = torch.randn(2, 24, 16, generator=g, requires_grad=True)
+    ids = torch.randint(0, 7, (12,), generator=g)
+    offsets = torch.tensor([5, 10], dtype=torch.int32)
+    y = expert_mlp(x, offsets, w1, w2, None, None, None, "gelu", ids, backend)
+    first = torch.autograd.grad(y.square().sum(), [x, w1, w2], retain_graph=True)
+    second = torch.autograd.grad(y.square().sum(), [x, w1, w2])
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

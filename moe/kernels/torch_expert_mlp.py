@@ -138,7 +138,7 @@ def _(x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, gather_ids_R, row_w
     return out, x_ND.new_empty(R, F), x_ND.new_empty(R, F if activation in GATED else 0)
 
 
-@torch.library.custom_op("moe::expert_mlp_backward", mutates_args=("h_RF", "g_RF"))
+@torch.library.custom_op("moe::expert_mlp_backward", mutates_args=())
 def _bwd_op(
     dy: Tensor,
     x_ND: Tensor,
@@ -156,8 +156,7 @@ def _bwd_op(
     needs: list[bool],
 ) -> list[Tensor]:
     """Gradients in NEEDS order (x, w1, w2, w3, b1, b2, row_weights); empty where not asked.
-    Per chunk: the activation is recomputed from h, g and the input rows gathered again; h and
-    g are overwritten with their gradients (the saved buffers reused: no second [R, 2F])."""
+    Per chunk: the activation is recomputed from h, g and the input rows gathered again."""
     need = dict(zip(NEEDS, needs))
     E, D, F = w1_EDF.shape
     R = h_RF.shape[0]
@@ -197,13 +196,7 @@ def _bwd_op(
             _put(grads, "b2", c, E, c.bias_grad(d_b2))
         del a_nF, d_out_nD
         dh_nF, dgate_nF = activation_backward(da_nF, h_nF, activation, gate_nF)
-        del da_nF
-        # h, g are dead now: their saved buffers take dh, dg, so no [R, F] pair outlives this
-        # step next to them (the weight gradients that follow would otherwise add to it)
-        dh_nF = h_nF.copy_(dh_nF)
-        if dgate_nF is not None:
-            dgate_nF = gate_nF.copy_(dgate_nF)
-        del h_nF, gate_nF
+        del da_nF, h_nF, gate_nF  # (h, g stay saved: backward may run again, retain_graph)
         if need["x"]:  # before the input-side weight gradients exist: a lower peak
             dxb_nD = c.mm(dh_nF, w1_EDF.transpose(1, 2))
             if dgate_nF is not None:

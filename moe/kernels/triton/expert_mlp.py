@@ -230,13 +230,23 @@ def _setup_context(ctx, inputs, output):
     ctx.has_b1, ctx.has_b2 = b1_EF is not None, b2_ED is not None
 
 
+def _keep_graph() -> bool:
+    """backward(retain_graph=True) is running: saved state must survive this backward."""
+    try:
+        return torch._C._autograd._get_current_graph_task_keep_graph()
+    except RuntimeError:  # not inside an engine-run backward (tracing)
+        return False
+
+
 def _backward(ctx, dy, _d_pre):
     x_TD, offsets_E, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
     if not ctx.saved_pre:
         raise RuntimeError("expert_mlp_triton: forward ran without saving activations for backward")
     if torch.is_grad_enabled():
         raise NotImplementedError("moe::triton_expert_mlp has no double backward")
-    pre, ctx.pre = ctx.pre, None
+    pre = ctx.pre
+    if not _keep_graph():  # released when the step's pre-activation is read for the last time
+        ctx.pre = None
     need = ctx.needs_input_grad
     need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights is not None
     D = w2.shape[2]
