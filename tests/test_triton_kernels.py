@@ -340,9 +340,12 @@ def test_opcheck():
     import torch.library
 
     case = make_case([3, 0, 5], 1, 16, 16, "gelu", True, True)
-    args = (case["x"].requires_grad_(), case["offsets"], case["w1"].requires_grad_(), case["w2"],
-            None, case["b1"], None, case["ids"], "gelu", True)  # fmt: skip
-    torch.library.opcheck(torch.ops.moe.triton_expert_mlp.default, args)
+    rw = torch.rand(case["ids"].shape[0], device=DEVICE, requires_grad=True)
+    for weights, fused in ((None, False), (rw, True)):
+        args = (case["x"].requires_grad_(), case["offsets"], case["w1"].requires_grad_(),
+                case["w2"], None, case["b1"], case["b2"], case["ids"], weights, "gelu", True,
+                fused)  # fmt: skip
+        torch.library.opcheck(torch.ops.moe.triton_expert_mlp.default, args)
 
 
 def test_kernels_compile_for_sm90():

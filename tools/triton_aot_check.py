@@ -181,7 +181,8 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     probe = {"a_ptr": torch.empty(0, dtype=DTYPES[dtype])}
     mb = triton.next_power_of_2(M)
     base = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, b2_ptr=p, bias_ptr=p, pre_ptr=p, out_ptr=p,
-                offsets_ptr="*i32", M=M, E=E, M_BUCKET=mb, stride_biase=F, NUM_PROGS=132)  # fmt: skip
+                offsets_ptr="*i32", scale_ptr="*fp32", rowdot_ptr="*fp32", M=M, E=E,
+                M_BUCKET=mb, stride_biase=F, NUM_PROGS=132)  # fmt: skip
     up = dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=F, stride_bn=1)
     roles = {
         "up swiglu (gather)": (dict(up, stride_pm=2 * F, stride_om=F),
@@ -201,7 +202,11 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
             dict(up, stride_pm=F, stride_om=F),
             dict(EPILOGUE=1, ACT=0, GATED=False, GATHER=True, HAS_BIAS=True, SAVE_PRE=True),
         )
+    for role in ("up swiglu (gather)", "dact swiglu (w2^T)"):  # combine weights folded in
+        ints, flags = roles[role]
+        roles[role + " row scale"] = (ints, dict(flags, ROW_SCALE=True))
     for role, (ints, flags) in roles.items():
+        flags = dict(flags, ROW_SCALE=flags.get("ROW_SCALE", False))
         configs = rows._prune(rows._configs(), probe, **flags)
         for tma in (False, True):  # the pointer path (default) and the opt-in TMA path
             for cfg in configs[:1] if first_only else configs:

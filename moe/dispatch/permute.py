@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.capacity import count_ids
-from moe.kernels.combine import combine
+from moe.kernels.combine import combine, sum_rows
 
 
 @dataclass
@@ -152,9 +152,8 @@ def weighted_sum_rows(out_MD: torch.Tensor, plan: DispatchPlan, backend: str = "
     pair -> row map; expert choice (a token may have 0..E rows) adds rows into their tokens."""
     if plan.pair_rows_TK is not None:
         return combine(out_MD, plan.pair_rows_TK, plan.weights_TK, backend)
-    y_TD = out_MD.new_zeros(plan.num_tokens, out_MD.shape[1])
     rows_MD = out_MD * plan.weights_M.to(out_MD.dtype).unsqueeze(1)
-    return y_TD.index_add(0, plan.token_ids_M, rows_MD)
+    return sum_rows(rows_MD, plan.token_ids_M, plan.num_tokens)
 
 
 class _PermuteRows(torch.autograd.Function):

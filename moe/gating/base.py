@@ -9,12 +9,56 @@ from torch import nn
 ROUTERS: dict[str, type["Router"]] = {}
 
 
+ROUTER_CHUNK_BYTES = 4 << 20  # float32 rows of x upcast at a time by the router matmul
+
+
+def _row_chunks(T: int, D: int) -> list[tuple[int, int]]:
+    step = max(1, ROUTER_CHUNK_BYTES // (4 * max(D, 1)))
+    return [(i, min(i + step, T)) for i in range(0, T, step)]
+
+
+class _HalfRouterMatmul(torch.autograd.Function):
+    """logits_TE = x_TD @ w_ED^T in float32 for a 16-bit x, upcasting x a chunk of rows at a
+    time: the same float32 products as x.float() @ w.float().t(), without a float32 copy of x
+    alive (forward) or saved (backward saves x itself, which the layer keeps anyway)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        ctx.save_for_backward(x_TD, w_ED)
+        w_f = w_ED.float()
+        logits_TE = x_TD.new_empty(x_TD.shape[0], w_ED.shape[0], dtype=torch.float32)
+        for a, b in _row_chunks(*x_TD.shape):
+            torch.mm(x_TD[a:b].float(), w_f.t(), out=logits_TE[a:b])
+        return logits_TE
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dlogits_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        dlogits_TE = dlogits_TE.float()
+        w_f = w_ED.float()
+        dx_TD = dw_ED = None
+        if ctx.needs_input_grad[0]:
+            dx_TD = torch.empty_like(x_TD)
+            for a, b in _row_chunks(*x_TD.shape):
+                dx_TD[a:b] = dlogits_TE[a:b] @ w_f
+        if ctx.needs_input_grad[1]:
+            dw_f = w_f.new_zeros(w_ED.shape)
+            for a, b in _row_chunks(*x_TD.shape):
+                dw_f.addmm_(dlogits_TE[a:b].t(), x_TD[a:b].float())
+            dw_ED = dw_f.to(w_ED.dtype)
+        return dx_TD, dw_ED
+
+
 def router_matmul(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """x @ w^T in float32 (float64 for float64 inputs), autocast off: under bf16 autocast the
-    router's matmul would otherwise run in bf16 and change which experts tokens choose."""
+    router's matmul would otherwise run in bf16 and change which experts tokens choose. A
+    16-bit x is upcast a chunk of rows at a time (no float32 copy of x, kept or saved)."""
     dtype = torch.promote_types(x_TD.dtype, torch.float32)
     device_type = x_TD.device.type if x_TD.device.type in ("cpu", "cuda", "xpu") else "cpu"
     with torch.autocast(device_type, enabled=False):
+        if x_TD.dtype in (torch.bfloat16, torch.float16) and x_TD.dim() == 2:
+            return _HalfRouterMatmul.apply(x_TD, w_ED)
         return x_TD.to(dtype) @ w_ED.to(dtype).t()
 
 

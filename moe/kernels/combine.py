@@ -65,3 +65,42 @@ def combine(out_MD, pair_rows_TK, weights_TK, backend: str = "torch"):
 
         return combine_triton(out_MD, pair_rows_TK, weights_TK)
     return combine_torch(out_MD, pair_rows_TK, weights_TK)
+
+
+def rows_into_tokens(
+    rows_nD: torch.Tensor,
+    ids_n: torch.Tensor,
+    num_tokens: int,
+    live_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y_TD[t] = sum of rows_nD[i] over the i with ids_n[i] == t (plain, no autograd), only
+    rows i < live_rows (a 0-d device tensor; default all; CPU callers pass live rows only), without
+    float atomics: on CPU index_add_ is one thread adding in index order; on CUDA the Triton
+    gather-sum over the stable sort of ids (fp32 accumulation); CUDA without Triton falls back
+    to index_add_, deterministic only under torch.use_deterministic_algorithms(True)."""
+    if rows_nD.device.type == "cpu":
+        return rows_nD.new_zeros(num_tokens, rows_nD.shape[1]).index_add_(0, ids_n, rows_nD)
+    try:
+        from moe.kernels.triton.gather_sum import rows_to_tokens
+    except ImportError:
+        return rows_nD.new_zeros(num_tokens, rows_nD.shape[1]).index_add_(0, ids_n, rows_nD)
+    if live_rows is None:
+        live_rows = torch.full((), rows_nD.shape[0], dtype=torch.int64, device=rows_nD.device)
+    return rows_to_tokens(rows_nD.contiguous(), ids_n, live_rows, num_tokens)
+
+
+class _SumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_nD, ids_n, num_tokens):
+        ctx.save_for_backward(ids_n)
+        return rows_into_tokens(rows_nD, ids_n, num_tokens)
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        (ids_n,) = ctx.saved_tensors
+        return dy_TD.index_select(0, ids_n), None, None
+
+
+def sum_rows(rows_nD: torch.Tensor, ids_n: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Differentiable rows_into_tokens: each row added into its token; backward gathers."""
+    return _SumRows.apply(rows_nD, ids_n, num_tokens)

@@ -42,7 +42,7 @@ class Chunk:
         if self.capacity:
             E, C = self.e1 - self.e0, self.capacity
             return torch.bmm(a_nK.view(E, C, -1), w).view(E * C, -1)
-        return mm_groups(a_nK, w, self.offsets)
+        return mm_groups(a_nK, w, self.offsets, zero_tail=False)  # tail rows: see expert_mlp
 
     def wgrad(self, a_nK: Tensor, d_nN: Tensor) -> Tensor:
         if self.capacity:

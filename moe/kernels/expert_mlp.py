@@ -61,19 +61,10 @@ def expert_mlp(
     if resolve_backend(backend, x_TD) == "triton":
         from moe.kernels.triton.expert_mlp import expert_mlp_triton
 
-        out_MD = expert_mlp_triton(
-            x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M
-        )
-        if row_weights_M is not None:
-            out_MD = out_MD * row_weights_M.to(out_MD.dtype).unsqueeze(1)
-        if not sum_to_rows:
-            return out_MD
-        ids = (
-            token_ids_M
-            if token_ids_M is not None
-            else torch.arange(len(out_MD), device=x_TD.device)
-        )
-        return out_MD.new_zeros(x_TD.shape[0], out_MD.shape[1]).index_add(0, ids, out_MD)
+        return expert_mlp_triton(
+            x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M,
+            row_weights_M, sum_to_rows,
+        )  # fmt: skip
     return expert_mlp_fused(
         x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M,
         row_weights_M, sum_to_rows,

@@ -19,13 +19,11 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED, activation_backward, apply_activation
-from moe.kernels.expert_chunks import Chunk, chunks
+from moe.kernels.combine import rows_into_tokens
+from moe.kernels.expert_chunks import Chunk, chunks, host_readable
+from moe.kernels.torch_grouped_mm import zero_tail_rows
 
 NEEDS = ("x", "w1", "w2", "w3", "b1", "b2", "row_weights")
-
-
-def _pre_width(F: int, activation: str) -> int:
-    return 2 * F if activation in GATED else F
 
 
 def _ids(gather_ids_R: Tensor | None, c: Chunk) -> Tensor | None:
@@ -35,6 +33,22 @@ def _ids(gather_ids_R: Tensor | None, c: Chunk) -> Tensor | None:
 def _rows_of(t_ND: Tensor, ids: Tensor | None, c: Chunk) -> Tensor:
     """The chunk's rows of t: gathered by token ids, or a view."""
     return t_ND[c.rows] if ids is None else t_ND.index_select(0, ids)
+
+
+def _whole(cs: list[Chunk], R: int) -> bool:
+    """One chunk of every row: its GEMM outputs are the full buffers (no copy into them)."""
+    return len(cs) == 1 and cs[0].r0 == 0 and cs[0].r1 == R
+
+
+def _put(grads: dict, name: str, c: Chunk, E: int, value: Tensor) -> None:
+    """Store expert slice c.experts of a weight gradient: the chunk's result itself when the
+    chunk holds every expert (no copy into a preallocated tensor), else a slice write."""
+    if c.e0 == 0 and c.e1 == E:
+        grads[name] = value
+        return
+    if grads[name] is None:
+        grads[name] = value.new_empty((E, *value.shape[1:]))
+    grads[name][c.experts] = value
 
 
 @torch.library.custom_op("moe::expert_mlp", mutates_args=())
@@ -50,44 +64,69 @@ def _fwd_op(
     row_weights_R: Tensor | None,
     activation: str,
     sum_to_rows: bool,
-) -> tuple[Tensor, Tensor]:
-    """(out, pre_RF): out_RD[r] = row_weights_R[r] * MLP(x[gather_ids_R[r]]) (tail rows
-    zero), or with sum_to_rows out_ND[n] = sum of the rows gathered from x row n; pre_RF is the
-    pre-activation ([h | g] for swiglu, tail rows zero), saved for backward."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, h_RF, g_RF): out_RD[r] = row_weights_R[r] * MLP(x[gather_ids_R[r]]) (tail rows
+    zero), or with sum_to_rows out_ND[n] = sum of the rows gathered from x row n; h_RF (and
+    g_RF for swiglu, else empty) is the pre-activation saved for backward. Off the CPU (one
+    chunk) the GEMM outputs are these buffers; their tail rows are never read and not zeroed."""
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_EDF.shape[2], w2_EFD.shape[2]
-    pre_RF = x_ND.new_empty(R, _pre_width(F, activation))
-    out = x_ND.new_zeros(x_ND.shape[0], D) if sum_to_rows else x_ND.new_empty(R, D)
+    gated = activation in GATED
+    cs = chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size())
+    whole = _whole(cs, R)
+    h_RF = None if whole else x_ND.new_empty(R, F)
+    g_RF = None if whole and gated else x_ND.new_empty(R, F if gated else 0)
+    scatter = sum_to_rows and gather_ids_R is not None  # rows added into their tokens
+    out = None if whole else x_ND.new_empty(R, D)
+    if scatter and host_readable(x_ND):
+        out = x_ND.new_zeros(x_ND.shape[0], D)
     kept = 0
-    for c in chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size()):
+    for c in cs:
         ids = _ids(gather_ids_R, c)
         xb_nD = _rows_of(x_ND, ids, c)
         h_nF = c.mm(xb_nD, w1_EDF)
         if b1_EF is not None:
             h_nF += c.row_bias(b1_EF)
-        gate_nF = c.mm(xb_nD, w3_EDF) if activation in GATED else None
-        pre_RF[c.rows, :F] = h_nF
-        if gate_nF is not None:
-            pre_RF[c.rows, F:] = gate_nF
+        gate_nF = c.mm(xb_nD, w3_EDF) if gated else None
+        del xb_nD
+        if whole:
+            h_RF, g_RF = h_nF, (gate_nF if gated else g_RF)
+        else:  # CPU: a cache-warm chunk copied into the saved buffer
+            h_RF[c.rows] = h_nF
+            if gated:
+                g_RF[c.rows] = gate_nF
         a_nF = apply_activation(h_nF, activation, gate_nF)
         scale_n1 = None
         if row_weights_R is not None:
             scale_n1 = row_weights_R[c.rows].to(a_nF.dtype).unsqueeze(1)
             a_nF *= scale_n1
         y_nD = c.mm(a_nF, w2_EFD)
+        del a_nF
         if b2_ED is not None:
             y_nD += c.row_bias(b2_ED) if scale_n1 is None else c.row_bias(b2_ED) * scale_n1
-        if not sum_to_rows:
-            out[c.rows] = y_nD
-        elif ids is None:
-            out[c.rows] += y_nD
-        else:
+        if not scatter:
+            if whole:
+                out = y_nD
+            else:
+                out[c.rows] = y_nD
+        elif host_readable(x_ND):  # one thread adds in index order: deterministic
             out.index_add_(0, ids, y_nD)
+        else:  # the device chunk: a gather-sum of the live rows, no float atomics
+            out = rows_into_tokens(y_nD, ids, x_ND.shape[0], offsets_E[-1])
         kept = c.r1
-    pre_RF[kept:] = 0
-    if not sum_to_rows:
-        out[kept:] = 0
-    return out, pre_RF
+    if out is None:  # no chunks: no experts
+        out = x_ND.new_zeros(x_ND.shape[0] if sum_to_rows else R, D)
+    if whole and not host_readable(x_ND):
+        if not scatter:
+            out = zero_tail_rows(out, offsets_E)  # the returned rows' contract: tail rows zero
+    elif h_RF is not None:
+        h_RF[kept:] = 0
+        g_RF[kept:] = 0
+        if not scatter:
+            out[kept:] = 0
+    if h_RF is None:
+        h_RF = x_ND.new_empty(R, F)
+    return out, h_RF, g_RF
 
 
 @_fwd_op.register_fake
@@ -96,7 +135,7 @@ def _(x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, gather_ids_R, row_w
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_EDF.shape[2], w2_EFD.shape[2]
     out = x_ND.new_empty(x_ND.shape[0] if sum_to_rows else R, D)
-    return out, x_ND.new_empty(R, _pre_width(F, activation))
+    return out, x_ND.new_empty(R, F), x_ND.new_empty(R, F if activation in GATED else 0)
 
 
 @torch.library.custom_op("moe::expert_mlp_backward", mutates_args=())
@@ -110,34 +149,31 @@ def _bwd_op(
     b2_ED: Tensor | None,
     gather_ids_R: Tensor | None,
     row_weights_R: Tensor | None,
-    pre_RF: Tensor,
+    h_RF: Tensor,
+    g_RF: Tensor,
     activation: str,
     sum_to_rows: bool,
     needs: list[bool],
 ) -> list[Tensor]:
     """Gradients in NEEDS order (x, w1, w2, w3, b1, b2, row_weights); empty where not asked.
-    Per chunk: the activation is recomputed from pre_RF and the input rows gathered again."""
+    Per chunk: the activation is recomputed from h, g and the input rows gathered again."""
     need = dict(zip(NEEDS, needs))
     E, D, F = w1_EDF.shape
-    R = pre_RF.shape[0]
-    dev = x_ND.device
-    grads = {  # chunks cover every expert: only the scattered / tail-holding ones start at 0
-        "x": torch.zeros_like(x_ND) if need["x"] else None,
-        "w1": w1_EDF.new_empty(E, D, F) if need["w1"] else None,
-        "w2": w2_EFD.new_empty(E, F, D) if need["w2"] else None,
-        "w3": w1_EDF.new_empty(E, D, F) if need["w3"] else None,
-        "b1": w1_EDF.new_empty(E, F) if need["b1"] else None,
-        "b2": w1_EDF.new_empty(E, D) if need["b2"] else None,
-        "row_weights": torch.zeros(R, dtype=row_weights_R.dtype, device=dev)
-        if need["row_weights"]
-        else None,
-    }
+    R = h_RF.shape[0]
+    cpu = host_readable(x_ND)
+    grads = dict.fromkeys(NEEDS)
+    if need["x"] and cpu:
+        grads["x"] = torch.zeros_like(x_ND)  # chunks add into it (CPU: tail rows are in none)
+    if need["row_weights"]:
+        grads["row_weights"] = torch.zeros(R, dtype=row_weights_R.dtype, device=x_ND.device)
     dy = dy.contiguous()
     gated = activation in GATED
-    for c in chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size()):
-        ids, rows, experts = _ids(gather_ids_R, c), c.rows, c.experts
-        pre_nF = pre_RF[rows]
-        h_nF, gate_nF = (pre_nF[:, :F], pre_nF[:, F:]) if gated else (pre_nF, None)
+    cs = chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size())
+    whole = _whole(cs, R)
+    for c in cs:
+        ids, rows = _ids(gather_ids_R, c), c.rows
+        h_nF = h_RF[rows]
+        gate_nF = g_RF[rows] if gated else None
         a_nF = apply_activation(h_nF, activation, gate_nF)
         d_out_nD = _rows_of(dy, ids, c) if sum_to_rows else dy[rows]
         da_nF = c.mm(d_out_nD, w2_EFD.transpose(1, 2))  # d(scale * a), then d a
@@ -148,43 +184,56 @@ def _bwd_op(
                 d_scale_n = (da_nF * a_nF).sum(1)
                 if b2_ED is not None:
                     d_scale_n += (d_out_nD * c.row_bias(b2_ED)).sum(1)
+                if whole and not cpu:  # tail rows of the device chunk hold garbage
+                    d_scale_n = zero_tail_rows(d_scale_n.unsqueeze(1), c.offsets).squeeze(1)
                 grads["row_weights"][rows] = d_scale_n
             a_nF *= scale_n1
             da_nF *= scale_n1
         if need["w2"]:
-            grads["w2"][experts] = c.wgrad(a_nF, d_out_nD)
+            _put(grads, "w2", c, E, c.wgrad(a_nF, d_out_nD))
         if need["b2"]:
-            grads["b2"][experts] = c.bias_grad(
-                d_out_nD if scale_n1 is None else d_out_nD * scale_n1
-            )
+            d_b2 = d_out_nD if scale_n1 is None else d_out_nD * scale_n1
+            _put(grads, "b2", c, E, c.bias_grad(d_b2))
         del a_nF, d_out_nD
         dh_nF, dgate_nF = activation_backward(da_nF, h_nF, activation, gate_nF)
-        del da_nF
-        if need["b1"]:
-            grads["b1"][experts] = c.bias_grad(dh_nF)
-        if need["w1"] or need["w3"]:
-            xb_nD = _rows_of(x_ND, ids, c)
-            grads["w1"][experts] = c.wgrad(xb_nD, dh_nF)
-            if dgate_nF is not None:
-                grads["w3"][experts] = c.wgrad(xb_nD, dgate_nF)
-            del xb_nD
-        if need["x"]:
+        del da_nF, h_nF, gate_nF  # (h, g stay saved: backward may run again, retain_graph)
+        if need["x"]:  # before the input-side weight gradients exist: a lower peak
             dxb_nD = c.mm(dh_nF, w1_EDF.transpose(1, 2))
             if dgate_nF is not None:
                 dxb_nD += c.mm(dgate_nF, w3_EDF.transpose(1, 2))
-            if ids is None:
+            if not cpu:  # the device chunk: every row, tail rows excluded here
+                grads["x"] = (
+                    zero_tail_rows(dxb_nD, offsets_E)
+                    if ids is None
+                    else rows_into_tokens(dxb_nD, ids, x_ND.shape[0], offsets_E[-1])
+                )
+            elif ids is None:
                 grads["x"][rows] = dxb_nD
             else:  # the adjoint of the gather, in index order (deterministic on CPU)
                 grads["x"].index_add_(0, ids, dxb_nD)
-    return [x_ND.new_empty(0) if grads[n] is None else grads[n] for n in NEEDS]
+            del dxb_nD
+        if need["b1"]:
+            _put(grads, "b1", c, E, c.bias_grad(dh_nF))
+        if need["w1"] or need["w3"]:
+            xb_nD = _rows_of(x_ND, ids, c)
+            _put(grads, "w1", c, E, c.wgrad(xb_nD, dh_nF))
+            if dgate_nF is not None:
+                _put(grads, "w3", c, E, c.wgrad(xb_nD, dgate_nF))
+            del xb_nD
+    shapes = {"x": x_ND.shape, "w1": (E, D, F), "w2": (E, F, D), "w3": (E, D, F),
+              "b1": (E, F), "b2": (E, D)}  # fmt: skip
+    for n in NEEDS:  # not asked for: empty; asked for but no chunk wrote it (no rows): zeros
+        if grads[n] is None:
+            grads[n] = x_ND.new_zeros(shapes[n] if need[n] else (0,))
+    return [grads[n] for n in NEEDS]
 
 
 @_bwd_op.register_fake
 def _(dy, x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, gather_ids_R, row_weights_R,
-      pre_RF, activation, sum_to_rows, needs):  # fmt: skip
+      h_RF, g_RF, activation, sum_to_rows, needs):  # fmt: skip
     E, D, F = w1_EDF.shape
     shapes = {"x": x_ND.shape, "w1": (E, D, F), "w2": (E, F, D), "w3": (E, D, F),
-              "b1": (E, F), "b2": (E, D), "row_weights": (pre_RF.shape[0],)}  # fmt: skip
+              "b1": (E, F), "b2": (E, D), "row_weights": (h_RF.shape[0],)}  # fmt: skip
     out = []
     for n, need in zip(NEEDS, needs):
         dtype = row_weights_R.dtype if n == "row_weights" and need else x_ND.dtype
@@ -194,8 +243,8 @@ def _(dy, x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, gather_ids_R, row_weig
 
 def _setup_context(ctx, inputs, output):
     x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_rows = inputs
-    ctx.save_for_backward(x, offsets, w1, w2, w3, b2, ids, row_weights, output[1])
-    ctx.set_materialize_grads(False)  # pre_RF never gets a gradient: no [R, F] zeros
+    ctx.save_for_backward(x, offsets, w1, w2, w3, b2, ids, row_weights, output[1], output[2])
+    ctx.set_materialize_grads(False)  # h, g never get a gradient: no [R, F] zeros
     ctx.activation, ctx.sum_to_rows = activation, sum_to_rows
     ctx.has = {"w3": w3 is not None, "b1": b1 is not None, "b2": b2 is not None,
                "row_weights": row_weights is not None}  # fmt: skip
@@ -204,8 +253,8 @@ def _setup_context(ctx, inputs, output):
 _GRAD_AT = dict(zip(NEEDS, [0, 2, 3, 4, 5, 6, 8]))  # input position of each gradient
 
 
-def _backward(ctx, dy, _d_pre):
-    x, offsets, w1, w2, w3, b2, ids, row_weights, pre = ctx.saved_tensors
+def _backward(ctx, dy, _d_h, _d_g):
+    x, offsets, w1, w2, w3, b2, ids, row_weights, h, g = ctx.saved_tensors
     if torch.is_grad_enabled():
         raise NotImplementedError(
             "moe::expert_mlp has no double backward (create_graph=True); compose "
@@ -213,13 +262,13 @@ def _backward(ctx, dy, _d_pre):
         )
     needs = [ctx.needs_input_grad[_GRAD_AT[n]] and ctx.has.get(n, True) for n in NEEDS]
     if dy is None:
-        dy = pre.new_zeros(x.shape[0] if ctx.sum_to_rows else pre.shape[0], w2.shape[2])
-    grads = _bwd_op(dy, x, offsets, w1, w2, w3, b2, ids, row_weights, pre, ctx.activation,
+        dy = h.new_zeros(x.shape[0] if ctx.sum_to_rows else h.shape[0], w2.shape[2])
+    grads = _bwd_op(dy, x, offsets, w1, w2, w3, b2, ids, row_weights, h, g, ctx.activation,
                     ctx.sum_to_rows, needs)  # fmt: skip
     out = [None] * 11
-    for n, need, g in zip(NEEDS, needs, grads):
+    for n, need, gr in zip(NEEDS, needs, grads):
         if need:
-            out[_GRAD_AT[n]] = g
+            out[_GRAD_AT[n]] = gr
     return tuple(out)
 
 
@@ -243,7 +292,7 @@ def expert_mlp_fused(
     tail rows exactly zero; with sum_to_rows, out_ND[n] = the sum of the rows read from x row
     n (see moe/kernels/expert_mlp.py for the contract)."""
     c = lambda t: t if t is None else t.contiguous()
-    out, _ = _fwd_op(
+    out, _, _ = _fwd_op(
         x_ND.contiguous(), offsets_E.to(torch.int32), c(w1_EDF), c(w2_EFD), c(w3_EDF),
         c(b1_EF), c(b2_ED), gather_ids_R, row_weights_R, activation, sum_to_rows,
     )  # fmt: skip

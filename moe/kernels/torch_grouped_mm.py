@@ -33,13 +33,14 @@ def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _zero_tail(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def zero_tail_rows(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Zero rows at or past offsets_E[-1] in place (dropped pairs at the buffer's tail)."""
     if offsets_E.numel() == 0:
         return y.zero_()
-    if y.device.type == "cpu":  # reading a CPU tensor is no device sync
+    if y.device.type == "cpu":  # reading a CPU tensor is no device sync: only the tail rows
         y[int(offsets_E[-1]) :].zero_()
         return y
+    # elsewhere the tail length is on the device: one masked pass (moe::expert_mlp skips it)
     rows = torch.arange(y.shape[0], device=y.device)
     return y.masked_fill_((rows >= offsets_E[-1]).unsqueeze(1), 0)
 
@@ -51,12 +52,15 @@ def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def mm_groups(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero. Plain (no autograd): the body of
-    moe::grouped_mm, also called inside moe::expert_mlp."""
+def mm_groups(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, zero_tail: bool = True
+) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; tail rows zero (with zero_tail=False they are left
+    as torch._grouped_mm leaves them, for callers that never read them). Plain (no autograd):
+    the body of moe::grouped_mm, also called inside moe::expert_mlp."""
     if _use_native(x_MK, w_EKN):
         y = torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
-        return _zero_tail(y, offsets_E)
+        return zero_tail_rows(y, offsets_E) if zero_tail else y
     y = x_MK.new_zeros(x_MK.shape[0], w_EKN.shape[2])
     for e, (s, t) in enumerate(_segments(offsets_E)):
         if t > s:

@@ -64,3 +64,45 @@ def act_bwd(dy, h, g, ACT: tl.constexpr):
         dh = dy * g * s * (1.0 + h * (1.0 - s))
         dg = dy * h * s
     return dh, dg
+
+
+@triton.jit
+def _act_rows_kernel(
+    pre_ptr, scale_ptr, out_ptr, M, F, stride_pm,
+    ACT: tl.constexpr, GATED: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    ok = (rows < M)[:, None] & (cols < F)[None, :]
+    ptrs = pre_ptr + rows[:, None] * stride_pm + cols[None, :]
+    h = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    g = h
+    if GATED:
+        g = tl.load(ptrs + F, mask=ok, other=0.0).to(tl.float32)
+    y = act_fwd(h, g, ACT)
+    if ROW_SCALE:
+        y = y * tl.load(scale_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None] * F + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def act_rows(pre_MP, F: int, activation: str, row_scale_M=None):
+    """a_MF = act(pre) (silu(h) * g for swiglu, pre = [h | g]), times row_scale_M[m] if given:
+    the activation recomputed from the saved pre-activation in one pass (read pre, write a)."""
+    import torch
+
+    from moe.kernels.activations import GATED
+    from moe.kernels.triton.common import interpreting
+
+    M = pre_MP.shape[0]
+    out = pre_MP.new_empty(M, F)
+    if M == 0 or F == 0:
+        return out
+    bm, bf = (16, 16) if interpreting() else (32, 128)
+    grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
+    scale = row_scale_M if row_scale_M is not None else torch.empty(0, device=pre_MP.device)
+    _act_rows_kernel[grid](
+        pre_MP, scale, out, M, F, pre_MP.stride(0), ACT=ACT_CODES[activation],
+        GATED=activation in GATED, ROW_SCALE=row_scale_M is not None, BLOCK_M=bm, BLOCK_F=bf,
+    )  # fmt: skip
+    return out

@@ -105,10 +105,10 @@ def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK
 @triton.jit
 def _rows_tile(
     pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
-    M, N, K, E, M_BUCKET,
+    scale_ptr, rowdot_ptr, M, N, K, E, M_BUCKET,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ROW_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -211,10 +211,16 @@ def _rows_tile(
                     a_ptrs += BLOCK_K * stride_ak
                     b2_ptrs += BLOCK_K * stride_bk
 
+        scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        if ROW_SCALE:
+            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             bias_ok = offs_n < tl.where(is_expert, N, 0)
             bias = tl.load(bias_ptr + e64 * stride_biase + offs_n, mask=bias_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
+            if ROW_SCALE and EPILOGUE == 0:  # down: the scaled rows' bias is scaled too
+                acc += bias.to(tl.float32)[None, :] * scale[:, None]
+            else:
+                acc += bias.to(tl.float32)[None, :]
         out_mask = row_ok[:, None] & n_ok[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         out_ty = out_ptr.dtype.element_ty
@@ -226,7 +232,10 @@ def _rows_tile(
                 tl.store(pre_ptrs, acc.to(out_ty), mask=out_mask)
                 if GATED:
                     tl.store(pre_ptrs + N, acc2.to(out_ty), mask=out_mask)
-            tl.store(out_ptrs, act_fwd(acc, acc2, ACT).to(out_ty), mask=out_mask)
+            y = act_fwd(acc, acc2, ACT)
+            if ROW_SCALE:
+                y = y * scale[:, None]
+            tl.store(out_ptrs, y.to(out_ty), mask=out_mask)
         else:
             pre_ptrs = pre_ptr + rows[:, None] * stride_pm + offs_n[None, :]
             pre_mask = live[:, None] & n_ok[None, :]
@@ -234,6 +243,14 @@ def _rows_tile(
             g = h
             if GATED:
                 g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
+            if ROW_SCALE:  # acc = dL/d(scale * act): this N tile's part of dL/d scale, then d act
+                # one partial per 16 columns: the same sums whatever BLOCK_N the autotuner picks
+                prod = tl.reshape(acc * act_fwd(h, g, ACT), [BLOCK_M, BLOCK_N // 16, 16])
+                slot = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+                slot_ptrs = rowdot_ptr + slot.to(tl.int64)[None, :] * M + rows[:, None]
+                slot_ok = row_ok[:, None] & (slot * 16 < N)[None, :]
+                tl.store(slot_ptrs, tlx.vsum(prod, 2), mask=slot_ok)
+                acc = acc * scale[:, None]
             dh, dg = act_bwd(acc, h, g, ACT)
             tl.store(out_ptrs, dh.to(out_ty), mask=out_mask)
             if GATED:
@@ -248,11 +265,11 @@ def _rows_tile(
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _ragged_rows_kernel(
-    a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
+    a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr,
     M, N, K, E, M_BUCKET,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ROW_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, B_T: tl.constexpr, NUM_PROGS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -283,14 +300,14 @@ def _ragged_rows_kernel(
         # Persistent: NUM_PROGS programs (one per SM) stride over the tiles in grouped order.
         total = (tlx.cdiv(M, BLOCK_M) + E) * tlx.cdiv(N, BLOCK_N)
         for pid in range(tl.program_id(0), total, NUM_PROGS):
-            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, M, N, K, E,
                 M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
-                stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+                stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, ROW_SCALE, DOT_F32,
                 PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
     else:  # the descriptor slots are unused
-        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, M, N, K, E,
+        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, M, N, K, E,
             M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
-            stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, DOT_F32,
+            stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, ROW_SCALE, DOT_F32,
             PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
 
 
@@ -309,6 +326,8 @@ def ragged_mm(
     save_pre: bool = False,
     gated: bool = False,
     tma: bool | None = None,
+    row_scale_M: torch.Tensor | None = None,
+    rowdot_NM: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the ragged-rows kernel; `out` has one row per expert row (M = out.shape[0]).
 
@@ -320,6 +339,13 @@ def ragged_mm(
     tma: load weight tiles (and contiguous A tiles) through tensor descriptors. Default: off
     unless MOE_TRITON_TMA=1 on an sm_90+ GPU (not yet run on a GPU; the interpreter runs it);
     used only where TMA's 16-byte alignment holds.
+
+    row_scale_M (fp32 [M], the combine weights folded into the experts) scales row m: up role
+    -> act * s (pre stays unscaled); plain role -> the bias is scaled (A rows already are);
+    dact role -> acc = dL/d(s * act) is scaled by s before the activation backward, and each
+    program stores <acc, act> over each 16 columns of its tile into rowdot_NM[n // 16, m] (fp32
+    [cdiv(N, 16), M]; summed over its first dim it is dL/ds: no atomics, and the same partial
+    sums whatever tile the autotuner picks).
     """
     M, E = out.shape[0], offsets_E.shape[0]
     K, N = b_EKN.shape[1], b_EKN.shape[2]
@@ -331,6 +357,8 @@ def ragged_mm(
     assert out.stride(1) == 1 and (pre is None or pre.stride(1) == 1)
     dot_f32, precision = dot_flags(a_MK.dtype)
     pre_t = pre if pre is not None else out
+    if epilogue == EPI_ACT_BWD and row_scale_M is not None:
+        assert rowdot_NM is not None and rowdot_NM.shape == (triton.cdiv(N, 16), M)
     b_t = b_EKN.stride(2) != 1
     use_tma = tma_ok(a_MK, b_EKN, b2_EKN, K, gated and epilogue == EPI_PLAIN, idx_M is not None)
     use_tma = use_tma and (tma_default(a_MK.device) if tma is None else tma)
@@ -345,12 +373,13 @@ def ragged_mm(
     _ragged_rows_kernel[grid](
         a_MK, idx_M if idx_M is not None else offsets_E, b_EKN,
         b2_EKN if b2_EKN is not None else b_EKN, bias_EN if bias_EN is not None else b_EKN,
-        pre_t, out, offsets_E,
+        pre_t, out, offsets_E, row_scale_M if row_scale_M is not None else out,
+        rowdot_NM if rowdot_NM is not None else out,
         M, N, K, E, m_bucket(M),
         a_MK.stride(0), a_MK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         bias_EN.stride(0) if bias_EN is not None else 0, pre_t.stride(0), out.stride(0),
         EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
-        HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, DOT_F32=dot_f32, PRECISION=precision,
-        E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
+        HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, ROW_SCALE=row_scale_M is not None,
+        DOT_F32=dot_f32, PRECISION=precision, E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
     )  # fmt: skip
     return out
