@@ -21,7 +21,7 @@ import torch.distributed as dist
 import moe
 from moe.comm import set_cost_model
 from moe.comm.alltoall import exchange, plan_all_to_all
-from moe.comm.cost_model import CostModel
+from moe.comm.cost_model import MAX_BANDWIDTH, CostModel
 from moe.comm.topology import get_topology
 from moe.parallel import init_mesh, parallelize
 
@@ -54,8 +54,8 @@ def fit_link(x_ND, send, N: int, L: int) -> CostModel:
     b = max((t1 - t2) / max(s1 - s2, 1), 1e-12)
     a = max(t1 - b * s1, 0.0)
     if N > 1:  # the bytes that leave the node set the time
-        return CostModel(a, 0.0, 1e15, 0.0, (W - L) / W / b, 1e15, a)
-    return CostModel(a, 0.0, (L - 1) / L / b, 0.0, 1e15, 1e15, a)
+        return CostModel(a, 0.0, MAX_BANDWIDTH, 0.0, (W - L) / W / b, MAX_BANDWIDTH, a)
+    return CostModel(a, 0.0, (L - 1) / L / b, 0.0, MAX_BANDWIDTH, MAX_BANDWIDTH, a)
 
 
 def worker_main(cfg: dict) -> None:
