@@ -171,43 +171,34 @@ _M6_ASSUMED = (
     "embedding (M6 used ResNet features of patches); vocabulary 21128 (Chinese BERT, assumed)."
 )
 
+_TINY = M6Config(
+    name="m6-tiny",
+    n_layers=4,
+    d_model=64,
+    n_heads=4,
+    d_ff=128,
+    vocab_size=48,
+    text_len=12,
+    image_size=8,
+    patch_size=2,
+    channels=1,
+    num_experts=8,
+    top_k=2,
+    moe_every=2,
+    router="prototype",
+    capacity_factor=1.25,
+    source="CPU demo on scikit-learn digits (8x8 images as 16 patches of 2x2 pixels)",
+)
+
 CONFIGS: dict[str, M6Config] = {
     c.name: c
     for c in (
-        M6Config(
-            name="m6-tiny",
-            n_layers=4,
-            d_model=64,
-            n_heads=4,
-            d_ff=128,
-            vocab_size=48,
-            text_len=12,
-            image_size=8,
-            patch_size=2,
-            channels=1,
-            num_experts=8,
-            top_k=2,
-            moe_every=2,
-            router="prototype",
-            capacity_factor=1.25,
-            source="CPU demo on scikit-learn digits (8x8 images as 16 patches of 2x2 pixels)",
-        ),
-        M6Config(
+        _TINY,
+        replace(
+            _TINY,
             name="m6-tiny-gpu",
-            n_layers=4,
             d_model=128,
-            n_heads=4,
             d_ff=256,
-            vocab_size=48,
-            text_len=12,
-            image_size=8,
-            patch_size=2,
-            channels=1,
-            num_experts=8,
-            top_k=2,
-            moe_every=2,
-            router="prototype",
-            capacity_factor=1.25,
             source="the m6-tiny task (digits) for one GPU: twice the width, 16x the batch "
             "(TRAIN_DEFAULTS): a GPU step costs about the same host time at any batch",
         ),
