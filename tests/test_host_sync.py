@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a branch that reads nothing (checked on the meta device below).
 CPU_ONLY = {
     ("moe/kernels/expert_chunks.py", "chunks"),  # chunk bounds from CPU offsets
-    ("moe/kernels/torch_grouped_mm.py", "_zero_tail"),  # slice the CPU tail
+    ("moe/kernels/torch_grouped_mm.py", "zero_tail_rows"),  # slice the CPU tail
     ("moe/layer.py", "_check_finite"),  # raise at once on CPU; torch._assert_async elsewhere
 }
 # The torch backend's fallback where torch._grouped_mm does not run (float64, widths or row
@@ -152,11 +152,11 @@ def test_layer_forward_backward_read_nothing(router, capacity_factor):
 def test_cpu_only_reads_have_a_device_branch():
     """The functions of CPU_ONLY on the meta device (any host read raises there)."""
     from moe.kernels.expert_chunks import chunks
-    from moe.kernels.torch_grouped_mm import _zero_tail
+    from moe.kernels.torch_grouped_mm import zero_tail_rows
 
     offsets_E = torch.tensor([2, 5, 5, 9], dtype=torch.int32, device="meta")
     assert len(chunks(offsets_E, 11, 64)) == 1
-    y = _zero_tail(torch.empty(11, 4, device="meta"), offsets_E)
+    y = zero_tail_rows(torch.empty(11, 4, device="meta"), offsets_E)
     assert y.shape == (11, 4)
     layer = moe.MoELayer(8, 16, 4, top_k=2).to("meta")
     layer._check_finite(torch.empty(5, 4, device="meta"))
