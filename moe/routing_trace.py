@@ -34,6 +34,9 @@ from torch import nn
 
 from moe.gating.balance import in_recomputation
 from moe.layer import moe_layers
+from moe.untrusted import MAX_DEPTH, json_depth, open_regular
+
+MAX_LINE_BYTES = 1 << 24  # a trace line: one step of one layer (E counts)
 
 FIELDS = {
     "step": int,
@@ -201,31 +204,45 @@ def read_trace(path: str | Path) -> list[dict]:
     ValueError naming the file and line number."""
     path = Path(path)
     records = []
-    for number, text in enumerate(path.read_text().splitlines(), 1):
-        if not text.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object")
-        for field, kind in FIELDS.items():
-            value = record.get(field)
-            ok = isinstance(value, (int, float) if kind is float else kind)
-            if not ok or isinstance(value, bool):
-                raise ValueError(f"{where}: field {field!r} must be {kind.__name__}, got {value!r}")
-        for field in ("tokens_per_expert", "routed_per_expert", "rank_load"):
-            if not all(isinstance(c, int) and not isinstance(c, bool) for c in record[field]):
-                raise ValueError(f"{where}: field {field!r} must hold integers")
-        E, ep = len(record["routed_per_expert"]), record["ep"]
-        if len(record["tokens_per_expert"]) != E or E == 0:
-            raise ValueError(f"{where}: tokens_per_expert and routed_per_expert differ in length")
-        if ep < 1 or E % ep or len(record["rank_load"]) != ep:
-            raise ValueError(f"{where}: rank_load must hold ep={ep} values (ep divides E={E})")
-        records.append(record)
+    with open_regular(path, error=ValueError, what="routing trace") as f:  # no FIFO, device
+        lines = iter(lambda: f.readline(MAX_LINE_BYTES + 1), b"")
+        for number, raw in enumerate(lines, 1):
+            where = f"{path}:{number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{where}: line longer than {MAX_LINE_BYTES} bytes")
+            if not raw.strip():
+                continue
+            records.append(_check_line(raw, where))
     return records
+
+
+def _check_line(raw: bytes, where: str) -> dict:
+    """One trace line parsed (bounded nesting) and checked field by field."""
+    depth = json_depth(raw)
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{where}: JSON nested {depth} levels deep (at most {MAX_DEPTH})")
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    except ValueError as e:  # not UTF-8, an int of too many digits
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    for field, kind in FIELDS.items():
+        value = record.get(field)
+        ok = isinstance(value, (int, float) if kind is float else kind)
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"{where}: field {field!r} must be {kind.__name__}, got {value!r}")
+    for field in ("tokens_per_expert", "routed_per_expert", "rank_load"):
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in record[field]):
+            raise ValueError(f"{where}: field {field!r} must hold integers")
+    E, ep = len(record["routed_per_expert"]), record["ep"]
+    if len(record["tokens_per_expert"]) != E or E == 0:
+        raise ValueError(f"{where}: tokens_per_expert and routed_per_expert differ in length")
+    if ep < 1 or E % ep or len(record["rank_load"]) != ep:
+        raise ValueError(f"{where}: rank_load must hold ep={ep} values (ep divides E={E})")
+    return record
 
 
 __all__ = ["RoutingTrace", "read_trace"]

@@ -2,6 +2,7 @@
 and 2 gloo ranks, rank 0 writing the sums), the plot tool writes a PNG, bad lines are errors."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -202,3 +203,16 @@ def test_rank_load_follows_the_placement():
     assert line["rank_load"] == by_hand
     canonical = trace_line(3, "layer", routed, routed, 0, 4)["rank_load"]
     assert canonical == [routed[2 * r] + routed[2 * r + 1] for r in range(4)]
+
+
+def test_trace_files_are_read_as_untrusted(tmp_path):
+    """A FIFO (which would block) and deeply nested JSON (which would exhaust the stack) are
+    one clear error each."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a FIFO, not a regular file"):
+        moe.read_trace(fifo)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep\.jsonl:1: JSON nested 100000 levels deep"):
+        moe.read_trace(deep)
