@@ -203,9 +203,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             back = p.reverse()
             returning.append((*send(out_RD, back, self.worker), back))
         rows = [receive(token, ticket, back, self.worker) for token, ticket, back in returning]
-        out_kept = torch.cat(rows) if len(rows) > 1 else rows[0]
-        dropped = out_kept.new_zeros(plan.num_rows - kept, out_kept.shape[1])
-        out_MD = torch.cat([out_kept, dropped])
+        dropped = rows[0].new_zeros(plan.num_rows - kept, rows[0].shape[1])
+        out_MD = torch.cat([*rows, dropped])  # one copy: the chunks and the dropped tail
         y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
         if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
             seconds, old = time.perf_counter() - began, self.layer_seconds[n > 1]
