@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe.kernels.expert_mlp import expert_mlp  # noqa: E402
+from moe.kernels.expert_mlp import ExpertRows, expert_mlp  # noqa: E402
 
 ZIPF_S = 1.2
 FULL_SHAPES = [  # name, E, d_model, d_ff, tokens, k
@@ -67,7 +67,14 @@ def sort_pairs(expert_TK: torch.Tensor, E: int):
 # ----------------------------------------------------------------------------- methods
 def mlp_triton(x, w1, w2, w3, ids, offsets, counts):
     return expert_mlp(
-        x, offsets, w1, w2, w3, activation="swiglu", token_ids_M=ids, backend="triton"
+        x,
+        offsets,
+        w1,
+        w2,
+        w3,
+        activation="swiglu",
+        rows=ExpertRows(gather_ids_R=ids),
+        backend="triton",
     )
 
 

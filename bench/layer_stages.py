@@ -13,7 +13,8 @@ import time
 import torch
 
 import moe
-from moe.kernels.torch_expert_mlp import expert_mlp_fused
+from moe.kernels.expert_mlp import ExpertRows
+from moe.kernels.torch_expert_mlp import expert_mlp_torch
 
 GEMM = {"aten::mm", "aten::bmm", "aten::_grouped_mm", "aten::addmm"}
 ACTIVATION = {"aten::gelu", "aten::gelu_backward", "aten::silu", "aten::silu_backward"}
@@ -55,7 +56,7 @@ def _fwd_bwd(layer: moe.MoELayer, x_TD: torch.Tensor, dy_TD: torch.Tensor) -> No
         plan = layer._plan(routing, len(x_TD))
         x_RD, offsets_L, ctx = layer.dispatcher.dispatch(x_TD, plan)
     with record_function("stage:experts"):
-        out = layer.experts(x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens)
+        out = layer.experts(x_RD, offsets_L, rows=ctx.expert_rows())
     with record_function("stage:rest"):
         y_TD = layer.dispatcher.combine(out, ctx)
         layer._record(routing, plan)
@@ -121,8 +122,8 @@ def padded_vs_ragged(d: int, F: int, E: int, k: int, tokens: int) -> tuple[float
 
     def run(ids, weights, offsets):
         def step():
-            y = expert_mlp_fused(x, offsets, w.w1, w.w2, None, None, None, "gelu", ids,
-                                 weights, True)  # fmt: skip
+            rows = ExpertRows(gather_ids_R=ids, row_weights_R=weights, sum_to_tokens=True)
+            y = expert_mlp_torch(x, offsets, w.w1, w.w2, activation="gelu", rows=rows)
             y.sum().backward()
 
         return step

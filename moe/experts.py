@@ -7,7 +7,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.expert_mlp import expert_mlp
+from moe.kernels.expert_mlp import (
+    FUSES_COMBINE,
+    NO_ROWS_INFO,
+    ExpertRows,
+    expert_mlp,
+    resolve_backend,
+)
 
 
 class GroupedExperts(nn.Module):
@@ -67,42 +73,40 @@ class GroupedExperts(nn.Module):
                 if t is not None and t.device.type != "meta":
                     nn.init.uniform_(t, -bound, bound)
 
+    def resolve_backend(self, x: torch.Tensor) -> str:
+        """The kernel backend for input x ("auto" -> "triton" on CUDA with Triton, else
+        "torch"): the layer resolves it once per call and passes it to forward."""
+        return resolve_backend(self.backend, x)
+
+    def fuses_combine(self, backend: str) -> bool:
+        """Whether these experts, on `backend` (resolved), apply the combine themselves: gather
+        on load, scale by rows.row_weights_R and, with rows.sum_to_tokens, return y_TD. A
+        dispatcher hands them the combine only when they declare it (moe.dispatch)."""
+        return FUSES_COMBINE[backend]
+
     def forward(
         self,
-        x_RD: torch.Tensor,
+        x_ND: torch.Tensor,
         offsets_L: torch.Tensor,
-        gather_ids_R: torch.Tensor | None = None,
-        row_weights_R: torch.Tensor | None = None,
-        sum_to_tokens: bool = False,
+        *,
+        rows: ExpertRows = NO_ROWS_INFO,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """Rows of each local expert (expert-major; int32 row ends offsets_L) -> their MLP
         outputs out_RD (tail rows past offsets_L[-1]: exactly 0). The experts only compute.
 
-        gather_ids_R (optional, from DispatchContext): x_RD is then the un-gathered token
-        matrix and row r is x_RD[gather_ids_R[r]]: the kernels gather while they load, which
-        saves writing, keeping and re-reading one [R, D] copy.
-        row_weights_R (optional, from DispatchContext): each row's combine weight, folded into
-        the expert MLP (out row r is scaled by it).
-        sum_to_tokens: return y_TD instead, each row added into the token it was read from
-        (the combine fused into the experts: no [R, D] output buffer).
+        x_ND is the R rows, or the token rows x_TD when rows.gather_ids_R is set (gather on
+        load); rows (ExpertRows, from DispatchContext.expert_rows()) also carries the combine
+        weights and sum_to_tokens (return y_TD). backend: resolved by the caller (once per
+        layer call), else this module's own setting.
         Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
         experts (autograd flows back into the DTensor, as in torchtitan).
         """
         w1, w2, w3, b1, b2 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
         return expert_mlp(
-            x_RD.to(w1.dtype),
-            offsets_L,
-            w1,
-            w2,
-            w3,
-            b1,
-            b2,
-            self.activation,
-            gather_ids_R,
-            self.backend,
-            row_weights_R,
-            sum_to_tokens,
-        )
+            x_ND.to(w1.dtype), offsets_L, w1, w2, w3, b1, b2,
+            activation=self.activation, rows=rows, backend=backend or self.backend,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

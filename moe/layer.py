@@ -115,13 +115,16 @@ class MoELayer(nn.Module):
         routing = self._route(x_TD)
         plan = self._plan(routing, len(x_TD))
 
+        backend = self.experts.resolve_backend(x_TD)  # once per layer call
+
         def experts(x_RD, offsets_L, ctx):
-            out_RD = self.experts(
-                x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens
-            )
+            out_RD = self.experts(x_RD, offsets_L, rows=ctx.expert_rows(), backend=backend)
             if self.config.check_finite:
                 check_experts_finite(self.name, self.experts, out_RD, offsets_L)
             return out_RD
+
+        # the experts say whether they take the combine over (check_finite reads their rows)
+        experts.fuses_combine = self.experts.fuses_combine(backend) and not self.config.check_finite
 
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)

@@ -7,6 +7,7 @@ import torch
 
 import moe
 from moe.kernels import combine, expert_mlp, grouped_mm_torch
+from moe.kernels.expert_mlp import ExpertRows
 from tests import reference as ref
 
 # (rows per expert, tail rows past the last offset): T=1, empty experts, all rows to one
@@ -33,7 +34,7 @@ def expert_params(E, D, F, activation, bias, dtype):
         "b2": torch.randn(E, D, dtype=dtype) if bias else None,
     }
     params = {n: p.requires_grad_() for n, p in params.items() if p is not None}
-    suffix = dict(w1="EDF", w2="EFD", w3="EDF", b1="EF", b2="ED")
+    suffix = dict(w1="LDF", w2="LFD", w3="LDF", b1="LF", b2="LD")
     return params, {f"{n}_{suffix[n]}": p for n, p in params.items()}
 
 
@@ -73,7 +74,7 @@ def test_expert_mlp_matches_per_token_reference(activation, bias, dtype):
     token_ids = torch.randint(0, T, (M,))
     params, kw = expert_params(E, D, F, activation, bias, dtype)
     out = expert_mlp(x, offsets_of(counts), **kw, activation=activation,
-                     token_ids_M=token_ids, backend="torch")  # fmt: skip
+                     rows=ExpertRows(gather_ids_R=token_ids), backend="torch")  # fmt: skip
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *params.values()], dy)
     xr = x.detach().double().requires_grad_()
@@ -181,7 +182,7 @@ def _null():
 
 # The fused moe::expert_mlp paths: folded combine weights, the sum into tokens, several chunks,
 # equal groups (one bmm), tail rows, no gather index.
-FUSED_CASES = {  # name: (rows per expert, tail rows, gather index, row weights, sum_to_rows)
+FUSED_CASES = {  # name: (rows per expert, tail rows, gather index, row weights, sum_to_tokens)
     "ragged_tail_weights_sum": ([3, 0, 5, 2], 2, True, True, True),
     "ragged_rows_weights": ([1, 4, 0, 2], 1, True, True, False),
     "equal_groups_bmm_sum": ([3, 3, 3], 0, True, True, True),
@@ -208,7 +209,7 @@ def test_fused_expert_mlp_matches_per_row_reference(
         monkeypatch.setattr(expert_chunks, "host_readable", lambda t: False)
     else:
         monkeypatch.setattr(expert_chunks, "CHUNK_BYTES", LAYOUT_MODES[layout])
-    counts, tail, with_ids, with_weights, sum_to_rows = FUSED_CASES[case]
+    counts, tail, with_ids, with_weights, sum_to_tokens = FUSED_CASES[case]
     torch.manual_seed(len(case) + len(activation))
     E, R, T, D, F = len(counts), sum(counts) + tail, 6, 5, 7  # unaligned widths
     rows = experts_of_rows(counts, tail)
@@ -216,8 +217,9 @@ def test_fused_expert_mlp_matches_per_row_reference(
     x = torch.randn(T if with_ids else R, D, dtype=dtype, requires_grad=True)
     rw = torch.rand(R, dtype=dtype, requires_grad=True) if with_weights else None
     params, kw = expert_params(E, D, F, activation, bias, dtype)
-    out = expert_mlp(x, offsets_of(counts), **kw, activation=activation, token_ids_M=ids,
-                     backend="torch", row_weights_M=rw, sum_to_rows=sum_to_rows)  # fmt: skip
+    rows_info = ExpertRows(gather_ids_R=ids, row_weights_R=rw, sum_to_tokens=sum_to_tokens)
+    out = expert_mlp(x, offsets_of(counts), **kw, activation=activation, rows=rows_info,
+                     backend="torch")  # fmt: skip
     leaves = [x, *params.values()] + ([rw] if rw is not None else [])
     dy = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, dy)
@@ -231,7 +233,7 @@ def test_fused_expert_mlp_matches_per_row_reference(
         y = ref.expert_ffn(src, e, pr["w1"], pr["w2"], pr.get("w3"), pr.get("b1"),
                            pr.get("b2"), activation) if e is not None else xr.new_zeros(D)  # fmt: skip
         row_out.append(y * rwr[r] if rwr is not None else y)
-    if sum_to_rows:
+    if sum_to_tokens:
         outr = torch.stack([sum((row_out[r] for r in range(R) if ids[r] == t),
                                 xr.new_zeros(D)) for t in range(T)])  # fmt: skip
     else:
@@ -243,7 +245,7 @@ def test_fused_expert_mlp_matches_per_row_reference(
     names = ["x", *params] + (["row_weights"] if rw is not None else [])
     for name, g, w in zip(names, got, want):
         torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, n=name: f"{n}: {m}")
-    if not sum_to_rows and tail:
+    if not sum_to_tokens and tail:
         assert torch.equal(out[-tail:], torch.zeros_like(out[-tail:]))
     if 0 in counts:  # an expert without rows: exactly zero weight gradient
         assert torch.equal(got[1][counts.index(0)], torch.zeros_like(got[1][0]))

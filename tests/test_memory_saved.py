@@ -27,7 +27,7 @@ replay = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(replay)
 
 import moe  # noqa: E402
-from moe.kernels.expert_mlp import expert_mlp  # noqa: E402
+from moe.kernels.expert_mlp import ExpertRows, expert_mlp  # noqa: E402
 
 PAIR_BYTES = 64  # per (token, choice): 8 words of int64 / fp32 routing metadata
 SCORE_BYTES = 8  # per (token, expert): fp32 logits and scores
@@ -65,7 +65,8 @@ def test_expert_op_keeps_only_the_pre_activation(backend):
     def run():
         return expert_mlp(
             leaves["x"], offsets, leaves["w1"], leaves["w2"], leaves["w3"], None, None,
-            "swiglu", ids, backend, leaves["rw"], True,
+            activation="swiglu", backend=backend,
+            rows=ExpertRows(gather_ids_R=ids, row_weights_R=leaves["rw"], sum_to_tokens=True),
         )  # fmt: skip
 
     saved, out = replay.saved_bytes(run, [*leaves.values(), ids, offsets])
@@ -160,7 +161,7 @@ def test_backward_twice_with_retain_graph(backend):
     w2 = torch.randn(2, 24, 16, generator=g, requires_grad=True)
     ids = torch.randint(0, 7, (12,), generator=g)
     offsets = torch.tensor([5, 10], dtype=torch.int32)
-    y = expert_mlp(x, offsets, w1, w2, None, None, None, "gelu", ids, backend)
+    y = expert_mlp(x, offsets, w1, w2, rows=ExpertRows(gather_ids_R=ids), backend=backend)
     first = torch.autograd.grad(y.square().sum(), [x, w1, w2], retain_graph=True)
     second = torch.autograd.grad(y.square().sum(), [x, w1, w2])
     assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -251,9 +251,7 @@ def test_default_run_is_dispatch_experts_combine():
     y_TD, shared = layer.dispatcher.run(
         x,
         plan,
-        lambda x_RD, o, ctx: experts(
-            x_RD, o, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens
-        ),
+        lambda x_RD, o, ctx: experts(x_RD, o, rows=ctx.expert_rows()),
         lambda: layer.shared_experts(x),
     )
     torch.testing.assert_close(y, y_TD + shared, rtol=0, atol=0)

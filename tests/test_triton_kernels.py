@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from moe.kernels.activations import GATED, apply_activation  # noqa: E402
 from moe.kernels.combine import combine  # noqa: E402
-from moe.kernels.expert_mlp import expert_mlp, resolve_backend  # noqa: E402
+from moe.kernels.expert_mlp import ExpertRows, expert_mlp, resolve_backend  # noqa: E402
 from moe.kernels.triton import common as triton_common  # noqa: E402
 from moe.kernels.triton.gather_sum import rows_to_tokens  # noqa: E402
 from moe.kernels.triton.schedule import tile_schedule  # noqa: E402
@@ -72,7 +72,7 @@ def run_triton(case):
     out = expert_mlp(
         leaves["x"], case["offsets"], leaves["w1"], leaves["w2"], leaves.get("w3"),
         leaves.get("b1"), leaves.get("b2"), activation=case["activation"],
-        token_ids_M=case["ids"], backend="triton",
+        rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton",
     )  # fmt: skip
     out.backward(case["dy"])
     return out.detach(), {k: v.grad for k, v in leaves.items()}
@@ -184,8 +184,12 @@ def test_expert_mlp_matches_torch_backend_no_grad():
     case = make_case([4, 11, 0, 6], 1, 24, 40, "gelu", True, True)
     args = (case["x"], case["offsets"], case["w1"], case["w2"], None, case["b1"], case["b2"])
     with torch.no_grad():
-        a = expert_mlp(*args, activation="gelu", token_ids_M=case["ids"], backend="triton")
-        b = expert_mlp(*args, activation="gelu", token_ids_M=case["ids"], backend="torch")
+        a = expert_mlp(
+            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton"
+        )
+        b = expert_mlp(
+            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="torch"
+        )
     assert_close(a, b, torch.float32, "out vs torch backend")
 
 
@@ -292,10 +296,10 @@ def test_backend_selection(monkeypatch):
 
 def test_shape_errors():
     case = make_case([3, 2], 0, 8, 8, "swiglu", False, True)
-    args = dict(activation="swiglu", token_ids_M=case["ids"], backend="triton")
-    with pytest.raises(ValueError, match="w2_EFD"):
+    args = dict(activation="swiglu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")
+    with pytest.raises(ValueError, match="w2_LFD"):
         expert_mlp(case["x"], case["offsets"], case["w1"], case["w2"][:, :4], case["w3"], **args)
-    with pytest.raises(ValueError, match="offsets_E"):
+    with pytest.raises(ValueError, match="offsets_L"):
         expert_mlp(case["x"], case["offsets"][:1], case["w1"], case["w2"], case["w3"], **args)
 
 
@@ -321,7 +325,7 @@ def test_torch_compile():
 
     def layer(x, w1, w2, w3, b1, b2, weights):
         out = expert_mlp(x, case["offsets"], w1, w2, w3, b1, b2, activation="swiglu",
-                         token_ids_M=case["ids"], backend="triton")  # fmt: skip
+                         rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")  # fmt: skip
         return combine(out, pair_rows, weights, backend="triton")
 
     results = []
@@ -371,7 +375,7 @@ def test_cuda_graph_capture():
     )
     leaves = [case[k].clone().requires_grad_() for k in PARAMS]
     step = lambda: expert_mlp(leaves[0], case["offsets"], *leaves[1:], activation="swiglu",
-                              token_ids_M=case["ids"], backend="triton")  # fmt: skip
+                              rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")  # fmt: skip
     side = torch.cuda.Stream()  # warm up (autotune, compile) on a side stream, as torch asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -402,8 +406,12 @@ def test_cuda_int64_offsets():
     offsets = torch.tensor([20, 48], dtype=torch.int32, device="cuda")
     w1 = torch.randn(2, D, F, device="cuda", dtype=torch.bfloat16) * D**-0.5
     w2 = torch.randn(2, F, D, device="cuda", dtype=torch.bfloat16) * F**-0.5
-    got = expert_mlp(x, offsets, w1, w2, activation="relu", token_ids_M=ids, backend="triton")
-    ref = expert_mlp(x, offsets, w1, w2, activation="relu", token_ids_M=ids, backend="torch")
+    got = expert_mlp(
+        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), backend="triton"
+    )
+    ref = expert_mlp(
+        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), backend="torch"
+    )
     assert_close(got, ref.float(), torch.bfloat16, "int64 offsets")
 
 

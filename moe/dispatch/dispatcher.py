@@ -3,8 +3,13 @@
 A dispatcher owns the path between the routing plan and the experts, and back:
 
     x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
-    out_RD = experts(x_RD, offsets_L, ctx.gather_ids_R, ctx.row_weights_R, ctx.sum_to_tokens)
+    out_RD = experts(x_RD, offsets_L, ctx)  # the layer calls GroupedExperts(..., rows=ctx.expert_rows())
     y_TD = dispatcher.combine(out_RD, ctx)  # weighted sum back to tokens (if not done above)
+
+(With ctx.gather_ids_R set, the local dispatcher's "x_RD" is the token matrix x_TD and the
+experts gather on load; with ctx.sum_to_tokens their "out_RD" is y_TD.) The experts declare
+whether they can take the combine over (`fuses_combine(experts)`); a dispatcher asks them
+rather than guessing from a backend.
 
 MoELayer calls `dispatcher.run(x_TD, plan, experts, shared)`, whose default is exactly the
 three lines above (then the shared experts). A new strategy (another all-to-all, a node-aware
@@ -21,10 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.permute import DispatchPlan
+from moe.kernels.expert_mlp import ExpertRows
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
-# (x_RD, offsets_L, ctx) -> out_RD: the layer's experts as the dispatcher sees them
+# (x_RD, offsets_L, ctx) -> out_RD: the layer's experts as the dispatcher sees them. It may
+# carry `fuses_combine: bool` (read with fuses_combine(experts); absent means False).
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, "DispatchContext"], torch.Tensor]
+
+
+def fuses_combine(experts: ExpertFn) -> bool:
+    """Whether `experts` declared that they apply the combine themselves (gather on load,
+    row weights, sum into tokens: the ExpertRows contract of moe.kernels.expert_mlp)."""
+    return bool(getattr(experts, "fuses_combine", False))
 
 
 def register_dispatcher(name: str):
@@ -62,6 +75,14 @@ class DispatchContext:
     gather_ids_R: torch.Tensor | None = None
     row_weights_R: torch.Tensor | None = None
     sum_to_tokens: bool = False
+
+    def expert_rows(self) -> ExpertRows:
+        """The fields the experts read, as the one typed object GroupedExperts takes."""
+        return ExpertRows(
+            gather_ids_R=self.gather_ids_R,
+            row_weights_R=self.row_weights_R,
+            sum_to_tokens=self.sum_to_tokens,
+        )
 
 
 class Dispatcher(ABC):

@@ -1,5 +1,13 @@
-"""Weighted gather-sum of each token's k expert outputs (no scatter, no float atomics), as the
-torch.library custom op `moe::combine` with fake and autograd registrations."""
+"""The combine's one home: every sum of expert rows back into their tokens.
+
+- `combine` / `moe::combine`: the weighted gather-sum of each token's k expert outputs (no
+  scatter, no float atomics; the Triton variant is moe/kernels/triton/combine.py), used by the
+  dispatchers whose experts return rows (moe.dispatch.weighted_sum_rows).
+- `rows_into_tokens`: the plain sum of (already weighted) rows into their tokens, called inside
+  both expert-MLP ops when the experts fuse the combine (ExpertRows.sum_to_tokens) and by the
+  torch op's input gradient.
+- `sum_rows`: its differentiable form, LocalDispatcher's combine when the experts return rows.
+"""
 
 import torch
 
@@ -72,14 +80,19 @@ def rows_into_tokens(
     ids_n: torch.Tensor,
     num_tokens: int,
     live_rows: torch.Tensor | None = None,
+    into_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_TD[t] = sum of rows_nD[i] over the i with ids_n[i] == t (plain, no autograd), only
     rows i < live_rows (a 0-d device tensor; default all; CPU callers pass live rows only), without
     float atomics: on CPU index_add_ is one thread adding in index order; on CUDA the Triton
     gather-sum over the stable sort of ids (fp32 accumulation); CUDA without Triton falls back
-    to index_add_, deterministic only under torch.use_deterministic_algorithms(True)."""
+    to index_add_, deterministic only under torch.use_deterministic_algorithms(True).
+    into_TD (CPU only): add into this [T, D] tensor in place and return it (chunks of rows
+    accumulating into one output)."""
     if rows_nD.device.type == "cpu":
-        return rows_nD.new_zeros(num_tokens, rows_nD.shape[1]).index_add_(0, ids_n, rows_nD)
+        if into_TD is None:
+            into_TD = rows_nD.new_zeros(num_tokens, rows_nD.shape[1])
+        return into_TD.index_add_(0, ids_n, rows_nD)
     try:
         from moe.kernels.triton.gather_sum import rows_to_tokens
     except ImportError:

@@ -27,27 +27,27 @@ def host_readable(t: Tensor) -> bool:
 class Chunk:
     """Experts [e0, e1) and their rows [r0, r1) of the expert buffer."""
 
-    def __init__(self, e0: int, e1: int, r0: int, r1: int, offsets_E: Tensor):
+    def __init__(self, e0: int, e1: int, r0: int, r1: int, offsets_L: Tensor):
         self.e0, self.e1, self.r0, self.r1 = e0, e1, r0, r1
         self.rows, self.experts = slice(r0, r1), slice(e0, e1)
-        self.offsets = offsets_E[e0:e1] - r0  # int32 row ends within the chunk
-        n, E = r1 - r0, e1 - e0
+        self.offsets = offsets_L[e0:e1] - r0  # int32 row ends within the chunk
+        n, L = r1 - r0, e1 - e0
         self.capacity = 0  # > 0: every group has exactly this many rows (one bmm)
-        if host_readable(offsets_E) and n and n % E == 0:
-            step = torch.arange(1, E + 1, dtype=offsets_E.dtype) * (n // E)
-            self.capacity = n // E if torch.equal(self.offsets, step) else 0
+        if host_readable(offsets_L) and n and n % L == 0:
+            step = torch.arange(1, L + 1, dtype=offsets_L.dtype) * (n // L)
+            self.capacity = n // L if torch.equal(self.offsets, step) else 0
 
     def mm(self, a_nK: Tensor, w_EKN: Tensor) -> Tensor:
         w = w_EKN[self.experts]
         if self.capacity:
-            E, C = self.e1 - self.e0, self.capacity
-            return torch.bmm(a_nK.view(E, C, -1), w).view(E * C, -1)
+            L, C = self.e1 - self.e0, self.capacity
+            return torch.bmm(a_nK.view(L, C, -1), w).view(L * C, -1)
         return mm_groups(a_nK, w, self.offsets, zero_tail=False)  # tail rows: see expert_mlp
 
     def wgrad(self, a_nK: Tensor, d_nN: Tensor) -> Tensor:
         if self.capacity:
-            E, C = self.e1 - self.e0, self.capacity
-            return torch.bmm(a_nK.view(E, C, -1).transpose(1, 2), d_nN.view(E, C, -1))
+            L, C = self.e1 - self.e0, self.capacity
+            return torch.bmm(a_nK.view(L, C, -1).transpose(1, 2), d_nN.view(L, C, -1))
         return wgrad_groups(a_nK, d_nN, self.offsets)
 
     @cached_property
@@ -66,21 +66,21 @@ class Chunk:
         return acc.index_add_(0, self.expert_ids, d_nN)[:-1]
 
 
-def chunks(offsets_E: Tensor, num_rows: int, row_bytes: int) -> list[Chunk]:
+def chunks(offsets_L: Tensor, num_rows: int, row_bytes: int) -> list[Chunk]:
     """Whole experts per chunk, about CHUNK_BYTES of rows each, covering every expert. On the
     CPU tail rows (past offsets[-1]) are left out; elsewhere one chunk of all rows."""
-    E = offsets_E.shape[0]
-    if E == 0:
+    L = offsets_L.shape[0]
+    if L == 0:
         return []
-    if not host_readable(offsets_E):  # reading the offsets would sync the device
-        return [Chunk(0, E, 0, num_rows, offsets_E)]
+    if not host_readable(offsets_L):  # reading the offsets would sync the device
+        return [Chunk(0, L, 0, num_rows, offsets_L)]
     rows_per_chunk = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    ends = offsets_E.tolist()
+    ends = offsets_L.tolist()
     starts = [0] + ends[:-1]
     bounds, first = [0], 0
-    for e in range(1, E):  # host bookkeeping over E ints; the compute loop is per chunk
+    for e in range(1, L):  # host bookkeeping over L ints; the compute loop is per chunk
         if ends[e] - starts[first] > rows_per_chunk and ends[e - 1] > starts[first]:
             bounds.append(e)
             first = e
-    bounds.append(E)
-    return [Chunk(a, b, starts[a], ends[b - 1], offsets_E) for a, b in zip(bounds[:-1], bounds[1:])]
+    bounds.append(L)
+    return [Chunk(a, b, starts[a], ends[b - 1], offsets_L) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,25 +1,48 @@
 """The whole expert MLP of all local experts: the one entry point GroupedExperts calls.
 
-Contract (every backend):
-  x_TD          token rows; when `token_ids_M` is given, row m of the expert input is
-                x_TD[token_ids_M[m]] (gather on load), else x_TD is already the [M, D] buffer.
-  offsets_E     int32 cumulative row ends per local expert, on the device; rows at or past
-                offsets_E[-1] are dropped pairs and come out exactly zero (no NaN, no garbage).
-  w1_EDF, w2_EFD, (w3_EDF for swiglu), optional biases b1_EF, b2_ED.
-  row_weights_M optional per-row scale (the combine weights folded into the experts): out row m
-                is then row_weights_M[m] * MLP(x row m), and row_weights_M gets a gradient.
-  sum_to_rows   instead of out_MD, return out_TD: each row added into the x row it was read
-                from (the combine fused into the experts; no [M, D] buffer).
-  returns out_MD in x's dtype. Gradients flow to x and every weight; experts without rows get
-  exactly zero weight gradients. No host sync on the Triton path.
+Contract (every backend; letters of docs/shapes.md, L = this rank's experts, R = their rows):
+  x_ND          the expert input: the R rows themselves (N = R), or, when
+                rows.gather_ids_R is given, the token rows x_TD (N = T) with expert row r
+                x_TD[gather_ids_R[r]] (gathered while the kernels load it).
+  offsets_L     int32 cumulative row ends per local expert, on the device; rows at or past
+                offsets_L[-1] are dropped pairs and come out exactly zero (no NaN, no garbage).
+  w1_LDF, w2_LFD, (w3_LDF for swiglu), optional biases b1_LF, b2_LD.
+  rows          ExpertRows: what the dispatcher hands over about the rows (gather ids, combine
+                weights folded into the MLP, and whether to sum the rows into their tokens).
+  returns out_ND in x's dtype: out_RD, or y_TD when rows.sum_to_tokens. Gradients flow to x,
+  every weight and rows.row_weights_R; experts without rows get exactly zero weight gradients.
+  No host sync on the Triton path.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.torch_expert_mlp import expert_mlp_fused
 
 BACKENDS = ("auto", "torch", "triton")
+FUSES_COMBINE = {"torch": True, "triton": True}  # backend -> applies ExpertRows' combine
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertRows:
+    """The dispatch context's fields the experts read (DispatchContext.expert_rows()).
+
+    gather_ids_R: x is the un-gathered token matrix x_TD and expert row r is
+        x_TD[gather_ids_R[r]] (gather on load: no [R, D] copy is written, kept or re-read).
+    row_weights_R: each row's combine weight; out row r is row_weights_R[r] * MLP(row r), and
+        row_weights_R gets a gradient.
+    sum_to_tokens: return y_TD instead of out_RD, each row added into the token it was read
+        from (the combine fused into the experts; no [R, D] output). Without gather_ids_R
+        row r is token r.
+    """
+
+    gather_ids_R: torch.Tensor | None = None
+    row_weights_R: torch.Tensor | None = None
+    sum_to_tokens: bool = False
+
+
+NO_ROWS_INFO = ExpertRows()  # plain rows: no gather, no weights, out_RD returned
 
 
 def triton_available(x: torch.Tensor) -> bool:
@@ -33,6 +56,7 @@ def triton_available(x: torch.Tensor) -> bool:
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """ "auto" -> "triton" on CUDA with Triton, else "torch"; a named backend is checked."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
@@ -41,31 +65,28 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 
 
 def expert_mlp(
-    x_TD,
-    offsets_E,
-    w1_EDF,
-    w2_EFD,
-    w3_EDF=None,
-    b1_EF=None,
-    b2_ED=None,
-    activation="gelu",
-    token_ids_M=None,
-    backend="auto",
-    row_weights_M=None,
-    sum_to_rows=False,
+    x_ND,
+    offsets_L,
+    w1_LDF,
+    w2_LFD,
+    w3_LDF=None,
+    b1_LF=None,
+    b2_LD=None,
+    *,
+    activation: str = "gelu",
+    rows: ExpertRows = NO_ROWS_INFO,
+    backend: str = "auto",
 ):
-    """Run every local expert's MLP over its rows; see the module docstring for the contract."""
+    """Run every local expert's MLP over its rows; see the module docstring for the contract.
+    `backend` may be "auto" (resolved here) or one already resolved by the caller."""
     check_activation(activation)
-    if activation in GATED and w3_EDF is None:
+    if activation in GATED and w3_LDF is None:
         raise ValueError(f"activation={activation!r} needs w3")
-    if resolve_backend(backend, x_TD) == "triton":
+    weights = (w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD)
+    if resolve_backend(backend, x_ND) == "triton":
         from moe.kernels.triton.expert_mlp import expert_mlp_triton
 
-        return expert_mlp_triton(
-            x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M,
-            row_weights_M, sum_to_rows,
-        )  # fmt: skip
-    return expert_mlp_fused(
-        x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M,
-        row_weights_M, sum_to_rows,
-    )  # fmt: skip
+        return expert_mlp_triton(x_ND, offsets_L, *weights, activation=activation, rows=rows)
+    from moe.kernels.torch_expert_mlp import expert_mlp_torch
+
+    return expert_mlp_torch(x_ND, offsets_L, *weights, activation=activation, rows=rows)

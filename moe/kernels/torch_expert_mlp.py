@@ -6,12 +6,13 @@ Why one op and not a chain of grouped GEMMs (measured in bench/results/*-moe-lay
 - Gather on load: expert input rows are gathered from x inside the op, never saved; backward
   gathers them again. Only the pre-activation is saved; the activation is recomputed.
 - Combine folded in: each row's activation is scaled by its combine weight before the second
-  GEMM ([R, F], not [R, D]), and with `sum_to_rows` the output rows are added straight into
-  their token's row of y (the combine as the second GEMM's epilogue): no [R, D] output.
+  GEMM ([R, F], not [R, D]), and with `sum_to_tokens` the output rows are added straight into
+  their token's row of y (moe/kernels/combine.py's rows_into_tokens, per chunk): no [R, D]
+  output.
 - Chunks of whole experts (moe/kernels/expert_chunks.py): every [rows, D] buffer is a small,
   cache-warm chunk, computed as one bmm over equal groups or as ragged grouped GEMMs
   (torch._grouped_mm, per-expert matmuls as fallback for float64).
-Deterministic: index_add on CPU accumulates in index order. On CUDA (the torch fallback when
+Deterministic: on CPU rows_into_tokens adds in index order. On CUDA (the torch fallback when
 Triton is absent) there is one chunk and no host read.
 """
 
@@ -21,6 +22,7 @@ from torch import Tensor
 from moe.kernels.activations import GATED, activation_backward, apply_activation
 from moe.kernels.combine import rows_into_tokens
 from moe.kernels.expert_chunks import Chunk, chunks, host_readable
+from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows
 from moe.kernels.torch_grouped_mm import zero_tail_rows
 
 NEEDS = ("x", "w1", "w2", "w3", "b1", "b2", "row_weights")
@@ -40,43 +42,43 @@ def _whole(cs: list[Chunk], R: int) -> bool:
     return len(cs) == 1 and cs[0].r0 == 0 and cs[0].r1 == R
 
 
-def _put(grads: dict, name: str, c: Chunk, E: int, value: Tensor) -> None:
+def _put(grads: dict, name: str, c: Chunk, L: int, value: Tensor) -> None:
     """Store expert slice c.experts of a weight gradient: the chunk's result itself when the
     chunk holds every expert (no copy into a preallocated tensor), else a slice write."""
-    if c.e0 == 0 and c.e1 == E:
+    if c.e0 == 0 and c.e1 == L:
         grads[name] = value
         return
     if grads[name] is None:
-        grads[name] = value.new_empty((E, *value.shape[1:]))
+        grads[name] = value.new_empty((L, *value.shape[1:]))
     grads[name][c.experts] = value
 
 
 @torch.library.custom_op("moe::expert_mlp", mutates_args=())
 def _fwd_op(
     x_ND: Tensor,
-    offsets_E: Tensor,
-    w1_EDF: Tensor,
-    w2_EFD: Tensor,
-    w3_EDF: Tensor | None,
-    b1_EF: Tensor | None,
-    b2_ED: Tensor | None,
+    offsets_L: Tensor,
+    w1_LDF: Tensor,
+    w2_LFD: Tensor,
+    w3_LDF: Tensor | None,
+    b1_LF: Tensor | None,
+    b2_LD: Tensor | None,
     gather_ids_R: Tensor | None,
     row_weights_R: Tensor | None,
     activation: str,
-    sum_to_rows: bool,
+    sum_to_tokens: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, h_RF, g_RF): out_RD[r] = row_weights_R[r] * MLP(x[gather_ids_R[r]]) (tail rows
-    zero), or with sum_to_rows out_ND[n] = sum of the rows gathered from x row n; h_RF (and
+    zero), or with sum_to_tokens out_ND[n] = sum of the rows gathered from x row n; h_RF (and
     g_RF for swiglu, else empty) is the pre-activation saved for backward. Off the CPU (one
     chunk) the GEMM outputs are these buffers; their tail rows are never read and not zeroed."""
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
-    F, D = w1_EDF.shape[2], w2_EFD.shape[2]
+    F, D = w1_LDF.shape[2], w2_LFD.shape[2]
     gated = activation in GATED
-    cs = chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size())
+    cs = chunks(offsets_L, R, x_ND.shape[1] * x_ND.element_size())
     whole = _whole(cs, R)
     h_RF = None if whole else x_ND.new_empty(R, F)
     g_RF = None if whole and gated else x_ND.new_empty(R, F if gated else 0)
-    scatter = sum_to_rows and gather_ids_R is not None  # rows added into their tokens
+    scatter = sum_to_tokens and gather_ids_R is not None  # rows added into their tokens
     out = None if whole else x_ND.new_empty(R, D)
     if scatter and host_readable(x_ND):
         out = x_ND.new_zeros(x_ND.shape[0], D)
@@ -84,10 +86,10 @@ def _fwd_op(
     for c in cs:
         ids = _ids(gather_ids_R, c)
         xb_nD = _rows_of(x_ND, ids, c)
-        h_nF = c.mm(xb_nD, w1_EDF)
-        if b1_EF is not None:
-            h_nF += c.row_bias(b1_EF)
-        gate_nF = c.mm(xb_nD, w3_EDF) if gated else None
+        h_nF = c.mm(xb_nD, w1_LDF)
+        if b1_LF is not None:
+            h_nF += c.row_bias(b1_LF)
+        gate_nF = c.mm(xb_nD, w3_LDF) if gated else None
         del xb_nD
         if whole:
             h_RF, g_RF = h_nF, (gate_nF if gated else g_RF)
@@ -100,25 +102,25 @@ def _fwd_op(
         if row_weights_R is not None:
             scale_n1 = row_weights_R[c.rows].to(a_nF.dtype).unsqueeze(1)
             a_nF *= scale_n1
-        y_nD = c.mm(a_nF, w2_EFD)
+        y_nD = c.mm(a_nF, w2_LFD)
         del a_nF
-        if b2_ED is not None:
-            y_nD += c.row_bias(b2_ED) if scale_n1 is None else c.row_bias(b2_ED) * scale_n1
+        if b2_LD is not None:
+            y_nD += c.row_bias(b2_LD) if scale_n1 is None else c.row_bias(b2_LD) * scale_n1
         if not scatter:
             if whole:
                 out = y_nD
             else:
                 out[c.rows] = y_nD
-        elif host_readable(x_ND):  # one thread adds in index order: deterministic
-            out.index_add_(0, ids, y_nD)
+        elif host_readable(x_ND):  # CPU chunks add into one y_TD, in index order
+            out = rows_into_tokens(y_nD, ids, x_ND.shape[0], into_TD=out)
         else:  # the device chunk: a gather-sum of the live rows, no float atomics
-            out = rows_into_tokens(y_nD, ids, x_ND.shape[0], offsets_E[-1])
+            out = rows_into_tokens(y_nD, ids, x_ND.shape[0], offsets_L[-1])
         kept = c.r1
     if out is None:  # no chunks: no experts
-        out = x_ND.new_zeros(x_ND.shape[0] if sum_to_rows else R, D)
+        out = x_ND.new_zeros(x_ND.shape[0] if sum_to_tokens else R, D)
     if whole and not host_readable(x_ND):
         if not scatter:
-            out = zero_tail_rows(out, offsets_E)  # the returned rows' contract: tail rows zero
+            out = zero_tail_rows(out, offsets_L)  # the returned rows' contract: tail rows zero
     elif h_RF is not None:
         h_RF[kept:] = 0
         g_RF[kept:] = 0
@@ -130,11 +132,11 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _(x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, gather_ids_R, row_weights_R,
-      activation, sum_to_rows):  # fmt: skip
+def _(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
+      activation, sum_to_tokens):  # fmt: skip
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
-    F, D = w1_EDF.shape[2], w2_EFD.shape[2]
-    out = x_ND.new_empty(x_ND.shape[0] if sum_to_rows else R, D)
+    F, D = w1_LDF.shape[2], w2_LFD.shape[2]
+    out = x_ND.new_empty(x_ND.shape[0] if sum_to_tokens else R, D)
     return out, x_ND.new_empty(R, F), x_ND.new_empty(R, F if activation in GATED else 0)
 
 
@@ -142,23 +144,23 @@ def _(x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, gather_ids_R, row_w
 def _bwd_op(
     dy: Tensor,
     x_ND: Tensor,
-    offsets_E: Tensor,
-    w1_EDF: Tensor,
-    w2_EFD: Tensor,
-    w3_EDF: Tensor | None,
-    b2_ED: Tensor | None,
+    offsets_L: Tensor,
+    w1_LDF: Tensor,
+    w2_LFD: Tensor,
+    w3_LDF: Tensor | None,
+    b2_LD: Tensor | None,
     gather_ids_R: Tensor | None,
     row_weights_R: Tensor | None,
     h_RF: Tensor,
     g_RF: Tensor,
     activation: str,
-    sum_to_rows: bool,
+    sum_to_tokens: bool,
     needs: list[bool],
 ) -> list[Tensor]:
     """Gradients in NEEDS order (x, w1, w2, w3, b1, b2, row_weights); empty where not asked.
     Per chunk: the activation is recomputed from h, g and the input rows gathered again."""
     need = dict(zip(NEEDS, needs))
-    E, D, F = w1_EDF.shape
+    L, D, F = w1_LDF.shape
     R = h_RF.shape[0]
     cpu = host_readable(x_ND)
     grads = dict.fromkeys(NEEDS)
@@ -168,60 +170,60 @@ def _bwd_op(
         grads["row_weights"] = torch.zeros(R, dtype=row_weights_R.dtype, device=x_ND.device)
     dy = dy.contiguous()
     gated = activation in GATED
-    cs = chunks(offsets_E, R, x_ND.shape[1] * x_ND.element_size())
+    cs = chunks(offsets_L, R, x_ND.shape[1] * x_ND.element_size())
     whole = _whole(cs, R)
     for c in cs:
         ids, rows = _ids(gather_ids_R, c), c.rows
         h_nF = h_RF[rows]
         gate_nF = g_RF[rows] if gated else None
         a_nF = apply_activation(h_nF, activation, gate_nF)
-        d_out_nD = _rows_of(dy, ids, c) if sum_to_rows else dy[rows]
-        da_nF = c.mm(d_out_nD, w2_EFD.transpose(1, 2))  # d(scale * a), then d a
+        d_out_nD = _rows_of(dy, ids, c) if sum_to_tokens else dy[rows]
+        da_nF = c.mm(d_out_nD, w2_LFD.transpose(1, 2))  # d(scale * a), then d a
         scale_n1 = None
         if row_weights_R is not None:
             scale_n1 = row_weights_R[rows].to(a_nF.dtype).unsqueeze(1)
             if need["row_weights"]:
                 d_scale_n = (da_nF * a_nF).sum(1)
-                if b2_ED is not None:
-                    d_scale_n += (d_out_nD * c.row_bias(b2_ED)).sum(1)
+                if b2_LD is not None:
+                    d_scale_n += (d_out_nD * c.row_bias(b2_LD)).sum(1)
                 if whole and not cpu:  # tail rows of the device chunk hold garbage
                     d_scale_n = zero_tail_rows(d_scale_n.unsqueeze(1), c.offsets).squeeze(1)
                 grads["row_weights"][rows] = d_scale_n
             a_nF *= scale_n1
             da_nF *= scale_n1
         if need["w2"]:
-            _put(grads, "w2", c, E, c.wgrad(a_nF, d_out_nD))
+            _put(grads, "w2", c, L, c.wgrad(a_nF, d_out_nD))
         if need["b2"]:
             d_b2 = d_out_nD if scale_n1 is None else d_out_nD * scale_n1
-            _put(grads, "b2", c, E, c.bias_grad(d_b2))
+            _put(grads, "b2", c, L, c.bias_grad(d_b2))
         del a_nF, d_out_nD
         dh_nF, dgate_nF = activation_backward(da_nF, h_nF, activation, gate_nF)
         del da_nF, h_nF, gate_nF  # (h, g stay saved: backward may run again, retain_graph)
         if need["x"]:  # before the input-side weight gradients exist: a lower peak
-            dxb_nD = c.mm(dh_nF, w1_EDF.transpose(1, 2))
+            dxb_nD = c.mm(dh_nF, w1_LDF.transpose(1, 2))
             if dgate_nF is not None:
-                dxb_nD += c.mm(dgate_nF, w3_EDF.transpose(1, 2))
+                dxb_nD += c.mm(dgate_nF, w3_LDF.transpose(1, 2))
             if not cpu:  # the device chunk: every row, tail rows excluded here
                 grads["x"] = (
-                    zero_tail_rows(dxb_nD, offsets_E)
+                    zero_tail_rows(dxb_nD, offsets_L)
                     if ids is None
-                    else rows_into_tokens(dxb_nD, ids, x_ND.shape[0], offsets_E[-1])
+                    else rows_into_tokens(dxb_nD, ids, x_ND.shape[0], offsets_L[-1])
                 )
             elif ids is None:
                 grads["x"][rows] = dxb_nD
             else:  # the adjoint of the gather, in index order (deterministic on CPU)
-                grads["x"].index_add_(0, ids, dxb_nD)
+                rows_into_tokens(dxb_nD, ids, x_ND.shape[0], into_TD=grads["x"])
             del dxb_nD
         if need["b1"]:
-            _put(grads, "b1", c, E, c.bias_grad(dh_nF))
+            _put(grads, "b1", c, L, c.bias_grad(dh_nF))
         if need["w1"] or need["w3"]:
             xb_nD = _rows_of(x_ND, ids, c)
-            _put(grads, "w1", c, E, c.wgrad(xb_nD, dh_nF))
+            _put(grads, "w1", c, L, c.wgrad(xb_nD, dh_nF))
             if dgate_nF is not None:
-                _put(grads, "w3", c, E, c.wgrad(xb_nD, dgate_nF))
+                _put(grads, "w3", c, L, c.wgrad(xb_nD, dgate_nF))
             del xb_nD
-    shapes = {"x": x_ND.shape, "w1": (E, D, F), "w2": (E, F, D), "w3": (E, D, F),
-              "b1": (E, F), "b2": (E, D)}  # fmt: skip
+    shapes = {"x": x_ND.shape, "w1": (L, D, F), "w2": (L, F, D), "w3": (L, D, F),
+              "b1": (L, F), "b2": (L, D)}  # fmt: skip
     for n in NEEDS:  # not asked for: empty; asked for but no chunk wrote it (no rows): zeros
         if grads[n] is None:
             grads[n] = x_ND.new_zeros(shapes[n] if need[n] else (0,))
@@ -229,11 +231,11 @@ def _bwd_op(
 
 
 @_bwd_op.register_fake
-def _(dy, x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, gather_ids_R, row_weights_R,
-      h_RF, g_RF, activation, sum_to_rows, needs):  # fmt: skip
-    E, D, F = w1_EDF.shape
-    shapes = {"x": x_ND.shape, "w1": (E, D, F), "w2": (E, F, D), "w3": (E, D, F),
-              "b1": (E, F), "b2": (E, D), "row_weights": (h_RF.shape[0],)}  # fmt: skip
+def _(dy, x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R, row_weights_R,
+      h_RF, g_RF, activation, sum_to_tokens, needs):  # fmt: skip
+    L, D, F = w1_LDF.shape
+    shapes = {"x": x_ND.shape, "w1": (L, D, F), "w2": (L, F, D), "w3": (L, D, F),
+              "b1": (L, F), "b2": (L, D), "row_weights": (h_RF.shape[0],)}  # fmt: skip
     out = []
     for n, need in zip(NEEDS, needs):
         dtype = row_weights_R.dtype if n == "row_weights" and need else x_ND.dtype
@@ -242,10 +244,10 @@ def _(dy, x_ND, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, gather_ids_R, row_weig
 
 
 def _setup_context(ctx, inputs, output):
-    x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_rows = inputs
+    x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_tokens = inputs
     ctx.save_for_backward(x, offsets, w1, w2, w3, b2, ids, row_weights, output[1], output[2])
     ctx.set_materialize_grads(False)  # h, g never get a gradient: no [R, F] zeros
-    ctx.activation, ctx.sum_to_rows = activation, sum_to_rows
+    ctx.activation, ctx.sum_to_tokens = activation, sum_to_tokens
     ctx.has = {"w3": w3 is not None, "b1": b1 is not None, "b2": b2 is not None,
                "row_weights": row_weights is not None}  # fmt: skip
 
@@ -262,9 +264,9 @@ def _backward(ctx, dy, _d_h, _d_g):
         )
     needs = [ctx.needs_input_grad[_GRAD_AT[n]] and ctx.has.get(n, True) for n in NEEDS]
     if dy is None:
-        dy = h.new_zeros(x.shape[0] if ctx.sum_to_rows else h.shape[0], w2.shape[2])
+        dy = h.new_zeros(x.shape[0] if ctx.sum_to_tokens else h.shape[0], w2.shape[2])
     grads = _bwd_op(dy, x, offsets, w1, w2, w3, b2, ids, row_weights, h, g, ctx.activation,
-                    ctx.sum_to_rows, needs)  # fmt: skip
+                    ctx.sum_to_tokens, needs)  # fmt: skip
     out = [None] * 11
     for n, need, gr in zip(NEEDS, needs, grads):
         if need:
@@ -275,25 +277,25 @@ def _backward(ctx, dy, _d_h, _d_g):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def expert_mlp_fused(
+def expert_mlp_torch(
     x_ND: Tensor,
-    offsets_E: Tensor,
-    w1_EDF: Tensor,
-    w2_EFD: Tensor,
-    w3_EDF: Tensor | None = None,
-    b1_EF: Tensor | None = None,
-    b2_ED: Tensor | None = None,
+    offsets_L: Tensor,
+    w1_LDF: Tensor,
+    w2_LFD: Tensor,
+    w3_LDF: Tensor | None = None,
+    b1_LF: Tensor | None = None,
+    b2_LD: Tensor | None = None,
+    *,
     activation: str = "gelu",
-    gather_ids_R: Tensor | None = None,
-    row_weights_R: Tensor | None = None,
-    sum_to_rows: bool = False,
+    rows: ExpertRows = NO_ROWS_INFO,
 ) -> Tensor:
     """out_RD[r] = row_weights_R[r] * MLP_e(x_ND[gather_ids_R[r]]) for row r of expert e,
-    tail rows exactly zero; with sum_to_rows, out_ND[n] = the sum of the rows read from x row
-    n (see moe/kernels/expert_mlp.py for the contract)."""
+    tail rows exactly zero; with rows.sum_to_tokens, y_TD[t] = the sum of the rows read from
+    token t (see moe/kernels/expert_mlp.py for the contract)."""
     c = lambda t: t if t is None else t.contiguous()
-    out, _, _ = _fwd_op(
-        x_ND.contiguous(), offsets_E.to(torch.int32), c(w1_EDF), c(w2_EFD), c(w3_EDF),
-        c(b1_EF), c(b2_ED), gather_ids_R, row_weights_R, activation, sum_to_rows,
+    out_ND, _, _ = _fwd_op(
+        x_ND.contiguous(), offsets_L.to(torch.int32), c(w1_LDF), c(w2_LFD), c(w3_LDF),
+        c(b1_LF), c(b2_LD), rows.gather_ids_R, rows.row_weights_R, activation,
+        rows.sum_to_tokens,
     )  # fmt: skip
-    return out
+    return out_ND

@@ -1,6 +1,6 @@
 """Expert MLP on the Triton grouped GEMMs: custom ops (torch.compile-safe) with autograd.
 
-Forward, 2 launches (+ a gather-sum with sum_to_rows): up (gather on load + b1 + fused
+Forward, 2 launches (+ a gather-sum with sum_to_tokens): up (gather on load + b1 + fused
 activation, w1 and w3 in one pass for swiglu, times the row's combine weight; stores the
 pre-activation when grad is needed) and down (+ b2). Only the pre-activation [M, F] ([M, 2F] for
 swiglu) is kept for backward, on ctx (not as a differentiable output: no zero gradient is ever
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
+from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
@@ -38,195 +39,195 @@ def _pre_width(F: int, activation: str) -> int:
     return 2 * F if activation in GATED else F
 
 
-def _num_out_rows(x_TD: Tensor, token_ids_M: Tensor | None, sum_to_rows: bool) -> int:
-    if sum_to_rows or token_ids_M is None:
-        return x_TD.shape[0]
-    return token_ids_M.shape[0]
+def _num_out_rows(x_ND: Tensor, gather_ids_R: Tensor | None, sum_to_tokens: bool) -> int:
+    if sum_to_tokens or gather_ids_R is None:
+        return x_ND.shape[0]
+    return gather_ids_R.shape[0]
 
 
 @torch.library.custom_op("moe::triton_expert_mlp", mutates_args=())
 def _fwd_op(
-    x_TD: Tensor,
-    offsets_E: Tensor,
-    w1_EDF: Tensor,
-    w2_EFD: Tensor,
-    w3_EDF: Tensor | None,
-    b1_EF: Tensor | None,
-    b2_ED: Tensor | None,
-    token_ids_M: Tensor | None,
-    row_weights_M: Tensor | None,
+    x_ND: Tensor,
+    offsets_L: Tensor,
+    w1_LDF: Tensor,
+    w2_LFD: Tensor,
+    w3_LDF: Tensor | None,
+    b1_LF: Tensor | None,
+    b2_LD: Tensor | None,
+    gather_ids_R: Tensor | None,
+    row_weights_R: Tensor | None,
     activation: str,
     save: bool,
-    sum_to_rows: bool,
+    sum_to_tokens: bool,
 ) -> tuple[Tensor, Tensor]:
-    """(out, pre): out_MD[m] = s[m] * MLP(x[ids[m]]) (tail rows zero), or with sum_to_rows
+    """(out, pre): out_RD[r] = s[r] * MLP(x[ids[r]]) (tail rows zero), or with sum_to_tokens
     out_TD[t] = sum of the rows read from x row t; pre = h (or [h | g] for swiglu) if `save`,
     else empty."""
-    check_device(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, token_ids_M, row_weights_M)
-    out_dtype_ok(x_TD.dtype)
+    check_device(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R)
+    out_dtype_ok(x_ND.dtype)
     code = _act_code(activation)
     gated = activation in GATED
-    M = token_ids_M.shape[0] if token_ids_M is not None else x_TD.shape[0]
-    F, D = w1_EDF.shape[2], w2_EFD.shape[2]
-    act = x_TD.new_empty(M, F)
-    pre = x_TD.new_empty(M, _pre_width(F, activation) if save else 0)
+    R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
+    F, D = w1_LDF.shape[2], w2_LFD.shape[2]
+    act = x_ND.new_empty(R, F)
+    pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
     ragged_mm(
-        x_TD, w1_EDF, offsets_E, act, epilogue=EPI_ACT, act=code,
-        b2_EKN=w3_EDF if gated else None, bias_EN=b1_EF, idx_M=token_ids_M,
-        pre=pre if save else None, save_pre=save, gated=gated, row_scale_M=row_weights_M,
+        x_ND, w1_LDF, offsets_L, act, epilogue=EPI_ACT, act=code,
+        b2_EKN=w3_LDF if gated else None, bias_EN=b1_LF, idx_M=gather_ids_R,
+        pre=pre if save else None, save_pre=save, gated=gated, row_scale_M=row_weights_R,
     )  # fmt: skip
-    out = x_TD.new_empty(M, D)
-    ragged_mm(act, w2_EFD, offsets_E, out, epilogue=EPI_PLAIN, bias_EN=b2_ED,
-              row_scale_M=row_weights_M)  # fmt: skip
+    out = x_ND.new_empty(R, D)
+    ragged_mm(act, w2_LFD, offsets_L, out, epilogue=EPI_PLAIN, bias_EN=b2_LD,
+              row_scale_M=row_weights_R)  # fmt: skip
     del act
-    if sum_to_rows and token_ids_M is not None:
-        out = rows_to_tokens(out, token_ids_M, offsets_E[-1], x_TD.shape[0])
+    if sum_to_tokens and gather_ids_R is not None:
+        out = rows_to_tokens(out, gather_ids_R, offsets_L[-1], x_ND.shape[0])
     return out, pre
 
 
 @_fwd_op.register_fake
-def _fwd_fake(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, token_ids_M, row_weights_M,
-              activation, save, sum_to_rows):  # fmt: skip
-    M = token_ids_M.shape[0] if token_ids_M is not None else x_TD.shape[0]
-    F, D = w1_EDF.shape[2], w2_EFD.shape[2]
-    pre = x_TD.new_empty(M, _pre_width(F, activation) if save else 0)
-    return x_TD.new_empty(_num_out_rows(x_TD, token_ids_M, sum_to_rows), D), pre
+def _fwd_fake(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
+              activation, save, sum_to_tokens):  # fmt: skip
+    R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
+    F, D = w1_LDF.shape[2], w2_LFD.shape[2]
+    pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
+    return x_ND.new_empty(_num_out_rows(x_ND, gather_ids_R, sum_to_tokens), D), pre
 
 
 @torch.library.custom_op("moe::triton_expert_mlp_backward_act", mutates_args=())
 def _bwd_act_op(
-    d_out_MD: Tensor,
-    offsets_E: Tensor,
-    w2_EFD: Tensor,
-    b2_ED: Tensor | None,
+    d_out_RD: Tensor,
+    offsets_L: Tensor,
+    w2_LFD: Tensor,
+    b2_LD: Tensor | None,
     pre: Tensor,
-    row_weights_M: Tensor | None,
+    row_weights_R: Tensor | None,
     activation: str,
     need_w: bool,
     need_b2: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dpre, dw2, db2, d_row_weights): the steps that read the pre-activation; dw2, db2 are
     empty unless asked for, d_row_weights unless row weights are given."""
-    check_device(d_out_MD, offsets_E, w2_EFD, b2_ED, pre, row_weights_M)
+    check_device(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R)
     gated = activation in GATED
-    E, F, D = w2_EFD.shape
-    M = d_out_MD.shape[0]
-    empty = lambda: d_out_MD.new_empty(0)  # a fresh one per output: outputs must not alias
-    scaled = row_weights_M is not None
+    L, F, D = w2_LFD.shape
+    R = d_out_RD.shape[0]
+    empty = lambda: d_out_RD.new_empty(0)  # a fresh one per output: outputs must not alias
+    scaled = row_weights_R is not None
     dw2 = db2 = empty()
     if need_w:
         db2_f = None
         if need_b2 and not scaled:
-            db2_f = torch.empty(E, D, device=pre.device, dtype=torch.float32)
-        a_MF = act_rows(pre, F, activation, row_weights_M)  # s * act: what GEMM2 read
-        dw2 = w2_EFD.new_empty(E, F, D)
-        ragged_reduce_mm(a_MF, d_out_MD, offsets_E, dw2, dbias_EJ=db2_f)
-        del a_MF
+            db2_f = torch.empty(L, D, device=pre.device, dtype=torch.float32)
+        a_RF = act_rows(pre, F, activation, row_weights_R)  # s * act: what GEMM2 read
+        dw2 = w2_LFD.new_empty(L, F, D)
+        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
+        del a_RF
         if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
-            db2_1D = w2_EFD.new_empty(E, 1, D)
-            s_M1 = row_weights_M.to(d_out_MD.dtype).unsqueeze(1)
-            ragged_reduce_mm(s_M1, d_out_MD, offsets_E, db2_1D)
-            db2 = db2_1D.view(E, D)
+            db2_L1D = w2_LFD.new_empty(L, 1, D)
+            s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
+            ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D)
+            db2 = db2_L1D.view(L, D)
         elif need_b2:
-            db2 = db2_f.to(d_out_MD.dtype)
-    dpre = pre.new_empty(M, _pre_width(F, activation))
+            db2 = db2_f.to(d_out_RD.dtype)
+    dpre = pre.new_empty(R, _pre_width(F, activation))
     rowdot = None
     if scaled:
-        rowdot = torch.zeros((F + 15) // 16, M, device=pre.device, dtype=torch.float32)
+        rowdot = torch.zeros((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
     ragged_mm(
-        d_out_MD, w2_EFD.transpose(1, 2), offsets_E, dpre, epilogue=EPI_ACT_BWD,
-        act=_act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_M,
+        d_out_RD, w2_LFD.transpose(1, 2), offsets_L, dpre, epilogue=EPI_ACT_BWD,
+        act=_act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_R,
         rowdot_NM=rowdot,
     )  # fmt: skip
     d_rw = empty()
     if scaled:
         d_rw = rowdot.sum(0)
-        if b2_ED is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM
-            dot_M1 = d_out_MD.new_empty(M, 1)
-            ragged_mm(d_out_MD, b2_ED.unsqueeze(2), offsets_E, dot_M1)
-            d_rw += dot_M1.squeeze(1).float()
-        d_rw = d_rw.to(row_weights_M.dtype)
+        if b2_LD is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM
+            dot_R1 = d_out_RD.new_empty(R, 1)
+            ragged_mm(d_out_RD, b2_LD.unsqueeze(2), offsets_L, dot_R1)
+            d_rw += dot_R1.squeeze(1).float()
+        d_rw = d_rw.to(row_weights_R.dtype)
     return dpre, dw2, db2, d_rw
 
 
 @_bwd_act_op.register_fake
-def _bwd_act_fake(d_out_MD, offsets_E, w2_EFD, b2_ED, pre, row_weights_M, activation, need_w,
+def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w,
                   need_b2):  # fmt: skip
-    E, F, D = w2_EFD.shape
-    empty = lambda: d_out_MD.new_empty(0)
-    dw2 = d_out_MD.new_empty(E, F, D) if need_w else empty()
-    db2 = d_out_MD.new_empty(E, D) if need_w and need_b2 else empty()
-    d_rw = row_weights_M.new_empty(pre.shape[0]) if row_weights_M is not None else empty()
+    L, F, D = w2_LFD.shape
+    empty = lambda: d_out_RD.new_empty(0)
+    dw2 = d_out_RD.new_empty(L, F, D) if need_w else empty()
+    db2 = d_out_RD.new_empty(L, D) if need_w and need_b2 else empty()
+    d_rw = row_weights_R.new_empty(pre.shape[0]) if row_weights_R is not None else empty()
     return pre.new_empty(pre.shape[0], _pre_width(F, activation)), dw2, db2, d_rw
 
 
 @torch.library.custom_op("moe::triton_expert_mlp_backward_input", mutates_args=())
 def _bwd_input_op(
     dpre: Tensor,
-    x_TD: Tensor,
-    offsets_E: Tensor,
-    w1_EDF: Tensor,
-    w3_EDF: Tensor | None,
-    token_ids_M: Tensor | None,
+    x_ND: Tensor,
+    offsets_L: Tensor,
+    w1_LDF: Tensor,
+    w3_LDF: Tensor | None,
+    gather_ids_R: Tensor | None,
     activation: str,
     need_x: bool,
     need_w: bool,
     need_b1: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty."""
-    check_device(dpre, x_TD, offsets_E, w1_EDF, w3_EDF, token_ids_M)
+    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R)
     gated = activation in GATED
-    E, D, F = w1_EDF.shape
-    M = dpre.shape[0]
-    empty = lambda: x_TD.new_empty(0)
+    L, D, F = w1_LDF.shape
+    R = dpre.shape[0]
+    empty = lambda: x_ND.new_empty(0)
     dx = empty()
-    if need_x:  # first: the weight gradients are not alive yet while dx_MD is
-        dx_MD = x_TD.new_empty(M, D)
-        w3_t = w3_EDF.transpose(1, 2) if gated else None
-        ragged_mm(dpre, w1_EDF.transpose(1, 2), offsets_E, dx_MD, b2_EKN=w3_t, gated=gated)
-        if token_ids_M is None:
-            dx = dx_MD
+    if need_x:  # first: the weight gradients are not alive yet while dx_RD is
+        dx_RD = x_ND.new_empty(R, D)
+        w3_t = w3_LDF.transpose(1, 2) if gated else None
+        ragged_mm(dpre, w1_LDF.transpose(1, 2), offsets_L, dx_RD, b2_EKN=w3_t, gated=gated)
+        if gather_ids_R is None:
+            dx = dx_RD
         else:
-            dx = rows_to_tokens(dx_MD, token_ids_M, offsets_E[-1], x_TD.shape[0])
-        del dx_MD
+            dx = rows_to_tokens(dx_RD, gather_ids_R, offsets_L[-1], x_ND.shape[0])
+        del dx_RD
     dw1, dw3, db1 = empty(), empty(), empty()
     if need_w:
-        db1_f = torch.empty(E, F, device=x_TD.device, dtype=torch.float32) if need_b1 else None
-        order = busiest_first(offsets_E)
-        dw1 = w1_EDF.new_empty(E, D, F)
-        dw3 = w1_EDF.new_empty(E, D, F) if gated else dw3  # one launch: dpre = [dh | dg]
+        db1_f = torch.empty(L, F, device=x_ND.device, dtype=torch.float32) if need_b1 else None
+        order = busiest_first(offsets_L)
+        dw1 = w1_LDF.new_empty(L, D, F)
+        dw3 = w1_LDF.new_empty(L, D, F) if gated else dw3  # one launch: dpre = [dh | dg]
         ragged_reduce_mm(
-            x_TD, dpre if gated else dpre[:, :F], offsets_E, dw1, idx_M=token_ids_M,
+            x_ND, dpre if gated else dpre[:, :F], offsets_L, dw1, idx_M=gather_ids_R,
             dbias_EJ=db1_f, order_E=order, out2_EIJ=dw3 if gated else None,
         )  # fmt: skip
-        db1 = db1_f.to(x_TD.dtype) if need_b1 else db1
+        db1 = db1_f.to(x_ND.dtype) if need_b1 else db1
     return dx, dw1, dw3, db1
 
 
 @_bwd_input_op.register_fake
-def _bwd_input_fake(dpre, x_TD, offsets_E, w1_EDF, w3_EDF, token_ids_M, activation, need_x,
+def _bwd_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activation, need_x,
                     need_w, need_b1):  # fmt: skip
-    E, D, F = w1_EDF.shape
-    empty = lambda: x_TD.new_empty(0)
-    dx = x_TD.new_empty(x_TD.shape) if need_x else empty()
+    L, D, F = w1_LDF.shape
+    empty = lambda: x_ND.new_empty(0)
+    dx = x_ND.new_empty(x_ND.shape) if need_x else empty()
     if not need_w:
         return dx, empty(), empty(), empty()
-    dw3 = x_TD.new_empty(E, D, F) if activation in GATED else empty()
-    db1 = x_TD.new_empty(E, F) if need_b1 else empty()
-    return dx, x_TD.new_empty(E, D, F), dw3, db1
+    dw3 = x_ND.new_empty(L, D, F) if activation in GATED else empty()
+    db1 = x_ND.new_empty(L, F) if need_b1 else empty()
+    return dx, x_ND.new_empty(L, D, F), dw3, db1
 
 
 def _setup_context(ctx, inputs, output):
-    (x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, token_ids_M, row_weights_M,
-     activation, save, sum_to_rows) = inputs  # fmt: skip
-    ctx.save_for_backward(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b2_ED, token_ids_M,
-                          row_weights_M)  # fmt: skip
+    (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
+     activation, save, sum_to_tokens) = inputs  # fmt: skip
+    ctx.save_for_backward(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R,
+                          row_weights_R)  # fmt: skip
     # Kept on ctx, detached (no reference cycle through the graph), so backward can drop it
     # as soon as the activation backward has read it; pre never gets a gradient.
     ctx.pre = output[1].detach()
     ctx.set_materialize_grads(False)
-    ctx.activation, ctx.saved_pre, ctx.sum_to_rows = activation, save, sum_to_rows
-    ctx.has_b1, ctx.has_b2 = b1_EF is not None, b2_ED is not None
+    ctx.activation, ctx.saved_pre, ctx.sum_to_tokens = activation, save, sum_to_tokens
+    ctx.has_b1, ctx.has_b2 = b1_LF is not None, b2_LD is not None
 
 
 def _keep_graph() -> bool:
@@ -238,7 +239,7 @@ def _keep_graph() -> bool:
 
 
 def _backward(ctx, dy, _d_pre):
-    x_TD, offsets_E, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
+    x_ND, offsets_L, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
     if not ctx.saved_pre:
         raise RuntimeError("expert_mlp_triton: forward ran without saving activations for backward")
     if torch.is_grad_enabled():
@@ -250,18 +251,18 @@ def _backward(ctx, dy, _d_pre):
     need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights is not None
     D = w2.shape[2]
     if dy is None:
-        dy = pre.new_zeros(x_TD.shape[0] if ctx.sum_to_rows else pre.shape[0], D)
+        dy = pre.new_zeros(x_ND.shape[0] if ctx.sum_to_tokens else pre.shape[0], D)
     dy = dy.contiguous()
     # dout rows: the gathered token gradients (the adjoint of the sum into tokens), once
-    d_out_MD = dy.index_select(0, ids) if ctx.sum_to_rows and ids is not None else dy
+    d_out_RD = dy.index_select(0, ids) if ctx.sum_to_tokens and ids is not None else dy
     del dy
     dpre, dw2, db2, d_rw = _bwd_act_op(
-        d_out_MD, offsets_E, w2, b2, pre, row_weights, ctx.activation, need_w,
+        d_out_RD, offsets_L, w2, b2, pre, row_weights, ctx.activation, need_w,
         ctx.has_b2 and need[6],
     )  # fmt: skip
-    del pre, d_out_MD  # the pre-activation is released here, before the input step
+    del pre, d_out_RD  # the pre-activation is released here, before the input step
     dx, dw1, dw3, db1 = _bwd_input_op(
-        dpre, x_TD, offsets_E, w1, w3, ids, ctx.activation, need_x, need_w,
+        dpre, x_ND, offsets_L, w1, w3, ids, ctx.activation, need_x, need_w,
         ctx.has_b1 and need[5],
     )  # fmt: skip
     gated = ctx.activation in GATED
@@ -285,46 +286,48 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_shapes(x, offsets, w1, w2, w3, b1, b2, activation, ids):
-    E, D, F = w1.shape
-    want = {"x_TD": (x, (x.shape[0], D)), "offsets_E": (offsets, (E,)), "w2_EFD": (w2, (E, F, D)),
-            "w3_EDF": (w3, (E, D, F)), "b1_EF": (b1, (E, F)), "b2_ED": (b2, (E, D)),
-            "token_ids_M": (ids, (ids.shape[0],) if ids is not None else None)}  # fmt: skip
+    L, D, F = w1.shape
+    want = {"x_ND": (x, (x.shape[0], D)), "offsets_L": (offsets, (L,)), "w2_LFD": (w2, (L, F, D)),
+            "w3_LDF": (w3, (L, D, F)), "b1_LF": (b1, (L, F)), "b2_LD": (b2, (L, D)),
+            "gather_ids_R": (ids, (ids.shape[0],) if ids is not None else None)}  # fmt: skip
     if activation not in GATED:
-        want.pop("w3_EDF")
+        want.pop("w3_LDF")
     for name, (t, shape) in want.items():
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)}, expected {shape} (w1_EDF is {(E, D, F)})"
+                f"{name} has shape {tuple(t.shape)}, expected {shape} (w1_LDF is {(L, D, F)})"
             )
-    if E < 1:
+    if L < 1:
         raise ValueError("expert_mlp_triton needs at least one expert")
 
 
-def expert_mlp_triton(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF=None, b1_EF=None, b2_ED=None,
-                      activation="gelu", token_ids_M=None, row_weights_M=None,
-                      sum_to_rows=False):  # fmt: skip
+def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, b2_LD=None, *,
+                      activation="gelu", rows: ExpertRows = NO_ROWS_INFO):  # fmt: skip
     """The expert MLP of every local expert on the Triton kernels (see expert_mlp.py).
 
     Weights and biases are cast to x's dtype and made contiguous (no-ops in the usual case;
     autograd takes the gradients back). fp32, fp16 and bf16; fp32 accumulation everywhere.
-    row_weights_M (the combine weights) scale each row's activation before the second GEMM and
-    get their gradient from the activation backward's epilogue; with sum_to_rows the output is
-    y_TD, every row added into the x row it was read from (a gather-sum, no atomics).
+    rows.row_weights_R (the combine weights) scale each row's activation before the second GEMM
+    and get their gradient from the activation backward's epilogue; with rows.sum_to_tokens the
+    output is y_TD, every row added into the token it was read from (a gather-sum, no atomics).
     """
-    _check_shapes(x_TD, offsets_E, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, activation, token_ids_M)
-    M = token_ids_M.shape[0] if token_ids_M is not None else x_TD.shape[0]
-    if row_weights_M is not None and tuple(row_weights_M.shape) != (M,):
-        raise ValueError(f"row_weights_M has shape {tuple(row_weights_M.shape)}, expected {(M,)}")
-    dtype = x_TD.dtype
+    gather_ids_R, row_weights_R = rows.gather_ids_R, rows.row_weights_R
+    _check_shapes(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, activation, gather_ids_R)
+    R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
+    if row_weights_R is not None and tuple(row_weights_R.shape) != (R,):
+        raise ValueError(f"row_weights_R has shape {tuple(row_weights_R.shape)}, expected {(R,)}")
+    dtype = x_ND.dtype
     prep = lambda t: None if t is None else t.to(dtype).contiguous()  # no-ops in the usual case
-    x_TD = x_TD.contiguous()
-    w1, w2, w3, b1, b2 = (prep(t) for t in (w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED))
+    x_ND = x_ND.contiguous()
+    w1, w2, w3, b1, b2 = (prep(t) for t in (w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD))
     if activation not in GATED:
         w3 = None
-    offsets = offsets_E.to(torch.int32).contiguous()
-    ids = None if token_ids_M is None else token_ids_M.to(torch.int64).contiguous()
-    rw = None if row_weights_M is None else row_weights_M.to(torch.float32).contiguous()
-    tracked = (x_TD, w1, w2, w3, b1, b2, rw)
+    offsets = offsets_L.to(torch.int32).contiguous()
+    ids = None if gather_ids_R is None else gather_ids_R.to(torch.int64).contiguous()
+    rw = None if row_weights_R is None else row_weights_R.to(torch.float32).contiguous()
+    tracked = (x_ND, w1, w2, w3, b1, b2, rw)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)
-    out, _ = _fwd_op(x_TD, offsets, w1, w2, w3, b1, b2, ids, rw, activation, save, sum_to_rows)
-    return out
+    out_ND, _ = _fwd_op(
+        x_ND, offsets, w1, w2, w3, b1, b2, ids, rw, activation, save, rows.sum_to_tokens
+    )
+    return out_ND
