@@ -44,3 +44,28 @@ def activation_backward(
     if name == "swiglu":
         return aten.silu_backward(da * gate, h), da * F.silu(h)
     raise ValueError(f"activation={name!r} is not supported; choose one of {ACTIVATIONS}")
+
+
+def activation_backward_(
+    da: torch.Tensor,
+    h: torch.Tensor,
+    name: str,
+    gate: torch.Tensor | None = None,
+    silu_h: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """activation_backward without new buffers: dh is written into da's buffer and, for
+    swiglu, dgate into silu_h's (silu(h), which the caller computed for the activation and
+    no longer needs). Same kernels, same bits as activation_backward; two passes per output."""
+    aten = torch.ops.aten
+    if name == "swiglu":
+        dgate = silu_h.mul_(da) if silu_h is not None else da * F.silu(h)
+        aten.silu_backward.grad_input(da.mul_(gate), h, grad_input=da)
+        return da, dgate
+    if name in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if name == "gelu_tanh" else "none"
+        return aten.gelu_backward.grad_input(da, h, approximate=approximate, grad_input=da), None
+    if name == "relu":
+        return aten.threshold_backward.grad_input(da, h, 0, grad_input=da), None
+    if name == "silu":
+        return aten.silu_backward.grad_input(da, h, grad_input=da), None
+    raise ValueError(f"activation={name!r} is not supported; choose one of {ACTIVATIONS}")

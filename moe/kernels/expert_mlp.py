@@ -45,6 +45,15 @@ class ExpertRows:
 NO_ROWS_INFO = ExpertRows()  # plain rows: no gather, no weights, out_RD returned
 
 
+def keep_graph() -> bool:
+    """backward(retain_graph=True) is running: saved state must survive this backward (the
+    expert ops release their pre-activations early otherwise)."""
+    try:
+        return torch._C._autograd._get_current_graph_task_keep_graph()
+    except RuntimeError:  # not inside an engine-run backward (tracing)
+        return False
+
+
 def triton_available(x: torch.Tensor) -> bool:
     if x.device.type != "cuda":
         return False

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
-from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows
+from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows, keep_graph
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
@@ -230,14 +230,6 @@ def _setup_context(ctx, inputs, output):
     ctx.has_b1, ctx.has_b2 = b1_LF is not None, b2_LD is not None
 
 
-def _keep_graph() -> bool:
-    """backward(retain_graph=True) is running: saved state must survive this backward."""
-    try:
-        return torch._C._autograd._get_current_graph_task_keep_graph()
-    except RuntimeError:  # not inside an engine-run backward (tracing)
-        return False
-
-
 def _backward(ctx, dy, _d_pre):
     x_ND, offsets_L, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
     if not ctx.saved_pre:
@@ -245,7 +237,7 @@ def _backward(ctx, dy, _d_pre):
     if torch.is_grad_enabled():
         raise NotImplementedError("moe::triton_expert_mlp has no double backward")
     pre = ctx.pre
-    if not _keep_graph():  # released when the step's pre-activation is read for the last time
+    if not keep_graph():  # released when the step's pre-activation is read for the last time
         ctx.pre = None
     need = ctx.needs_input_grad
     need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights is not None
