@@ -196,9 +196,10 @@ class MoELayer(nn.Module):
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
         record_balance(self, routing, plan)  # balance loss mode, metrics, load since update
-        algorithm = getattr(self.dispatcher, "last_algorithm", None)  # expert-parallel only
-        if algorithm is not None:  # 1 when "auto" chose the hierarchical all-to-all
-            self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
+        exchange = getattr(self.dispatcher, "last_exchange", None)  # expert-parallel only
+        if exchange is not None:  # 1 when "auto" chose the hierarchical all-to-all
+            hierarchical = exchange.algorithm == "hierarchical"
+            self.stats["a2a_hierarchical"] = torch.tensor(int(hierarchical))
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""

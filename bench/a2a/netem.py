@@ -40,8 +40,12 @@ def teardown_network(num_nodes: int) -> None:
     _sh(f"ip netns del {NS_SWITCH}", check=False)
 
 
-def setup_network(num_nodes: int, rate_mbit: int, burst_kb: int, latency_ms: float) -> None:
-    """Namespaces moe-n0.. (one per node) on a bridge in moe-sw; tbf both ways on each link."""
+def setup_network(
+    num_nodes: int, rate_mbit: int, burst_kb: int, latency_ms: float, mtu: int = 1500
+) -> None:
+    """Namespaces moe-n0.. (one per node) on a bridge in moe-sw; tbf both ways on each link
+    (tbf shapes each direction of a link on its own: the links are full duplex). mtu: of the
+    veth links and the bridge."""
     teardown_network(num_nodes)  # leftovers of an interrupted run of this script
     tbf = f"tbf rate {rate_mbit}mbit burst {burst_kb}kb latency {latency_ms}ms"
     _sh(f"ip netns add {NS_SWITCH}")
@@ -53,6 +57,8 @@ def setup_network(num_nodes: int, rate_mbit: int, burst_kb: int, latency_ms: flo
         _sh(f"ip -n {ns} link set lo up")
         _sh(f"ip -n {ns} link add {node_if} type veth peer name {sw_if} netns {NS_SWITCH}")
         _sh(f"ip -n {ns} addr add {SUBNET}.{k + 1}/24 dev {node_if}")
+        _sh(f"ip -n {ns} link set {node_if} mtu {mtu}")
+        _sh(f"ip -n {NS_SWITCH} link set {sw_if} mtu {mtu}")
         _sh(f"ip -n {ns} link set {node_if} up")
         _sh(f"ip -n {NS_SWITCH} link set {sw_if} master moe-br0")
         _sh(f"ip -n {NS_SWITCH} link set {sw_if} up")
@@ -73,7 +79,7 @@ def run_emulated(cfg: dict, entry: str = ENTRY) -> dict:
     """Run `entry --worker-config` (default: the all-to-all sweep) with N x L ranks in N
     namespaces joined by tbf-shaped veth links; returns the JSON rank 0 wrote to cfg['json']."""
     N, L = cfg["emulate"]
-    setup_network(N, cfg["rate_mbit"], cfg["burst_kb"], cfg["latency_ms"])
+    setup_network(N, cfg["rate_mbit"], cfg["burst_kb"], cfg["latency_ms"], cfg.get("mtu", 1500))
     procs: list[subprocess.Popen] = []
     try:
         worker_cfg = {**cfg, "ranks_per_node": L}

@@ -56,6 +56,14 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         lines.append("| " + " | ".join(cells + [f"n={r['auto_degree']}"]) + " |")
         pct = [f"{s['hidden'][v] * 100:.0f}%" for v in variants]
         hidden_lines.append("| " + " | ".join([f"{r['rate_mbit']} Mbit/s", *pct]) + " |")
+    names = ["exchange", "experts", "plain", *variants]
+    split = ["| link | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for r in rows:
+        if "median_forward_s" not in r:
+            continue
+        f, b = r["median_forward_s"], r["median_backward_s"]
+        cells = [f"{f[n] * 1e3:.0f} + {b[n] * 1e3:.0f}" for n in names]
+        split.append("| " + " | ".join([f"{r['rate_mbit']} Mbit/s", *cells]) + " |")
     loads = ", ".join(f"{r['load_before']:.1f} -> {r['load_after']:.1f}" for r in rows)
     text = f"""# Overlapped expert-parallel dispatch, {meta["date"]} (2-core CPU, gloo)
 
@@ -66,8 +74,9 @@ Command: `python bench/overlap.py --emulate {meta["emulate"]} --rates {meta["rat
 One MoELayer (d_model={meta["d_model"]}, d_ff={meta["d_ff"]}, {meta["experts"]} experts, top-{meta["top_k"]},
 {meta["tokens"]} tokens per rank, float32, gelu, torch backend) parallelized over 4 gloo ranks
 (ep=4, flat all-to-all) laid out as {meta["emulate"]} nodes: ranks of one node talk over the
-namespace's loopback, nodes over a veth pair shaped by `tc tbf` both ways (burst
-{meta["burst_kb"]} kB). Each rank has one intra-op thread. Times: forward + backward of the
+namespace's loopback, nodes over a veth pair shaped by `tc tbf` in each direction (burst
+{meta["burst_kb"]} kB; a burst below the 64 kB GSO packet makes tbf cut every packet into
+1500-byte frames in software, which costs each rank ~10 ms of CPU per all-to-all). Each rank has one intra-op thread. Times: forward + backward of the
 layer in ms, the slowest rank's time per round, median of {meta["rounds"]} interleaved rounds.
 exchange = the layer's four all-to-alls alone (dispatch, combine, their gradients) on the same
 rows; experts = the local experts' forward + backward alone on the same rows; ideal =
@@ -82,5 +91,10 @@ max(exchange, experts); auto = overlap="auto" with a link model fitted from two 
 Share of min(exchange, experts) hidden, (plain - t) / min(exchange, experts); goal >= 60%:
 
 {chr(10).join(hidden_lines)}
+
+Forward + backward, ms (each the slowest rank's, median over rounds; they need not add up to
+the total above, whose slowest rank may differ):
+
+{chr(10).join(split)}
 """
     path.write_text(text)

@@ -26,17 +26,26 @@ from moe.comm.topology import get_topology
 from moe.parallel import init_mesh, parallelize
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(*seconds: float) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
-def _timed(op) -> float:
+def _timed(op) -> tuple[float, float, float]:
+    """(total, forward, backward) seconds of one call, each the slowest rank's: op() returns
+    the moment its forward ended."""
     dist.barrier()
     start = time.perf_counter()
-    op()
-    return _slowest(time.perf_counter() - start)
+    forward_end = op()
+    end = time.perf_counter()
+    total, fwd, bwd = _slowest(end - start, forward_end - start, end - forward_end)
+    return total, fwd, bwd
+
+
+def _one_exchange(x, plan) -> float:
+    exchange(x, plan)
+    return time.perf_counter()
 
 
 def fit_link(x_ND, send, N: int, L: int) -> CostModel:
@@ -48,7 +57,9 @@ def fit_link(x_ND, send, N: int, L: int) -> CostModel:
         rows = [c // div for c in send]
         x = x_ND[: sum(rows)]
         plan = plan_all_to_all(x, rows, algorithm="flat")
-        t = statistics.median(_timed(lambda x=x, plan=plan: exchange(x, plan)) for _ in range(3))
+        t = statistics.median(
+            _timed(lambda x=x, plan=plan: _one_exchange(x, plan))[0] for _ in range(3)
+        )
         points.append((max(sum(rows), 1) * x.shape[1] * x.element_size(), t))
     (s1, t1), (s2, t2) = points
     b = max((t1 - t2) / max(s1 - s2, 1), 1e-12)
@@ -79,8 +90,11 @@ def worker_main(cfg: dict) -> None:
     def layer_op(model):
         def op():
             xx = x.clone().requires_grad_()
-            model(xx).sum().backward()
+            y = model(xx)
+            forward_end = time.perf_counter()
+            y.sum().backward()
             model.zero_grad(set_to_none=True)
+            return forward_end
 
         return op
 
@@ -98,12 +112,18 @@ def worker_main(cfg: dict) -> None:
 
     def exchange_op():  # the layer's four exchanges: dispatch, combine and their gradients
         r = rows.clone().requires_grad_()
-        exchange(exchange(r, plan), plan.reverse()).sum().backward()
+        y = exchange(exchange(r, plan), plan.reverse())
+        forward_end = time.perf_counter()
+        y.sum().backward()
+        return forward_end
 
     def experts_op():
         xr = x_RD.clone().requires_grad_()
-        plain.experts(xr, offsets_L).sum().backward()
+        y = plain.experts(xr, offsets_L)
+        forward_end = time.perf_counter()
+        y.sum().backward()
         plain.zero_grad(set_to_none=True)
+        return forward_end
 
     topo = get_topology(ranks_per_node=cfg["ranks_per_node"])
     link = fit_link(rows, send, topo.num_nodes, topo.ranks_per_node)
@@ -114,15 +134,22 @@ def worker_main(cfg: dict) -> None:
     for op in ops.values():  # warm-up (auto: its first calls measure the experts, at n = 1)
         for _ in range(cfg["warmup"]):
             op()
-    samples: dict[str, list[float]] = {name: [] for name in ops}
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ops}
     names = list(ops)
     for r in range(cfg["rounds"]):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(_timed(ops[name]))
+
+    def median(name, k):
+        return statistics.median(t[k] for t in samples[name])
+
     result = {
         "rate_mbit": cfg["rate_mbit"],
-        "median_s": {n: statistics.median(s) for n, s in samples.items()},
-        "min_s": {n: min(s) for n, s in samples.items()},
+        "burst_kb": cfg["burst_kb"],
+        "median_s": {n: median(n, 0) for n in samples},
+        "min_s": {n: min(t[0] for t in s) for n, s in samples.items()},
+        "median_forward_s": {n: median(n, 1) for n in samples},
+        "median_backward_s": {n: median(n, 2) for n in samples},
         "auto_degree": models["auto"].dispatcher.last_degree,
         "link_model": {"a_s": link.a_coll, "bytes_per_s": link.bw_inter},
         "send_bytes": sum(send) * D * 4,

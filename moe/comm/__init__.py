@@ -3,11 +3,13 @@ detection, and the cross-rank consistency check."""
 
 from moe.comm.alltoall import (
     AllToAllPlan,
+    ExpertExchange,
     all_to_all,
     exchange,
     exchange_counts,
     gather_count_matrix,
     plan_all_to_all,
+    plan_expert_exchange,
     cost_model,
     set_cost_model,
     set_hierarchical_threshold,

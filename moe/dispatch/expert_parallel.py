@@ -6,8 +6,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import ALGORITHMS, AllToAllPlan, exchange, plan_all_to_all
-from moe.comm.topology import get_topology
+from moe.comm.alltoall import (
+    ALGORITHMS,
+    AllToAllPlan,
+    ExpertExchange,
+    exchange,
+    plan_expert_exchange,
+)
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
     DispatchPlan,
@@ -21,16 +26,21 @@ from moe.kernels import resolve_backend
 
 @dataclass
 class ExpertParallelContext(DispatchContext):
-    a2a: AllToAllPlan | None = None
+    a2a: AllToAllPlan | None = None  # the rows' exchange; a2a.algorithm is what "auto" chose
     order_R: torch.Tensor | None = None  # received (source rank, expert) order -> expert-major
     inverse_R: torch.Tensor | None = None
+
+    @property
+    def algorithm(self) -> str | None:
+        return None if self.a2a is None else self.a2a.algorithm
 
 
 @register_dispatcher("expert_parallel")
 class ExpertParallelDispatcher(Dispatcher):
     """Installed as `MoELayer.dispatcher` by parallelize(): global expert e lives on EP rank
-    e // L. The plan's counts (global E = W * L) are exchanged first, one small collective, so
-    each rank knows how many rows it receives per (source rank, local expert)."""
+    e // L. The plan's counts (global E = W * L) are exchanged first, one small collective
+    (moe.comm.plan_expert_exchange, in every algorithm), so each rank knows how many rows it
+    receives per (source rank, local expert) and which algorithm moves them."""
 
     def __init__(
         self,
@@ -48,44 +58,43 @@ class ExpertParallelDispatcher(Dispatcher):
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
         self.backend = backend
-        self._multi_node: bool | None = None
+        self.last_exchange: ExpertExchange | None = None  # the last call's counts and algorithm
 
-    def _flat(self) -> bool:
-        """Flat unless asked otherwise and the EP group spans nodes (topology detected once)."""
-        if self.algorithm == "flat":
-            return True
-        if self._multi_node is None:
-            self._multi_node = get_topology(self.group, self.ranks_per_node).is_multi_node
-        return not self._multi_node
-
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
+    def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local
         if plan.counts_E.numel() != W * L:  # checked before any collective
             raise ValueError(
                 f"plan has {plan.counts_E.numel()} experts; this dispatcher expects "
                 f"num_local_experts={L} x {W} ranks = {W * L}"
             )
-        send_counts_WL = plan.counts_E.view(W, L)
-        recv_counts_WL = torch.empty_like(send_counts_WL)
-        dist.all_to_all_single(recv_counts_WL, send_counts_WL.contiguous(), group=self.group)
+
+    def _plan_exchange(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, extra: torch.Tensor | None = None
+    ) -> ExpertExchange:
+        """The one count collective of this call (moe.comm.plan_expert_exchange); kept as
+        `last_exchange` (host counts and the algorithm, no autograd state) for layer.stats."""
+        self._check_plan(plan)
+        counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
+        row_bytes = x_TD.shape[1] * x_TD.element_size()
+        self.last_exchange = plan_expert_exchange(
+            counts_WL, row_bytes, self.group, self.algorithm, self.ranks_per_node, extra
+        )
+        return self.last_exchange
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
+        W, L = self.ep_size, self.num_local
+        counts = self._plan_exchange(x_TD, plan)
+        a2a = counts.plan()
         x_MD = gather_tokens(x_TD, plan)
-        send_W, recv_W = send_counts_WL.sum(1), recv_counts_WL.sum(1)
-        send, recv = torch.stack([send_W, recv_W]).tolist()  # the host read a2a sizes need
-        x_kept_ND = x_MD[: sum(send)]
-        if self._flat():  # the per-expert counts above already give both row totals
-            a2a = AllToAllPlan("flat", self.group, tuple(send), tuple(recv), recv_W)
-        else:  # hierarchical needs the W x W matrix: plan_all_to_all gathers it
-            a2a = plan_all_to_all(x_kept_ND, send, self.group, self.algorithm, self.ranks_per_node)
-        recv_RD = exchange(x_kept_ND, a2a)
-        self.last_algorithm = a2a.algorithm  # what "auto" chose, for layer.stats
+        recv_RD = exchange(x_MD[: sum(a2a.send)], a2a)
         # Received rows are (source rank, local expert)-major; the experts want expert-major.
         expert_R = torch.repeat_interleave(
             torch.arange(L, device=x_TD.device).repeat(W),
-            recv_counts_WL.reshape(-1),
+            counts.recv_counts_WL.reshape(-1),
             output_size=recv_RD.shape[0],
         )
         order_R, inverse_R = sort_rows_by_expert(expert_R)
-        offsets_L = torch.cumsum(recv_counts_WL.sum(0), 0).to(torch.int32)
+        offsets_L = torch.cumsum(counts.recv_counts_WL.sum(0), 0).to(torch.int32)
         ctx = ExpertParallelContext(plan, a2a=a2a, order_R=order_R, inverse_R=inverse_R)
         return permute_rows(recv_RD, order_R, inverse_R), offsets_L, ctx
 

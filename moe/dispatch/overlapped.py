@@ -34,15 +34,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import (
-    AllToAllPlan,
-    choose_algorithm,
-    cost_model,
-    exchange_counts,
-    gather_count_matrix,
-    get_subgroups,
-    pipeline_chunks,
-)
+from moe.comm.alltoall import ExpertExchange, cost_model
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, register_dispatcher
 from moe.dispatch.expert_parallel import ExpertParallelDispatcher
@@ -62,9 +54,9 @@ from moe.dispatch.permute import (
 )
 from moe.kernels import resolve_backend
 
-# columns riding on the count exchange: degree asked, expert ps per row, row total, and the
-# measured forward us of this layer plain (n = 1) and pipelined (n > 1), 0 = not measured yet
-EXTRA = 5
+# columns riding on the count exchange (the row totals always do): degree asked, expert ps
+# per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),
+# 0 = not measured yet
 PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this many calls
 
 
@@ -95,56 +87,39 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.calls = 0
         self.layer_seconds = {False: 0.0, True: 0.0}  # forward time: plain, pipelined (EMA)
 
-    def _exchange_counts(self, plan: DispatchPlan, hierarchical: bool):
-        """One collective: -> host lists send[d][l], recv[s][l], extras[s], and the count
-        matrix [s][d][l] when the exchange may be hierarchical."""
-        W, L = self.ep_size, self.num_local
-        counts_WL = plan.counts_E.view(W, L).to(torch.long)
+    def _plan_counts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> ExpertExchange:
+        """The one count collective, with the extra columns every rank needs to agree on the
+        degree (moe.comm.plan_expert_exchange)."""
         asked = 0 if self.degree == "auto" else int(self.degree)
         ps_per_row = int(self.clock.seconds_per_row * 1e12)
         plain_us, piped_us = (int(self.layer_seconds[k] * 1e6) for k in (False, True))
         extra = torch.tensor(
-            [asked, ps_per_row, 0, plain_us, piped_us], dtype=torch.long, device=counts_WL.device
+            [asked, ps_per_row, plain_us, piped_us], dtype=torch.long, device=x_TD.device
         )
-        extra[2] = counts_WL.sum()
-        send_WX = torch.cat([counts_WL, extra.expand(W, EXTRA)], 1)
-        if hierarchical:
-            matrix = gather_count_matrix(send_WX.reshape(-1), self.group).view(W, W, L + EXTRA)
-            recv_WX = matrix[:, dist.get_rank(self.group)]
-            host = torch.cat([send_WX, matrix.reshape(W * W, -1)]).tolist()
-            send_h, matrix_h = host[:W], host[W:]
-            M = [[matrix_h[s * W + d][:L] for d in range(W)] for s in range(W)]
-            recv_h = [M[s][dist.get_rank(self.group)] for s in range(W)]
-            extras = [matrix_h[s * W][L:] for s in range(W)]
-        else:
-            recv_WX = exchange_counts(send_WX.reshape(-1), self.group).view(W, L + EXTRA)
-            host = torch.cat([send_WX, recv_WX]).tolist()
-            send_h, recv_h, extras = host[:W], [r[:L] for r in host[W:]], [r[L:] for r in host[W:]]
-            M = None
-        return [r[:L] for r in send_h], recv_h, extras, M, recv_WX[:, :L]
+        return self._plan_exchange(x_TD, plan, extra)
 
-    def _choose(self, extras, D: int, elem: int, topo) -> tuple[int, int]:
-        """(degree, max per-rank bytes) from what every rank received: identical everywhere."""
+    def _choose(self, counts: ExpertExchange, topo) -> int:
+        """The degree from what every rank received: identical everywhere."""
+        extras = counts.extras_W
         asked = {int(e[0]) for e in extras}
         if len(asked) > 1:
             seen = ", ".join(f"rank {s} has {e[0] or 'auto'}" for s, e in enumerate(extras))
             raise ValueError(f"overlap degree differs across ranks: {seen}")
-        rows = [int(e[2]) for e in extras]
-        max_bytes = max(rows) * D * elem
+        rows = counts.totals_W
         L = self.num_local
         if self.degree != "auto":
-            return max(1, min(int(self.degree), L)), max_bytes
+            return max(1, min(int(self.degree), L))
         expert_s = max(int(e[1]) for e in extras) * 1e-12 * sum(rows) / len(rows)
         n = choose_degree(
             cost_model(dist.get_backend(self.group)),
-            max_bytes,
+            counts.max_rank_bytes,
             topo.num_nodes,
             topo.ranks_per_node,
             expert_s,
             min(L, MAX_DEGREE),
-            hierarchical=self.last_algorithm == "hierarchical",
+            hierarchical=counts.algorithm == "hierarchical",
         )
-        return self._verified(n, extras), max_bytes
+        return self._verified(n, extras)
 
     def _verified(self, n: int, extras) -> int:
         """The model's degree only while pipelining is measured faster than plain (slowest
@@ -153,8 +128,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         again. A pure function of shared values and the call count: all ranks agree."""
         if n == 1:
             return 1
-        plain = max(int(e[3]) for e in extras) if all(e[3] for e in extras) else 0
-        piped = max(int(e[4]) for e in extras) if all(e[4] for e in extras) else 0
+        plain = max(int(e[2]) for e in extras) if all(e[2] for e in extras) else 0
+        piped = max(int(e[3]) for e in extras) if all(e[3] for e in extras) else 0
         if not plain:
             return 1
         if not piped:
@@ -166,31 +141,16 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
     def run(self, x_TD, plan, experts, shared=None):
         began = time.perf_counter()
         self.calls += 1
-        W, L, E = self.ep_size, self.num_local, self.ep_size * self.num_local
-        if plan.counts_E.numel() != E:  # checked before any collective
-            raise ValueError(
-                f"plan has {plan.counts_E.numel()} experts; this dispatcher expects "
-                f"num_local_experts={L} x {W} ranks = {E}"
-            )
+        L = self.num_local
+        self._check_plan(plan)  # before any collective
         topo = get_topology(self.group, self.ranks_per_node)
-        flat = self._flat()
-        send_h, recv_h, extras, M, recv_WL = self._exchange_counts(plan, not flat)
-        D, elem = x_TD.shape[1], x_TD.element_size()
-        self.last_algorithm = "flat"
-        if not flat:
-            max_bytes = max(sum(map(sum, row)) for row in M) * D * elem
-            chosen = self.algorithm
-            if chosen == "auto":
-                chosen = choose_algorithm(topo, max_bytes, backend=dist.get_backend(self.group))
-            self.last_algorithm = chosen
-            if chosen == "hierarchical":
-                get_subgroups(topo, self.group)
-        n, _ = self._choose(extras, D, elem, topo)
+        counts = self._plan_counts(x_TD, plan)
+        n = self._choose(counts, topo)
         self.last_degree = n
         bounds = [c * L // n for c in range(n + 1)]
-        plans = [self._chunk_plan(send_h, recv_h, M, topo, b0, b1, D * elem, x_TD.device)
-                 for b0, b1 in zip(bounds, bounds[1:])]  # fmt: skip
-        kept = sum(map(sum, send_h))
+        plans = [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])]
+        recv_WL = counts.recv_counts_WL
+        kept = sum(map(sum, counts.send_WL))
         plan_c = chunk_order(plan, bounds, L, kept) if n > 1 else plan
         x_MD = gather_tokens(x_TD, plan_c)
         x_chunks = torch.split(x_MD[:kept], [sum(p.send) for p in plans])
@@ -231,18 +191,6 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         out_RD = experts(x_RD, offsets_L, DispatchContext(plan))
         self.clock.stop(start, x_RD.shape[0])
         return permute_rows(out_RD, inverse_R, order_R)
-
-    def _chunk_plan(self, send_h, recv_h, M, topo, b0, b1, row_bytes, device) -> AllToAllPlan:
-        """Split sizes of the chunk of local experts [b0, b1) (no collective)."""
-        send = tuple(sum(r[b0:b1]) for r in send_h)
-        recv = tuple(sum(r[b0:b1]) for r in recv_h)
-        recv_t = torch.tensor(recv, dtype=torch.long, device=device)
-        if self.last_algorithm != "hierarchical":
-            return AllToAllPlan("flat", self.group, send, recv, recv_t)
-        C = tuple(tuple(sum(M[s][d][b0:b1]) for d in range(len(M))) for s in range(len(M)))
-        max_bytes = max(sum(r) for r in C) * row_bytes
-        K = pipeline_chunks(max_bytes, topo.num_nodes)
-        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, K)
 
 
 def chunk_order(plan: DispatchPlan, bounds: list[int], L: int, kept: int) -> DispatchPlan:
