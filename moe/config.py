@@ -5,11 +5,16 @@ import types
 import typing
 from dataclasses import dataclass, fields, replace
 
-from moe.gating.balance import BALANCE_LOSSES, SEQUENCE_ROUTERS
-from moe.kernels.activations import ACTIVATIONS
-from moe.kernels.expert_mlp import BACKENDS
+from moe.names import (
+    ACTIVATIONS,
+    BACKENDS,
+    BALANCE_LOSSES,
+    DROP_POLICIES,
+    ROUTERS,
+    SCORE_FUNCS,
+    SEQUENCE_ROUTERS,
+)
 
-SCORE_FUNCS = ("softmax", "sigmoid")
 MAX_INT = 2**31 - 1  # sizes and counts: expert offsets are int32 on device
 MAX_FACTOR = 1e4
 # Upper bounds of the float options, so that no value overflows in forward (1e308 * k * T is
@@ -24,7 +29,6 @@ FLOAT_MAX = {
     "z_loss_coef": MAX_FACTOR,
     "bias_update_rate": 1.0,
 }
-DROP_POLICIES = ("position", "probs")
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,6 @@ class MoEConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.route_scale <= 0:
             raise ValueError(f"route_scale must be > 0, got {self.route_scale}")
-        from moe.gating import ROUTERS
-
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r} is unknown; registered: {sorted(ROUTERS)}")
         ROUTERS[self.router].check_config(self)

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
-from moe.dispatch.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
 from moe.experts import GroupedExperts, check_experts_finite
 from moe.gating import Routing, build_router
-from moe.gating.balance import in_recomputation, record_balance
+from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.shared_experts import SharedExperts
 
 
@@ -21,6 +21,8 @@ class MoELayer(nn.Module):
     """Drop-in replacement for a transformer FFN: x [..., d_model] -> y of the same shape and
     dtype. After each forward, `aux_loss` holds the weighted router loss and `stats` the
     routing statistics (detached tensors; reading them is the caller's host sync).
+    `balance` (a BalanceTracker) holds the balance state across forwards: the loads since the
+    last bias update / expert placement and the step's global-balance totals.
 
     `dispatcher` moves rows to the experts and back (moe.dispatch): LocalDispatcher by
     default; moe.parallel.parallelize installs an ExpertParallelDispatcher from outside.
@@ -89,6 +91,7 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
         # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
         # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
         # parallelism. The router, its bias, stats and loads stay in canonical ids; only the
@@ -103,7 +106,7 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, d)
-        self.tokens_shape = x.shape[:-1]  # sequences for balance_loss="sequence"
+        self.balance.seq_len = x.shape[-2] if x.dim() > 1 else 1  # balance_loss="sequence"
         if self.config.checkpoint and self.training and torch.is_grad_enabled():
             y_TD = checkpoint(self._forward_tokens, x_TD, use_reentrant=False)
         else:
@@ -195,7 +198,12 @@ class MoELayer(nn.Module):
             "router_entropy": entropy_T.mean() if entropy_T.numel() else entropy_T.sum(),
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
-        record_balance(self, routing, plan)  # balance loss mode, metrics, load since update
+        term, balance_stats = self.balance.record(
+            routing, plan, self.training, self.router.load_group
+        )
+        self.stats.update(balance_stats)  # load_cv, load_max_over_mean (global_balance_loss)
+        if term is not None:  # balance_loss "sequence" / "global", weighted
+            self.aux_loss = self.aux_loss + term
         exchange = getattr(self.dispatcher, "last_exchange", None)  # expert-parallel only
         if exchange is not None:  # 1 when "auto" chose the hierarchical all-to-all
             hierarchical = exchange.algorithm == "hierarchical"
@@ -225,6 +233,30 @@ class MoELayer(nn.Module):
             ):
                 raise ValueError(f"{self.name}: {key} is not a permutation of {E} expert ids")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
+
+    # The balance tracker's state, under the names users and moe.parallel read on the layer.
+    @property
+    def load_since_update(self) -> torch.Tensor | None:
+        """Pairs routed to each expert (canonical ids) since the last update_router_biases."""
+        return self.balance.load_since_update
+
+    @load_since_update.setter
+    def load_since_update(self, value: torch.Tensor | None) -> None:
+        self.balance.load_since_update = value
+
+    @property
+    def load_since_rebalance(self) -> torch.Tensor | None:
+        """Rows each expert computed (canonical ids) since the last rebalance_experts."""
+        return self.balance.load_since_rebalance
+
+    @load_since_rebalance.setter
+    def load_since_rebalance(self, value: torch.Tensor | None) -> None:
+        self.balance.load_since_rebalance = value
+
+    @property
+    def global_balance(self):
+        """This step's GlobalBalance (balance_loss="global"), or None."""
+        return self.balance.global_balance
 
     def extra_repr(self) -> str:
         c = self.config
@@ -257,13 +289,11 @@ def update_router_biases(model: nn.Module) -> None:
     original did."""
     for _, layer in moe_layers(model):
         router = layer.router
-        load_E = getattr(layer, "load_since_update", None)
-        layer.load_since_update = None
+        load_E = layer.balance.take_load_since_update()
         if hasattr(router, "update_bias"):
             if load_E is None:  # no training forward here: still join the all-reduce
                 load_E = torch.zeros_like(router.expert_bias)
             load_E = load_E.float()
-            group = getattr(router, "load_group", None)
-            if group is not None:
-                torch.distributed.all_reduce(load_E, group=group)
+            if router.load_group is not None:
+                torch.distributed.all_reduce(load_E, group=router.load_group)
             router.update_bias(load_E)

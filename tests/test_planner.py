@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe
-from moe.memory.planner import GiB, activation_bytes, count_parameters
+from moe.memory.planner import GiB, PlannerModel, activation_bytes, count_parameters
 from moe.parallel import plan
 
 
@@ -96,6 +96,15 @@ class TinyConfig:
 def loss_of(model: nn.Module, tokens_BS: torch.Tensor) -> torch.Tensor:
     logits = model(tokens_BS)
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS.flatten()) + moe.aux_loss(model)
+
+
+def test_model_configs_satisfy_the_planner_interface():
+    from examples.m6.config import CONFIGS
+
+    assert isinstance(TinyConfig(), PlannerModel)
+    for cfg in CONFIGS.values():
+        assert isinstance(cfg, PlannerModel), cfg.name
+    assert not isinstance(object(), PlannerModel)
 
 
 def test_counts_equal_meta_model():

@@ -1,10 +1,11 @@
 """M6Config: the sizes of an M6-style model, tiny (CPU) to 1T (M6-T), and their exact counts.
 
-The config follows the duck-typed protocol of `moe.parallel.plan`: `build()` returns the
-nn.Module (the planner calls it under torch.device("meta")) and the attributes n_layers,
-d_model, n_heads, d_ff, vocab_size, seq_len, num_experts, top_k, moe_every and
-capacity_factor describe it. `stated_params` is a closed-form count that a test checks
-against the numel of the meta-built model.
+M6Config satisfies `moe.memory.PlannerModel`, the memory planner's model interface: `build()`
+returns the nn.Module (the planner calls it under torch.device("meta")) and the attributes
+n_layers, d_model, n_heads, d_ff, vocab_size, seq_len, num_experts, top_k and capacity_factor
+describe it, with the optional moe_every, activation and text_len (the head scores only the
+text positions). `stated_params` is a closed-form count that a test checks against the numel
+of the meta-built model.
 """
 
 from dataclasses import asdict, dataclass, replace

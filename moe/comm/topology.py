@@ -152,12 +152,6 @@ def get_topology(
     return topo
 
 
-def clear_topology_cache() -> None:
-    """Forget detected topologies and subgroups (call after destroy_process_group)."""
-    _TOPOLOGY_CACHE.clear()
-    _SUBGROUP_CACHE.clear()
-
-
 def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
     """The collective timeout of ``group`` (so subgroups fail as fast as their parent)."""
     pg = group if group is not None else dist.group.WORLD

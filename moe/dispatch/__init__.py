@@ -17,7 +17,7 @@ from moe.comm import (
     plan_all_to_all,
     set_hierarchical_threshold,
 )
-from moe.dispatch.capacity import capacity_factor_for, expert_capacity
+from moe.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import (
     DISPATCHERS,
     DispatchContext,

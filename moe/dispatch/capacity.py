@@ -1,40 +1,7 @@
-"""Expert capacity: how many (token, expert) pairs one expert may take, and counting them."""
+"""Alias module, kept for one release: capacity moved to `moe.capacity` (shared with
+moe.gating). Import `moe.dispatch.expert_capacity` / `moe.dispatch.capacity_factor_for`, or
+`moe.capacity` directly."""
 
-import math
+from moe.capacity import capacity_factor_for, count_ids, expert_capacity
 
-import torch
-
-
-def capacity_factor_for(config, training: bool) -> float | None:
-    """The capacity factor in force: `eval_capacity_factor` in eval mode when set, else
-    `capacity_factor`. The one place this choice is made (token and expert choice alike)."""
-    if not training and config.eval_capacity_factor is not None:
-        return config.eval_capacity_factor
-    return config.capacity_factor
-
-
-def expert_capacity(
-    num_tokens: int,
-    num_experts: int,
-    top_k: int,
-    capacity_factor: float | None,
-    min_capacity: int = 4,
-) -> int | None:
-    """C = ceil(capacity_factor * k * T / E), at least min_capacity, at most T; None = dropless.
-
-    Computed from shapes only (no device values), so every rank that sees the same T computes
-    the same C. MoEConfig bounds the factor (<= 1e4); a product past T (even inf) is T here
-    rather than an OverflowError from ceil.
-    """
-    if capacity_factor is None:
-        return None
-    raw = capacity_factor * top_k * num_tokens / num_experts
-    capacity = math.ceil(raw) if raw < num_tokens else num_tokens
-    return min(max(capacity, min_capacity), num_tokens)
-
-
-def count_ids(ids: torch.Tensor, num: int) -> torch.Tensor:
-    """long [num]: how many of `ids` (long, each in [0, num)) equal each value. bincount's
-    output shape depends on the data (a graph break under torch.compile); this one's does not."""
-    counts = torch.zeros(num, dtype=torch.long, device=ids.device)
-    return counts.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+__all__ = ["capacity_factor_for", "count_ids", "expert_capacity"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.dispatch.capacity import count_ids
+from moe.capacity import count_ids
 from moe.kernels.combine import combine, sum_rows
 
 

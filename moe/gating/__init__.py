@@ -2,8 +2,13 @@
 
 from moe.gating import expert_choice, gshard, noisy, prototype, topk  # noqa: F401  (registers)
 from moe.gating.base import ROUTERS, Router, Routing, register_router
-from moe.gating.balance import GlobalBalance, reset_global_balance, sequence_balance_loss
-from moe.gating.losses import cv_squared, load_balance_loss, z_loss
+from moe.gating.balance import (
+    BalanceTracker,
+    GlobalBalance,
+    reset_global_balance,
+    sequence_balance_loss,
+)
+from moe.gating.losses import balance_term, cv_squared, load_balance_loss, z_loss
 
 
 def build_router(config) -> Router:
@@ -11,10 +16,12 @@ def build_router(config) -> Router:
 
 
 __all__ = [
+    "BalanceTracker",
     "GlobalBalance",
     "ROUTERS",
     "Router",
     "Routing",
+    "balance_term",
     "build_router",
     "cv_squared",
     "load_balance_loss",

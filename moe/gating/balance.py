@@ -1,4 +1,5 @@
-"""Balance losses beyond one batch, balance metrics, and the load accumulated for bias updates.
+"""The balance tracker of an MoE layer: balance losses beyond one batch, balance metrics, and
+the load accumulated for bias updates and expert placement.
 
 MoEConfig.balance_loss picks the balance term (weighted by aux_loss_coef):
 - "batch": E * sum_i f_i P_i over the layer's tokens (the router computes it; Switch/GShard).
@@ -9,13 +10,20 @@ MoEConfig.balance_loss picks the balance term (weighted by aux_loss_coef):
   router's load_group, set by moe.parallel.parallelize): see GlobalBalance. In eval mode the
   layer's own batch is used (no communication: eval forwards need not run on every rank).
 Only for the "topk" and "switch" routers, whose balance term is exactly this formula.
+
+Who computes what: a router's batch term is part of its own routing (each router has its own
+formula: cv^2 for noisy_topk, top-1 only for gshard, per prototype), so the router returns it
+in Routing.aux_loss; the terms that need state beyond one batch (the sequences of the input,
+the step's totals) and the loads counted across forwards live in BalanceTracker, which the
+layer owns (`layer.balance`). Both use moe.gating.losses.balance_term for E * sum_i f_i P_i.
 """
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-BALANCE_LOSSES = ("batch", "sequence", "global")
-SEQUENCE_ROUTERS = ("topk", "switch")
+from moe.gating.losses import balance_term
+from moe.names import BALANCE_LOSSES, SEQUENCE_ROUTERS  # noqa: F401  (re-exported)
 
 
 def sequence_balance_loss(
@@ -80,13 +88,6 @@ class GlobalBalance:
         return E * torch.dot(self.totals[:E] / (self.top_k * tokens), self.totals[E:-1] / tokens)
 
 
-def load_balance_term(probs_TE: torch.Tensor, routed_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """E * sum_i f_i P_i of one batch from its routed pair counts (the "batch" formula)."""
-    T, E = probs_TE.shape
-    f_E = routed_E.to(probs_TE.dtype) / max(T * top_k, 1)
-    return E * torch.dot(f_E, probs_TE.mean(0) if T else probs_TE.sum(0))
-
-
 def balance_metrics(routed_E: torch.Tensor) -> dict[str, torch.Tensor]:
     """Coefficient of variation (std / mean) and max / mean of the load per expert (0 when no
     token was routed); detached tensors, no host sync."""
@@ -110,41 +111,96 @@ def in_recomputation() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def record_balance(layer, routing, plan) -> None:
-    """After a forward of `layer`: add the sequence/global balance term to layer.aux_loss, the
-    balance metrics to layer.stats, and (in training) the routed load to the load accumulated
-    since the last moe.update_router_biases and the kept load to the load accumulated since
-    the last moe.parallel.rebalance_experts (both in canonical expert ids)."""
-    c = layer.config
-    layer.stats.update(balance_metrics(plan.routed_E))
-    if layer.training:
-        load_E = plan.routed_E.detach()
-        previous = getattr(layer, "load_since_update", None)
-        layer.load_since_update = load_E if previous is None else previous + load_E
-        # Rows each expert computed (kept pairs) since moe.parallel.rebalance_experts last ran
-        kept_E = plan.counts_E.detach()
-        previous = getattr(layer, "load_since_rebalance", None)
-        layer.load_since_rebalance = kept_E if previous is None else previous + kept_E
-    if c.balance_loss == "batch" or routing.expert_ids_TK is None:
-        return
-    if c.balance_loss == "sequence":
-        shape = getattr(layer, "tokens_shape", None)
-        seq_len = shape[-1] if shape else routing.probs_TE.shape[0]
-        term = sequence_balance_loss(routing.probs_TE, routing.expert_ids_TK, seq_len)
-    elif not layer.training:  # eval: this batch alone, no communication, step state untouched
-        term = load_balance_term(routing.probs_TE, plan.routed_E, c.top_k)
-    else:
-        if getattr(layer, "global_balance", None) is None:
-            layer.global_balance = GlobalBalance(c.num_experts, c.top_k, plan.routed_E.device)
-        group = getattr(layer.router, "load_group", None)
-        term = layer.global_balance.loss(routing.probs_TE, plan.routed_E, group)
-        layer.stats["global_balance_loss"] = layer.global_balance.step_value()
-    if c.aux_loss_coef > 0:
-        layer.aux_loss = layer.aux_loss + c.aux_loss_coef * term
+def _moved(t: torch.Tensor, fn) -> torch.Tensor:
+    """`fn` (from nn.Module._apply) applied to `t` for its device only: a dtype cast such as
+    model.to(torch.bfloat16) must not round counts or float64 totals."""
+    moved = fn(t)
+    return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+
+class BalanceTracker(nn.Module):
+    """The balance state of one MoE layer (`layer.balance`), declared here and nowhere else.
+
+    State, all in canonical expert ids and counted in training forwards only (a forward
+    recomputed by activation checkpointing is not counted: the layer skips it):
+    - `load_since_update`: long [E] or None, pairs routed to each expert since the last
+      moe.update_router_biases (which takes it and resets it to None).
+    - `load_since_rebalance`: long [E] or None, kept pairs (rows each expert computed) since
+      the last moe.parallel.rebalance_experts (which resets it).
+    - `global_balance`: GlobalBalance or None, the running totals of balance_loss="global"
+      for the current step (moe.reset_global_balance resets it).
+    - `seq_len`: tokens per sequence of the layer's last input (balance_loss="sequence"),
+      set by MoELayer.forward; None: the whole batch is one sequence.
+
+    The tensors are step-scoped accumulators, not model state, so they are attributes rather
+    than buffers: buffers would enter named_buffers(), which parallelize broadcasts and
+    compares across ranks and checkpoint round trips compare, and state_dict() if persistent
+    (old checkpoints lack them). They still move with the layer: `_apply` (.to(), .cuda(),
+    ...) moves them to the new device and keeps their dtype (a model.to(bfloat16) cast
+    leaves counts and float64 totals exact).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.load_since_update: torch.Tensor | None = None
+        self.load_since_rebalance: torch.Tensor | None = None
+        self.global_balance: GlobalBalance | None = None
+        self.seq_len: int | None = None
+
+    def record(self, routing, plan, training: bool, group=None):
+        """After one forward: count the loads (training), and return (the weighted sequence /
+        global balance term to add to the layer's aux_loss, or None; balance statistics for
+        layer.stats). `group`: the ranks whose loads "global" sums (the router's load_group)."""
+        c = self.config
+        stats = balance_metrics(plan.routed_E)
+        if training:
+            self._count(plan)
+        if c.balance_loss == "batch" or routing.expert_ids_TK is None:
+            return None, stats
+        probs_TE = routing.probs_TE
+        if c.balance_loss == "sequence":
+            T = probs_TE.shape[0]
+            seq_len = T if self.seq_len is None else self.seq_len
+            term = sequence_balance_loss(probs_TE, routing.expert_ids_TK, seq_len)
+        elif not training:  # eval: this batch alone, no communication, step state untouched
+            term = balance_term(probs_TE, plan.routed_E, probs_TE.shape[0] * c.top_k)
+        else:
+            if self.global_balance is None:
+                self.global_balance = GlobalBalance(c.num_experts, c.top_k, plan.routed_E.device)
+            term = self.global_balance.loss(probs_TE, plan.routed_E, group)
+            stats["global_balance_loss"] = self.global_balance.step_value()
+        return (c.aux_loss_coef * term if c.aux_loss_coef > 0 else None), stats
+
+    def _count(self, plan) -> None:
+        routed_E = plan.routed_E.detach()  # pairs routed (before capacity): bias updates
+        previous = self.load_since_update
+        self.load_since_update = routed_E if previous is None else previous + routed_E
+        kept_E = plan.counts_E.detach()  # rows each expert computed: expert placement
+        previous = self.load_since_rebalance
+        self.load_since_rebalance = kept_E if previous is None else previous + kept_E
+
+    def take_load_since_update(self) -> torch.Tensor | None:
+        """The load since the last bias update (None: no training forward since), reset."""
+        load_E, self.load_since_update = self.load_since_update, None
+        return load_E
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in ("load_since_update", "load_since_rebalance"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, _moved(t, fn))
+        if self.global_balance is not None:
+            self.global_balance.totals = _moved(self.global_balance.totals, fn)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"balance_loss={self.config.balance_loss}"
 
 
 def reset_global_balance(model) -> None:
     """Start a new step of the global-batch balance loss: call after each optimizer step."""
     for module in model.modules():
-        if getattr(module, "global_balance", None) is not None:
+        if isinstance(module, BalanceTracker):
             module.global_balance = None

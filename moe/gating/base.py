@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROUTERS: dict[str, type["Router"]] = {}
-
+from moe.names import ROUTERS, register_router  # noqa: F401  (the registry, below config)
 
 ROUTER_CHUNK_BYTES = 4 << 20  # float32 rows of x upcast at a time by the router matmul
 
@@ -62,16 +61,6 @@ def router_matmul(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
         return x_TD.to(dtype) @ w_ED.to(dtype).t()
 
 
-def register_router(name: str):
-    """Class decorator: make a router constructible by `MoEConfig(router=name)`."""
-
-    def add(cls):
-        ROUTERS[name] = cls
-        return cls
-
-    return add
-
-
 @dataclass
 class Routing:
     """What a router decides for T tokens over E experts (all fp32).
@@ -111,6 +100,9 @@ class Router(nn.Module):
         return router_matmul(x_TD, self.weight)
 
     replayable = True  # picks top-k experts per token: moe.replay_routing can force them
+    # The ranks whose observed loads are summed (bias updates, balance_loss="global"): None in
+    # one process; moe.parallel.parallelize sets the world group.
+    load_group = None
 
     @classmethod
     def forced_ids_problem(cls, config, expert_ids_TK: torch.Tensor) -> str | None:

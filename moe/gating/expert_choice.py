@@ -1,17 +1,10 @@
 """Expert choice routing (Zhou et al. 2022): each expert takes its top-C tokens."""
 
-import math
-
 import torch
 
-from moe.dispatch.capacity import capacity_factor_for
+from moe.capacity import capacity_factor_for, expert_capacity
 from moe.gating.base import Router, Routing, register_router
 from moe.gating.losses import router_loss
-
-
-def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(capacity_factor * T / E), at most T (an expert cannot take a token twice)."""
-    return min(num_tokens, math.ceil(capacity_factor * num_tokens / num_experts))
 
 
 @register_router("expert_choice")
@@ -31,7 +24,9 @@ class ExpertChoiceRouter(Router):
         factor = capacity_factor_for(c, self.training)
         if factor is None:  # dropless has no meaning here: each expert takes k * T / E tokens
             factor = float(c.top_k)
-        C = expert_choice_capacity(x_TD.shape[0], c.num_experts, factor)
+        # the capacity formula of token choice with k = 1 (a token at most once per expert)
+        # and no min_capacity floor: C = min(T, ceil(factor * T / E))
+        C = expert_capacity(x_TD.shape[0], c.num_experts, 1, factor, min_capacity=0)
         top_EC = probs_TE.t().topk(C, dim=-1)
         return Routing(
             logits_TE,

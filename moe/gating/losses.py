@@ -2,7 +2,18 @@
 
 import torch
 
-from moe.dispatch.capacity import count_ids
+from moe.capacity import count_ids
+
+
+def balance_term(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e with f_e = counts_E[e] / num_pairs (pairs routed to e) and P_e the
+    mean score of e over the T tokens; 0 (with a graph) for T = 0. The one implementation of
+    the batch balance formula: the routers' load_balance_loss and the layer's balance tracker
+    (moe.gating.balance) both call it."""
+    T, E = probs_TE.shape
+    if T == 0:
+        return probs_TE.sum() * 0.0
+    return E * torch.dot(counts_E.to(probs_TE.dtype) / num_pairs, probs_TE.mean(0))
 
 
 def load_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
@@ -10,12 +21,8 @@ def load_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> to
 
     Equals 1 under perfectly uniform routing for any k (Megatron-Core's scaling for k > 1).
     """
-    T, E = probs_TE.shape
-    if T == 0:
-        return probs_TE.sum() * 0.0
-    counts_E = count_ids(expert_ids_TK, E).to(probs_TE.dtype)
-    frac_E = counts_E / expert_ids_TK.numel()
-    return E * torch.dot(frac_E, probs_TE.mean(0))
+    E = probs_TE.shape[1]
+    return balance_term(probs_TE, count_ids(expert_ids_TK, E), expert_ids_TK.numel())
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
-GATED = ("swiglu",)
+from moe.names import ACTIVATIONS, GATED_ACTIVATIONS
+
+GATED = GATED_ACTIVATIONS  # the name the kernels use
 
 
 def check_activation(name: str) -> None:

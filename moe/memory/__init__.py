@@ -2,6 +2,6 @@
 precision with loss scaling, activation recompute, and the per-device memory planner."""
 
 from moe.memory.grouped_apply import GroupedApply
-from moe.memory.planner import MemoryPlan, plan
+from moe.memory.planner import MemoryPlan, PlannerModel, plan
 from moe.memory.precision import LossScaler
 from moe.memory.recompute import auto_checkpoint

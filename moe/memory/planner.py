@@ -1,6 +1,8 @@
 """Per-device memory plan of DP x EP training: does a model fit, and by how much.
 
-Parameter counts come from building the model on the meta device (no memory allocated).
+The model is described by a config object that satisfies `PlannerModel` (below): its sizes
+as attributes and `build()`. Parameter counts come from building the model on the meta device
+(no memory allocated).
 Everything else is arithmetic, stated here so it can be checked:
 
   N_local = dense + expert / ep parameters on one device; b = bytes of `dtype`.
@@ -46,13 +48,50 @@ the end-of-backward gradient buffers do not coincide with the full activations).
 """
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from moe.experts import expert_parameters
 from moe.layer import MoELayer
+from moe.names import GATED_ACTIVATIONS
 
 GiB = 2**30
+
+
+@runtime_checkable
+class PlannerModel(Protocol):
+    """The model interface of `plan`, `count_parameters` and `activation_bytes`: a config
+    object of a decoder-style transformer (examples/m6's M6Config satisfies it).
+
+    Required: the attributes below and `build()`, which returns the nn.Module (called under
+    torch.device("meta")). Optional attributes, read with these defaults (PLANNER_DEFAULTS):
+    `moe_every` (1: block i is MoE when (i + 1) % moe_every == 0), `activation` ("gelu"; a
+    gated one such as "swiglu" counts a third projection), `text_len` (seq_len: the positions
+    the output head scores, for models whose sequence also holds non-text positions).
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int  # FFN width of a dense block and of each expert
+    vocab_size: int
+    seq_len: int  # positions per sequence
+    num_experts: int  # 0: dense
+    top_k: int
+    capacity_factor: float | None  # None: dropless
+
+    def build(self) -> nn.Module: ...
+
+
+PLANNER_DEFAULTS = {"moe_every": 1, "activation": "gelu", "text_len": None}
+
+
+def _optional(cfg: PlannerModel, name: str):
+    """An optional PlannerModel attribute, or its default (text_len: seq_len)."""
+    value = getattr(cfg, name, PLANNER_DEFAULTS[name])
+    return cfg.seq_len if value is None and name == "text_len" else value
 
 
 @dataclass
@@ -145,7 +184,7 @@ class ParamCounts:
     moe_layers: int = 0
 
 
-def count_parameters(model_config) -> ParamCounts:
+def count_parameters(model_config: PlannerModel) -> ParamCounts:
     """Parameter counts of `model_config.build()` built on the meta device."""
     with torch.device("meta"):
         model = model_config.build()
@@ -164,7 +203,7 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def block_activation_bytes(
-    cfg,
+    cfg: PlannerModel,
     tokens: int,
     moe: bool,
     act_bytes: int,
@@ -178,7 +217,7 @@ def block_activation_bytes(
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.d_ff
     sb = tokens
     b = tokens / s
-    gated = getattr(cfg, "activation", "gelu") in ("swiglu", "geglu")
+    gated = _optional(cfg, "activation") in GATED_ACTIVATIONS
     attn = 10 * sb * h + (4 * a * sb if flash_attention else 2 * a * s * s * b)
     if dropout:
         attn += sb * h + (0 if flash_attention else a * s * s * b)
@@ -196,7 +235,7 @@ def block_activation_bytes(
 
 
 def activation_bytes(
-    cfg,
+    cfg: PlannerModel,
     tokens: int,
     act_bytes: int = 2,
     checkpointing: bool = False,
@@ -206,7 +245,7 @@ def activation_bytes(
 ) -> int:
     """Peak saved activations of the whole model for one micro-batch of `tokens` tokens
     (fused_experts: see block_activation_bytes)."""
-    every = getattr(cfg, "moe_every", 1)
+    every = _optional(cfg, "moe_every")
     blocks = [
         block_activation_bytes(
             cfg,
@@ -219,7 +258,7 @@ def activation_bytes(
         )
         for i in range(cfg.n_layers)
     ]
-    text = getattr(cfg, "text_len", cfg.seq_len)
+    text = _optional(cfg, "text_len")
     head = tokens * text / cfg.seq_len * cfg.vocab_size * (act_bytes + 4)
     if checkpointing:
         return int(cfg.n_layers * tokens * cfg.d_model * act_bytes + max(blocks) + head)
@@ -227,7 +266,7 @@ def activation_bytes(
 
 
 def plan(
-    model_config,
+    model_config: PlannerModel,
     *,
     world_size: int,
     dp: int,
@@ -268,7 +307,7 @@ def plan(
     unit = 0  # fsdp: the largest parameter group gathered whole while it computes
     if data_parallel == "fsdp":
         local = -(-counts.total // world_size)
-        layers = max(getattr(model_config, "n_layers", 1), 1)
+        layers = max(model_config.n_layers, 1)
         per_layer_experts = -(-counts.expert // (max(counts.moe_layers, 1) * ep))
         unit = max(-(-counts.dense // layers), per_layer_experts)
     b = _bytes(dtype)

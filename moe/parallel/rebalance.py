@@ -156,7 +156,7 @@ def _exchange(jobs, device) -> tuple[int, int]:
 
 def _restart_counts(layers) -> None:
     for _, layer in layers:
-        layer.load_since_rebalance = None
+        layer.balance.load_since_rebalance = None
 
 
 @torch.no_grad()
@@ -182,7 +182,7 @@ def rebalance_experts(
     sizes = [ep_size(layer) for _, layer in layers]
     counts = []
     for _, layer in layers:
-        load_E = getattr(layer, "load_since_rebalance", None)
+        load_E = layer.balance.load_since_rebalance
         slots = layer.slot_of_expert_E
         counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     report = RebalanceReport()

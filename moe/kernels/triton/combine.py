@@ -2,7 +2,7 @@
 
 A gather-sum over the inverse permutation (no scatter, no float atomics); its backward writes
 each pair's row gradient once (a permutation write) and reduces the combine-weight gradient per
-pair in registers. Kernels: moe/kernels/triton/gather_sum.py. Semantics: combine.py.
+pair in registers. Kernels: moe/kernels/triton/gather_sum.py. Semantics: moe/kernels/combine.py.
 """
 
 import torch

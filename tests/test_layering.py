@@ -1,0 +1,145 @@
+"""Import direction between the stages (no sideways arrows), and the layer's balance state
+declared and owned by its BalanceTracker (issue 25, items 2 and 5)."""
+
+import ast
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe
+from moe.capacity import expert_capacity
+from moe.gating.balance import BalanceTracker
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "moe"
+
+# What each unit may import from moe (besides itself). Units not named here are not checked.
+ALLOWED = {
+    "moe.names": set(),
+    "moe.capacity": set(),
+    "moe.untrusted": set(),
+    "moe.config": {"moe.names"},
+    "moe.gating": {"moe.names", "moe.capacity"},
+}
+# Arrows that must not exist even where the rest of a unit's imports is free to change.
+FORBIDDEN = {
+    "moe.dispatch": {"moe.gating", "moe.config", "moe.layer"},
+    "moe.kernels": {"moe.gating", "moe.config", "moe.layer"},
+    "moe.comm": {"moe.gating", "moe.dispatch", "moe.kernels", "moe.layer"},
+}
+
+
+def _unit(module: str) -> str:
+    """moe.gating.topk -> moe.gating; moe.config -> moe.config."""
+    return ".".join(module.split(".")[:2])
+
+
+def _imports() -> dict[str, set[tuple[str, str]]]:
+    """unit -> {(imported unit, file)} for every moe import, lazy (in-function) ones too."""
+    found: dict[str, set[tuple[str, str]]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        unit = _unit(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "moe":
+                    names = [f"moe.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("moe.") and _unit(name) != unit:
+                    found.setdefault(unit, set()).add((_unit(name), str(path.relative_to(ROOT))))
+    return found
+
+
+def test_no_sideways_imports_between_stages():
+    imports = _imports()
+    bad = []
+    for unit, allowed in ALLOWED.items():
+        bad += [f"{f}: {unit} -> {d}" for d, f in imports.get(unit, ()) if d not in allowed]
+    for unit, forbidden in FORBIDDEN.items():
+        bad += [f"{f}: {unit} -> {d}" for d, f in imports.get(unit, ()) if d in forbidden]
+    assert not bad, "\n".join(sorted(bad))
+
+
+ISOLATED = """
+import json, sys, types
+package = types.ModuleType("moe")  # moe/__init__.py not run: only what {target} needs loads
+package.__path__ = [{path!r}]
+sys.modules["moe"] = package
+import {target}
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("moe."))))
+"""
+
+
+@pytest.mark.parametrize(
+    "target, absent",
+    [
+        ("moe.gating", ("moe.dispatch", "moe.comm", "moe.kernels", "moe.layer")),
+        ("moe.config", ("moe.gating", "moe.kernels", "moe.dispatch")),
+    ],
+)
+def test_loading_a_stage_loads_no_sideways_stage(target, absent):
+    code = ISOLATED.format(path=str(PACKAGE), target=target)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if _unit(m) in absent], loaded
+
+
+def test_names_are_one_list_each():
+    """moe.names holds the option lists; the stages use the same objects (or equal values)."""
+    assert moe.kernels.activations.ACTIVATIONS is moe.names.ACTIVATIONS
+    assert moe.gating.balance.BALANCE_LOSSES is moe.names.BALANCE_LOSSES
+    assert moe.gating.ROUTERS is moe.names.ROUTERS and "topk" in moe.names.ROUTERS
+    # moe/kernels/expert_mlp.py still spells its own tuple (its owner switches to moe.names)
+    assert tuple(moe.kernels.BACKENDS) == moe.names.BACKENDS
+
+
+def test_expert_choice_capacity_is_the_k1_case_without_floor():
+    """Expert choice's C = min(T, ceil(cf * T / E)) is expert_capacity with k = 1 and
+    min_capacity = 0, value for value (its outputs did not change)."""
+    for T in (0, 1, 3, 7, 64, 100):
+        for E in (1, 3, 8, 64):
+            for cf in (0.1, 0.5, 1.0, 1.25, 2.0, 3.0, 7.5):
+                want = min(T, math.ceil(cf * T / E))
+                assert expert_capacity(T, E, 1, cf, min_capacity=0) == want, (T, E, cf)
+
+
+def test_balance_state_is_declared_on_a_fresh_layer():
+    layer = moe.MoELayer(8, 12, 4, top_k=2)
+    assert isinstance(layer.balance, BalanceTracker)
+    assert layer.load_since_update is None and layer.load_since_rebalance is None
+    assert layer.global_balance is None and layer.balance.seq_len is None
+    assert layer.router.load_group is None
+    # not model state: the state dict and the buffers are what they were
+    assert not [k for k in layer.state_dict() if "balance" in k]
+    assert not [n for n, _ in layer.named_buffers() if "balance" in n]
+
+
+def test_balance_state_moves_with_the_layer_and_keeps_its_dtype():
+    torch.manual_seed(0)
+    layer = moe.MoELayer(8, 12, 4, top_k=2, balance_loss="global")
+    layer(torch.randn(2, 5, 8))
+    assert layer.balance.seq_len == 5
+    totals = layer.global_balance.totals.clone()
+    load = layer.load_since_update.clone()
+    layer.to(torch.bfloat16)  # a dtype cast leaves counts and float64 totals exact
+    assert layer.global_balance.totals.dtype == torch.float64
+    assert torch.equal(layer.global_balance.totals, totals)
+    assert torch.equal(layer.load_since_update, load)
+    layer.to("meta")
+    for t in (layer.load_since_update, layer.load_since_rebalance, layer.global_balance.totals):
+        assert t.device.type == "meta"
+    moe.reset_global_balance(layer)
+    assert layer.global_balance is None
