@@ -1,6 +1,6 @@
 """Per-rank bytes of parameters + gradients + AdamW state, measured from the local shards each
 rank holds, ddp vs fsdp at (dp, ep) = (4,1), (2,2), (1,4) on 4 gloo ranks, next to
-moe.parallel.plan's prediction for the same layout (its local_params x 4 B x (parameter +
+moe.memory.plan_memory's prediction for the same layout (its local_params x 4 B x (parameter +
 gradient + 2 AdamW moments); docs/parallelism.md).
 
     PYTHONPATH=. python bench/memory_fsdp.py
@@ -43,7 +43,7 @@ def _body(rank, world):
 
 
 def predict(mode, dp, ep):
-    """moe.parallel.plan's persistent bytes per device for this layout."""
+    """moe.memory.plan_memory's persistent bytes per device for this layout."""
     p = plan(CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode)
     return p.local_params * 4 * 4  # params + grads + 2 AdamW moments, fp32
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import moe
-from moe.checkpoint import CheckpointError
-from moe.parallel import GroupedApply, load_checkpoint, save_checkpoint
+from moe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe.memory import GroupedApply
 from tests.distributed import run_ranks
 from tests.test_planner import TinyConfig, loss_of
 

@@ -1,6 +1,6 @@
 """Checkpoint steps of an M6 run: each step is one atomic unit.
 
-    <run-dir>/checkpoint/step-00000120/weights/   model + optimizer (moe.parallel.save_checkpoint)
+    <run-dir>/checkpoint/step-00000120/weights/   model + optimizer (moe.checkpoint.save_checkpoint)
     <run-dir>/checkpoint/step-00000120/state.json step, history, config, vocabulary (+ RNG)
 
 Everything of step N is written into `.step-N.partial` and published by one rename, so a kill
@@ -57,7 +57,7 @@ def save_step(root: Path, model, opt, state: dict) -> Path:
         staging.mkdir()
     if world > 1:
         dist.barrier()
-    moe.parallel.save_checkpoint(str(staging / "weights"), unwrap(model), opt, extra={"step": step})
+    moe.checkpoint.save_checkpoint(str(staging / "weights"), unwrap(model), opt, extra={"step": step})
     if world == 1:  # noisy routers draw random numbers: resume them too
         state = dict(state, rng=torch.get_rng_state().tolist())
     if rank == 0:
@@ -132,7 +132,7 @@ def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
         try:
             state = json.loads((path / "state.json").read_text())
             check_state(state, step)
-            extra = moe.parallel.load_checkpoint(str(path / "weights"), unwrap(model), opt)
+            extra = moe.checkpoint.load_checkpoint(str(path / "weights"), unwrap(model), opt)
             if extra.get("step") != step:
                 raise ValueError(f"weights of step {extra.get('step')}, directory of {step}")
         except (OSError, ValueError, RecursionError) as e:

@@ -1,6 +1,6 @@
 """M6Config: the sizes of an M6-style model, tiny (CPU) to 1T (M6-T), and their exact counts.
 
-The config follows the duck-typed protocol of `moe.parallel.plan`: `build()` returns the
+The config follows the duck-typed protocol of `moe.memory.plan_memory`: `build()` returns the
 nn.Module (the planner calls it under torch.device("meta")) and the attributes n_layers,
 d_model, n_heads, d_ff, vocab_size, seq_len, num_experts, top_k, moe_every and
 capacity_factor describe it. `stated_params` is a closed-form count that a test checks

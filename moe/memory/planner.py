@@ -226,7 +226,7 @@ def activation_bytes(
     return int(sum(blocks) + head)
 
 
-def plan(
+def plan_memory(
     model_config,
     *,
     world_size: int,
