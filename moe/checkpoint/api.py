@@ -129,9 +129,9 @@ def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None
     """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
     Collective: every rank calls it and writes only its own shards. `extra` is the caller's
     metadata (e.g. the step, a training loop's state): a JSON object (finite numbers),
-    published atomically with the tensors and returned by load_checkpoint. Returns the directory of the new checkpoint. Only the save's
-    own entries in `path` are written or removed; a concurrent save into the same folder is
-    a CheckpointError."""
+    published atomically with the tensors and returned by load_checkpoint. Returns the
+    directory of the new checkpoint. Only the save's own entries in `path` are written or
+    removed; a concurrent save into the same folder is a CheckpointError."""
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(
             f"save_checkpoint: extra must be a dict (a JSON object), got {type(extra)}"
