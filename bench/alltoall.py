@@ -6,11 +6,11 @@ averaged over ranks; uneven splits (--uneven): size = the largest per-rank buffe
 maximum over ranks. Each (size, algorithm) gets 1 warm-up and up to --iters timed iterations,
 split into rounds interleaved across algorithms; a rank's time is the median round mean.
 
-  python bench/alltoall.py                        # spawns 8 gloo ranks on loopback, 2D as 2x4
-  torchrun --nproc-per-node 8 bench/alltoall.py   # under torchrun (NCCL when CUDA is present)
-  python bench/alltoall.py --emulate 2x4          # two-tier network in network namespaces (root)
-  python bench/alltoall.py --suite --report bench/results/DATE-cpu-alltoall.md   # the report
-  python bench/alltoall.py --model-only           # alpha-beta projection only
+  python -m bench.alltoall                        # spawns 8 gloo ranks on loopback, 2D as 2x4
+  torchrun --nproc-per-node 8 -m bench.alltoall   # under torchrun (NCCL when CUDA is present)
+  python -m bench.alltoall --emulate 2x4          # two-tier network in network namespaces (root)
+  python -m bench.alltoall --suite --report bench/results/DATE-cpu-alltoall.md   # the report
+  python -m bench.alltoall --model-only           # alpha-beta projection only
 
 Columns "flat" and "hier" time the full moe.dispatch.all_to_all call (validation, count
 exchange, token exchange); "flat*" and "hier*" time moe.dispatch.exchange with a precomputed
@@ -41,14 +41,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.a2a.model import GPU_CLUSTER  # noqa: E402
-from bench.a2a.netem import netns_available, run_emulated  # noqa: E402
-from bench.a2a.report import projection_table, write_report  # noqa: E402
-from bench.a2a.runner import run_local, sweep_sizes, worker_main  # noqa: E402
+from bench.a2a.model import GPU_CLUSTER
+from bench.a2a.netem import netns_available, run_emulated
+from bench.a2a.report import projection_table, write_report
+from bench.a2a.runner import run_local, sweep_sizes, worker_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,7 +185,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.report:
-        command = "python bench/alltoall.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m bench.alltoall " + " ".join(sys.argv[1:] if argv is None else argv)
         saved = {"results": results, "cfgs": cfgs, "argv": command}
         Path(a.report).with_suffix(".json").write_text(json.dumps(saved, indent=1))
         write_report(Path(a.report), results, cfgs, command)

@@ -4,11 +4,11 @@ layer (bench/titan_style.py), DeepSpeed-MoE (capacity 1.0) and Tutel (capacity 0
 import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd, and
 backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs).
 
-    python bench/gpu_layer.py                       # the four shapes, everything (target < 5 min
+    python -m bench.gpu_layer                       # the four shapes, everything (target < 5 min
                                                     # on one H100, not yet measured; --max-minutes)
-    python bench/gpu_layer.py --quick               # no compile, no peers, fewer iterations
-    python bench/gpu_layer.py --shapes mixtral,512/256/8/2/384 --iters 20
-    python bench/gpu_layer.py --profile             # + torch.profiler kernel tables (moe triton)
+    python -m bench.gpu_layer --quick               # no compile, no peers, fewer iterations
+    python -m bench.gpu_layer --shapes mixtral,512/256/8/2/384 --iters 20
+    python -m bench.gpu_layer --profile             # + torch.profiler kernel tables (moe triton)
 
 Per candidate: median fwd+bwd ms from CUDA events after warm-up, expert TFLOP/s, peak MiB
 (torch.cuda.max_memory_allocated over one step, only that candidate resident), and the
@@ -30,11 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gpu_roles import role_table  # noqa: E402
-from titan_style import SwiGLU, TitanStyleMoE, expert_flops, parse_shapes  # noqa: E402
-
-import moe  # noqa: E402
+import moe
+from bench.gpu_roles import role_table
+from bench.titan_style import SwiGLU, TitanStyleMoE, expert_flops, parse_shapes
 
 NO_CUDA_EXIT = 2
 DEV = "cuda"  # --smoke-cpu: "cpu", to test this script's plumbing without a GPU (no timings)
@@ -285,7 +283,7 @@ def main(argv=None) -> int:
         f"# MoE layer fwd+bwd on {gpu} "
         f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
         "",
-        f"Run by `python bench/gpu_layer.py {' '.join(argv or sys.argv[1:])}`; "
+        f"Run by `python -m bench.gpu_layer {' '.join(argv or sys.argv[1:])}`; "
         f"torch {torch.__version__}, triton {__import__('triton').__version__}, bf16, SwiGLU, "
         f"dropless (DeepSpeed: capacity 1.0, drops). Median of {args.iters} CUDA-event timings "
         f"after {args.warmup} warm-up steps. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "

@@ -11,8 +11,8 @@ Loads: balanced (every expert gets exactly T*k/E rows) and Zipf-skewed (expert p
 ~ 1/rank**ZIPF_S, k distinct experts per token). TFLOP/s counts useful FLOPs only
 (fwd 6*M*D*F, fwd+bwd 3x that; M = T*k), "% dense" is the fraction of the dense ceiling.
 
-  python bench/grouped_gemm.py             # GPU: full shapes; CPU: small shapes, no Triton
-  python bench/grouped_gemm.py --small     # small shapes anywhere
+  python -m bench.grouped_gemm             # GPU: full shapes; CPU: small shapes, no Triton
+  python -m bench.grouped_gemm --small     # small shapes anywhere
 Writes bench/results/<date>-<device>-grouped-gemm.md and .png (the report names the device).
 """
 
@@ -21,15 +21,12 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from moe.kernels.expert_mlp import ExpertRows, expert_mlp  # noqa: E402
+from moe.kernels.expert_mlp import ExpertRows, expert_mlp
 
 ZIPF_S = 1.2
 FULL_SHAPES = [  # name, E, d_model, d_ff, tokens, k

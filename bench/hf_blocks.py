@@ -2,7 +2,7 @@
 backward time (one process, round-robin interleaved, medians) and peak memory (a fresh
 process per candidate, see peak_memory.py), on the CPU.
 
-    python bench/hf_blocks.py [--tokens 2048 --iters 7]
+    python -m bench.hf_blocks [--tokens 2048 --iters 7]
 
 Shapes: a Mixtral-like block (E=8, k=2, d=512, F=1792 scaled from 4096/14336) and a
 Qwen3-30B-A3B-like fine-grained block (E=128, k=8, d=512, F=96 scaled from 2048/768), both
@@ -15,11 +15,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import device_name, time_interleaved, write_report  # noqa: E402
-from peak_memory import measure, measure_here  # noqa: E402
-
-import moe  # noqa: E402
+import moe
+from bench.common import device_name, time_interleaved, write_report
+from bench.peak_memory import measure, measure_here
 
 SHAPES = {
     "mixtral-like E=8 k=2": ("mixtral", dict(hidden_size=512, intermediate_size=1792)),
@@ -90,7 +88,7 @@ def main(argv=None) -> str:
             {k: make_step(b, args.tokens) for k, b in blocks.items()},
             args.iters, args.warmup, torch.device("cpu"),
         )  # fmt: skip
-        mem = {k: measure(__file__, shape, k, str(args.tokens)) for k in blocks}
+        mem = {k: measure("bench.hf_blocks", shape, k, str(args.tokens)) for k in blocks}
         rows.append((shape, t, mem))
         print(
             f"{shape}: transformers {t['transformers'] * 1e3:.1f} ms, moe {t['moe'] * 1e3:.1f} ms "
@@ -109,7 +107,7 @@ def main(argv=None) -> str:
     report = (
         "# transformers' sparse-MoE blocks vs moe.from_hf, forward+backward\n\n"
         f"- device: {device_name(torch.device('cpu'))}, torch {torch.__version__}\n"
-        f"- command: `python bench/hf_blocks.py {' '.join(argv or sys.argv[1:])}`\n"
+        f"- command: `python -m bench.hf_blocks {' '.join(argv or sys.argv[1:])}`\n"
         f"- {args.tokens} tokens, fp32, SiLU-gated experts, median of {args.iters} round-robin "
         f"iterations after {args.warmup} warm-up; peak = bytes a fwd+bwd adds at its peak, "
         "measured in a fresh process per candidate (bench/peak_memory.py)\n\n" + table

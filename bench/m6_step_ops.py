@@ -6,26 +6,22 @@ dispatch, a kernel launch) whatever its size, so a step's time is about (operato
 (host time per operator) while the GPU keeps up. This script counts the aten operators one
 step dispatches (an upper bound on its kernel launches) and its model FLOPs, for each preset.
 
-    PYTHONPATH=. python bench/m6_step_ops.py   # prints the table, writes bench/results/<date>-cpu-m6-step-ops.md
+    python -m bench.m6_step_ops   # prints the table, writes bench/results/<date>-cpu-m6-step-ops.md
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from bench.common import write_report  # noqa: E402
-from examples.m6 import data as m6data  # noqa: E402
-from examples.m6 import train  # noqa: E402
-from examples.m6.cli import parse_args, resolve_config  # noqa: E402
-from examples.m6.runtime import Runtime  # noqa: E402
-from examples.m6.setup import make_optimizer  # noqa: E402
+from bench.common import write_report
+from examples.m6 import data as m6data
+from examples.m6 import train
+from examples.m6.cli import parse_args, resolve_config
+from examples.m6.runtime import Runtime
+from examples.m6.setup import make_optimizer
 
 PRESETS = ("m6-tiny", "m6-tiny-gpu")
 
@@ -69,7 +65,7 @@ def main() -> None:
     lines = [
         "# M6 step: operators and FLOPs per preset",
         "",
-        "`PYTHONPATH=. python bench/m6_step_ops.py` (one CPU thread; aten ops of one training "
+        "`python -m bench.m6_step_ops` (one CPU thread; aten ops of one training "
         "step, forward + backward + AdamW; FLOPs: 6 x active params + attention, per token).",
         "",
         "| preset | global batch | tokens/step | active params | aten ops/step | GFLOP/step | "

@@ -2,7 +2,7 @@
 + activation checkpointing, side by side on one MoE transformer; then the memory plan of
 the M6 1T configuration on 480 x V100-32GB.
 
-    python bench/memory.py [--layers 8 --d-model 512 --iters 3]
+    python -m bench.memory [--layers 8 --d-model 512 --iters 3]
 
 What is measured:
   CUDA: torch.cuda.max_memory_allocated (peak of the whole training step, and the
@@ -18,7 +18,6 @@ What is measured:
 
 import argparse
 import gc
-import os
 import sys
 import weakref
 
@@ -28,12 +27,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import device_name, time_interleaved, write_report  # noqa: E402
-
-import moe  # noqa: E402
-from moe.parallel import GroupedApply, auto_checkpoint, plan  # noqa: E402
+import moe
+from bench.common import device_name, time_interleaved, write_report
+from moe.memory import GroupedApply, plan_memory, recompute_blocks
 
 GiB, MiB = 2**30, 2**20
 
@@ -182,7 +178,7 @@ class Run:
         self.model = cfg.build().to(device=device, dtype=dtype)
         self.model.load_state_dict(state)
         if checkpoint:
-            auto_checkpoint(self.model)
+            recompute_blocks(self.model)
         kw = dict(lr=1e-4, weight_decay=0.1)
         if groups is None and dtype == torch.float32:
             self.opt = torch.optim.AdamW(self.model.parameters(), foreach=True, **kw)
@@ -260,7 +256,9 @@ def size_layers(args, device, dtype) -> int:
     one = BenchConfig(1, args.d_model, args.heads, args.d_ff, args.experts, 2, args.seq, 1000)
     per_layer = sum(p.numel() for p in one.build().to("meta").parameters())
     per_param = 20 if dtype == torch.float32 else 24  # + fp32 masters and grad copies
-    act = plan(one, world_size=1, dp=1, ep=1, dtype=dtype, micro_batch_tokens=args.batch * args.seq)
+    act = plan_memory(
+        one, world_size=1, dp=1, ep=1, dtype=dtype, micro_batch_tokens=args.batch * args.seq
+    )
     return max(1, int(0.9 * free / (per_layer * per_param + act.activations)))
 
 
@@ -279,7 +277,7 @@ def m6_plans() -> str:
         "```",
     ]
     for offload, ckpt in ((None, False), ("all", False), ("all", True)):
-        p = plan(cfg, **kw, offload=offload, checkpointing=ckpt)
+        p = plan_memory(cfg, **kw, offload=offload, checkpointing=ckpt)
         lines += [str(p), ""]
     lines.append("```")
     return "\n".join(lines) + "\n"
@@ -361,7 +359,7 @@ def main(argv=None) -> str:
     report = (
         "# Memory: grouped optimizer apply, CPU offload, activation checkpointing\n\n"
         f"- device: {device_name(device)}\n- torch {torch.__version__}\n"
-        f"- command: `python bench/memory.py {' '.join(argv or sys.argv[1:])}`\n"
+        f"- command: `python -m bench.memory {' '.join(argv or sys.argv[1:])}`\n"
         f"- model: {layers} blocks, d_model={args.d_model}, {args.heads} heads, "
         f"{args.experts} experts of d_ff={args.d_ff} (top-2, capacity 1.25) in every block, "
         f"{n_params / 1e6:.1f}M parameters, {dtype}; batch {args.batch} x {args.seq} tokens; "
@@ -376,7 +374,7 @@ def main(argv=None) -> str:
         "extra peak' = peak during opt.step() above what was alive when it started.\n"
         "- plain = torch.optim.AdamW(foreach=True) (bf16: GroupedApply G=1 with masters); grouped = GroupedApply(AdamW, G, "
         "foreach=True); offload = offload='all' (state on the host, CPU-fused AdamW step); "
-        "ckpt = auto_checkpoint(model).\n"
+        "ckpt = recompute_blocks(model).\n"
         f"- step time: median of {args.iters} "
         f"{'interleaved ' if interleave else ''}iterations of forward + backward + step "
         f"after {args.warmup} warm-up; 'optimizer step' = opt.step() alone on the last "

@@ -1,20 +1,27 @@
 """Per-rank bytes of parameters + gradients + AdamW state, measured from the local shards each
 rank holds, ddp vs fsdp at (dp, ep) = (4,1), (2,2), (1,4) on 4 gloo ranks, next to
-moe.parallel.plan's prediction for the same layout (its local_params x 4 B x (parameter +
+moe.memory.plan_memory's prediction for the same layout (its local_params x 4 B x (parameter +
 gradient + 2 AdamW moments); docs/parallelism.md).
 
-    PYTHONPATH=. python bench/memory_fsdp.py
+    torchrun --nproc-per-node 4 -m bench.memory_fsdp     # from the repository root
+
+The model is bench.memory's (the planner's model-config protocol: MoE in every block, tied
+head), 2 blocks, d_model 64, d_ff 256, 8 experts, vocab 64, fp32.
 """
 
-import torch
+import os
 
-from moe.parallel import init_mesh, parallelize, plan
-from tests.distributed import run_ranks
-from tests.test_planner import TinyConfig
+import torch
+import torch.distributed as dist
+
+from bench.memory import BenchConfig
+from moe.memory import plan_memory
+from moe.parallel import init_mesh, parallelize
 
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]
-CFG = TinyConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=64, seq_len=16,
-                 num_experts=8, moe_every=1)  # fmt: skip
+MODES = ("ddp", "fsdp")
+CFG = BenchConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, num_experts=8, top_k=2,
+                  seq_len=16, vocab=64)  # fmt: skip
 
 
 def build():
@@ -27,9 +34,10 @@ def _bytes(t):
     return t.numel() * t.element_size()
 
 
-def _body(rank, world):
+def measure_rank() -> torch.Tensor:
+    """[modes x layouts, 3]: this rank's parameter, gradient and AdamW state bytes."""
     rows = []
-    for mode in ("ddp", "fsdp"):
+    for mode in MODES:
         for dp, ep in LAYOUTS:
             model = parallelize(build(), init_mesh(dp=dp, ep=ep), mode)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -38,26 +46,41 @@ def _body(rank, world):
             params = sum(_bytes(p) for p in model.parameters())
             grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
             state = sum(_bytes(v) for s in opt.state.values() for v in s.values() if v.dim())
-            rows.append((mode, dp, ep, params, grads, state))
-    return rows
+            rows.append((params, grads, state))
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def predict(mode, dp, ep):
-    """moe.parallel.plan's persistent bytes per device for this layout."""
-    p = plan(CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode)
+    """moe.memory.plan_memory's persistent bytes per device for this layout."""
+    p = plan_memory(CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode)
     return p.local_params * 4 * 4  # params + grads + 2 AdamW moments, fp32
 
 
-if __name__ == "__main__":
-    results = run_ranks(_body, 4, timeout=600)
-    print(
-        "| mode | dp | ep | params | grads | AdamW state | total (rank 0) | max over ranks "
-        "| planner |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, (mode, dp, ep, params, grads, state) in enumerate(results[0]):
-        worst = max(sum(r[i][3:]) for r in results)
+def main() -> None:
+    if os.environ.get("WORLD_SIZE") != "4":
+        raise SystemExit("run on 4 ranks: torchrun --nproc-per-node 4 -m bench.memory_fsdp")
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo")
+    mine = measure_rank()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if dist.get_rank() == 0:
         print(
-            f"| {mode} | {dp} | {ep} | {params} | {grads} | {state} | {params + grads + state}"
-            f" | {worst} | {predict(mode, dp, ep):.0f} |"
+            "| mode | dp | ep | params | grads | AdamW state | total (rank 0) | max over ranks "
+            "| planner |"
         )
+        print("|---|---|---|---|---|---|---|---|---|")
+        layouts = [(mode, dp, ep) for mode in MODES for dp, ep in LAYOUTS]
+        for i, (mode, dp, ep) in enumerate(layouts):
+            params, grads, state = every[0][i].tolist()
+            worst = max(int(r[i].sum()) for r in every)
+            print(
+                f"| {mode} | {dp} | {ep} | {params} | {grads} | {state} | {params + grads + state}"
+                f" | {worst} | {predict(mode, dp, ep):.0f} |"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

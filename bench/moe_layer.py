@@ -4,7 +4,7 @@ peak memory of each candidate (a fresh process each, see peak_memory.py), our la
 vs eager, where our layer's time goes (bench/layer_stages.py: stages, the expert layout rule,
 page faults), and the GPU projection of gpu_plan.py.
 
-    python bench/moe_layer.py --peers [--tokens 4096 --iters 7 --no-compile]
+    python -m bench.moe_layer --peers [--tokens 4096 --iters 7 --no-compile]
 
 Writes bench/results/<date>-cpu-moe-layer.md.
 """
@@ -15,12 +15,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-import peers  # noqa: E402
-from common import device_name, time_interleaved, write_report  # noqa: E402
-from gpu_plan import gpu_plan_table  # noqa: E402
-from layer_stages import padded_vs_ragged, page_fault_table, stage_table  # noqa: E402
-from peak_memory import measure, measure_here  # noqa: E402
+from bench import peers
+from bench.common import device_name, time_interleaved, write_report
+from bench.gpu_plan import gpu_plan_table
+from bench.layer_stages import padded_vs_ragged, page_fault_table, stage_table
+from bench.peak_memory import measure, measure_here
 
 SHAPES = [(8, 2, 1024), (64, 8, 256), (128, 8, 128)]  # E, k, d_ff (T=4096, d=512, gelu)
 
@@ -70,7 +69,9 @@ def main(argv=None) -> str:
     for E, k, F in SHAPES:
         steps = {n: make_step(build(n, d, F, E, k, available), T, d) for n in names}
         t = time_interleaved(steps, args.iters, args.warmup, torch.device("cpu"))
-        mem = {n: measure(__file__, n, str(d), str(F), str(E), str(k), str(T)) for n in names}
+        mem = {
+            n: measure("bench.moe_layer", n, str(d), str(F), str(E), str(k), str(T)) for n in names
+        }
         rows.append(((E, k, F), t, mem))
         print(f"E={E} k={k} F={F}: " + ", ".join(f"{n} {t[n]:.3f}s" for n in names), flush=True)
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.0f}"
@@ -98,7 +99,7 @@ def main(argv=None) -> str:
     report = (
         "# MoE layer forward+backward: moe vs dense FFN vs peers, side by side\n\n"
         f"- machine: {device_name(torch.device('cpu'))}, torch {torch.__version__}\n"
-        f"- command: `python bench/moe_layer.py {' '.join(argv or sys.argv[1:])}`\n"
+        f"- command: `python -m bench.moe_layer {' '.join(argv or sys.argv[1:])}`\n"
         f"- T={T} tokens, d_model={d}, gelu experts, fp32; moe is dropless, DeepSpeed runs at "
         "capacity factor 1.0 (it drops tokens past capacity, so it does less work); the dense "
         "FFN has width d_ff * k (the active FLOPs of one token); seconds per fwd+bwd, median "

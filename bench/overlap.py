@@ -2,7 +2,7 @@
 ranks over the emulated two-tier network of bench/a2a (network namespaces, `tc tbf` links),
 at several link speeds, next to the exchange alone and the experts alone.
 
-  python bench/overlap.py --emulate 2x2 --rates 100,200,400 --report bench/results/DATE-cpu-overlap.md
+  python -m bench.overlap --emulate 2x2 --rates 100,200,400 --report bench/results/DATE-cpu-overlap.md
 
 Columns: plain (the ExpertParallelDispatcher), n=2 / n=4 (OverlappedDispatcher with that many
 chunks), auto (overlap="auto" with a cost model fitted on the link), exchange (the layer's four
@@ -20,12 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.a2a.netem import netns_available, run_emulated  # noqa: E402
-from bench.a2a.overlap_report import write_report  # noqa: E402
+from bench.a2a.netem import netns_available, run_emulated
+from bench.a2a.overlap_report import write_report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,7 +85,7 @@ def main(argv=None) -> int:
                 "json": str(Path(tmp) / f"overlap-{rate}.json"),
             }
             print(f"# {N}x{L} ranks, link {rate} Mbit/s", flush=True)
-            rows += run_emulated(cfg, entry=str(Path(__file__).resolve()))["rows"]
+            rows += run_emulated(cfg, entry="-mbench.overlap")["rows"]
     meta = {k: v for k, v in vars(a).items() if k not in ("worker_config", "report")}
     meta["date"] = datetime.date.today().isoformat()
     if a.report:

@@ -37,12 +37,13 @@ def measure_here(step, reset) -> int:
     return _status("VmHWM") - before
 
 
-def measure(script: str, *args: str) -> int | None:
-    """Run `python script --memory-probe args...` in a fresh process; its last stdout line is
-    the JSON {"peak_bytes": n}. None if the probe failed (the reason is printed)."""
+def measure(module: str, *args: str) -> int | None:
+    """Run `python -m module --memory-probe args...` (e.g. "bench.moe_layer", from the
+    repository root) in a fresh process; its last stdout line is the JSON {"peak_bytes": n}.
+    None if the probe failed (the reason is printed)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     proc = subprocess.run(
-        [sys.executable, script, "--memory-probe", *args],
+        [sys.executable, "-m", module, "--memory-probe", *args],
         env=env,
         capture_output=True,
         text=True,

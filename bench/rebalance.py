@@ -1,7 +1,7 @@
 """Load-aware expert placement on skewed routing: largest / mean rank load before and after
 moe.parallel.plan_placement, and the MoE-layer step time that implies.
 
-    python bench/rebalance.py [--m6-state runs/x/checkpoint/step-N/state.json] [--write]
+    python -m bench.rebalance [--m6-state runs/x/checkpoint/step-N/state.json] [--write]
 
 Loads: the per-expert load of a trained M6 run (history["load"] in a checkpoint's
 state.json: the share of rows per expert each step, averaged over the last --m6-steps

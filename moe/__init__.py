@@ -14,7 +14,7 @@ from moe.gating.balance import reset_global_balance
 from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
-from moe import parallel  # after the layer: parallel builds on it
+from moe import checkpoint, memory, parallel  # after the layer: they build on it
 from moe.routing_replay import Routes, record_routing, replay_routing
 from moe.routing_trace import RoutingTrace, read_trace
 
@@ -25,11 +25,14 @@ __all__ = [
     "MoELayer",
     "aux_loss",
     "check_moe_settings",
+    "checkpoint",
+    "comm",
     "dispatch",
     "from_hf",
     "gating",
     "kernels",
     "load_hf_checkpoint",
+    "memory",
     "moe_layers",
     "parallel",
     "read_trace",

@@ -91,7 +91,7 @@ fi
 
 # 4. the layer benchmark, when the repository has one
 if [ -f bench/gpu_layer.py ]; then
-    TAIL=40 stage "bench/gpu_layer.py" 1800 "$PY" bench/gpu_layer.py
+    TAIL=40 stage "bench/gpu_layer.py" 1800 "$PY" -m bench.gpu_layer
 else
     note "" && note "## bench/gpu_layer.py" && note "skipped: bench/gpu_layer.py is not in this checkout"
 fi

@@ -1,4 +1,4 @@
-"""Activation checkpointing: MoELayer(checkpoint=True) and auto_checkpoint give the same
+"""Activation checkpointing: MoELayer(checkpoint=True) and recompute_blocks give the same
 outputs and gradients as the plain model, also for routers that draw random numbers."""
 
 import copy
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import moe
+from moe.memory import recompute_blocks
 from moe.memory.recompute import find_repeated_blocks
-from moe.parallel import auto_checkpoint
 from tests.test_planner import TinyConfig, loss_of, measured_activation_bytes
 
 ROUTERS = [
@@ -51,7 +51,7 @@ def test_checkpointed_layer_has_identical_gradients(router, k, options):
         assert not torch.equal(y0, y2)
 
 
-def test_auto_checkpoint_wraps_blocks_and_keeps_gradients():
+def test_recompute_blocks_wraps_blocks_and_keeps_gradients():
     cfg = TinyConfig(
         n_layers=3, d_model=32, n_heads=4, d_ff=64, seq_len=16, router="gshard", capacity_factor=1.0
     )
@@ -59,8 +59,8 @@ def test_auto_checkpoint_wraps_blocks_and_keeps_gradients():
     plain = cfg.build()
     ckpt = copy.deepcopy(plain)
     assert find_repeated_blocks(plain) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert auto_checkpoint(ckpt) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert auto_checkpoint(ckpt) == ["blocks.0", "blocks.1", "blocks.2"]  # idempotent
+    assert recompute_blocks(ckpt) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert recompute_blocks(ckpt) == ["blocks.0", "blocks.1", "blocks.2"]  # idempotent
     assert ckpt.state_dict().keys() == plain.state_dict().keys()
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
     results = []
@@ -83,8 +83,8 @@ def test_auto_checkpoint_wraps_blocks_and_keeps_gradients():
         assert torch.equal(ckpt(tokens), plain.eval()(tokens))
 
 
-def test_auto_checkpoint_needs_repeated_blocks():
+def test_recompute_blocks_needs_repeated_blocks():
     with pytest.raises(ValueError, match="no nn.ModuleList"):
-        auto_checkpoint(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        recompute_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     with pytest.raises(ValueError, match="no module named"):
-        auto_checkpoint(nn.Sequential(nn.Linear(2, 2)), names=["missing"])
+        recompute_blocks(nn.Sequential(nn.Linear(2, 2)), names=["missing"])

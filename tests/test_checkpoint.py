@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import moe
-from moe.checkpoint import CheckpointError
-from moe.parallel import GroupedApply, load_checkpoint, save_checkpoint
+from moe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe.memory import GroupedApply
 from tests.distributed import run_ranks
 from tests.test_planner import TinyConfig, loss_of
 
@@ -91,6 +91,32 @@ def test_weights_only_load_and_json_extra(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     with pytest.raises(CheckpointError, match="no optimizer state"):
         load_checkpoint(str(tmp_path), twin, OPTIMIZERS["adamw"](twin))
+
+
+def test_check_extra_refuses_the_callers_metadata_before_anything_changes(tmp_path):
+    model = make_model()
+    opt = OPTIMIZERS["adamw"](model)
+    train(model, opt, range(1))
+    with pytest.raises(ValueError, match="extra must be a dict"):
+        save_checkpoint(str(tmp_path), model, opt, extra=[1, 2])
+    assert not os.listdir(tmp_path)
+    save_checkpoint(str(tmp_path), model, opt, extra={"step": 1, "history": [0.5]})
+    twin = make_model(seed=1)
+    twin_opt = OPTIMIZERS["adamw"](twin)
+    before = [p.detach().clone() for p in twin.parameters()]
+
+    def check(extra):
+        if extra.get("step") != 2:
+            raise ValueError(f"field 'step' must be 2, got {extra.get('step')!r}")
+
+    with pytest.raises(CheckpointError, match="extra: field 'step' must be 2, got 1"):
+        load_checkpoint(str(tmp_path), twin, twin_opt, check_extra=check)
+    assert all(torch.equal(p, q) for p, q in zip(before, twin.parameters()))  # nothing changed
+    assert not twin_opt.state
+    seen = []
+    extra = load_checkpoint(str(tmp_path), twin, twin_opt, check_extra=seen.append)
+    assert extra == {"step": 1, "history": [0.5]} and seen == [extra]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
 def test_loading_never_unpickles(tmp_path, monkeypatch):

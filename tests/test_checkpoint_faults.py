@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe.checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, save_checkpoint
-from moe.parallel import GroupedApply
+from moe.memory import GroupedApply
 
 KEY = "model/2.weight"
 

@@ -5,7 +5,8 @@ for bit, and training continues as it would have (bit-exactly at the same layout
 import torch
 from torch.distributed.tensor import DTensor
 
-from moe.parallel import init_mesh, load_checkpoint, parallelize, save_checkpoint
+from moe.checkpoint import load_checkpoint, save_checkpoint
+from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 from tests.test_fsdp import SIZES, _batch, _loss
 from tests.test_parallel import build_model

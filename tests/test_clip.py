@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import moe
-from moe.parallel import GroupedApply, clip_grad_norm_
+from moe.memory import GroupedApply
+from moe.parallel import clip_grad_norm_
 from tests.distributed import run_ranks
 from tests.test_checkpoint import make_model
 

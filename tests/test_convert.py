@@ -99,17 +99,103 @@ def test_state_dict_round_trip_is_exact_and_safe():
     assert torch.equal(model(x), fresh(x))
 
 
-def test_public_api_is_reachable_from_import_moe():
-    """DESIGN.md's public names work after a plain `import moe` (a subprocess: fresh imports)."""
+# The README's "Public names: one path each" table, path by path.
+README_PUBLIC_NAMES = {
+    "moe": ["MoELayer", "MoEConfig", "GroupedExperts", "aux_loss", "moe_layers",
+            "update_router_biases", "reset_global_balance", "swap_ffn", "ConversionError",
+            "save_moe_settings", "swap_ffn_from_settings", "check_moe_settings", "from_hf",
+            "to_hf", "load_hf_checkpoint", "save_hf_checkpoint", "record_routing",
+            "replay_routing", "Routes", "RoutingTrace", "read_trace"],
+    "moe.parallel": ["init_mesh", "parallelize", "clip_grad_norm_", "rebalance_experts",
+                     "RebalanceReport", "plan_placement", "Placement", "expert_parameters",
+                     "dense_parameters", "is_expert_parameter"],
+    "moe.memory": ["GroupedApply", "LossScaler", "recompute_blocks", "plan_memory", "MemoryPlan"],
+    "moe.checkpoint": ["save_checkpoint", "load_checkpoint", "checkpoint_dir", "CheckpointError",
+                       "CheckpointNotFoundError"],
+    "moe.dispatch": ["all_to_all", "Dispatcher", "DispatchContext", "register_dispatcher",
+                     "build_dispatcher", "DISPATCHERS", "LocalDispatcher",
+                     "ExpertParallelDispatcher", "OverlappedDispatcher", "DispatchPlan",
+                     "plan_token_choice", "plan_expert_choice", "expert_capacity",
+                     "capacity_factor_for", "gather_tokens", "permute_rows",
+                     "sort_rows_by_expert", "weighted_sum_rows"],
+    "moe.comm": ["exchange", "exchange_counts", "AllToAllPlan", "plan_all_to_all",
+                 "gather_count_matrix", "set_hierarchical_threshold", "Topology", "get_topology",
+                 "check_same_across_ranks", "set_cost_model", "CostModel", "NVLINK_IB",
+                 "load_profile", "save_profile"],
+    "moe.gating": ["ROUTERS", "Router", "Routing", "register_router", "build_router",
+                   "load_balance_loss", "z_loss", "cv_squared", "sequence_balance_loss",
+                   "GlobalBalance"],
+    "moe.kernels": ["expert_mlp", "combine", "grouped_mm_torch", "apply_activation",
+                    "ACTIVATIONS", "BACKENDS", "resolve_backend"],
+}  # fmt: skip
+
+# Old paths (CHANGELOG.md, "One public path per name"): they warn, naming the new path.
+MOVED = {
+    "moe.parallel.GroupedApply": "moe.memory.GroupedApply",
+    "moe.parallel.LossScaler": "moe.memory.LossScaler",
+    "moe.parallel.MemoryPlan": "moe.memory.MemoryPlan",
+    "moe.parallel.plan": "moe.memory.plan_memory",
+    "moe.parallel.auto_checkpoint": "moe.memory.recompute_blocks",
+    "moe.parallel.save_checkpoint": "moe.checkpoint.save_checkpoint",
+    "moe.parallel.load_checkpoint": "moe.checkpoint.load_checkpoint",
+    "moe.memory.plan": "moe.memory.plan_memory",
+    "moe.memory.auto_checkpoint": "moe.memory.recompute_blocks",
+    "moe.comm.all_to_all": "moe.dispatch.all_to_all",
+    **{f"moe.dispatch.{n}": f"moe.comm.{n}" for n in [
+        "AllToAllPlan", "Topology", "check_same_across_ranks", "exchange", "exchange_counts",
+        "gather_count_matrix", "get_topology", "plan_all_to_all", "set_hierarchical_threshold"]},
+}  # fmt: skip
+
+
+def test_readme_public_names_are_its_table_and_resolve_after_import_moe():
+    """Every path of the README's public-name table is in the README and resolves after a plain
+    `import moe` without a warning (a subprocess: fresh imports, DeprecationWarning an error)."""
+    import re
     import subprocess
     import sys
+    from pathlib import Path
 
-    names = ["moe.MoELayer", "moe.aux_loss", "moe.swap_ffn", "moe.parallel.init_mesh",
-             "moe.parallel.parallelize", "moe.parallel.GroupedApply", "moe.parallel.plan",
-             "moe.parallel.save_checkpoint", "moe.parallel.load_checkpoint",
-             "moe.dispatch.all_to_all"]  # fmt: skip
-    code = "import moe\n" + "\n".join(f"assert callable({n}), '{n}'" for n in names)
-    subprocess.run([sys.executable, "-c", code], check=True)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Public names: one path each") :]
+    table = table[: table.index("\n## ")]
+    rows = {line.split("|")[1].strip(" `."): line.split("|")[2] for line in table.splitlines()
+            if line.startswith("| `moe")}  # fmt: skip
+    assert set(rows) == set(README_PUBLIC_NAMES)
+    for path, names in README_PUBLIC_NAMES.items():
+        assert re.findall(r"`(\w+)`", rows[path]) == names, path
+    paths = [f"{p}.{n}" for p, names in README_PUBLIC_NAMES.items() for n in names]
+    code = "import moe\n" + "\n".join(f"assert {p} is not None, '{p}'" for p in paths)
+    subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], check=True)
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_old_paths_warn_and_name_the_new_one(old, new):
+    import importlib
+
+    owner, _, name = old.rpartition(".")
+    new_owner, _, new_name = new.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        value = getattr(importlib.import_module(owner), name)
+    assert value is getattr(importlib.import_module(new_owner), new_name)
+
+
+def test_only_documented_re_exports_across_packages():
+    """No package of the table hands out another table package's name, except the README's one
+    cross-package re-export (moe.dispatch.all_to_all); the top-level `moe.` names are the
+    README's own list."""
+    import importlib
+
+    packages = [p for p in README_PUBLIC_NAMES if p != "moe"]
+    for path in packages:
+        package = importlib.import_module(path)
+        for name in README_PUBLIC_NAMES[path]:
+            home = getattr(getattr(package, name), "__module__", None) or path
+            others = [q for q in packages if q != path and (home + ".").startswith(q + ".")]
+            if f"{path}.{name}" != "moe.dispatch.all_to_all":
+                assert not others, (path, name, home)
+    for old in MOVED:
+        owner, _, name = old.rpartition(".")
+        assert name not in vars(importlib.import_module(owner)), old  # only through the warning
 
 
 def test_settings_with_two_entries_for_one_module_are_refused_by_every_reader(tmp_path):

@@ -1,5 +1,6 @@
 """Dispatchers in isolation: dispatch -> stand-in experts -> combine against a per-pair float64
-loop (local), and expert-parallel on gloo ranks equal to local on the same tokens and plan."""
+loop (local), and expert-parallel on gloo ranks equal to local on the same tokens and plan.
+The plan they consume (capacity, sort-based permutation) is tested in test_dispatch_plan.py."""
 
 import pytest
 import torch

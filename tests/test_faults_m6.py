@@ -16,6 +16,7 @@ import pytest
 from examples.m6 import train
 from examples.m6.ckpt_io import complete_steps, load_latest
 from examples.m6.config import get_config
+from moe.checkpoint import checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -37,6 +38,11 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*cmd, *FAST, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def _metadata(step_dir: Path) -> Path:
+    """The metadata file of a step's checkpoint (its weights' index and the training state)."""
+    return Path(checkpoint_dir(str(step_dir))) / "metadata.json"
 
 
 def _fresh_model_and_opt():
@@ -104,7 +110,7 @@ def test_resume_falls_back_to_the_newest_step_that_loads(tmp_path):
     train.run(["--steps", "4", "--save-every", "1", "--run-dir", str(tmp_path), *FAST, "--quiet"])
     steps = complete_steps(tmp_path / "checkpoint")
     assert [s for s, _ in steps] == [4, 3]  # the two newest are kept
-    (steps[0][1] / "state.json").write_text("{not json")  # the newest is damaged
+    _metadata(steps[0][1]).write_text("{not json")  # the newest is damaged
     model, opt = _fresh_model_and_opt()
     state, path, problems = load_latest(tmp_path / "checkpoint", model, opt)
     assert state["step"] == 3 and path == steps[1][1] and "step-00000004" in problems[0]
@@ -185,9 +191,9 @@ def test_damaged_state_on_resume_is_one_line_naming_the_field(
     run_dir = tmp_path / "run"
     shutil.copytree(saved_run, run_dir)
     (step_dir,) = [p for _, p in complete_steps(run_dir / "checkpoint")]
-    state = json.loads((step_dir / "state.json").read_text())
-    _damage(state, field, value)
-    (step_dir / "state.json").write_text(json.dumps(state))
+    doc = json.loads(_metadata(step_dir).read_text())
+    _damage(doc["objects"]["extra"], field, value)  # the training state saved with the step
+    _metadata(step_dir).write_text(json.dumps(doc))
     argv = ["--steps", "4", "--run-dir", str(run_dir), "--resume", "--quiet", *FAST]
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -163,10 +163,10 @@ def test_ddp_and_fsdp_equal_single_process_at_every_layout_and_dtype():
 
 
 def _compose_body(rank, world):
-    """fsdp at (2, 2) with GroupedApply, clip_grad_norm_, auto_checkpoint and a
+    """fsdp at (2, 2) with GroupedApply, clip_grad_norm_, recompute_blocks and a
     torch.compile'd block equals the same on the single-process model; then FSDP2's
     CPUOffloadPolicy and bf16 MixedPrecisionPolicy run a step."""
-    from moe.memory import GroupedApply, auto_checkpoint
+    from moe.memory import GroupedApply, recompute_blocks
     from moe.parallel import clip_grad_norm_
 
     start = sum(SIZES[:rank])
@@ -176,7 +176,7 @@ def _compose_body(rank, world):
         models = []
         for distributed in (False, True):
             model = build_model()
-            auto_checkpoint(model, ["1", "3"])  # recompute the MoE layers in backward
+            recompute_blocks(model, ["1", "3"])  # recompute the MoE layers in backward
             model[2].compile()  # a compiled dense block
             if distributed:
                 model = parallelize(model, init_mesh(dp=2, ep=2), "fsdp")

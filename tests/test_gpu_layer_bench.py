@@ -1,20 +1,12 @@
 """The CPU-checkable pieces of bench/gpu_layer.py: shapes, FLOP counts, the titan-style
 reference's numerics against moe.MoELayer (float64), and the script's plumbing on CPU."""
 
-import os
-import sys
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import moe
-
-BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
-sys.path.insert(0, BENCH)
-import gpu_layer  # noqa: E402
-import gpu_roles  # noqa: E402
-import titan_style  # noqa: E402
+from bench import gpu_layer, gpu_roles, titan_style
 
 
 def test_parse_shapes():

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import moe
+from moe.memory import GroupedApply, LossScaler
 from moe.memory.grouped_apply import partition_balanced
-from moe.parallel import GroupedApply, LossScaler
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

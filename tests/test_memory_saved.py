@@ -19,14 +19,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "memory_replay", os.path.join(ROOT, "bench", "memory_replay.py")
-)
-replay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay)
-
 import moe  # noqa: E402
+from bench import memory_replay as replay  # noqa: E402
 from moe.kernels.expert_mlp import ExpertRows, expert_mlp  # noqa: E402
 
 PAIR_BYTES = 64  # per (token, choice): 8 words of int64 / fp32 routing metadata

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe
+from moe.memory import plan_memory
 from moe.memory.planner import GiB, PlannerModel, activation_bytes, count_parameters
-from moe.parallel import plan
 
 
 class Attention(nn.Module):
@@ -114,25 +114,25 @@ def test_counts_equal_meta_model():
     assert counts.total == sum(p.numel() for p in real.parameters())
     expert = sum(p.numel() for _, p in moe.parallel.expert_parameters(real))
     assert counts.expert == expert and counts.dense == counts.total - expert
-    p = plan(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32)
+    p = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32)
     assert p.total_params == counts.total
     assert p.local_params == counts.dense + expert // 4
     assert p.parameters == p.local_params * 4 and p.gradients == p.parameters
     # AdamW: two fp32 states, no masters for fp32; offload moves them to the host.
     assert p.optimizer_state == 8 * p.local_params
-    off = plan(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32, offload="all")
+    off = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32, offload="all")
     assert off.optimizer_state == 0 and off.host_bytes > 0 and off.step_temporaries == 0
-    bf16 = plan(cfg, world_size=8, dp=2, ep=4, dtype=torch.bfloat16, offload="optimizer")
+    bf16 = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.bfloat16, offload="optimizer")
     assert bf16.optimizer_state == 4 * bf16.local_params  # device fp32 masters only
 
 
 def test_groups_and_checkpointing_reduce_memory():
     cfg = TinyConfig()
-    base = plan(cfg, world_size=1, dp=1, ep=1, groups=1)
-    four = plan(cfg, world_size=1, dp=1, ep=1, groups=4)
+    base = plan_memory(cfg, world_size=1, dp=1, ep=1, groups=1)
+    four = plan_memory(cfg, world_size=1, dp=1, ep=1, groups=4)
     assert four.step_temporaries == pytest.approx(base.step_temporaries / 4, rel=0.01)
-    ckpt = plan(cfg, world_size=1, dp=1, ep=1, checkpointing=True, micro_batch_tokens=64)
-    full = plan(cfg, world_size=1, dp=1, ep=1, micro_batch_tokens=64)
+    ckpt = plan_memory(cfg, world_size=1, dp=1, ep=1, checkpointing=True, micro_batch_tokens=64)
+    full = plan_memory(cfg, world_size=1, dp=1, ep=1, micro_batch_tokens=64)
     assert ckpt.activations < full.activations
     assert (
         "fits" in str(base)
@@ -143,11 +143,11 @@ def test_groups_and_checkpointing_reduce_memory():
 
 def test_plan_validates():
     with pytest.raises(ValueError, match="world_size"):
-        plan(TinyConfig(), world_size=8, dp=3, ep=2)
+        plan_memory(TinyConfig(), world_size=8, dp=3, ep=2)
     with pytest.raises(ValueError, match="num_experts"):
-        plan(TinyConfig(num_experts=4), world_size=8, dp=1, ep=8)
+        plan_memory(TinyConfig(num_experts=4), world_size=8, dp=1, ep=8)
     with pytest.raises(ValueError, match="offload"):
-        plan(TinyConfig(), world_size=1, dp=1, ep=1, offload="gpu")
+        plan_memory(TinyConfig(), world_size=1, dp=1, ep=1, offload="gpu")
 
 
 def measured_activation_bytes(model: nn.Module, tokens_BS: torch.Tensor) -> int:
@@ -185,8 +185,8 @@ def test_m6_1t_fits_on_480_v100():
     cfg = m6.get_config("m6-1t")
     kw = dict(world_size=480, dp=1, ep=480, dtype=torch.float16, groups=4)
     kw["micro_batch_tokens"] = 8 * cfg.seq_len
-    without = plan(cfg, **kw)
-    with_offload = plan(cfg, **kw, offload="all")
+    without = plan_memory(cfg, **kw)
+    with_offload = plan_memory(cfg, **kw, offload="all")
     assert without.total_params > 1e12 and not without.fits
     assert with_offload.fits and with_offload.headroom > 4 * GiB
 
@@ -194,8 +194,8 @@ def test_m6_1t_fits_on_480_v100():
 def test_fsdp_layout_shards_parameters_gradients_and_optimizer_state():
     cfg = TinyConfig(n_layers=4, moe_every=2, num_experts=8)
     counts = count_parameters(cfg)
-    ddp = plan(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32)
-    fsdp = plan(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32, data_parallel="fsdp")
+    ddp = plan_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32)
+    fsdp = plan_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32, data_parallel="fsdp")
     assert "layout fsdp" in str(fsdp) and "layout ddp" in str(ddp)
     assert ddp.local_params == counts.dense + counts.expert // 2
     assert fsdp.local_params == -(-counts.total // 8)  # every parameter over all devices
@@ -205,4 +205,4 @@ def test_fsdp_layout_shards_parameters_gradients_and_optimizer_state():
     assert fsdp.optimizer_state == fsdp.local_params * 2 * 4
     assert fsdp.optimizer_state < ddp.optimizer_state
     with pytest.raises(ValueError, match="data_parallel='zero3'"):
-        plan(cfg, world_size=8, dp=4, ep=2, data_parallel="zero3")
+        plan_memory(cfg, world_size=8, dp=4, ep=2, data_parallel="zero3")

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import moe
-from moe.parallel import init_mesh, load_checkpoint, parallelize, save_checkpoint
+from moe.checkpoint import load_checkpoint, save_checkpoint
+from moe.parallel import init_mesh, parallelize
 from moe.parallel.placement import lpt_groups, plan_placement, rank_loads
 from moe.parallel.rebalance import rebalance_experts
 from tests.distributed import run_ranks
@@ -231,7 +232,7 @@ def _layout_body(rank, world, layouts, path):
         for rebalance in (False, True):
             model = parallelize(_model(), mesh, mode)
             if grouped:  # moe's grouped optimizer apply: state read through state_of
-                opt = moe.parallel.GroupedApply(
+                opt = moe.memory.GroupedApply(
                     model.parameters(), torch.optim.AdamW, groups=2, lr=1e-2, weight_decay=0.1
                 )
             else:

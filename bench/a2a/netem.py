@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-ENTRY = str(Path(__file__).resolve().parents[1] / "alltoall.py")
+ENTRY = "-mbench.alltoall"  # python -mbench.alltoall: run from the repository root
 NS_PREFIX = "moe-n"
 NS_SWITCH = "moe-sw"
 SUBNET = "10.77.0"

@@ -67,7 +67,7 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
     loads = ", ".join(f"{r['load_before']:.1f} -> {r['load_after']:.1f}" for r in rows)
     text = f"""# Overlapped expert-parallel dispatch, {meta["date"]} (2-core CPU, gloo)
 
-Command: `python bench/overlap.py --emulate {meta["emulate"]} --rates {meta["rates"]}
+Command: `python -m bench.overlap --emulate {meta["emulate"]} --rates {meta["rates"]}
 --tokens {meta["tokens"]} --d-model {meta["d_model"]} --d-ff {meta["d_ff"]} --experts
 {meta["experts"]} --top-k {meta["top_k"]} --rounds {meta["rounds"]}` (root: network namespaces).
 

@@ -1,30 +1,32 @@
-"""Checkpoint steps of an M6 run: each step is one atomic unit.
+"""Checkpoint steps of an M6 run: each step is one moe.checkpoint folder.
 
-    <run-dir>/checkpoint/step-00000120/weights/   model + optimizer (moe.parallel.save_checkpoint)
-    <run-dir>/checkpoint/step-00000120/state.json step, history, config, vocabulary (+ RNG)
+    <run-dir>/checkpoint/step-00000120/   moe.checkpoint.save_checkpoint's folder (LATEST,
+                                          ckpt-<id>/): model + optimizer, and the training
+                                          state (step, history, config, vocabulary, + RNG) as
+                                          the checkpoint's JSON `extra`
 
-Everything of step N is written into `.step-N.partial` and published by one rename, so a kill
-at any moment leaves either the complete step or nothing of it; resume takes the newest step
-that loads, falling back to older ones. Older steps are pruned only after a newer one is
-published (the newest `KEEP` stay).
+moe.checkpoint publishes a save atomically (one rename and LATEST), so a kill at any moment
+leaves a step folder either complete (it has LATEST) or without a checkpoint, and a step saved
+again keeps its previous checkpoint until the new one is published. Resume takes the newest
+step that loads, its training state checked (`check_state`) before any weight is touched,
+falling back to older ones. After each save, rank 0 keeps the newest `KEEP` complete steps and
+removes step folders a killed save left without a checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import moe.parallel
+import moe.checkpoint
 from examples.m6.setup import unwrap
-from moe.checkpoint.api import fsync_dir
+from moe.checkpoint import CheckpointError, CheckpointNotFoundError
 
 KEEP = 2
-PREFIX, PARTIAL = "step-", ".partial"
+PREFIX = "step-"
 
 
 def _world() -> tuple[int, int]:
@@ -33,8 +35,8 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def complete_steps(root: Path) -> list[tuple[int, Path]]:
-    """Published steps under `root`, newest first (partial ones are not listed)."""
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every `step-N` folder under `root`, newest first."""
     if not root.is_dir():
         return []
     steps = []
@@ -45,52 +47,54 @@ def complete_steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(steps, reverse=True)
 
 
+def _has_checkpoint(path: Path) -> bool:
+    """True when a save into `path` was published (a damaged LATEST counts: loading reports it)."""
+    try:
+        moe.checkpoint.checkpoint_dir(str(path))
+    except CheckpointNotFoundError:
+        return False
+    except CheckpointError:
+        return True
+    return True
+
+
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """Published steps under `root`, newest first (folders of killed saves are not listed)."""
+    return [(step, path) for step, path in _step_folders(root) if _has_checkpoint(path)]
+
+
 def save_step(root: Path, model, opt, state: dict) -> Path:
-    """Collective: write step `state["step"]` and publish it atomically; returns its directory."""
+    """Collective: save step `state["step"]` through moe.checkpoint; returns its folder."""
     rank, world = _world()
-    step = state["step"]
-    final = root / f"{PREFIX}{step:08d}"
-    staging = root / f".{PREFIX}{step:08d}{PARTIAL}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a killed save of the same step
-        staging.mkdir()
-    if world > 1:
-        dist.barrier()
-    moe.parallel.save_checkpoint(str(staging / "weights"), unwrap(model), opt, extra={"step": step})
+    folder = root / f"{PREFIX}{state['step']:08d}"
     if world == 1:  # noisy routers draw random numbers: resume them too
         state = dict(state, rng=torch.get_rng_state().tolist())
-    if rank == 0:
-        with open(staging / "state.json", "w") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(staging)
-        if final.exists():  # the same step saved again (e.g. a signal right after --save-every)
-            shutil.rmtree(final)
-        os.rename(staging, final)
-        fsync_dir(root)
-        for _, old in complete_steps(root)[KEEP:]:
+    moe.checkpoint.save_checkpoint(str(folder), unwrap(model), opt, extra=state)
+    if rank == 0:  # retention only: the save above is already published
+        complete = complete_steps(root)
+        for _, old in complete[KEEP:]:
             shutil.rmtree(old, ignore_errors=True)
-        for path in root.glob(f".{PREFIX}*{PARTIAL}"):
-            shutil.rmtree(path, ignore_errors=True)
+        kept = {path for _, path in complete}
+        for _, path in _step_folders(root):
+            if path not in kept:  # a killed save's folder, without a checkpoint
+                shutil.rmtree(path, ignore_errors=True)
     if world > 1:
         dist.barrier()
-    return final
+    return folder
 
 
 HISTORY_LISTS = ("step", "loss", "aux", "drop", "lr", "tokens_per_s", "eval_step", "eval_loss")
 
 
 def check_state(state, step: int) -> None:
-    """A ValueError naming the first field of state.json that is missing or of the wrong type
-    (the file is untrusted: checked before anything is loaded)."""
+    """A ValueError naming the first field of the training state that is missing or of the
+    wrong type (the checkpoint is untrusted: checked before anything is loaded)."""
 
     def bad(field: str, what: str):
-        return ValueError(f"state.json: field {field!r} {what}")
+        return ValueError(f"training state: field {field!r} {what}")
 
     if not isinstance(state, dict):
-        raise ValueError("state.json does not hold an object")
+        raise ValueError("training state: not an object")
     if type(state.get("step")) is not int or state["step"] != step:
         raise bad("step", f"must be the directory's step {step}, got {state.get('step')!r}")
     if not isinstance(state.get("config"), dict):
@@ -124,19 +128,21 @@ def _number(v) -> bool:
 def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
     """(state, step directory, problems with newer steps) of the newest step that loads.
 
-    A step that fails to load (truncated, corrupted, mismatched) is reported and skipped;
-    the library's load raises before changing the model, on every rank alike.
+    A step that fails to load (truncated, corrupted, mismatched, a bad training state) is
+    reported and skipped; the library's load raises before changing the model, on every rank
+    alike.
     """
     problems = []
     for step, path in complete_steps(root):
         try:
-            state = json.loads((path / "state.json").read_text())
-            check_state(state, step)
-            extra = moe.parallel.load_checkpoint(str(path / "weights"), unwrap(model), opt)
-            if extra.get("step") != step:
-                raise ValueError(f"weights of step {extra.get('step')}, directory of {step}")
+            state = moe.checkpoint.load_checkpoint(
+                str(path),
+                unwrap(model),
+                opt,
+                check_extra=lambda extra, step=step: check_state(extra, step),
+            )
         except (OSError, ValueError, RecursionError) as e:
-            problems.append(f"{path.name}: {e}")
+            problems.append(f"{path.name}: {' '.join(str(e).split())}")  # one line
             continue
         if _world()[1] == 1 and "rng" in state:
             torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))

@@ -1,5 +1,5 @@
 """Process setup of the M6 example: the process group, the device, parallelism applied from
-outside the model (each one call into moe.parallel), the optimizer and gradient clipping."""
+outside the model (each one call into moe.parallel or moe.memory), the optimizer and gradient clipping."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import moe
+import moe.memory
 import moe.parallel
 from examples.device import activate, backend
 
@@ -46,7 +47,7 @@ def setup_parallel(model, args):
         mesh = moe.parallel.init_mesh(dp=args.dp or _world() // ep, ep=ep)
         model = moe.parallel.parallelize(model, mesh, args.data_parallel, algorithm=args.alltoall)
     if args.checkpointing:
-        moe.parallel.auto_checkpoint(model)
+        moe.memory.recompute_blocks(model)
     if _world() > 1 and mesh is None:
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model, mesh
@@ -62,12 +63,12 @@ def _world() -> int:
 
 
 def make_optimizer(model, args):
-    """AdamW; through moe.parallel.GroupedApply for --groups > 1 or --offload (Whale)."""
+    """AdamW; through moe.memory.GroupedApply for --groups > 1 or --offload (Whale)."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
     if args.groups > 1 or args.offload != "none":
         offload = None if args.offload == "none" else args.offload
-        return moe.parallel.GroupedApply(
+        return moe.memory.GroupedApply(
             params, torch.optim.AdamW, groups=args.groups, offload=offload, **kwargs
         )
     return torch.optim.AdamW(params, **kwargs)
@@ -77,7 +78,7 @@ def clip_gradients(model, opt, args, mesh) -> None:
     """Global gradient-norm clipping (experts counted once, not once per replica)."""
     if args.clip <= 0:
         return
-    grouped = isinstance(opt, moe.parallel.GroupedApply)
+    grouped = isinstance(opt, moe.memory.GroupedApply)
     moe.parallel.clip_grad_norm_(model, args.clip, mesh=mesh, optimizer=opt if grouped else None)
 
 

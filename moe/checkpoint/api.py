@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -126,10 +127,15 @@ def _begin(path: str) -> tuple[FolderLock | None, str]:
 
 def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
     """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
-    Collective: every rank calls it and writes only its own shards. `extra` is JSON
-    metadata (e.g. the step). Returns the directory of the new checkpoint. Only the save's
-    own entries in `path` are written or removed; a concurrent save into the same folder is
-    a CheckpointError."""
+    Collective: every rank calls it and writes only its own shards. `extra` is the caller's
+    metadata (e.g. the step, a training loop's state): a JSON object (finite numbers),
+    published atomically with the tensors and returned by load_checkpoint. Returns the
+    directory of the new checkpoint. Only the save's own entries in `path` are written or
+    removed; a concurrent save into the same folder is a CheckpointError."""
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(
+            f"save_checkpoint: extra must be a dict (a JSON object), got {type(extra)}"
+        )
     tensors, objects = st.collect(model, opt)
     try:
         objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
@@ -186,13 +192,20 @@ def checkpoint_dir(path: str) -> str:
 
 
 def load_checkpoint(
-    path: str, model: nn.Module, opt=None, *, allow_config_change: bool = False
+    path: str,
+    model: nn.Module,
+    opt=None,
+    *,
+    allow_config_change: bool = False,
+    check_extra: Callable[[dict], None] | None = None,
 ) -> dict:
     """Load the checkpoint under `path` into `model` and `opt` at any layout. Collective.
     Validates everything first (tensors, optimizer hyper-parameters and state, and the MoE
     settings each layer was saved with: a difference is an error unless
     `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
-    every rank and changes nothing. Returns the `extra` saved with it."""
+    every rank and changes nothing. Returns the `extra` saved with it (a JSON object, read
+    without pickle). `check_extra(extra)` validates the caller's own metadata in that first
+    phase: a ValueError or TypeError it raises refuses the checkpoint the same way."""
     problems: list[str] = []
     stored, objects, loaded = {}, {}, {}
     cls = CheckpointError
@@ -200,6 +213,11 @@ def load_checkpoint(
         directory = checkpoint_dir(path)
         stored, objects = read_metadata_json(directory)
         check_objects(objects)
+        if check_extra is not None:
+            try:
+                check_extra(objects.get("extra", {}))
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"extra: {e}") from e
         loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
     except CheckpointError as e:
         problems.append(str(e))

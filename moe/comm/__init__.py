@@ -1,10 +1,15 @@
 """Communication between ranks: the uneven all-to-all (flat, hierarchical 2D), topology
-detection, and the cross-rank consistency check."""
+detection, and the cross-rank consistency check.
+
+The one-call all-to-all's public path is `moe.dispatch.all_to_all`; `moe.comm.all_to_all`
+warns for one release.
+"""
+
+from moe._moved import moved_names
 
 from moe.comm.alltoall import (
     AllToAllPlan,
     ExpertExchange,
-    all_to_all,
     exchange,
     exchange_counts,
     gather_count_matrix,
@@ -17,3 +22,5 @@ from moe.comm.alltoall import (
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile, save_profile
 from moe.comm.consistency import check_same_across_ranks
 from moe.comm.topology import Topology, get_topology
+
+__getattr__ = moved_names(__name__, {"all_to_all": "moe.dispatch.all_to_all"})

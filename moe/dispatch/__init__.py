@@ -1,22 +1,12 @@
 """Dispatch: capacity, the sort-based plan of (token, expert) pairs, and the dispatchers that
 move rows to the experts and back (one class per strategy, registered by name).
 
-The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` stays here as its public
-name.
+The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` is its one public path (the
+one re-export here). The other moe.comm names re-exported here until 0.1 warn for one release.
 """
 
-from moe.comm import (
-    AllToAllPlan,
-    Topology,
-    all_to_all,
-    check_same_across_ranks,
-    exchange,
-    exchange_counts,
-    gather_count_matrix,
-    get_topology,
-    plan_all_to_all,
-    set_hierarchical_threshold,
-)
+from moe._moved import moved_names
+from moe.comm.alltoall import all_to_all
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import (
     DISPATCHERS,
@@ -39,3 +29,16 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
+
+_COMM = (
+    "AllToAllPlan",
+    "Topology",
+    "check_same_across_ranks",
+    "exchange",
+    "exchange_counts",
+    "gather_count_matrix",
+    "get_topology",
+    "plan_all_to_all",
+    "set_hierarchical_threshold",
+)
+__getattr__ = moved_names(__name__, {name: f"moe.comm.{name}" for name in _COMM})

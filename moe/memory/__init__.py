@@ -1,7 +1,28 @@
 """Memory features for very large models: group-wise optimizer apply, CPU offload, mixed
-precision with loss scaling, activation recompute, and the per-device memory planner."""
+precision with loss scaling, activation recompute, and the per-device memory planner.
 
+Public names (one path each, the README's): GroupedApply, LossScaler, recompute_blocks,
+plan_memory, MemoryPlan.
+"""
+
+from moe._moved import moved_names
 from moe.memory.grouped_apply import GroupedApply
-from moe.memory.planner import MemoryPlan, PlannerModel, plan
+from moe.memory.planner import MemoryPlan, PlannerModel, plan_memory
 from moe.memory.precision import LossScaler
-from moe.memory.recompute import auto_checkpoint
+from moe.memory.recompute import recompute_blocks
+
+__all__ = [
+    "GroupedApply",
+    "LossScaler",
+    "MemoryPlan",
+    "PlannerModel",
+    "plan_memory",
+    "recompute_blocks",
+]
+
+# renamed in 0.2 (the memory plan is not a DispatchPlan / AllToAllPlan; recompute is not a
+# saved checkpoint); the old names warn for one release
+__getattr__ = moved_names(
+    __name__,
+    {"plan": "moe.memory.plan_memory", "auto_checkpoint": "moe.memory.recompute_blocks"},
+)

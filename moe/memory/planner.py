@@ -265,7 +265,7 @@ def activation_bytes(
     return int(sum(blocks) + head)
 
 
-def plan(
+def plan_memory(
     model_config: PlannerModel,
     *,
     world_size: int,

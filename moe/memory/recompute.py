@@ -48,15 +48,17 @@ def checkpoint_module(module: nn.Module) -> None:
     setattr(module, _MARK, True)
 
 
-def auto_checkpoint(model: nn.Module, names: list[str] | None = None) -> list[str]:
+def recompute_blocks(model: nn.Module, names: list[str] | None = None) -> list[str]:
     """Checkpoint each repeated block of `model` (or the modules named in `names`); returns
     the names of the blocks it wrapped. Raises ValueError when no repeated blocks exist."""
     names = find_repeated_blocks(model) if names is None else list(names)
     if not names:
-        raise ValueError("auto_checkpoint found no nn.ModuleList of same-class blocks; pass names=")
+        raise ValueError(
+            "recompute_blocks found no nn.ModuleList of same-class blocks; pass names="
+        )
     modules = dict(model.named_modules())
     for name in names:
         if name not in modules:
-            raise ValueError(f"auto_checkpoint: no module named {name!r}")
+            raise ValueError(f"recompute_blocks: no module named {name!r}")
         checkpoint_module(modules[name])
     return names

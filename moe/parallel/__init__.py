@@ -1,13 +1,42 @@
-"""Expert x data parallelism on a DeviceMesh, applied from outside the model.
+"""Expert x data parallelism on a DeviceMesh, applied from outside the model: the mesh,
+parallelize, gradient clipping, and load-aware expert placement.
 
-The memory features (moe.memory) and checkpoint I/O (moe.checkpoint) are re-exported here
-under their public names.
+Public names (one path each, the README's): init_mesh, parallelize, clip_grad_norm_,
+rebalance_experts, RebalanceReport, plan_placement, Placement, expert_parameters,
+dense_parameters, is_expert_parameter. The memory features live in moe.memory and checkpoint
+I/O in moe.checkpoint; their old paths here warn for one release.
 """
 
+from moe._moved import moved_names
 from moe.parallel.mesh import dense_parameters, expert_parameters, init_mesh, is_expert_parameter
 from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
 from moe.parallel.placement import Placement, plan_placement
 from moe.parallel.rebalance import RebalanceReport, rebalance_experts
-from moe.memory import GroupedApply, LossScaler, MemoryPlan, auto_checkpoint, plan
-from moe.checkpoint import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "Placement",
+    "RebalanceReport",
+    "clip_grad_norm_",
+    "dense_parameters",
+    "expert_parameters",
+    "init_mesh",
+    "is_expert_parameter",
+    "parallelize",
+    "plan_placement",
+    "rebalance_experts",
+]
+
+# re-exports of moe.memory and moe.checkpoint until 0.1; removed in the next release
+__getattr__ = moved_names(
+    __name__,
+    {
+        "GroupedApply": "moe.memory.GroupedApply",
+        "LossScaler": "moe.memory.LossScaler",
+        "MemoryPlan": "moe.memory.MemoryPlan",
+        "plan": "moe.memory.plan_memory",
+        "auto_checkpoint": "moe.memory.recompute_blocks",
+        "save_checkpoint": "moe.checkpoint.save_checkpoint",
+        "load_checkpoint": "moe.checkpoint.load_checkpoint",
+    },
+)

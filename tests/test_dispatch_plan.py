@@ -1,4 +1,5 @@
-"""Capacity and sort-based permutation against the per-pair reference queue."""
+"""The dispatch plan: capacity and sort-based permutation against the per-pair reference queue
+(the dispatchers that move rows: test_dispatchers.py)."""
 
 import math
 
