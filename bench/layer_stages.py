@@ -28,7 +28,7 @@ def _stage_of(event) -> str:
         name = e.name
         if name.startswith("stage:"):
             return name[6:]
-        if "moe_expert_mlp" in name or name == "moe::expert_mlp_backward":
+        if "moe_expert_mlp" in name or name.startswith("moe::expert_mlp_backward"):
             return "experts"
         if name.startswith("autograd::engine::evaluate_function"):
             return "route" if any(s in name for s in ("Mm", "Softmax", "Topk")) else "rest"

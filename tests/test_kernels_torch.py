@@ -287,3 +287,33 @@ def test_default_compile_has_no_graph_break(router):
     assert dict(counters["graph_break"]) == {}
     torch.testing.assert_close(y_c, y_e)
     torch.testing.assert_close(gx_c, gx_e)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu", "swiglu"])
+def test_in_place_activation_backward_matches_autograd(activation):
+    """activation_backward_ (dh into d(act)'s buffer, dg into silu(h)'s): the same bits as the
+    out-of-place form, and the float64 autograd gradient of apply_activation."""
+    from moe.kernels.activations import (
+        activation_backward,
+        activation_backward_,
+        apply_activation,
+    )
+
+    torch.manual_seed(7)
+    h, g, da = (torch.randn(5, 9, dtype=torch.float64) for _ in range(3))
+    gate = g if activation == "swiglu" else None
+    want = activation_backward(da, h, activation, gate)
+    silu = torch.nn.functional.silu(h) if gate is not None else None
+    got = activation_backward_(da.clone(), h, activation, gate, silu)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None) and (
+        got[1] is None or torch.equal(got[1], want[1])
+    )
+    hr = h.clone().requires_grad_()
+    gr = g.clone().requires_grad_() if gate is not None else None
+    ref = torch.autograd.grad(
+        apply_activation(hr, activation, gr), [hr] + ([gr] if gr is not None else []), da
+    )
+    torch.testing.assert_close(got[0], ref[0])
+    if gate is not None:
+        torch.testing.assert_close(got[1], ref[1])

@@ -29,6 +29,9 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton not installed"))]  # fmt: skip
 SHAPE = (37, 24, 4, 2, 40)  # T, d, E, k, F: T odd, d and F not multiples of 16
 PEAK_SHAPE = (96, 32, 4, 2, 72)  # activations large enough to dominate fixed overheads
+# Mixtral's (T, d, E, k, F) = (8192, 4096, 8, 2, 14336) / 64: the three weight gradients
+# dominate, so what else lives while the last one is written decides the peak
+MIXTRAL_SHAPE = (128, 64, 8, 2, 224)
 
 
 def metadata_bound(T: int, E: int, k: int) -> int:
@@ -116,6 +119,21 @@ def test_peak_of_one_step_within_dense_and_titan_style(backend):
     assert peaks[backend] <= peaks["titan"], peaks
     bound = peaks["dense"] + grads[backend] - grads["dense"] + metadata_bound(T, E, k)
     assert peaks[backend] <= bound, (peaks, grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peak_at_mixtral_proportions_within_titan_style(backend):
+    """At Mixtral's proportions the peak falls while the last weight gradient is written:
+    the saved pre-activation and d(pre-activation) must be released by then (before: torch
+    26% above titan-style; triton below it only by 1.4%, with the pre-activation gradient
+    alive next to all three weight gradients)."""
+    T, d, E, k, F = MIXTRAL_SHAPE
+    titan, _ = _peak("titan", MIXTRAL_SHAPE)
+    peak, grads = _peak(backend, MIXTRAL_SHAPE)
+    assert peak <= titan, (peak, titan)
+    # the weight gradients never coexist with a pre-activation's worth ([T*k, 2F]) of buffers
+    pre_bytes = T * k * 2 * F * 4
+    assert peak - grads < pre_bytes, (peak, grads, pre_bytes)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

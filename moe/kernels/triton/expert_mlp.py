@@ -5,12 +5,15 @@ activation, w1 and w3 in one pass for swiglu, times the row's combine weight; st
 pre-activation when grad is needed) and down (+ b2). Only the pre-activation [M, F] ([M, 2F] for
 swiglu) is kept for backward, on ctx (not as a differentiable output: no zero gradient is ever
 materialised for it), and released as soon as the activation backward has read it.
-Backward, two custom ops so the pre-activation dies between them:
-  act step:   a = s * act(pre) recomputed (one elementwise pass) -> dW2 = a^T @ dout, db2;
+Backward, three custom ops so each buffer dies as soon as its last reader is done:
+  act step:   a = s * act(pre) recomputed (one elementwise pass, kept for dW2: half of pre);
               dpre = act'(pre) * s * (dout @ w2^T), ds = <dout @ w2^T, act(pre)> per row
               (fused in the GEMM epilogue, 16-column partials summed after: no atomics)
+              -> pre released
   input step: dx = dpre @ w1^T (+ dg @ w3^T), summed to tokens through the inverse map;
-              dW1 = x^T @ dh, db1 (x gathered), dW3 = x^T @ dg
+              dW1 = x^T @ dh, db1 (x gathered), dW3 = x^T @ dg  -> dpre released
+  w2 step:    dW2 = a^T @ dout, db2 (the last weight gradient is written while only a and
+              dout are alive, not pre or dpre)
 No host sync, no float atomics: deterministic, CUDA-graph capturable. The semantics are those of
 moe/kernels/expert_mlp.py (the contract every backend follows).
 """
@@ -104,32 +107,18 @@ def _bwd_act_op(
     row_weights_R: Tensor | None,
     activation: str,
     need_w: bool,
-    need_b2: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dpre, dw2, db2, d_row_weights): the steps that read the pre-activation; dw2, db2 are
-    empty unless asked for, d_row_weights unless row weights are given."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dpre, a_RF, d_row_weights): the steps that read the pre-activation. a_RF = s * act(pre)
+    (what GEMM2 read, for dW2 in the last step; empty unless need_w) is half of pre, so
+    keeping it instead of pre until dW2 lowers the peak; d_row_weights is empty unless row
+    weights are given."""
     check_device(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R)
     gated = activation in GATED
     L, F, D = w2_LFD.shape
     R = d_out_RD.shape[0]
     empty = lambda: d_out_RD.new_empty(0)  # a fresh one per output: outputs must not alias
     scaled = row_weights_R is not None
-    dw2 = db2 = empty()
-    if need_w:
-        db2_f = None
-        if need_b2 and not scaled:
-            db2_f = torch.empty(L, D, device=pre.device, dtype=torch.float32)
-        a_RF = act_rows(pre, F, activation, row_weights_R)  # s * act: what GEMM2 read
-        dw2 = w2_LFD.new_empty(L, F, D)
-        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
-        del a_RF
-        if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
-            db2_L1D = w2_LFD.new_empty(L, 1, D)
-            s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
-            ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D)
-            db2 = db2_L1D.view(L, D)
-        elif need_b2:
-            db2 = db2_f.to(d_out_RD.dtype)
+    a_RF = act_rows(pre, F, activation, row_weights_R) if need_w else empty()
     dpre = pre.new_empty(R, _pre_width(F, activation))
     rowdot = None
     if scaled:
@@ -147,18 +136,51 @@ def _bwd_act_op(
             ragged_mm(d_out_RD, b2_LD.unsqueeze(2), offsets_L, dot_R1)
             d_rw += dot_R1.squeeze(1).float()
         d_rw = d_rw.to(row_weights_R.dtype)
-    return dpre, dw2, db2, d_rw
+    return dpre, a_RF, d_rw
 
 
 @_bwd_act_op.register_fake
-def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w,
-                  need_b2):  # fmt: skip
+def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w):
     L, F, D = w2_LFD.shape
     empty = lambda: d_out_RD.new_empty(0)
-    dw2 = d_out_RD.new_empty(L, F, D) if need_w else empty()
-    db2 = d_out_RD.new_empty(L, D) if need_w and need_b2 else empty()
+    a_RF = pre.new_empty(pre.shape[0], F) if need_w else empty()
     d_rw = row_weights_R.new_empty(pre.shape[0]) if row_weights_R is not None else empty()
-    return pre.new_empty(pre.shape[0], _pre_width(F, activation)), dw2, db2, d_rw
+    return pre.new_empty(pre.shape[0], _pre_width(F, activation)), a_RF, d_rw
+
+
+@torch.library.custom_op("moe::triton_expert_mlp_backward_w2", mutates_args=())
+def _bwd_w2_op(
+    a_RF: Tensor,
+    d_out_RD: Tensor,
+    offsets_L: Tensor,
+    row_weights_R: Tensor | None,
+    need_b2: bool,
+) -> tuple[Tensor, Tensor]:
+    """(dW2, db2): the last step, after dpre is released (db2 empty unless asked for)."""
+    check_device(a_RF, d_out_RD, offsets_L, row_weights_R)
+    L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
+    scaled = row_weights_R is not None
+    db2 = d_out_RD.new_empty(0)
+    db2_f = None
+    if need_b2 and not scaled:
+        db2_f = torch.empty(L, D, device=a_RF.device, dtype=torch.float32)
+    dw2 = a_RF.new_empty(L, F, D)
+    ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
+    if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
+        db2_L1D = a_RF.new_empty(L, 1, D)
+        s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
+        ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D)
+        db2 = db2_L1D.view(L, D)
+    elif need_b2:
+        db2 = db2_f.to(d_out_RD.dtype)
+    return dw2, db2
+
+
+@_bwd_w2_op.register_fake
+def _bwd_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, need_b2):
+    L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
+    db2 = d_out_RD.new_empty(L, D) if need_b2 else d_out_RD.new_empty(0)
+    return a_RF.new_empty(L, F, D), db2
 
 
 @torch.library.custom_op("moe::triton_expert_mlp_backward_input", mutates_args=())
@@ -248,15 +270,19 @@ def _backward(ctx, dy, _d_pre):
     # dout rows: the gathered token gradients (the adjoint of the sum into tokens), once
     d_out_RD = dy.index_select(0, ids) if ctx.sum_to_tokens and ids is not None else dy
     del dy
-    dpre, dw2, db2, d_rw = _bwd_act_op(
-        d_out_RD, offsets_L, w2, b2, pre, row_weights, ctx.activation, need_w,
-        ctx.has_b2 and need[6],
-    )  # fmt: skip
-    del pre, d_out_RD  # the pre-activation is released here, before the input step
+    dpre, a_RF, d_rw = _bwd_act_op(
+        d_out_RD, offsets_L, w2, b2, pre, row_weights, ctx.activation, need_w
+    )
+    del pre  # the pre-activation is released here, before the input step
     dx, dw1, dw3, db1 = _bwd_input_op(
         dpre, x_ND, offsets_L, w1, w3, ids, ctx.activation, need_x, need_w,
         ctx.has_b1 and need[5],
     )  # fmt: skip
+    del dpre  # released before the last weight gradient exists: dW2 comes last
+    dw2 = db2 = None
+    if need_w:
+        dw2, db2 = _bwd_w2_op(a_RF, d_out_RD, offsets_L, row_weights, ctx.has_b2 and need[6])
+    del a_RF, d_out_RD
     gated = ctx.activation in GATED
     return (
         dx if need_x else None,
