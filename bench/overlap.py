@@ -8,7 +8,16 @@ Columns: plain (the ExpertParallelDispatcher), n=2 / n=4 (OverlappedDispatcher w
 chunks), auto (overlap="auto" with a cost model fitted on the link), exchange (the layer's four
 all-to-alls: dispatch, combine and their gradients), experts (the local experts' forward +
 backward on the same rows). Ideal = max(exchange, experts); hidden = (plain - t) / min(exchange,
-experts), the share of the smaller part that the overlap hid.
+experts), the share of the smaller part that the overlap hid. The report also splits each time
+into forward + backward and gives the CPU time of all ranks per call (user + system: the
+emulated network's kernel path is CPU work on the same 2 cores as the experts).
+
+The tbf bucket (--burst-kb) defaults to 128 kB: with a bucket below the 64 kB GSO packet the
+kernel segments every packet into 1500-byte frames in software, which at 2 MB per rank costs
+~10 ms of CPU per rank and all-to-all (4x the 128 kB setting, measured with getrusage) and
+made the exchange compete with the experts for the 2 cores at 400 Mbit/s; a NIC segments in
+hardware. Needs root (ip netns, tc); about 3-5 minutes for 3 rates x 9 rounds on a quiet
+2-core machine.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moe.comm.alltoall import (
     AllToAllPlan,
+    ExpertExchange,
     all_to_all,
     choose_algorithm,
     default_hierarchical_threshold,
@@ -274,3 +275,27 @@ def test_plan_reverse_swaps_counts():
     rev = plan.reverse()
     assert (rev.send, rev.recv, rev.counts_WW) == ((1, 3), (1, 2), ((1, 3), (2, 4)))
     assert rev.recv_counts_W.tolist() == [1, 2]
+
+
+def test_expert_exchange_plans_chunks_of_local_experts():
+    """ExpertExchange.plan(first, last): the split sizes of local experts [first, last), and a
+    reverse that takes its send counts from the device tensors (no host-to-device copy)."""
+    send_WL, recv_WL = ((1, 2, 3), (4, 5, 6)), ((0, 1, 0), (2, 0, 7))
+    counts = ExpertExchange(
+        "flat",
+        None,
+        8,
+        send_WL,
+        recv_WL,
+        torch.tensor(recv_WL),
+        torch.tensor(send_WL),
+        extras_W=((), ()),
+        totals_W=(6, 15),
+    )
+    assert counts.max_rank_bytes == 15 * 8
+    whole, tail = counts.plan(), counts.plan(1, 3)
+    assert (whole.send, whole.recv) == ((6, 15), (1, 9))
+    assert (tail.send, tail.recv, tail.recv_counts_W.tolist()) == ((5, 11), (1, 7), [1, 7])
+    back = tail.reverse()
+    assert (back.send, back.recv) == ((1, 7), (5, 11))
+    assert back.recv_counts_W is tail.send_counts_W and back.send_counts_W is tail.recv_counts_W

@@ -58,12 +58,20 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         hidden_lines.append("| " + " | ".join([f"{r['rate_mbit']} Mbit/s", *pct]) + " |")
     names = ["exchange", "experts", "plain", *variants]
     split = ["| link | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    cpu = list(split)
     for r in rows:
         if "median_forward_s" not in r:
             continue
         f, b = r["median_forward_s"], r["median_backward_s"]
         cells = [f"{f[n] * 1e3:.0f} + {b[n] * 1e3:.0f}" for n in names]
         split.append("| " + " | ".join([f"{r['rate_mbit']} Mbit/s", *cells]) + " |")
+        if "median_cpu_s" in r:
+            c = r["median_cpu_s"]
+            cpu.append(
+                "| "
+                + " | ".join([f"{r['rate_mbit']} Mbit/s", *[f"{c[n] * 1e3:.0f}" for n in names]])
+                + " |"
+            )
     loads = ", ".join(f"{r['load_before']:.1f} -> {r['load_after']:.1f}" for r in rows)
     text = f"""# Overlapped expert-parallel dispatch, {meta["date"]} (2-core CPU, gloo)
 
@@ -96,5 +104,10 @@ Forward + backward, ms (each the slowest rank's, median over rounds; they need n
 the total above, whose slowest rank may differ):
 
 {chr(10).join(split)}
+
+CPU time of one call, ms, all 4 ranks together (user + system, so the kernel's network path
+is counted; the 2 cores give 2 ms per ms of wall time):
+
+{chr(10).join(cpu)}
 """
     path.write_text(text)

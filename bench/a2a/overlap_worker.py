@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -32,15 +33,25 @@ def _slowest(*seconds: float) -> list[float]:
     return t.tolist()
 
 
-def _timed(op) -> tuple[float, float, float]:
-    """(total, forward, backward) seconds of one call, each the slowest rank's: op() returns
-    the moment its forward ended."""
+def _cpu_seconds() -> float:
+    """CPU time of this process, all threads, user + system (the kernel's network path too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(op) -> tuple[float, float, float, float]:
+    """(total, forward, backward, CPU) seconds of one call: the first three the slowest rank's
+    (op() returns the moment its forward ended), CPU the sum over ranks."""
     dist.barrier()
+    cpu = _cpu_seconds()
     start = time.perf_counter()
     forward_end = op()
     end = time.perf_counter()
+    cpu = _cpu_seconds() - cpu
     total, fwd, bwd = _slowest(end - start, forward_end - start, end - forward_end)
-    return total, fwd, bwd
+    cpu_t = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(cpu_t)
+    return total, fwd, bwd, float(cpu_t)
 
 
 def _one_exchange(x, plan) -> float:
@@ -134,7 +145,7 @@ def worker_main(cfg: dict) -> None:
     for op in ops.values():  # warm-up (auto: its first calls measure the experts, at n = 1)
         for _ in range(cfg["warmup"]):
             op()
-    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ops}
+    samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in ops}
     names = list(ops)
     for r in range(cfg["rounds"]):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -150,6 +161,7 @@ def worker_main(cfg: dict) -> None:
         "min_s": {n: min(t[0] for t in s) for n, s in samples.items()},
         "median_forward_s": {n: median(n, 1) for n in samples},
         "median_backward_s": {n: median(n, 2) for n in samples},
+        "median_cpu_s": {n: median(n, 3) for n in samples},  # all ranks together
         "auto_degree": models["auto"].dispatcher.last_degree,
         "link_model": {"a_s": link.a_coll, "bytes_per_s": link.bw_inter},
         "send_bytes": sum(send) * D * 4,

@@ -221,9 +221,14 @@ class AllToAllPlan:
     counts_WW: tuple[tuple[int, ...], ...] | None = None  # hierarchical only: [src][dst]
     topo: Topology | None = None  # hierarchical only
     chunks: int = 1  # hierarchical only: pipeline depth (see pipeline_chunks)
+    # send as a long tensor on the device when the planner has it (reverse() then needs no
+    # host-to-device copy, which on CUDA would wait for the stream: a host sync)
+    send_counts_W: torch.Tensor | None = field(default=None, repr=False)
 
     def reverse(self) -> AllToAllPlan:
-        send_t = torch.tensor(self.send, dtype=torch.long, device=self.recv_counts_W.device)
+        send_t = self.send_counts_W
+        if send_t is None:
+            send_t = torch.tensor(self.send, dtype=torch.long, device=self.recv_counts_W.device)
         counts_WW = None if self.counts_WW is None else tuple(zip(*self.counts_WW))
         return AllToAllPlan(
             self.algorithm,
@@ -234,6 +239,7 @@ class AllToAllPlan:
             counts_WW,
             self.topo,
             self.chunks,
+            self.recv_counts_W,
         )
 
     def run(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -340,6 +346,7 @@ class ExpertExchange:
     send_WL: tuple[tuple[int, ...], ...]
     recv_WL: tuple[tuple[int, ...], ...]
     recv_counts_WL: torch.Tensor = field(repr=False)  # recv_WL as a long tensor on the device
+    send_counts_WL: torch.Tensor = field(repr=False)  # send_WL as a long tensor on the device
     extras_W: tuple[tuple[int, ...], ...] = ()
     totals_W: tuple[int, ...] = ()
     counts_WWL: tuple[tuple[tuple[int, ...], ...], ...] | None = field(default=None, repr=False)
@@ -357,12 +364,14 @@ class ExpertExchange:
         send = tuple(sum(r[first:last]) for r in self.send_WL)
         recv = tuple(sum(r[first:last]) for r in self.recv_WL)
         recv_t = self.recv_counts_WL[:, first:last].sum(1)
+        send_t = self.send_counts_WL[:, first:last].sum(1)
         if self.algorithm == "flat":
-            return AllToAllPlan("flat", self.group, send, recv, recv_t)
+            return AllToAllPlan("flat", self.group, send, recv, recv_t, send_counts_W=send_t)
         assert self.topo is not None and self.counts_WWL is not None
         C = tuple(tuple(sum(c_L[first:last]) for c_L in row) for row in self.counts_WWL)
         chunks = pipeline_chunks(max(sum(r) for r in C) * self.row_bytes, self.topo.num_nodes)
-        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, self.topo, chunks)
+        topo = self.topo
+        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t)
 
 
 def plan_expert_exchange(
@@ -418,6 +427,7 @@ def plan_expert_exchange(
             tuple(tuple(r[:L]) for r in send_h),
             recv_WL,
             recv_WX[:, :L],
+            counts_WL,
             tuple(tuple(r[L + 1 :]) for r in recv_h),
             totals,
         )
@@ -439,6 +449,7 @@ def plan_expert_exchange(
         counts[me],
         tuple(row[me] for row in counts),
         matrix_WWX[:, me, :L],
+        counts_WL,
         tuple(tuple(row[0][L + 1 :]) for row in host),
         totals,
         counts if chosen == "hierarchical" else None,

@@ -8,7 +8,13 @@ Hierarchical: the two-stage exchange of moe.comm (`AllToAllPlan.run`) runs on on
 thread per dispatcher; a single FIFO thread keeps the order of collectives the same on every
 rank. On CUDA that thread runs on a dedicated stream with events (MOE_OVERLAP_CUDA_STREAM=1;
 off by default and not run on a GPU yet); without it a CUDA hierarchical exchange runs at
-launch, in order, and simply does not overlap.
+launch, in order, and simply does not overlap. Reviewed without a GPU: the side stream waits
+for x's producer (event recorded at submit), x is recorded on the side stream and y on the
+consumer's, the consumer waits by event, and the host waits only for the worker thread to
+have enqueued (AllToAllPlan.reverse needs no host-to-device copy since it carries device send
+counts). Open risk to check on a GPU: the worker's NCCL collectives on the 2D subgroups can be
+in flight while the main thread launches FSDP collectives on other communicators, in an order
+that may differ across ranks; NCCL can deadlock on that.
 """
 
 from __future__ import annotations
