@@ -120,7 +120,10 @@ class MoELayer(nn.Module):
 
         backend = self.experts.resolve_backend(x_TD)  # once per layer call
 
+        crossed = []  # the all-to-all algorithm the dispatcher's context reports, for stats
+
         def experts(x_RD, offsets_L, ctx):
+            crossed.append(ctx.algorithm)
             out_RD = self.experts(x_RD, offsets_L, rows=ctx.expert_rows(), backend=backend)
             if self.config.check_finite:
                 check_experts_finite(self.name, self.experts, out_RD, offsets_L)
@@ -135,7 +138,7 @@ class MoELayer(nn.Module):
         y_TD = y_TD.to(x_TD.dtype)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD.to(x_TD.dtype)
-        self._record(routing, plan)
+        self._record(routing, plan, crossed[0] if crossed else None)
         return y_TD
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
@@ -182,7 +185,7 @@ class MoELayer(nn.Module):
         elif not finite:
             raise FloatingPointError(message)
 
-    def _record(self, routing: Routing, plan: DispatchPlan) -> None:
+    def _record(self, routing: Routing, plan: DispatchPlan, algorithm: str | None) -> None:
         if in_recomputation():  # checkpointed forward run again in backward: already recorded
             return
         plan = self._canonical_counts(plan)
@@ -204,10 +207,8 @@ class MoELayer(nn.Module):
         self.stats.update(balance_stats)  # load_cv, load_max_over_mean (global_balance_loss)
         if term is not None:  # balance_loss "sequence" / "global", weighted
             self.aux_loss = self.aux_loss + term
-        exchange = getattr(self.dispatcher, "last_exchange", None)  # expert-parallel only
-        if exchange is not None:  # 1 when "auto" chose the hierarchical all-to-all
-            hierarchical = exchange.algorithm == "hierarchical"
-            self.stats["a2a_hierarchical"] = torch.tensor(int(hierarchical))
+        if algorithm is not None:  # expert-parallel: 1 when "auto" chose the hierarchical one
+            self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""

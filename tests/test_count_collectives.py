@@ -70,7 +70,11 @@ class Recorder:
         return calls
 
 
+ALGORITHMS_SEEN: list[str | None] = []  # ctx.algorithm of each expert call
+
+
 def experts(x_RD, offsets_L, ctx):
+    ALGORITHMS_SEEN.append(ctx.algorithm)
     return x_RD * 2.0
 
 
@@ -105,6 +109,7 @@ def _body(rank, world):
                     x = x_TD.clone().requires_grad_()
                     w = weights_TK.clone().requires_grad_()
                     plan = plan_token_choice(ids_TK, w, E, None)
+                    ALGORITHMS_SEEN.clear()
                     with Recorder() as rec:
                         y_TD, _ = dispatcher.run(x, plan, experts)
                         forward = rec.take()
@@ -116,13 +121,13 @@ def _body(rank, world):
                         seen[key] = {
                             "count collectives": counts,
                             "in backward": [c for c, ints in backward if ints],
-                            "algorithm": dispatcher.last_exchange.algorithm,
+                            "algorithm": sorted(set(ALGORITHMS_SEEN)),
                             "row exchanges": len(rows) > 0,
                         }
                         expected = {
                             "count collectives": [collective],
                             "in backward": [],
-                            "algorithm": want,
+                            "algorithm": [want],
                             "row exchanges": True,
                         }
                         if seen[key] != expected:

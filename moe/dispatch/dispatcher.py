@@ -69,12 +69,15 @@ class DispatchContext:
     the expert MLP).
     sum_to_tokens: the experts also add each row into its token (gather_ids_R) and return
     y_TD; combine then has nothing left to do.
+    algorithm: the all-to-all algorithm that moved the rows between ranks ("flat" or
+    "hierarchical", what "auto" chose), None on one device; the layer's stats report it.
     """
 
     plan: DispatchPlan
     gather_ids_R: torch.Tensor | None = None
     row_weights_R: torch.Tensor | None = None
     sum_to_tokens: bool = False
+    algorithm: str | None = None
 
     def expert_rows(self) -> ExpertRows:
         """The fields the experts read, as the one typed object GroupedExperts takes."""

@@ -26,13 +26,9 @@ from moe.kernels import resolve_backend
 
 @dataclass
 class ExpertParallelContext(DispatchContext):
-    a2a: AllToAllPlan | None = None  # the rows' exchange; a2a.algorithm is what "auto" chose
+    a2a: AllToAllPlan | None = None  # the rows' exchange (its algorithm is ctx.algorithm)
     order_R: torch.Tensor | None = None  # received (source rank, expert) order -> expert-major
     inverse_R: torch.Tensor | None = None
-
-    @property
-    def algorithm(self) -> str | None:
-        return None if self.a2a is None else self.a2a.algorithm
 
 
 @register_dispatcher("expert_parallel")
@@ -58,7 +54,6 @@ class ExpertParallelDispatcher(Dispatcher):
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
         self.backend = backend
-        self.last_exchange: ExpertExchange | None = None  # the last call's counts and algorithm
 
     def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local
@@ -71,15 +66,14 @@ class ExpertParallelDispatcher(Dispatcher):
     def _plan_exchange(
         self, x_TD: torch.Tensor, plan: DispatchPlan, extra: torch.Tensor | None = None
     ) -> ExpertExchange:
-        """The one count collective of this call (moe.comm.plan_expert_exchange); kept as
-        `last_exchange` (host counts and the algorithm, no autograd state) for layer.stats."""
+        """The one count collective of this call (moe.comm.plan_expert_exchange): host and
+        device counts and the resolved algorithm, which the contexts carry to the layer."""
         self._check_plan(plan)
         counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
-        self.last_exchange = plan_expert_exchange(
+        return plan_expert_exchange(
             counts_WL, row_bytes, self.group, self.algorithm, self.ranks_per_node, extra
         )
-        return self.last_exchange
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
         W, L = self.ep_size, self.num_local
@@ -95,7 +89,9 @@ class ExpertParallelDispatcher(Dispatcher):
         )
         order_R, inverse_R = sort_rows_by_expert(expert_R)
         offsets_L = torch.cumsum(counts.recv_counts_WL.sum(0), 0).to(torch.int32)
-        ctx = ExpertParallelContext(plan, a2a=a2a, order_R=order_R, inverse_R=inverse_R)
+        ctx = ExpertParallelContext(
+            plan, algorithm=a2a.algorithm, a2a=a2a, order_R=order_R, inverse_R=inverse_R
+        )
         return permute_rows(recv_RD, order_R, inverse_R), offsets_L, ctx
 
     def combine(self, out_RD: torch.Tensor, ctx: ExpertParallelContext) -> torch.Tensor:

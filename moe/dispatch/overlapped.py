@@ -156,10 +156,11 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         x_chunks = torch.split(x_MD[:kept], [sum(p.send) for p in plans])
         sent = [send(x, p, self.worker) for x, p in zip(x_chunks, plans)]
         shared_TD = None if shared is None else shared()  # while the first chunk travels
+        ctx = DispatchContext(plan_c, algorithm=counts.algorithm)  # what the experts see
         returning = []
         for (token, ticket), p, b0, b1 in zip(sent, plans, bounds, bounds[1:]):
             recv_RD = receive(token, ticket, p, self.worker)
-            out_RD = self._compute(recv_RD, recv_WL, b0, b1, experts, plan_c)
+            out_RD = self._compute(recv_RD, recv_WL, b0, b1, experts, ctx)
             back = p.reverse()
             returning.append((*send(out_RD, back, self.worker), back))
         rows = [receive(token, ticket, back, self.worker) for token, ticket, back in returning]
@@ -171,7 +172,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             self.layer_seconds[n > 1] = seconds if old == 0 else 0.5 * (old + seconds)
         return y_TD, shared_TD
 
-    def _compute(self, recv_RD, recv_WL, b0, b1, experts, plan):
+    def _compute(self, recv_RD, recv_WL, b0, b1, experts, ctx):
         """Experts [b0, b1) on their received rows ((source, expert)-major -> expert-major
         and back, as the plain dispatcher)."""
         W, L = recv_WL.shape
@@ -188,7 +189,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         offsets_L = torch.cumsum(counts_L, 0).to(torch.int32)
         x_RD = permute_rows(recv_RD, order_R, inverse_R)
         start = self.clock.start(x_RD)
-        out_RD = experts(x_RD, offsets_L, DispatchContext(plan))
+        out_RD = experts(x_RD, offsets_L, ctx)
         self.clock.stop(start, x_RD.shape[0])
         return permute_rows(out_RD, inverse_R, order_R)
 
