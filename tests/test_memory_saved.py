@@ -73,6 +73,37 @@ def test_expert_op_keeps_only_the_pre_activation(backend):
     assert all(t.grad is not None for t in leaves.values())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saved_tensor_hooks_see_the_pre_activation(backend):
+    """Under saved-tensor hooks (activation checkpointing, save_on_cpu) the pre-activation goes
+    through save_for_backward, so the hooks can drop or move it; the layer under non-reentrant
+    checkpointing then keeps no [M, F] tensor alive between forward and backward."""
+    T, D, E, k, F = SHAPE
+    g = torch.Generator().manual_seed(1)
+    layer = moe.MoELayer(D, F, E, top_k=k, activation="swiglu", backend=backend)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x).sum().backward()
+    pre_widths = {2 * F, F}  # Triton keeps [M, 2F]; torch keeps h and g, [M, F] each
+    assert any(len(s) == 2 and s[0] == T * k and s[1] in pre_widths for s in packed), packed
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    ckpt = moe.MoELayer(D, F, E, top_k=k, activation="swiglu", backend=backend, checkpoint=True)
+    ckpt.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    held, y = replay.saved_bytes(lambda: ckpt(x2), [*ckpt.parameters(), x2])
+    assert held < T * k * F * 4, f"checkpointed layer holds {held} B (pre-activation kept)"
+    y.sum().backward()
+    for p, want in zip(ckpt.parameters(), grads):
+        torch.testing.assert_close(p.grad, want)
+
+
 def _layers(backend, dtype=torch.float32):
     T, d, E, k, F = SHAPE
     dense, x = replay.build("dense", T, d, E, k, F, dtype)

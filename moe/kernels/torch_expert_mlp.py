@@ -22,7 +22,12 @@ from torch import Tensor
 from moe.kernels.activations import GATED, apply_activation
 from moe.kernels.combine import rows_into_tokens
 from moe.kernels.expert_chunks import chunks, host_readable
-from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows, keep_graph
+from moe.kernels.expert_mlp import (
+    NO_ROWS_INFO,
+    ExpertRows,
+    save_for_backward_early_free,
+    saved_early,
+)
 from moe.kernels.torch_expert_mlp_backward import (
     bwd_act_op,
     bwd_gate_op,
@@ -125,10 +130,10 @@ def _(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_w
 
 def _setup_context(ctx, inputs, output):
     x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_tokens = inputs
-    ctx.save_for_backward(x, offsets, w1, w2, w3, b2, ids, row_weights)
-    # h, g kept on ctx, detached (no reference cycle through the graph), so backward can drop
-    # them as soon as the act step has read them; they never get a gradient.
-    ctx.h_RF, ctx.g_RF = output[1].detach(), output[2].detach()
+    # h, g never get a gradient; backward drops them as soon as the act step has read them
+    save_for_backward_early_free(
+        ctx, (x, offsets, w1, w2, w3, b2, ids, row_weights), (output[1], output[2])
+    )
     ctx.set_materialize_grads(False)  # h, g never get a gradient: no [R, F] zeros
     ctx.activation, ctx.sum_to_tokens = activation, sum_to_tokens
     ctx.has = {"w3": w3 is not None, "b1": b1 is not None,
@@ -141,16 +146,13 @@ _GRAD_AT = dict(zip(NEEDS, [0, 2, 3, 4, 5, 6, 8]))  # input position of each gra
 def _backward(ctx, dy, _d_h, _d_g):
     """Three ops (torch_expert_mlp_backward.py); h, g are released after the first and dh
     after the second unless the graph is retained."""
-    x, offsets, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
+    (x, offsets, w1, w2, w3, b2, ids, row_weights), (h, g) = saved_early(ctx)
     if torch.is_grad_enabled():
         raise NotImplementedError(
             "moe::expert_mlp has no double backward (create_graph=True); compose "
             "moe.kernels.grouped_mm_torch calls for higher-order gradients"
         )
     need = {n: ctx.needs_input_grad[_GRAD_AT[n]] and ctx.has.get(n, True) for n in NEEDS}
-    h, g = ctx.h_RF, ctx.g_RF
-    if not keep_graph():  # released when the act step has read them for the last time
-        ctx.h_RF = ctx.g_RF = None
     if dy is None:
         dy = h.new_zeros(x.shape[0] if ctx.sum_to_tokens else h.shape[0], w2.shape[2])
     dh, dg, dw2, db2, d_rw = bwd_act_op(

@@ -22,7 +22,12 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
-from moe.kernels.expert_mlp import NO_ROWS_INFO, ExpertRows, keep_graph
+from moe.kernels.expert_mlp import (
+    NO_ROWS_INFO,
+    ExpertRows,
+    save_for_backward_early_free,
+    saved_early,
+)
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
@@ -242,25 +247,20 @@ def _bwd_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activat
 def _setup_context(ctx, inputs, output):
     (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
      activation, save, sum_to_tokens) = inputs  # fmt: skip
-    ctx.save_for_backward(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R,
-                          row_weights_R)  # fmt: skip
-    # Kept on ctx, detached (no reference cycle through the graph), so backward can drop it
-    # as soon as the activation backward has read it; pre never gets a gradient.
-    ctx.pre = output[1].detach()
+    # pre never gets a gradient; backward drops it as soon as the activation step has read it
+    inputs = (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R, row_weights_R)
+    save_for_backward_early_free(ctx, inputs, (output[1],))
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.saved_pre, ctx.sum_to_tokens = activation, save, sum_to_tokens
     ctx.has_b1, ctx.has_b2 = b1_LF is not None, b2_LD is not None
 
 
 def _backward(ctx, dy, _d_pre):
-    x_ND, offsets_L, w1, w2, w3, b2, ids, row_weights = ctx.saved_tensors
+    (x_ND, offsets_L, w1, w2, w3, b2, ids, row_weights), (pre,) = saved_early(ctx)
     if not ctx.saved_pre:
         raise RuntimeError("expert_mlp_triton: forward ran without saving activations for backward")
     if torch.is_grad_enabled():
         raise NotImplementedError("moe::triton_expert_mlp has no double backward")
-    pre = ctx.pre
-    if not keep_graph():  # released when the step's pre-activation is read for the last time
-        ctx.pre = None
     need = ctx.needs_input_grad
     need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights is not None
     D = w2.shape[2]
