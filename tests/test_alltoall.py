@@ -16,14 +16,12 @@ import torch.distributed as dist
 
 from moe.comm.alltoall import (
     AllToAllPlan,
-    ExpertExchange,
-    all_to_all,
     choose_algorithm,
     default_hierarchical_threshold,
     exchange,
-    plan_all_to_all,
     set_hierarchical_threshold,
 )
+from moe.comm.exchange_plan import ExpertExchange, all_to_all, plan_all_to_all
 from moe.comm.topology import Topology
 from tests.distributed import run_ranks
 

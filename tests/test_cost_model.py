@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import all_to_all, plan_all_to_all, set_cost_model
+from moe.comm.alltoall import set_cost_model
 from moe.comm.cost_model import (
     NVLINK_IB,
     CostModel,
@@ -20,6 +20,7 @@ from moe.comm.cost_model import (
     load_profile,
     save_profile,
 )
+from moe.comm.exchange_plan import all_to_all, plan_all_to_all
 from tests.distributed import run_ranks
 
 TRUE = CostModel(

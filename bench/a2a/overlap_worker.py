@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 import moe
 from moe.comm import set_cost_model
-from moe.comm.alltoall import exchange, plan_all_to_all
+from moe.comm.alltoall import exchange
 from moe.comm.cost_model import MAX_BANDWIDTH, CostModel
+from moe.comm.exchange_plan import plan_all_to_all
 from moe.comm.topology import get_topology
 from moe.parallel import init_mesh, parallelize
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from bench.a2a.tables import console_line, console_tables
-from moe.comm.alltoall import all_to_all, exchange, plan_all_to_all
+from moe.comm.alltoall import exchange
+from moe.comm.exchange_plan import all_to_all, plan_all_to_all
 
 ALGOS = ("raw", "flat", "hier", "flat*", "hier*", "raw+cnt")
 

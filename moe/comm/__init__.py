@@ -9,16 +9,14 @@ from moe._moved import moved_names
 
 from moe.comm.alltoall import (
     AllToAllPlan,
-    ExpertExchange,
     exchange,
     exchange_counts,
     gather_count_matrix,
-    plan_all_to_all,
-    plan_expert_exchange,
     cost_model,
     set_cost_model,
     set_hierarchical_threshold,
 )
+from moe.comm.exchange_plan import ExpertExchange, plan_all_to_all, plan_expert_exchange
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile, save_profile
 from moe.comm.consistency import check_same_across_ranks
 from moe.comm.topology import Topology, get_topology

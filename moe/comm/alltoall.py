@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
-from moe.comm.topology import Topology, get_subgroups, get_topology
+from moe.comm.topology import Topology, get_subgroups
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
 ENV_HIERARCHICAL_MAX_BYTES = "MOE_A2A_HIERARCHICAL_MAX_BYTES"
@@ -192,11 +192,6 @@ def _scratch_rows(slot: tuple, rows: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
-def release_scratch() -> None:
-    """Free this thread's CPU scratch buffers of the hierarchical path."""
-    _scratch.__dict__.pop("pool", None)
-
-
 def _relayout(x_ND: torch.Tensor, sizes: list[int], order: list[int], slot: tuple) -> torch.Tensor:
     """Reorder contiguous row blocks of the given sizes into the given block order."""
     blocks = torch.split(x_ND, sizes)
@@ -325,184 +320,3 @@ class _Exchange(torch.autograd.Function):
 def exchange(x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
     """Autograd-aware exchange of rows by a precomputed plan (no count exchange)."""
     return _Exchange.apply(x_ND, plan)
-
-
-@dataclass(frozen=True, eq=False)
-class ExpertExchange:
-    """The counts of one expert-parallel exchange, both ways, from ONE count collective
-    (`plan_expert_exchange`), with the algorithm it resolved to; `plan(first, last)` gives the
-    AllToAllPlan of the rows of local experts [first, last) without another collective.
-
-    Host lists (every split size the exchange needs is already read): send_WL[d][l] rows this
-    rank sends to rank d for its local expert l, recv_WL[s][l] rows it receives from rank s for
-    its own local expert l, extras_W[s] the extra columns rank s sent (the same to every rank),
-    totals_W[s] the rows rank s sends in all; counts_WWL[s][d][l] the whole matrix, present only
-    when the exchange is hierarchical (its intra-node relays need other ranks' counts).
-    """
-
-    algorithm: str  # resolved: "flat" or "hierarchical"
-    group: dist.ProcessGroup | None
-    row_bytes: int
-    send_WL: tuple[tuple[int, ...], ...]
-    recv_WL: tuple[tuple[int, ...], ...]
-    recv_counts_WL: torch.Tensor = field(repr=False)  # recv_WL as a long tensor on the device
-    send_counts_WL: torch.Tensor = field(repr=False)  # send_WL as a long tensor on the device
-    extras_W: tuple[tuple[int, ...], ...] = ()
-    totals_W: tuple[int, ...] = ()
-    counts_WWL: tuple[tuple[tuple[int, ...], ...], ...] | None = field(default=None, repr=False)
-    topo: Topology | None = None
-
-    @property
-    def max_rank_bytes(self) -> int:
-        """The largest send buffer of any rank (bytes): the same number on every rank."""
-        return max(self.totals_W, default=0) * self.row_bytes
-
-    def plan(self, first: int = 0, last: int | None = None) -> AllToAllPlan:
-        """Split sizes of the rows of local experts [first, last) (default: all), grouped by
-        destination rank; the hierarchical pipeline depth follows that chunk's size."""
-        last = len(self.recv_WL[0]) if last is None else last
-        send = tuple(sum(r[first:last]) for r in self.send_WL)
-        recv = tuple(sum(r[first:last]) for r in self.recv_WL)
-        recv_t = self.recv_counts_WL[:, first:last].sum(1)
-        send_t = self.send_counts_WL[:, first:last].sum(1)
-        if self.algorithm == "flat":
-            return AllToAllPlan("flat", self.group, send, recv, recv_t, send_counts_W=send_t)
-        assert self.topo is not None and self.counts_WWL is not None
-        C = tuple(tuple(sum(c_L[first:last]) for c_L in row) for row in self.counts_WWL)
-        chunks = pipeline_chunks(max(sum(r) for r in C) * self.row_bytes, self.topo.num_nodes)
-        topo = self.topo
-        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t)
-
-
-def plan_expert_exchange(
-    counts_WL: torch.Tensor,
-    row_bytes: int,
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "flat",
-    ranks_per_node: int | None = None,
-    extra: torch.Tensor | None = None,
-) -> ExpertExchange:
-    """Exchange the per-(rank, local expert) row counts with ONE collective and resolve the
-    algorithm: everything an expert-parallel dispatcher needs to move its rows both ways.
-
-    counts_WL[d, l]: rows this rank sends to local expert l of rank d; row_bytes: bytes of one
-    row (for "auto" and the hierarchical pipeline depth); extra: an optional 1-D integer vector
-    sent to every rank along with the counts (ExpertExchange.extras_W). Every rank must call it.
-
-    What each algorithm needs, and so which collective runs:
-      * flat (also "hierarchical"/"auto" on one node, and "auto" when its threshold is 0, as on
-        gloo without a cost model): each rank's own column, recv_WL[s][l] = counts_WL of rank s
-        at [this rank, l] -> one all_to_all_single of W x (L + extras) integers;
-      * hierarchical, and "auto" that may choose it: the intra-node relays of the 2D exchange
-        use node-mates' counts to this rank's local index (forward) and the counts of the ranks
-        of equal local index to this rank's node-mates (its reverse), and "auto" needs every
-        rank's total to agree on the choice -> one all_gather of the W x (L + extras) rows, so
-        every rank holds the W x W x L matrix.
-    One host read of the result in either case.
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    W = dist.get_world_size(group)
-    if counts_WL.dim() != 2 or counts_WL.shape[0] != W:
-        raise ValueError(f"counts_WL must be [{W}, local experts], got {tuple(counts_WL.shape)}")
-    L = counts_WL.shape[1]
-    counts_WL = counts_WL.to(torch.long)
-    extra_X = counts_WL.new_zeros(0) if extra is None else extra.to(counts_WL).reshape(-1)
-    total = counts_WL.sum().reshape(1)
-    send_WX = torch.cat([counts_WL, total.expand(W, 1), extra_X.expand(W, len(extra_X))], 1)
-    topo = None if algorithm == "flat" else get_topology(group, ranks_per_node)
-    matrix = topo is not None and topo.is_multi_node
-    if matrix and algorithm == "auto":
-        matrix = hierarchical_threshold(topo, dist.get_backend(group)) > 0
-    if not matrix:
-        recv_WX = exchange_counts(send_WX.reshape(-1), group).view(W, -1)
-        host = torch.cat([send_WX, recv_WX]).tolist()
-        send_h, recv_h = host[:W], host[W:]
-        recv_WL = tuple(tuple(r[:L]) for r in recv_h)
-        totals = tuple(r[L] for r in recv_h)
-        return ExpertExchange(
-            "flat",
-            group,
-            row_bytes,
-            tuple(tuple(r[:L]) for r in send_h),
-            recv_WL,
-            recv_WX[:, :L],
-            counts_WL,
-            tuple(tuple(r[L + 1 :]) for r in recv_h),
-            totals,
-        )
-    assert topo is not None
-    matrix_WWX = gather_count_matrix(send_WX.reshape(-1), group).view(W, W, -1)
-    me = topo.rank
-    host = matrix_WWX.tolist()
-    counts = tuple(tuple(tuple(c[:L]) for c in row) for row in host)
-    totals = tuple(row[0][L] for row in host)
-    chosen = algorithm
-    if algorithm == "auto":
-        chosen = choose_algorithm(topo, max(totals) * row_bytes, backend=dist.get_backend(group))
-    if chosen == "hierarchical":
-        get_subgroups(topo, group)  # create (once, cached) before the first exchange
-    return ExpertExchange(
-        chosen,
-        group,
-        row_bytes,
-        counts[me],
-        tuple(row[me] for row in counts),
-        matrix_WWX[:, me, :L],
-        counts_WL,
-        tuple(tuple(row[0][L + 1 :]) for row in host),
-        totals,
-        counts if chosen == "hierarchical" else None,
-        topo if chosen == "hierarchical" else None,
-    )
-
-
-def plan_all_to_all(
-    x_ND: torch.Tensor,
-    send_counts_W: Counts,
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "flat",
-    ranks_per_node: int | None = None,
-    chunks: int | None = None,
-) -> AllToAllPlan:
-    """Validate, exchange the counts (one small collective), resolve the algorithm: the
-    one-expert-per-rank case of plan_expert_exchange.
-
-    chunks: pipeline depth of the hierarchical path (default: pipeline_chunks()).
-    """
-    group_size = dist.get_world_size(group)
-    send = validate_inputs(x_ND, send_counts_W, group_size)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if chunks is not None and chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    send_t = torch.tensor(send, dtype=torch.long, device=x_ND.device).view(group_size, 1)
-    row_bytes = x_ND.shape[1] * x_ND.element_size()
-    plan = plan_expert_exchange(send_t, row_bytes, group, algorithm, ranks_per_node).plan()
-    if chunks is None or plan.algorithm == "flat":
-        return plan
-    return replace(plan, chunks=chunks)
-
-
-def all_to_all(
-    x_ND: torch.Tensor,
-    send_counts_W: Counts,
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "flat",
-    ranks_per_node: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uneven all-to-all of rows: returns (y_ND, recv_counts_W); autograd-aware.
-
-    x_ND: rows grouped by destination, send_counts_W[i] rows to group rank i (long tensor or
-    list of ints). y_ND: rows grouped by source rank in rank order; recv_counts_W[i] = rows
-    from rank i (long tensor on x's device). algorithm: "flat" (one all_to_all_single),
-    "hierarchical" (2D: intra-node then inter-node; the same y bit for bit) or "auto"
-    (per call from the largest per-rank buffer, which every rank knows, and the cost model:
-    hierarchical up to hierarchical_threshold(); on gloo only with a profile or threshold;
-    the choice is plan.algorithm). ranks_per_node overrides topology detection (see
-    moe.comm.topology). Every rank of the group must call it, also with zero rows, and
-    must then take part in the backward too. A tensor send_counts_W costs one host read for
-    validation, the received counts one more.
-    """
-    plan = plan_all_to_all(x_ND, send_counts_W, group, algorithm, ranks_per_node)
-    return exchange(x_ND, plan), plan.recv_counts_W

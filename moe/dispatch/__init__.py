@@ -6,7 +6,7 @@ one re-export here). The other moe.comm names re-exported here until 0.1 warn fo
 """
 
 from moe._moved import moved_names
-from moe.comm.alltoall import all_to_all
+from moe.comm.exchange_plan import all_to_all
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import (
     DISPATCHERS,

@@ -6,13 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import (
-    ALGORITHMS,
-    AllToAllPlan,
-    ExpertExchange,
-    exchange,
-    plan_expert_exchange,
-)
+from moe.comm.alltoall import ALGORITHMS, AllToAllPlan, exchange
+from moe.comm.exchange_plan import ExpertExchange, plan_expert_exchange
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
     DispatchPlan,

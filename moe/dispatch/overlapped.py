@@ -34,7 +34,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import ExpertExchange, cost_model
+from moe.comm.alltoall import cost_model
+from moe.comm.exchange_plan import ExpertExchange
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, register_dispatcher
 from moe.dispatch.expert_parallel import ExpertParallelDispatcher
