@@ -251,6 +251,35 @@ def test_fused_expert_mlp_matches_per_row_reference(
         assert torch.equal(got[1][counts.index(0)], torch.zeros_like(got[1][0]))
 
 
+def test_all_rows_kept_skips_the_tail_fill_on_the_device_path(monkeypatch):
+    """Rows an expert-parallel exchange delivers have no dropped tail (ExpertRows.all_rows_kept):
+    the device path (one chunk, no host read) then runs no masked zero-fill over the output,
+    and the result equals the path that does fill."""
+    import moe.kernels.expert_chunks as expert_chunks
+    import moe.kernels.torch_expert_mlp as torch_expert_mlp
+
+    for module in (expert_chunks, torch_expert_mlp):  # as on CUDA: no host read
+        monkeypatch.setattr(module, "host_readable", lambda t: False)
+    torch.manual_seed(7)
+    counts, D, F = [3, 0, 5, 2], 6, 5
+    x = torch.randn(sum(counts), D, requires_grad=True)
+    params, kw = expert_params(len(counts), D, F, "swiglu", True, torch.float32)
+    fills = []
+    real_fill = torch_expert_mlp.zero_tail_rows
+    monkeypatch.setattr(
+        torch_expert_mlp, "zero_tail_rows", lambda y, o: fills.append(1) or real_fill(y, o)
+    )
+    outs = []
+    for kept in (False, True):
+        rows = ExpertRows(all_rows_kept=kept)
+        out = expert_mlp(x, offsets_of(counts), **kw, activation="swiglu", rows=rows)
+        outs.append((out, torch.autograd.grad(out.sum(), [x, *params.values()])))
+        assert fills == [1], fills  # the kept=False call filled; the kept=True call did not
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    for g_kept, g_fill in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(g_kept, g_fill, rtol=0, atol=0)
+
+
 def test_fused_expert_mlp_is_deterministic_and_passes_opcheck():
     torch.manual_seed(5)
     counts, T, D, F = [4, 0, 7, 3], 6, 8, 4

@@ -78,6 +78,7 @@ class DispatchContext:
     row_weights_R: torch.Tensor | None = None
     sum_to_tokens: bool = False
     algorithm: str | None = None
+    all_rows_kept: bool = False  # no dropped tail among the rows (the received rows of EP)
 
     def expert_rows(self) -> ExpertRows:
         """The fields the experts read, as the one typed object GroupedExperts takes."""
@@ -85,6 +86,7 @@ class DispatchContext:
             gather_ids_R=self.gather_ids_R,
             row_weights_R=self.row_weights_R,
             sum_to_tokens=self.sum_to_tokens,
+            all_rows_kept=self.all_rows_kept,
         )
 
 

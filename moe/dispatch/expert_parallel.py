@@ -85,7 +85,12 @@ class ExpertParallelDispatcher(Dispatcher):
         order_R, inverse_R = sort_rows_by_expert(expert_R)
         offsets_L = torch.cumsum(counts.recv_counts_WL.sum(0), 0).to(torch.int32)
         ctx = ExpertParallelContext(
-            plan, algorithm=a2a.algorithm, a2a=a2a, order_R=order_R, inverse_R=inverse_R
+            plan,
+            algorithm=a2a.algorithm,
+            all_rows_kept=True,  # only kept rows travel
+            a2a=a2a,
+            order_R=order_R,
+            inverse_R=inverse_R,
         )
         return permute_rows(recv_RD, order_R, inverse_R), offsets_L, ctx
 

@@ -157,7 +157,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         x_chunks = torch.split(x_MD[:kept], [sum(p.send) for p in plans])
         sent = [send(x, p, self.worker) for x, p in zip(x_chunks, plans)]
         shared_TD = None if shared is None else shared()  # while the first chunk travels
-        ctx = DispatchContext(plan_c, algorithm=counts.algorithm)  # what the experts see
+        ctx = DispatchContext(plan_c, algorithm=counts.algorithm, all_rows_kept=True)  # for experts
         returning = []
         for (token, ticket), p, b0, b1 in zip(sent, plans, bounds, bounds[1:]):
             recv_RD = receive(token, ticket, p, self.worker)

@@ -35,11 +35,15 @@ class ExpertRows:
     sum_to_tokens: return y_TD instead of out_RD, each row added into the token it was read
         from (the combine fused into the experts; no [R, D] output). Without gather_ids_R
         row r is token r.
+    all_rows_kept: every row handed over is one to compute (R = offsets_L[-1]: no dropped tail),
+        as with the rows an expert-parallel exchange delivers; the experts then skip zeroing a
+        tail that cannot exist (on CUDA that would be a masked pass over every output row).
     """
 
     gather_ids_R: torch.Tensor | None = None
     row_weights_R: torch.Tensor | None = None
     sum_to_tokens: bool = False
+    all_rows_kept: bool = False
 
 
 NO_ROWS_INFO = ExpertRows()  # plain rows: no gather, no weights, out_RD returned

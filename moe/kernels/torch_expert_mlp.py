@@ -54,6 +54,7 @@ def _fwd_op(
     row_weights_R: Tensor | None,
     activation: str,
     sum_to_tokens: bool,
+    all_rows_kept: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, h_RF, g_RF): out_RD[r] = row_weights_R[r] * MLP(x[gather_ids_R[r]]) (tail rows
     zero), or with sum_to_tokens out_ND[n] = sum of the rows gathered from x row n; h_RF (and
@@ -107,7 +108,7 @@ def _fwd_op(
     if out is None:  # no chunks: no experts
         out = x_ND.new_zeros(x_ND.shape[0] if sum_to_tokens else R, D)
     if whole and not host_readable(x_ND):
-        if not scatter:
+        if not scatter and not all_rows_kept:
             out = zero_tail_rows(out, offsets_L)  # the returned rows' contract: tail rows zero
     elif h_RF is not None:
         h_RF[kept:] = 0
@@ -121,7 +122,7 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
-      activation, sum_to_tokens):  # fmt: skip
+      activation, sum_to_tokens, all_rows_kept=False):  # fmt: skip
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
     out = x_ND.new_empty(x_ND.shape[0] if sum_to_tokens else R, D)
@@ -129,7 +130,7 @@ def _(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_w
 
 
 def _setup_context(ctx, inputs, output):
-    x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_tokens = inputs
+    x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_tokens, _ = inputs
     # h, g never get a gradient; backward drops them as soon as the act step has read them
     save_for_backward_early_free(
         ctx, (x, offsets, w1, w2, w3, b2, ids, row_weights), (output[1], output[2])
@@ -168,7 +169,7 @@ def _backward(ctx, dy, _d_h, _d_g):
         gated = ctx.activation in GATED
         dw3 = bwd_gate_op(dg, x, offsets, ids, w1.shape[0]) if gated else torch.zeros_like(w3)
     got = {"x": dx, "w1": dw1, "w2": dw2, "w3": dw3, "b1": db1, "b2": db2, "row_weights": d_rw}
-    out = [None] * 11
+    out = [None] * 12  # one per op input
     for n in NEEDS:
         if need[n]:
             out[_GRAD_AT[n]] = got[n]
@@ -197,6 +198,6 @@ def expert_mlp_torch(
     out_ND, _, _ = _fwd_op(
         x_ND.contiguous(), offsets_L.to(torch.int32), c(w1_LDF), c(w2_LFD), c(w3_LDF),
         c(b1_LF), c(b2_LD), rows.gather_ids_R, rows.row_weights_R, activation,
-        rows.sum_to_tokens,
+        rows.sum_to_tokens, rows.all_rows_kept,
     )  # fmt: skip
     return out_ND
