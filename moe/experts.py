@@ -1,6 +1,7 @@
 """GroupedExperts: the stacked weights of the experts on this rank, computed in one call."""
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -87,10 +88,11 @@ class GroupedExperts(nn.Module):
     def forward(
         self,
         x_ND: torch.Tensor,
-        offsets_L: torch.Tensor,
+        offsets_L: torch.Tensor | None,
         *,
         rows: ExpertRows = NO_ROWS_INFO,
         backend: str | None = None,
+        compute: Callable | None = None,
     ) -> torch.Tensor:
         """Rows of each local expert (expert-major; int32 row ends offsets_L) -> their MLP
         outputs out_RD (tail rows past offsets_L[-1]: exactly 0). The experts only compute.
@@ -101,8 +103,30 @@ class GroupedExperts(nn.Module):
         layer call), else this module's own setting.
         Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
         experts (autograd flows back into the DTensor, as in torchtitan).
+        compute: returns compute(x_ND, self.local_weights()) instead, for a dispatcher that
+        calls the experts in parts (`mlp` with those weights) within this one module call, so
+        FSDP2's hooks gather and reduce the weights once (moe.dispatch.overlapped).
         """
-        w1, w2, w3, b1, b2 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
+        if compute is not None:
+            return compute(x_ND, self.local_weights())
+        return self.mlp(x_ND, offsets_L, self.local_weights(), rows=rows, backend=backend)
+
+    def local_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """(w1, w2, w3, b1, b2) as this rank's plain tensors (None where absent)."""
+        return tuple(_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
+
+    def mlp(
+        self,
+        x_ND: torch.Tensor,
+        offsets_L: torch.Tensor,
+        weights: tuple[torch.Tensor | None, ...],
+        *,
+        rows: ExpertRows = NO_ROWS_INFO,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """The expert MLP with `weights` ((w1, w2, w3, b1, b2): local_weights(), or leaves
+        made from them); forward's contract otherwise."""
+        w1, w2, w3, b1, b2 = weights
         return expert_mlp(
             x_ND.to(w1.dtype), offsets_L, w1, w2, w3, b1, b2,
             activation=self.activation, rows=rows, backend=backend or self.backend,

@@ -122,15 +122,20 @@ class MoELayer(nn.Module):
 
         crossed = []  # the all-to-all algorithm the dispatcher's context reports, for stats
 
-        def experts(x_RD, offsets_L, ctx):
+        def experts(x_RD, offsets_L, ctx, weights=None):
             crossed.append(ctx.algorithm)
-            out_RD = self.experts(x_RD, offsets_L, rows=ctx.expert_rows(), backend=backend)
+            rows = ctx.expert_rows()
+            if weights is None:
+                out_RD = self.experts(x_RD, offsets_L, rows=rows, backend=backend)
+            else:  # inside the dispatcher's `hold` call: the tensors it handed over
+                out_RD = self.experts.mlp(x_RD, offsets_L, weights, rows=rows, backend=backend)
             if self.config.check_finite:
                 check_experts_finite(self.name, self.experts, out_RD, offsets_L)
             return out_RD
 
         # the experts say whether they take the combine over (check_finite reads their rows)
         experts.fuses_combine = self.experts.fuses_combine(backend) and not self.config.check_finite
+        experts.hold = lambda x, compute: self.experts(x, None, compute=compute)
 
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)

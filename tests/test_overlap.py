@@ -13,7 +13,6 @@ from moe.comm.cost_model import CostModel
 from moe.dispatch import (
     OverlappedDispatcher,
     choose_degree,
-    overlap_exchange,
     overlapped,
     validate_overlap,
 )
@@ -138,14 +137,30 @@ def _equal_body(rank, world, cases):
 
 def test_overlapped_equals_plain_dispatcher_on_gloo():
     results = run_ranks(_equal_body, 4, CASES, timeout=120)
-    assert [p for problems in results for p in problems] == []
+    problems = [p for problems in results for p in problems]
+    assert problems == [], "\n".join(problems)
+
+
+def _chunk_calls(layer, events, fail_on_rank=None):
+    """Record each chunk's expert call (X) and the experts module's one call (M); rank
+    `fail_on_rank` raises in its first chunk instead."""
+    mlp = layer.experts.mlp
+
+    def traced(*args, **kwargs):
+        if dist.get_rank() == fail_on_rank:
+            raise RuntimeError(f"rank {fail_on_rank} fails in its experts")
+        events.append("X")
+        return mlp(*args, **kwargs)
+
+    layer.experts.mlp = traced
+    layer.experts.register_forward_hook(lambda *_: events.append("M"))
 
 
 def _trace_body(rank, world):
     """The order in which exchanges start (S) and land (L), with expert calls (X), for a
     two-chunk layer: forward and backward must interleave exchange and compute."""
     events = []
-    start = overlap_exchange.start_exchange
+    start = overlapped.start_exchange
 
     def traced(x_ND, plan, worker):
         events.append(f"S{x_ND.shape[0]}")
@@ -157,7 +172,7 @@ def _trace_body(rank, world):
 
         return traced_land
 
-    overlap_exchange.start_exchange = traced
+    overlapped.start_exchange = traced
     traces = {}
     for algorithm in ("flat", "hierarchical"):
         model = parallelize(
@@ -168,26 +183,46 @@ def _trace_body(rank, world):
             overlap=2,
         )
         layer = model[1]
-        layer.experts.register_forward_hook(lambda *_: events.append("X"))
+        _chunk_calls(layer, events)
         layer.shared_experts.register_forward_hook(lambda *_: events.append("H"))
         layer.shared_experts.register_full_backward_hook(lambda *_: events.append("h"))
         x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         events.clear()
         y = model(x)
         events.append("|")
-        y.square().sum().backward()
+        y.square().sum().backward(retain_graph=True)
         traces[algorithm] = "".join(e[0] for e in events)
-    return traces
+        # a retained graph runs backward again: the same gradients once more
+        grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+        y.square().sum().backward()
+        for p, g in zip(model.parameters(), grads):
+            torch.testing.assert_close(p.grad.full_tensor(), 2 * g, rtol=1e-6, atol=1e-7)
+    overlapped.start_exchange = start
+    # check_finite reads each chunk's rows: local expert 1 (chunk 1) holds a NaN on every rank
+    model = parallelize(build(0, 8, check_finite=True), init_mesh(dp=1, ep=world), overlap=2)
+    with torch.no_grad():
+        model[1].experts.w2.to_local()[1, 0, 0] = float("nan")
+    try:
+        model(torch.randn(6, D))
+        return traces, "no error"
+    except FloatingPointError as e:
+        return traces, str(e)
 
 
 def test_pipeline_order_forward_and_backward():
-    traces = run_ranks(_trace_body, 4, timeout=60)
+    results = run_ranks(_trace_body, 4, timeout=60)
+    for rank, (_, message) in enumerate(results):
+        assert message.endswith(
+            f"NaN or Inf in the weights or outputs of expert(s) [{2 * rank + 1}]"
+        )
+    traces = [t for t, _ in results]
     # forward: both dispatches start, the shared experts run (H), land chunk 0, experts 0 (X),
     # start its combine, land chunk 1 (it travelled during experts 0), experts 1, start
-    # combine 1, land both combines. backward: both combine gradients start; then per chunk
-    # from the last: land, (expert backward,) start its dispatch gradient, which travels
-    # during the other chunk's expert backward and, for the last, the shared backward (h).
-    expected = "SSHLXSLXSLL|SSLSLShLL"
+    # combine 1, land both combines; the experts module was called once (M). backward: both
+    # combine gradients start; then per chunk in that order: land, (expert backward,) start its
+    # dispatch gradient, which travels during the other chunk's expert backward and, for the
+    # last, the shared backward (h).
+    expected = "SSHLXSLXSLLM|SSLSLShLL"
     assert traces == [{"flat": expected, "hierarchical": expected}] * 4
 
 
@@ -196,12 +231,7 @@ def _failing_body(rank, world, algorithm):
     model = parallelize(
         build(0, 8), init_mesh(dp=1, ep=world), algorithm=algorithm, ranks_per_node=2, overlap=2
     )
-
-    def fail(*_):
-        raise RuntimeError("rank 2 fails in its experts")
-
-    if rank == 2:
-        model[1].experts.register_forward_hook(fail)
+    _chunk_calls(model[1], [], fail_on_rank=2)
     model(torch.randn(4, D, requires_grad=True)).sum().backward()
     return "finished"
 

@@ -30,8 +30,13 @@ from moe.kernels.expert_mlp import ExpertRows
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
 # (x_RD, offsets_L, ctx) -> out_RD: the layer's experts as the dispatcher sees them. It may
-# carry `fuses_combine: bool` (read with fuses_combine(experts); absent means False).
-ExpertFn = Callable[[torch.Tensor, torch.Tensor, "DispatchContext"], torch.Tensor]
+# carry `fuses_combine: bool` (read with fuses_combine(experts); absent means False) and
+# `hold(x, compute)`, for a dispatcher that calls the experts in parts (moe.dispatch.overlapped):
+# it runs compute(x, weights) inside one call of the experts module (so FSDP2 gathers and
+# reduces the weights once), weights being the local expert tensors (w1, w2, w3, b1, b2);
+# compute then calls experts(x_RD, offsets_L, ctx, weights=...) for each part, with those
+# tensors (or leaves made from them).
+ExpertFn = Callable[..., torch.Tensor]
 
 
 def fuses_combine(experts: ExpertFn) -> bool:

@@ -1,5 +1,6 @@
-"""Exchanges that run in the background while the experts compute, and the autograd pair that
-starts one (`send`) and lands it (`receive`) in forward and backward.
+"""Exchanges that run in the background while the experts compute: `start_exchange` starts one
+and returns the function that lands it (moe.dispatch.overlapped calls them in forward and
+backward).
 
 Flat: one `all_to_all_single(async_op=True)`. On NCCL that already runs on the communicator's
 own stream, ordered after the producer by an event, and `work.wait()` makes the current stream
@@ -107,57 +108,3 @@ def start_exchange(x_ND: torch.Tensor, plan: AllToAllPlan, worker: Worker) -> La
         return y_ND
 
     return land
-
-
-class Ticket:
-    """One exchange's two landings: forward (rows) and backward (their gradient)."""
-
-    __slots__ = ("forward", "backward")
-
-    def __init__(self) -> None:
-        self.forward: Landing | None = None
-        self.backward: Landing | None = None
-
-
-class _Send(torch.autograd.Function):
-    """Starts the exchange; returns a 0-d token. Backward lands the gradient exchange that
-    `_Receive.backward` started, so the engine is free to run other work in between."""
-
-    @staticmethod
-    def forward(ctx, x_ND, plan, ticket, worker):
-        ctx.set_materialize_grads(False)
-        ctx.ticket = ticket
-        ticket.forward = start_exchange(x_ND, plan, worker)
-        return x_ND.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _token):
-        landing, ctx.ticket.backward = ctx.ticket.backward, None
-        return landing(), None, None, None
-
-
-class _Receive(torch.autograd.Function):
-    """Lands the exchange `_Send` started; backward starts the reverse exchange of the
-    gradient and returns at once."""
-
-    @staticmethod
-    def forward(ctx, _token, plan, ticket, worker):
-        ctx.plan, ctx.ticket, ctx.worker = plan, ticket, worker
-        landing, ticket.forward = ticket.forward, None
-        return landing()
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        ctx.ticket.backward = start_exchange(grad_MD, ctx.plan.reverse(), ctx.worker)
-        return None, None, None, None
-
-
-def send(x_ND: torch.Tensor, plan: AllToAllPlan, worker: Worker) -> tuple[torch.Tensor, Ticket]:
-    """Start the exchange of x_ND (autograd-aware): -> (token, ticket) for `receive`."""
-    ticket = Ticket()
-    return _Send.apply(x_ND, plan, ticket, worker), ticket
-
-
-def receive(token: torch.Tensor, ticket: Ticket, plan: AllToAllPlan, worker: Worker):
-    """Wait for the exchange started by `send` and return the received rows."""
-    return _Receive.apply(token, plan, ticket, worker)

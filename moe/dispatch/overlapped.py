@@ -6,29 +6,37 @@ every rank. Why by expert rather than by row range:
   * exact: every expert sees all its rows in one expert call, as in the plain dispatcher, so
     outputs and every gradient are the same numbers (no weight gradient is split into partial
     sums over chunks, no GEMM is cut smaller);
+  * cheap: chunk c's weight gradient is zero outside its experts, so the chunks' gradients
+    are put together by copying slices, nothing is accumulated;
   * free to agree on: the boundaries depend only on L and n, and the per-chunk split sizes
     come from the per-expert counts that the one count exchange already delivers;
   * the send buffer is still one gather: rows are gathered from the tokens in (chunk,
     destination, expert) order, so each chunk is one contiguous slice.
 The price: n <= L (a larger n is clamped), and a chunk's size follows its experts' load.
-The experts module is called once per chunk: under FSDP2 with dp > 1 it is unsharded and its
-gradient reduced once per chunk too (correct, more dp traffic; pure EP has none).
+
+The experts module is called once per layer call (`experts.hold`), and the pipeline runs
+inside that call as one autograd node (`_Experts`): FSDP2 gathers and reduces the weights
+once, and per chunk there is no module call, hook or gradient accumulation (their host cost
+was what the pipeline added on a CPU). Each chunk's expert MLP is a small autograd graph of
+its own (landed rows and the weights as leaves), run backward chunk by chunk. The
+chunk calls the experts with all L weights and zero rows outside its experts, as the plain
+dispatcher's single call sees them, so each expert takes the same kernel path (bitwise equal).
 
 Forward, per layer call: one count exchange (with extra columns: the requested degree,
 checked equal on every rank, each rank's measured expert time per row, its row total and its
 measured layer times, so overlap="auto" chooses the same degree everywhere without another
-collective); then every
-chunk's dispatch is started (async), the shared experts run while the first is in flight, and
-for each chunk in turn: wait for its rows, compute its experts, start its combine. Backward
-(autograd's order; a `_Receive` node starts the gradient exchange and returns, its `_Send`
-node waits for it): every chunk's combine gradient is started at once, then for each chunk
-from the last: wait, expert backward, start its dispatch gradient, which travels while the
-next chunk's expert backward (and at the end the shared experts' backward) runs.
+collective); then every chunk's dispatch is started (async, `_StartDispatch`), the shared
+experts run while the first is in flight, and for each chunk in turn: wait for its rows,
+compute its experts, start its combine. Backward: every chunk's combine gradient is started at
+once, then for each chunk in that order: wait, expert backward, start its dispatch gradient,
+which travels while the next chunk's expert backward (and at the end the shared experts'
+backward) runs; `_StartDispatch`'s backward lands them.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -45,7 +53,7 @@ from moe.dispatch.overlap_degree import (
     choose_degree,
     validate_overlap,
 )
-from moe.dispatch.overlap_exchange import Worker, receive, send
+from moe.dispatch.overlap_exchange import Landing, Worker, start_exchange
 from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,
@@ -54,6 +62,7 @@ from moe.dispatch.permute import (
     weighted_sum_rows,
 )
 from moe.kernels import resolve_backend
+from moe.kernels.expert_mlp import keep_graph
 
 # columns riding on the count exchange (the row totals always do): degree asked, expert ps
 # per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),
@@ -149,50 +158,155 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         n = self._choose(counts, topo)
         self.last_degree = n
         bounds = [c * L // n for c in range(n + 1)]
-        plans = [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])]
-        recv_WL = counts.recv_counts_WL
         kept = sum(map(sum, counts.send_WL))
         plan_c = chunk_order(plan, bounds, L, kept) if n > 1 else plan
+        pipe = _Pipeline(
+            [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
+            bounds,
+            counts.recv_counts_WL,
+            DispatchContext(plan_c, algorithm=counts.algorithm, all_rows_kept=True),
+            self,
+        )
         x_MD = gather_tokens(x_TD, plan_c)
-        x_chunks = torch.split(x_MD[:kept], [sum(p.send) for p in plans])
-        sent = [send(x, p, self.worker) for x, p in zip(x_chunks, plans)]
+        token = _StartDispatch.apply(x_MD[:kept], pipe)
         shared_TD = None if shared is None else shared()  # while the first chunk travels
-        ctx = DispatchContext(plan_c, algorithm=counts.algorithm, all_rows_kept=True)  # for experts
-        returning = []
-        for (token, ticket), p, b0, b1 in zip(sent, plans, bounds, bounds[1:]):
-            recv_RD = receive(token, ticket, p, self.worker)
-            out_RD = self._compute(recv_RD, recv_WL, b0, b1, experts, ctx)
-            back = p.reverse()
-            returning.append((*send(out_RD, back, self.worker), back))
-        rows = [receive(token, ticket, back, self.worker) for token, ticket, back in returning]
-        dropped = rows[0].new_zeros(plan.num_rows - kept, rows[0].shape[1])
-        out_MD = torch.cat([*rows, dropped])  # one copy: the chunks and the dropped tail
+        dropped = plan.num_rows - kept
+
+        def compute(token, weights):
+            return _Experts.apply(token, pipe, experts, dropped, *weights)
+
+        hold = getattr(experts, "hold", None)
+        out_MD = compute(token, ()) if hold is None else hold(token, compute)
         y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
         if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
             seconds, old = time.perf_counter() - began, self.layer_seconds[n > 1]
             self.layer_seconds[n > 1] = seconds if old == 0 else 0.5 * (old + seconds)
         return y_TD, shared_TD
 
-    def _compute(self, recv_RD, recv_WL, b0, b1, experts, ctx):
-        """Experts [b0, b1) on their received rows ((source, expert)-major -> expert-major
-        and back, as the plain dispatcher)."""
-        W, L = recv_WL.shape
+
+class _Pipeline:
+    """One layer call's chunks, shared by its forward and backward: the dispatch plan of each
+    chunk (its combine is the reverse), the local expert bounds, the received counts, the
+    experts' context, and the exchanges in flight."""
+
+    def __init__(self, plans, bounds, recv_WL, context, dispatcher: OverlappedDispatcher):
+        self.plans, self.bounds, self.recv_WL, self.context = plans, bounds, recv_WL, context
+        self.backs = [p.reverse() for p in plans]
+        self.worker, self.clock = dispatcher.worker, dispatcher.clock
+        self.arriving: list[Landing] = []  # forward: chunks' rows; backward: their gradients
+
+    def start_all(self, x_MD) -> list[Landing]:
+        """Start each chunk's exchange along its dispatch plan: x_MD is this rank's kept rows
+        in chunk order (dispatch; in backward, the combine's gradient)."""
+        chunks = torch.split(x_MD, [sum(p.send) for p in self.plans])
+        return [start_exchange(x, p, self.worker) for x, p in zip(chunks, self.plans)]
+
+    def start_one(self, c: int, x_RD) -> Landing:
+        """Start chunk c's exchange of x_RD back to the rows' ranks (combine; in backward, the
+        dispatch's gradient)."""
+        return start_exchange(x_RD, self.backs[c], self.worker)
+
+    def compute(self, c: int, recv_RD, experts, weights, needs_grad):
+        """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
+        back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
+        (rows leaf, weight leaves, out_RD)."""
+        b0, b1 = self.bounds[c], self.bounds[c + 1]
+        W, L = self.recv_WL.shape
         device = recv_RD.device
-        expert_R = torch.repeat_interleave(
-            torch.arange(b0, b1, device=device).repeat(W),
-            recv_WL[:, b0:b1].reshape(-1),
-            output_size=recv_RD.shape[0],
-        )
-        order_R, inverse_R = sort_rows_by_expert(expert_R)
         in_chunk_L = torch.zeros(L, dtype=torch.bool, device=device)
         in_chunk_L[b0:b1] = True
-        counts_L = torch.where(in_chunk_L, recv_WL.sum(0), 0)
-        offsets_L = torch.cumsum(counts_L, 0).to(torch.int32)
-        x_RD = permute_rows(recv_RD, order_R, inverse_R)
-        start = self.clock.start(x_RD)
-        out_RD = experts(x_RD, offsets_L, ctx)
-        self.clock.stop(start, x_RD.shape[0])
-        return permute_rows(out_RD, inverse_R, order_R)
+        offsets_L = torch.cumsum(torch.where(in_chunk_L, self.recv_WL.sum(0), 0), 0)
+        offsets_L = offsets_L.to(torch.int32)
+        order = None  # one expert: its rows are already expert-major
+        if b1 - b0 > 1:
+            expert_R = torch.repeat_interleave(
+                torch.arange(b0, b1, device=device).repeat(W),
+                self.recv_WL[:, b0:b1].reshape(-1),
+                output_size=recv_RD.shape[0],
+            )
+            order = sort_rows_by_expert(expert_R)
+        with torch.enable_grad() if any(needs_grad) else nullcontext():
+            rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
+            leaves = tuple(
+                None if w is None else w.detach().requires_grad_(g)
+                for w, g in zip(weights, needs_grad[1:])
+            )
+            x_RD = rows_RD if order is None else permute_rows(rows_RD, *order)
+            start = self.clock.start(x_RD)
+            if weights:
+                out_RD = experts(x_RD, offsets_L, self.context, weights=leaves)
+            else:  # an expert function without `hold`: its own parameters get their gradients
+                out_RD = experts(x_RD, offsets_L, self.context)
+            self.clock.stop(start, x_RD.shape[0])
+            if order is not None:
+                out_RD = permute_rows(out_RD, order[1], order[0])
+        return rows_RD, leaves, out_RD
+
+
+class _StartDispatch(torch.autograd.Function):
+    """Starts every chunk's dispatch; returns a 0-d token for `_Experts`. Backward lands the
+    chunks' gradients, whose exchanges `_Experts.backward` started."""
+
+    @staticmethod
+    def forward(ctx, x_MD, pipe: _Pipeline):
+        ctx.set_materialize_grads(False)
+        ctx.pipe = pipe
+        pipe.arriving = pipe.start_all(x_MD)
+        return x_MD.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token):
+        arriving, ctx.pipe.arriving = ctx.pipe.arriving, []
+        return torch.cat([land() for land in arriving]), None
+
+
+class _Experts(torch.autograd.Function):
+    """Forward: per chunk, land its rows, compute its experts, start its combine; returns the
+    rows that came back (and `dropped` zero rows: the plan's tail). Backward: start every
+    chunk's combine gradient, then per chunk in the same order (the first sent arrives
+    first): land it, run the chunk's graph backward (its experts' slice of each weight
+    gradient), start its dispatch gradient."""
+
+    @staticmethod
+    def forward(ctx, token, pipe: _Pipeline, experts, dropped: int, *weights):
+        needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
+        ctx.pipe, ctx.graphs, ctx.weights, ctx.dropped = pipe, [], weights, dropped
+        arriving, pipe.arriving = pipe.arriving, []
+        returning = []
+        for c, land in enumerate(arriving):
+            graph = pipe.compute(c, land(), experts, weights, needs_grad)
+            if any(needs_grad):
+                ctx.graphs.append(graph)
+            returning.append(pipe.start_one(c, graph[2].detach()))
+        rows = [land() for land in returning]
+        return torch.cat([*rows, rows[0].new_zeros(dropped, rows[0].shape[1])])
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        pipe = ctx.pipe
+        coming = pipe.start_all(grad_MD[: grad_MD.shape[0] - ctx.dropped])
+        grads: list = [None] * len(ctx.weights)
+        arriving: list[Landing | None] = [None] * len(coming)
+        for c in range(len(coming)):  # in the order the gradients were sent
+            rows_RD, leaves, out_RD = ctx.graphs[c]
+            g_RD = coming[c]()
+            if out_RD.requires_grad:
+                torch.autograd.backward(out_RD, g_RD, retain_graph=keep_graph())
+            chunk = slice(pipe.bounds[c], pipe.bounds[c + 1])
+            for i, leaf in enumerate(leaves):  # zero outside chunk c's experts: take its slice
+                if leaf is not None and leaf.grad is not None:
+                    if grads[i] is None:
+                        grads[i] = leaf.grad
+                    else:
+                        grads[i][chunk] = leaf.grad[chunk]
+                    leaf.grad = None
+            dx_RD = rows_RD.grad if rows_RD.grad is not None else torch.zeros_like(rows_RD)
+            rows_RD.grad = None
+            arriving[c] = pipe.start_one(c, dx_RD)
+        if not keep_graph():
+            ctx.graphs = []
+        pipe.arriving = arriving
+        return None, None, None, None, *grads
 
 
 def chunk_order(plan: DispatchPlan, bounds: list[int], L: int, kept: int) -> DispatchPlan:

@@ -87,10 +87,12 @@ def wgrad_groups(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tenso
     num_groups = offsets_E.shape[0]
     if _use_native(x_MK, dy_MN) and _aligned(x_MK, 0):
         return torch._grouped_mm(x_MK.t(), dy_MN, offs=offsets_E)
-    dw = x_MK.new_zeros(num_groups, x_MK.shape[1], dy_MN.shape[1])
+    dw = x_MK.new_empty(num_groups, x_MK.shape[1], dy_MN.shape[1])
     for e, (s, t) in enumerate(_segments(offsets_E)):
         if t > s:
             torch.matmul(x_MK[s:t].t(), dy_MN[s:t], out=dw[e])
+        else:
+            dw[e].zero_()
     return dw
 
 
