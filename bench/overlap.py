@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
             rows += run_emulated(cfg, entry="-mbench.overlap")["rows"]
     meta = {k: v for k, v in vars(a).items() if k not in ("worker_config", "report")}
     meta["date"] = datetime.date.today().isoformat()
+    meta["cores"] = os.cpu_count()
     if a.report:
         write_report(Path(a.report), meta, rows)
         print(f"wrote {a.report}", flush=True)

@@ -122,13 +122,14 @@ class MoELayer(nn.Module):
 
         crossed = []  # the all-to-all algorithm the dispatcher's context reports, for stats
 
-        def experts(x_RD, offsets_L, ctx, weights=None):
+        def experts(x_RD, offsets_L, ctx, weights=None, first=0):
             crossed.append(ctx.algorithm)
             rows = ctx.expert_rows()
             if weights is None:
                 out_RD = self.experts(x_RD, offsets_L, rows=rows, backend=backend)
-            else:  # inside the dispatcher's `hold` call: the tensors it handed over
-                out_RD = self.experts.mlp(x_RD, offsets_L, weights, rows=rows, backend=backend)
+            else:  # inside the dispatcher's `hold` call: local experts [first, first + len)
+                ends_L = offsets_L[first : first + weights[0].shape[0]]
+                out_RD = self.experts.mlp(x_RD, ends_L, weights, rows=rows, backend=backend)
             if self.config.check_finite:
                 check_experts_finite(self.name, self.experts, out_RD, offsets_L)
             return out_RD

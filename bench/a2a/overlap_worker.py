@@ -148,9 +148,12 @@ def worker_main(cfg: dict) -> None:
             op()
     samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in ops}
     names = list(ops)
+    auto_degrees = []  # the degree auto ran at in each measured call
     for r in range(cfg["rounds"]):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(_timed(ops[name]))
+            if name == "auto":
+                auto_degrees.append(models["auto"].dispatcher.last_degree)
 
     def median(name, k):
         return statistics.median(t[k] for t in samples[name])
@@ -163,7 +166,7 @@ def worker_main(cfg: dict) -> None:
         "median_forward_s": {n: median(n, 1) for n in samples},
         "median_backward_s": {n: median(n, 2) for n in samples},
         "median_cpu_s": {n: median(n, 3) for n in samples},  # all ranks together
-        "auto_degree": models["auto"].dispatcher.last_degree,
+        "auto_degrees": auto_degrees,
         "link_model": {"a_s": link.a_coll, "bytes_per_s": link.bw_inter},
         "send_bytes": sum(send) * D * 4,
         "load_before": load_before,

@@ -34,8 +34,9 @@ DISPATCHERS: dict[str, type["Dispatcher"]] = {}
 # `hold(x, compute)`, for a dispatcher that calls the experts in parts (moe.dispatch.overlapped):
 # it runs compute(x, weights) inside one call of the experts module (so FSDP2 gathers and
 # reduces the weights once), weights being the local expert tensors (w1, w2, w3, b1, b2);
-# compute then calls experts(x_RD, offsets_L, ctx, weights=...) for each part, with those
-# tensors (or leaves made from them).
+# compute then calls experts(x_RD, offsets_L, ctx, weights=..., first=lo) for each part:
+# weights are slices [lo:hi] of those tensors (or leaves made from them), the rows belong to
+# experts in [lo, hi) and offsets_L still covers all L experts.
 ExpertFn = Callable[..., torch.Tensor]
 
 

@@ -11,12 +11,6 @@ from moe.comm.cost_model import CostModel
 
 MAX_DEGREE = 8
 CHUNK_OVERHEAD_S = 1e-4  # host cost of one more chunk per pass (launches, small ops), assumed
-# "auto" proposes pipelining for a predicted gain of at least 2%; the dispatcher then keeps it
-# only while the layer is measured faster pipelined (OverlappedDispatcher._verified). The link
-# model (t = a + b * S per exchange) sees no gain from exchanges in flight together, which the
-# emulated 100 Mbit/s link showed (bench/results/2026-11-25-cpu-overlap.md): a small predicted
-# gain is worth the measured try.
-MIN_GAIN = 0.02
 
 
 def validate_overlap(overlap: int | str | None) -> int | str | None:
@@ -45,8 +39,12 @@ def choose_degree(
     hierarchical: bool = False,
 ) -> int:
     """The degree with the least predicted forward + backward time (backward compute = 2x
-    forward), 1 without a cost model or an expert measurement, or unless the gain is at least
-    MIN_GAIN. A pure function of values every rank shares, so all ranks agree.
+    forward), 1 without a cost model or an expert measurement. Only a proposal: the dispatcher
+    keeps it while the layer is measured faster pipelined (OverlappedDispatcher._verified), so
+    no threshold on the predicted gain is needed; and the link model (t = a + b * S per
+    exchange) misses that exchanges in flight together move data faster than one (the
+    emulated 100 Mbit/s link, bench/results/2026-11-25-cpu-overlap-one-call.md), so it
+    underestimates the gain. A pure function of values every rank shares: all ranks agree.
 
     max_bytes: the largest per-rank send buffer; expert_seconds: forward expert time of one
     rank's rows (measured)."""
@@ -64,8 +62,7 @@ def choose_degree(
         bwd = pipelined_time(x, 2 * expert_seconds / n, n)
         return fwd + bwd + 2 * over
 
-    best = min(range(1, max_degree + 1), key=total)
-    return best if total(best) <= (1 - MIN_GAIN) * total(1) else 1
+    return min(range(1, max_degree + 1), key=total)  # ties: the smaller degree
 
 
 class ExpertClock:

@@ -6,8 +6,11 @@ every rank. Why by expert rather than by row range:
   * exact: every expert sees all its rows in one expert call, as in the plain dispatcher, so
     outputs and every gradient are the same numbers (no weight gradient is split into partial
     sums over chunks, no GEMM is cut smaller);
-  * cheap: chunk c's weight gradient is zero outside its experts, so the chunks' gradients
-    are put together by copying slices, nothing is accumulated;
+  * cheap: a chunk of one expert computes with that expert's slice of the weights (no work or
+    memory for the others); a larger chunk computes with all L and zero rows elsewhere, so
+    each expert takes the kernel path it takes in the plain dispatcher's call (equal groups
+    run as one bmm there: a subset of experts could be equal where all are not). Either way
+    the chunks' weight gradients are put together by copying slices, never accumulated;
   * free to agree on: the boundaries depend only on L and n, and the per-chunk split sizes
     come from the per-expert counts that the one count exchange already delivers;
   * the send buffer is still one gather: rows are gathered from the tokens in (chunk,
@@ -18,9 +21,8 @@ The experts module is called once per layer call (`experts.hold`), and the pipel
 inside that call as one autograd node (`_Experts`): FSDP2 gathers and reduces the weights
 once, and per chunk there is no module call, hook or gradient accumulation (their host cost
 was what the pipeline added on a CPU). Each chunk's expert MLP is a small autograd graph of
-its own (landed rows and the weights as leaves), run backward chunk by chunk. The
-chunk calls the experts with all L weights and zero rows outside its experts, as the plain
-dispatcher's single call sees them, so each expert takes the same kernel path (bitwise equal).
+its own (landed rows and the weights as leaves), run backward chunk by chunk. Outputs and
+every gradient equal the plain dispatcher's bit for bit.
 
 Forward, per layer call: one count exchange (with extra columns: the requested degree,
 checked equal on every rank, each rank's measured expert time per row, its row total and its
@@ -36,6 +38,7 @@ backward) runs; `_StartDispatch`'s backward lands them.
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -68,6 +71,8 @@ from moe.kernels.expert_mlp import keep_graph
 # per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),
 # 0 = not measured yet
 PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this many calls
+RECENT = 4  # "auto" compares the fastest of each option's last RECENT forward times: a single
+# slow call (another process on the core) does not flip the choice, a lasting change does
 
 
 @register_dispatcher("overlap")
@@ -95,14 +100,16 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.worker = Worker()
         self.last_degree = 1
         self.calls = 0
-        self.layer_seconds = {False: 0.0, True: 0.0}  # forward time: plain, pipelined (EMA)
+        # forward seconds of this layer, plain (False) and pipelined (True): recent calls
+        self.layer_seconds = {False: deque(maxlen=RECENT), True: deque(maxlen=RECENT)}
+        self.warm = {False: False, True: False}  # each option has run once
 
     def _plan_counts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> ExpertExchange:
         """The one count collective, with the extra columns every rank needs to agree on the
         degree (moe.comm.plan_expert_exchange)."""
         asked = 0 if self.degree == "auto" else int(self.degree)
         ps_per_row = int(self.clock.seconds_per_row * 1e12)
-        plain_us, piped_us = (int(self.layer_seconds[k] * 1e6) for k in (False, True))
+        plain_us, piped_us = (int(min(self.layer_seconds[k], default=0) * 1e6) for k in (0, 1))
         extra = torch.tensor(
             [asked, ps_per_row, plain_us, piped_us], dtype=torch.long, device=x_TD.device
         )
@@ -132,10 +139,11 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         return self._verified(n, extras)
 
     def _verified(self, n: int, extras) -> int:
-        """The model's degree only while pipelining is measured faster than plain (slowest
-        rank's forward time of this layer): the first calls measure plain (no expert time
-        yet), then pipelined, and every PROBE_EVERY calls the option not in use is measured
-        again. A pure function of shared values and the call count: all ranks agree."""
+        """The model's degree only while pipelining is measured faster than plain (the slowest
+        rank's fastest recent forward time of this layer, each): the first two calls measure
+        plain (no expert time yet; the first is not kept), the next two pipelined, and every
+        PROBE_EVERY calls the option not in use is measured again. A pure function of shared
+        values and the call count: all ranks agree."""
         if n == 1:
             return 1
         plain = max(int(e[2]) for e in extras) if all(e[2] for e in extras) else 0
@@ -159,7 +167,12 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.last_degree = n
         bounds = [c * L // n for c in range(n + 1)]
         kept = sum(map(sum, counts.send_WL))
-        plan_c = chunk_order(plan, bounds, L, kept) if n > 1 else plan
+        plan_c, order = chunk_order(plan, bounds, L, kept) if n > 1 else (plan, None)
+        if order is None or plan.pair_rows_TK is not None:
+            x_MD, order = gather_tokens(x_TD, plan_c), None
+        else:  # expert choice adds a token's rows in row order (forward and backward): keep
+            # the plain order and permute only the rows that travel (same sums, bit for bit)
+            x_MD, plan_c = permute_rows(gather_tokens(x_TD, plan), *order), plan
         pipe = _Pipeline(
             [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
@@ -167,7 +180,6 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             DispatchContext(plan_c, algorithm=counts.algorithm, all_rows_kept=True),
             self,
         )
-        x_MD = gather_tokens(x_TD, plan_c)
         token = _StartDispatch.apply(x_MD[:kept], pipe)
         shared_TD = None if shared is None else shared()  # while the first chunk travels
         dropped = plan.num_rows - kept
@@ -177,11 +189,19 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
 
         hold = getattr(experts, "hold", None)
         out_MD = compute(token, ()) if hold is None else hold(token, compute)
+        if order is not None:
+            out_MD = permute_rows(out_MD, order[1], order[0])
         y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
         if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
-            seconds, old = time.perf_counter() - began, self.layer_seconds[n > 1]
-            self.layer_seconds[n > 1] = seconds if old == 0 else 0.5 * (old + seconds)
+            self._record(n > 1, time.perf_counter() - began)
         return y_TD, shared_TD
+
+    def _record(self, piped: bool, seconds: float) -> None:
+        """Keep this forward time for "auto", except each option's first (cold: first-call
+        allocations and setup would make that option look slower than it is)."""
+        if self.warm[piped]:
+            self.layer_seconds[piped].append(seconds)
+        self.warm[piped] = True
 
 
 class _Pipeline:
@@ -209,7 +229,7 @@ class _Pipeline:
     def compute(self, c: int, recv_RD, experts, weights, needs_grad):
         """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
         back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
-        (rows leaf, weight leaves, out_RD)."""
+        (rows leaf, weight leaves [lo:hi], out_RD, lo)."""
         b0, b1 = self.bounds[c], self.bounds[c + 1]
         W, L = self.recv_WL.shape
         device = recv_RD.device
@@ -227,20 +247,21 @@ class _Pipeline:
             order = sort_rows_by_expert(expert_R)
         with torch.enable_grad() if any(needs_grad) else nullcontext():
             rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
+            lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
             leaves = tuple(
-                None if w is None else w.detach().requires_grad_(g)
+                None if w is None else w.detach()[lo:hi].requires_grad_(g)
                 for w, g in zip(weights, needs_grad[1:])
             )
             x_RD = rows_RD if order is None else permute_rows(rows_RD, *order)
             start = self.clock.start(x_RD)
             if weights:
-                out_RD = experts(x_RD, offsets_L, self.context, weights=leaves)
+                out_RD = experts(x_RD, offsets_L, self.context, weights=leaves, first=lo)
             else:  # an expert function without `hold`: its own parameters get their gradients
                 out_RD = experts(x_RD, offsets_L, self.context)
             self.clock.stop(start, x_RD.shape[0])
             if order is not None:
                 out_RD = permute_rows(out_RD, order[1], order[0])
-        return rows_RD, leaves, out_RD
+        return rows_RD, leaves, out_RD, lo
 
 
 class _StartDispatch(torch.autograd.Function):
@@ -288,18 +309,21 @@ class _Experts(torch.autograd.Function):
         grads: list = [None] * len(ctx.weights)
         arriving: list[Landing | None] = [None] * len(coming)
         for c in range(len(coming)):  # in the order the gradients were sent
-            rows_RD, leaves, out_RD = ctx.graphs[c]
+            rows_RD, leaves, out_RD, lo = ctx.graphs[c]
             g_RD = coming[c]()
             if out_RD.requires_grad:
                 torch.autograd.backward(out_RD, g_RD, retain_graph=keep_graph())
-            chunk = slice(pipe.bounds[c], pipe.bounds[c + 1])
-            for i, leaf in enumerate(leaves):  # zero outside chunk c's experts: take its slice
-                if leaf is not None and leaf.grad is not None:
-                    if grads[i] is None:
-                        grads[i] = leaf.grad
-                    else:
-                        grads[i][chunk] = leaf.grad[chunk]
-                    leaf.grad = None
+            b0, b1 = pipe.bounds[c], pipe.bounds[c + 1]
+            for i, leaf in enumerate(leaves):  # chunk c's experts' slice of each gradient
+                if leaf is None or not leaf.requires_grad:
+                    continue
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if grads[i] is None:  # a full-width leaf's gradient is the buffer itself
+                    full = g.shape == ctx.weights[i].shape
+                    grads[i] = g if full else g.new_empty(ctx.weights[i].shape)
+                if grads[i] is not g:
+                    grads[i][b0:b1] = g[b0 - lo : b1 - lo]
+                leaf.grad = None
             dx_RD = rows_RD.grad if rows_RD.grad is not None else torch.zeros_like(rows_RD)
             rows_RD.grad = None
             arriving[c] = pipe.start_one(c, dx_RD)
@@ -309,9 +333,12 @@ class _Experts(torch.autograd.Function):
         return None, None, None, None, *grads
 
 
-def chunk_order(plan: DispatchPlan, bounds: list[int], L: int, kept: int) -> DispatchPlan:
+def chunk_order(
+    plan: DispatchPlan, bounds: list[int], L: int, kept: int
+) -> tuple[DispatchPlan, tuple[torch.Tensor, torch.Tensor]]:
     """The same plan with its kept rows reordered (chunk, destination rank, local expert);
-    within an expert the order is kept, dropped rows stay at the tail."""
+    within an expert the order is kept, dropped rows stay at the tail. -> (that plan,
+    (perm_M, inverse_M)): its row m is row perm_M[m] of `plan`."""
     E = plan.counts_E.numel()
     device = plan.counts_E.device
     chunk_L = torch.zeros(L, dtype=torch.long, device=device)
@@ -326,9 +353,10 @@ def chunk_order(plan: DispatchPlan, bounds: list[int], L: int, kept: int) -> Dis
     )
     inverse_M = torch.empty_like(perm_M)
     inverse_M[perm_M] = torch.arange(plan.num_rows, device=device)
-    return replace(
+    chunked = replace(
         plan,
         token_ids_M=plan.token_ids_M[perm_M],
         pair_rows_TK=None if plan.pair_rows_TK is None else inverse_M[plan.pair_rows_TK],
         weights_M=None if plan.weights_M is None else plan.weights_M[perm_M],
     )
+    return chunked, (perm_M, inverse_M)

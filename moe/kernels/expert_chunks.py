@@ -32,8 +32,11 @@ class Chunk:
         self.rows, self.experts = slice(r0, r1), slice(e0, e1)
         self.offsets = offsets_L[e0:e1] - r0  # int32 row ends within the chunk
         n, L = r1 - r0, e1 - e0
-        self.capacity = 0  # > 0: every group has exactly this many rows (one bmm)
-        if host_readable(offsets_L) and n and n % L == 0:
+        # > 0: every group has exactly this many rows (one bmm). Not for one group: a GEMM
+        # either way, and the grouped path gives a lone expert the numbers it has among
+        # others (the overlapped dispatcher computes one-expert chunks; tests/test_overlap.py)
+        self.capacity = 0
+        if host_readable(offsets_L) and n and L > 1 and n % L == 0:
             step = torch.arange(1, L + 1, dtype=offsets_L.dtype) * (n // L)
             self.capacity = n // L if torch.equal(self.offsets, step) else 0
 
