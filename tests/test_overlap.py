@@ -3,6 +3,8 @@
 rows, dropped rows, shared experts), the pipeline order of forward and backward, the degree
 choice of overlap="auto", and clear errors instead of hangs."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from moe.dispatch import (
     overlapped,
     validate_overlap,
 )
-from moe.dispatch.overlap_degree import pipelined_time
+from moe.dispatch.overlap_degree import ForwardTimes, pipelined_time
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
@@ -94,7 +96,7 @@ def _equal_body(rank, world, cases):
                 build(0, E, **options), init_mesh(dp=dp, ep=ep), **popts, overlap=ov
             )
             results.append([])
-            for _ in range(4):  # auto: n = 1 twice (plain measured warm), then the model's n
+            for _ in range(4):  # auto: n = 1 (no expert time yet), then it explores: n, 1, n
                 results[-1].append(step(model, x_TD, g_TD))
                 degrees.append(getattr(model[1].dispatcher, "last_degree", 0))
             layers.append(model[1])
@@ -102,7 +104,7 @@ def _equal_body(rank, world, cases):
         if overlap == "auto":
             everyone = [None] * world
             dist.all_gather_object(everyone, degrees)
-            if any(d != degrees for d in everyone) or degrees[4:7] != [1, 1, E // ep]:
+            if any(d != degrees for d in everyone) or degrees[4:8] != [1, E // ep, 1, E // ep]:
                 problems.append(f"{name}: auto degrees {everyone}")
         plain, over = results
         if not isinstance(layers[1].dispatcher, OverlappedDispatcher):
@@ -268,6 +270,26 @@ def test_auto_degree_pipelines_only_where_it_pays():
     assert choose_degree(SLOW_LINK, 64, 2, 2, 1e-5, 4) == 1  # tiny: fixed costs dominate
     assert pipelined_time(2.0, 3.0, 1) == 7.0  # n = 1 is plain: 2x + e
     assert pipelined_time(1.0, 1.0, 2) == 5.0
+
+
+def test_forward_times_keep_the_fastest_recent_warm_calls():
+    """auto's measurements: each option's first (cold) call is dropped, the fastest of the last
+    RECENT kept calls counts, and the options alternate until each has EXPLORE kept times."""
+    times = ForwardTimes()
+    order = []
+    for piped, seconds in [(False, 9.0), (True, 8.0), (False, 2.0), (True, 3.0), (False, 4.0)]:
+        order.append(times.next_to_explore())
+        times.stop(time.perf_counter() - seconds, piped)
+    assert order == [False, True, False, True, False]  # the one run less often goes next
+    assert times.fastest(False) == pytest.approx(2.0, abs=0.01)  # 9 s was the cold call
+    assert times.fastest(True) == pytest.approx(3.0, abs=0.01)
+    assert times.exploring()
+    for seconds in [5.0, 6.0, 7.0, 8.0]:  # the 2 s call leaves the window of RECENT = 4
+        times.stop(time.perf_counter() - seconds, False)
+    assert times.fastest(False) == pytest.approx(5.0, abs=0.01)
+    for _ in range(2):
+        times.stop(time.perf_counter() - 1.0, True)
+    assert not times.exploring() and times.fastest(True) == pytest.approx(1.0, abs=0.01)
 
 
 def test_default_run_is_dispatch_experts_combine():

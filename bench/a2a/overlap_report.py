@@ -111,7 +111,8 @@ layer in ms, the slowest rank's time per round, median of {meta["rounds"]} inter
 exchange = the layer's four all-to-alls alone (dispatch, combine, their gradients) on the same
 rows; experts = the local experts' forward + backward alone on the same rows; ideal =
 max(exchange, experts); auto = overlap="auto" with a link model fitted from two exchanges
-(t = a + b * S); auto picks = the degrees it ran at over the measured rounds. Machine load
+(t = a + b * S), measured after its exploration calls (plain and pipelined alternate until
+each has 3 kept forward times); auto picks = the degrees it ran at over the measured rounds. Machine load
 (1-min load average, before -> after each rate; the benchmark's own 4 ranks make about 4):
 {loads}.
 

@@ -25,6 +25,7 @@ from moe.comm.alltoall import exchange
 from moe.comm.cost_model import MAX_BANDWIDTH, CostModel
 from moe.comm.exchange_plan import plan_all_to_all
 from moe.comm.topology import get_topology
+from moe.dispatch.overlap_degree import EXPLORE
 from moe.parallel import init_mesh, parallelize
 
 
@@ -143,8 +144,9 @@ def worker_main(cfg: dict) -> None:
     models["auto"] = make("auto")
     ops = {name: layer_op(m) for name, m in models.items()}
     ops["exchange"], ops["experts"] = exchange_op, experts_op
-    for op in ops.values():  # warm-up (auto: its first calls measure the experts, at n = 1)
-        for _ in range(cfg["warmup"]):
+    for name, op in ops.items():  # warm-up; auto: past its exploration (plain and pipelined
+        # alternate until each has EXPLORE kept times), so its rounds show what it settles on
+        for _ in range(cfg["warmup"] + (2 * (EXPLORE + 1) if name == "auto" else 0)):
             op()
     samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in ops}
     names = list(ops)

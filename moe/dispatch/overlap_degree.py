@@ -4,12 +4,15 @@ across ranks, the expert clock, and the cost-model choice behind overlap="auto".
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
 from moe.comm.cost_model import CostModel
 
 MAX_DEGREE = 8
+RECENT = 4  # "auto" compares the fastest of each option's last RECENT forward times
+EXPLORE = 3  # ... once each option has that many (after its first, cold call)
 CHUNK_OVERHEAD_S = 1e-4  # host cost of one more chunk per pass (launches, small ops), assumed
 
 
@@ -103,3 +106,51 @@ class ExpertClock:
         rate = seconds / rows
         old = self.seconds_per_row
         self.seconds_per_row = rate if old == 0 else self.decay * old + (1 - self.decay) * rate
+
+
+class ForwardTimes:
+    """This layer's recent forward times, plain (False) and pipelined (True), for "auto": the
+    fastest of the last RECENT calls of each (one slow call, another process on the core, does
+    not flip the choice; a lasting change does). Each option's first call is not kept: its
+    first-call allocations and setup would make it look slower than it is. CPU: host time.
+    CUDA: events on the stream, read once complete (query(), no sync), so a time may arrive a
+    call or two late."""
+
+    def __init__(self) -> None:
+        self.runs = {False: 0, True: 0}  # calls of each option, identical on every rank
+        self._recent = {False: deque(maxlen=RECENT), True: deque(maxlen=RECENT)}
+        self._pending: list = []
+
+    def start(self, x: torch.Tensor):
+        if not x.is_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start, piped: bool) -> None:
+        self.runs[piped] += 1
+        keep = self.runs[piped] > 1
+        if isinstance(start, float):
+            if keep:
+                self._recent[piped].append(time.perf_counter() - start)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        if keep:
+            self._pending.append((start, end, piped))
+
+    def fastest(self, piped: bool) -> float:
+        """Seconds (0.0: none measured yet)."""
+        while self._pending and self._pending[0][1].query():
+            start, end, option = self._pending.pop(0)
+            self._recent[option].append(start.elapsed_time(end) / 1e3)
+        return min(self._recent[piped], default=0.0)
+
+    def exploring(self) -> bool:
+        """Too few calls of either option to compare them yet."""
+        return min(self.runs.values()) < EXPLORE + 1
+
+    def next_to_explore(self) -> bool:
+        """While exploring, the options alternate: the one run less often goes next."""
+        return self.runs[True] < self.runs[False]

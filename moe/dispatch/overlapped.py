@@ -37,8 +37,6 @@ backward) runs; `_StartDispatch`'s backward lands them.
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -53,6 +51,7 @@ from moe.dispatch.expert_parallel import ExpertParallelDispatcher
 from moe.dispatch.overlap_degree import (
     MAX_DEGREE,
     ExpertClock,
+    ForwardTimes,
     choose_degree,
     validate_overlap,
 )
@@ -71,8 +70,6 @@ from moe.kernels.expert_mlp import keep_graph
 # per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),
 # 0 = not measured yet
 PROBE_EVERY = 16  # "auto" re-measures the option it is not using every this many calls
-RECENT = 4  # "auto" compares the fastest of each option's last RECENT forward times: a single
-# slow call (another process on the core) does not flip the choice, a lasting change does
 
 
 @register_dispatcher("overlap")
@@ -100,16 +97,14 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.worker = Worker()
         self.last_degree = 1
         self.calls = 0
-        # forward seconds of this layer, plain (False) and pipelined (True): recent calls
-        self.layer_seconds = {False: deque(maxlen=RECENT), True: deque(maxlen=RECENT)}
-        self.warm = {False: False, True: False}  # each option has run once
+        self.times = ForwardTimes()  # this layer's forward, plain and pipelined
 
     def _plan_counts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> ExpertExchange:
         """The one count collective, with the extra columns every rank needs to agree on the
         degree (moe.comm.plan_expert_exchange)."""
         asked = 0 if self.degree == "auto" else int(self.degree)
         ps_per_row = int(self.clock.seconds_per_row * 1e12)
-        plain_us, piped_us = (int(min(self.layer_seconds[k], default=0) * 1e6) for k in (0, 1))
+        plain_us, piped_us = (int(self.times.fastest(k) * 1e6) for k in (False, True))
         extra = torch.tensor(
             [asked, ps_per_row, plain_us, piped_us], dtype=torch.long, device=x_TD.device
         )
@@ -140,24 +135,22 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
 
     def _verified(self, n: int, extras) -> int:
         """The model's degree only while pipelining is measured faster than plain (the slowest
-        rank's fastest recent forward time of this layer, each): the first two calls measure
-        plain (no expert time yet; the first is not kept), the next two pipelined, and every
-        PROBE_EVERY calls the option not in use is measured again. A pure function of shared
-        values and the call count: all ranks agree."""
+        rank's fastest recent forward time of this layer, each; ForwardTimes): first the two
+        alternate until each has EXPLORE kept times on every rank, then the faster one runs,
+        and every PROBE_EVERY calls the other is measured again. A pure function of shared
+        values and call counts: all ranks agree."""
         if n == 1:
             return 1
         plain = max(int(e[2]) for e in extras) if all(e[2] for e in extras) else 0
         piped = max(int(e[3]) for e in extras) if all(e[3] for e in extras) else 0
-        if not plain:
-            return 1
-        if not piped:
-            return n
+        if self.times.exploring() or not plain or not piped:
+            return n if self.times.next_to_explore() else 1
         faster = n if piped < plain else 1
         probe = self.calls % PROBE_EVERY == 0
         return (1 if faster == n else n) if probe else faster
 
     def run(self, x_TD, plan, experts, shared=None):
-        began = time.perf_counter()
+        began = self.times.start(x_TD)
         self.calls += 1
         L = self.num_local
         self._check_plan(plan)  # before any collective
@@ -192,16 +185,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         if order is not None:
             out_MD = permute_rows(out_MD, order[1], order[0])
         y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
-        if not x_TD.is_cuda:  # host time is the layer's time only on the CPU
-            self._record(n > 1, time.perf_counter() - began)
+        self.times.stop(began, n > 1)
         return y_TD, shared_TD
-
-    def _record(self, piped: bool, seconds: float) -> None:
-        """Keep this forward time for "auto", except each option's first (cold: first-call
-        allocations and setup would make that option look slower than it is)."""
-        if self.warm[piped]:
-            self.layer_seconds[piped].append(seconds)
-        self.warm[piped] = True
 
 
 class _Pipeline:
