@@ -31,7 +31,7 @@ SHAPE = (37, 24, 4, 2, 40)  # T, d, E, k, F: T odd, d and F not multiples of 16
 PEAK_SHAPE = (96, 32, 4, 2, 72)  # activations large enough to dominate fixed overheads
 # Mixtral's (T, d, E, k, F) = (8192, 4096, 8, 2, 14336) / 64: the three weight gradients
 # dominate, so what else lives while the last one is written decides the peak
-MIXTRAL_SHAPE = (128, 64, 8, 2, 224)
+MIXTRAL_SHAPE = (64, 32, 8, 2, 112)
 
 
 def metadata_bound(T: int, E: int, k: int) -> int:
