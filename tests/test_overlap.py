@@ -3,12 +3,14 @@
 rows, dropped rows, shared experts), the pipeline order of forward and backward, the degree
 choice of overlap="auto", and clear errors instead of hangs."""
 
+import contextlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 import moe
 from moe.comm.cost_model import CostModel
@@ -83,12 +85,29 @@ CASES = [
 ]
 
 
+@contextlib.contextmanager
+def _counting_fsdp_all_gathers():
+    """Count FSDP2's parameter all-gathers (one per unshard of a unit) while inside."""
+    count = [0]
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather = counted
+    try:
+        yield count
+    finally:
+        _fsdp_param_group.foreach_all_gather = original
+
+
 def _equal_body(rank, world, cases):
     problems = []
     for name, dp, ep, sizes, overlap, E, options, popts in cases:
         g = torch.Generator().manual_seed(100 + rank)
         x_TD, g_TD = torch.randn(2, sizes[rank], D, generator=g)
-        results, layers, degrees = [], [], []
+        results, layers, degrees, gathers = [], [], [], []
         # auto: the cost model (tested below) says "pipeline"; the measurements must agree
         overlapped.choose_degree = lambda *args, **kw: args[5]  # max_degree
         for ov in (None, overlap):
@@ -96,11 +115,17 @@ def _equal_body(rank, world, cases):
                 build(0, E, **options), init_mesh(dp=dp, ep=ep), **popts, overlap=ov
             )
             results.append([])
-            for _ in range(4):  # auto: n = 1 (no expert time yet), then it explores: n, 1, n
-                results[-1].append(step(model, x_TD, g_TD))
-                degrees.append(getattr(model[1].dispatcher, "last_degree", 0))
+            with _counting_fsdp_all_gathers() as count:
+                for _ in range(4):  # auto: n = 1 (no expert time yet), then it explores: n, 1, n
+                    results[-1].append(step(model, x_TD, g_TD))
+                    degrees.append(getattr(model[1].dispatcher, "last_degree", 0))
+            gathers.append(count[0])
             layers.append(model[1])
         overlapped.choose_degree = choose_degree
+        if gathers[0] != gathers[1]:  # the experts are gathered once per layer call, not per chunk
+            problems.append(
+                f"{name}: FSDP2 all-gathers plain {gathers[0]}, overlapped {gathers[1]}"
+            )
         if overlap == "auto":
             everyone = [None] * world
             dist.all_gather_object(everyone, degrees)
