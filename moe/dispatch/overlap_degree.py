@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -68,83 +69,72 @@ def choose_degree(
     return min(range(1, max_degree + 1), key=total)  # ties: the smaller degree
 
 
-class ExpertClock:
-    """Forward expert seconds per row on this rank (running mean of recent calls). CPU: host
-    time around the (synchronous) expert call. CUDA: events, read one call later and only if
-    already complete (query(), no sync)."""
-
-    def __init__(self, decay: float = 0.5) -> None:
-        self.decay = decay
-        self.seconds_per_row = 0.0
-        self._pending: list[tuple[object, object, int]] = []
-        self._t0 = 0.0
-
-    def start(self, x: torch.Tensor):
-        if x.is_cuda:
-            self._resolve()
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, start, rows: int) -> None:
-        if rows <= 0:
-            return
-        if isinstance(start, float):
-            self._update(time.perf_counter() - start, rows)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((start, end, rows))
-
-    def _resolve(self) -> None:
-        while self._pending and self._pending[0][1].query():
-            start, end, rows = self._pending.pop(0)
-            self._update(start.elapsed_time(end) / 1e3, rows)
-
-    def _update(self, seconds: float, rows: int) -> None:
-        rate = seconds / rows
-        old = self.seconds_per_row
-        self.seconds_per_row = rate if old == 0 else self.decay * old + (1 - self.decay) * rate
-
-
-class ForwardTimes:
-    """This layer's recent forward times, plain (False) and pipelined (True), for "auto": the
-    fastest of the last RECENT calls of each (one slow call, another process on the core, does
-    not flip the choice; a lasting change does). Each option's first call is not kept: its
-    first-call allocations and setup would make it look slower than it is. CPU: host time.
-    CUDA: events on the stream, read once complete (query(), no sync), so a time may arrive a
-    call or two late."""
+class Stopwatch:
+    """Seconds between start(x) and stop(start, record): host time on the CPU (the work is
+    synchronous); on CUDA events on the stream, read once complete (query(), no sync), so
+    `record(seconds)` runs at a later start() or resolve(), a call or two late."""
 
     def __init__(self) -> None:
-        self.runs = {False: 0, True: 0}  # calls of each option, identical on every rank
-        self._recent = {False: deque(maxlen=RECENT), True: deque(maxlen=RECENT)}
         self._pending: list = []
 
     def start(self, x: torch.Tensor):
         if not x.is_cuda:
             return time.perf_counter()
+        self.resolve()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def stop(self, start, piped: bool) -> None:
-        self.runs[piped] += 1
-        keep = self.runs[piped] > 1
+    def stop(self, start, record: Callable[[float], None]) -> None:
         if isinstance(start, float):
-            if keep:
-                self._recent[piped].append(time.perf_counter() - start)
+            record(time.perf_counter() - start)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        if keep:
-            self._pending.append((start, end, piped))
+        self._pending.append((start, end, record))
+
+    def resolve(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end, record = self._pending.pop(0)
+            record(start.elapsed_time(end) / 1e3)
+
+
+class ExpertClock(Stopwatch):
+    """Forward expert seconds per row on this rank (running mean of recent calls)."""
+
+    def __init__(self, decay: float = 0.5) -> None:
+        super().__init__()
+        self.decay = decay
+        self.seconds_per_row = 0.0
+
+    def stop(self, start, rows: int) -> None:
+        if rows > 0:
+            super().stop(start, lambda seconds: self._update(seconds / rows))
+
+    def _update(self, rate: float) -> None:
+        old = self.seconds_per_row
+        self.seconds_per_row = rate if old == 0 else self.decay * old + (1 - self.decay) * rate
+
+
+class ForwardTimes(Stopwatch):
+    """This layer's recent forward times, plain (False) and pipelined (True), for "auto": the
+    fastest of the last RECENT calls of each (one slow call, another process on the core, does
+    not flip the choice; a lasting change does). Each option's first call is not kept: its
+    first-call allocations and setup would make it look slower than it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = {False: 0, True: 0}  # calls of each option, identical on every rank
+        self._recent = {False: deque(maxlen=RECENT), True: deque(maxlen=RECENT)}
+
+    def stop(self, start, piped: bool) -> None:
+        self.runs[piped] += 1
+        if self.runs[piped] > 1:
+            super().stop(start, self._recent[piped].append)
 
     def fastest(self, piped: bool) -> float:
         """Seconds (0.0: none measured yet)."""
-        while self._pending and self._pending[0][1].query():
-            start, end, option = self._pending.pop(0)
-            self._recent[option].append(start.elapsed_time(end) / 1e3)
+        self.resolve()
         return min(self._recent[piped], default=0.0)
 
     def exploring(self) -> bool:

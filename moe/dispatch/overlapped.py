@@ -160,12 +160,15 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.last_degree = n
         bounds = [c * L // n for c in range(n + 1)]
         kept = sum(map(sum, counts.send_WL))
-        plan_c, order = chunk_order(plan, bounds, L, kept) if n > 1 else (plan, None)
-        if order is None or plan.pair_rows_TK is not None:
-            x_MD, order = gather_tokens(x_TD, plan_c), None
+        plan_c, order = plan, chunk_order(plan, bounds, L, kept) if n > 1 else None
+        if order is None:
+            x_MD = gather_tokens(x_TD, plan)
+        elif plan.pair_rows_TK is not None:  # token choice: gather straight into chunk order
+            plan_c, order = reordered(plan, *order), None
+            x_MD = gather_tokens(x_TD, plan_c)
         else:  # expert choice adds a token's rows in row order (forward and backward): keep
             # the plain order and permute only the rows that travel (same sums, bit for bit)
-            x_MD, plan_c = permute_rows(gather_tokens(x_TD, plan), *order), plan
+            x_MD = permute_rows(gather_tokens(x_TD, plan), *order)
         pipe = _Pipeline(
             [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
@@ -196,6 +199,7 @@ class _Pipeline:
 
     def __init__(self, plans, bounds, recv_WL, context, dispatcher: OverlappedDispatcher):
         self.plans, self.bounds, self.recv_WL, self.context = plans, bounds, recv_WL, context
+        self.recv_L = recv_WL.sum(0)  # rows this rank computes per local expert
         self.backs = [p.reverse() for p in plans]
         self.worker, self.clock = dispatcher.worker, dispatcher.clock
         self.arriving: list[Landing] = []  # forward: chunks' rows; backward: their gradients
@@ -220,7 +224,7 @@ class _Pipeline:
         device = recv_RD.device
         in_chunk_L = torch.zeros(L, dtype=torch.bool, device=device)
         in_chunk_L[b0:b1] = True
-        offsets_L = torch.cumsum(torch.where(in_chunk_L, self.recv_WL.sum(0), 0), 0)
+        offsets_L = torch.cumsum(torch.where(in_chunk_L, self.recv_L, 0), 0)
         offsets_L = offsets_L.to(torch.int32)
         order = None  # one expert: its rows are already expert-major
         if b1 - b0 > 1:
@@ -320,10 +324,10 @@ class _Experts(torch.autograd.Function):
 
 def chunk_order(
     plan: DispatchPlan, bounds: list[int], L: int, kept: int
-) -> tuple[DispatchPlan, tuple[torch.Tensor, torch.Tensor]]:
-    """The same plan with its kept rows reordered (chunk, destination rank, local expert);
-    within an expert the order is kept, dropped rows stay at the tail. -> (that plan,
-    (perm_M, inverse_M)): its row m is row perm_M[m] of `plan`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm_M, inverse_M): the plan's kept rows reordered (chunk, destination rank, local
+    expert), row m of the new order being row perm_M[m] of `plan`; within an expert the order
+    is kept, dropped rows stay at the tail."""
     E = plan.counts_E.numel()
     device = plan.counts_E.device
     chunk_L = torch.zeros(L, dtype=torch.long, device=device)
@@ -338,10 +342,11 @@ def chunk_order(
     )
     inverse_M = torch.empty_like(perm_M)
     inverse_M[perm_M] = torch.arange(plan.num_rows, device=device)
-    chunked = replace(
-        plan,
-        token_ids_M=plan.token_ids_M[perm_M],
-        pair_rows_TK=None if plan.pair_rows_TK is None else inverse_M[plan.pair_rows_TK],
-        weights_M=None if plan.weights_M is None else plan.weights_M[perm_M],
+    return perm_M, inverse_M
+
+
+def reordered(plan: DispatchPlan, perm_M: torch.Tensor, inverse_M: torch.Tensor) -> DispatchPlan:
+    """A token-choice plan whose rows come in the order perm_M (chunk_order)."""
+    return replace(
+        plan, token_ids_M=plan.token_ids_M[perm_M], pair_rows_TK=inverse_M[plan.pair_rows_TK]
     )
-    return chunked, (perm_M, inverse_M)
