@@ -90,7 +90,7 @@ def _body(rank, world):
         ("flat", 2, None, "flat", "all_to_all_single"),
         ("hierarchical", 2, None, "hierarchical", "all_gather"),
         ("hierarchical", 4, None, "flat", "all_to_all_single"),  # one node
-        ("auto", 2, None, "flat", "all_to_all_single"),  # gloo, no cost model: never 2D
+        ("auto", 2, None, "flat", "all_gather"),  # gloo, no cost model: thresholds compared
         ("auto", 2, 1 << 20, "hierarchical", "all_gather"),
         ("auto", 2, 1, "flat", "all_gather"),  # may be 2D: decided on the gathered totals
         ("auto", 4, 1 << 20, "flat", "all_to_all_single"),  # one node

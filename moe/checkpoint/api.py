@@ -34,10 +34,11 @@ from moe.checkpoint.folder import MARKER, FolderLock, make_staging, new_id, remo
 from moe.checkpoint.metadata import METADATA
 from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
 from moe.checkpoint.validate import check_objects
-from moe.comm.consistency import all_gather_records
+from moe.comm.consistency import all_gather_records, raise_if_any_rank_failed
 from moe.untrusted import UntrustedFileError, read_bytes
 
 LATEST = "LATEST"
+REFUSED = "checkpoint refused (nothing was changed)"
 STAGING = ".tmp-"
 _NAME = re.compile(r"ckpt-[0-9a-f]{1,32}")
 
@@ -50,16 +51,23 @@ def _device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _agree(problems: list[str], cls: type = CheckpointError) -> None:
-    """Raise the same CheckpointError on every rank if any rank found a problem."""
-    lines = list(problems)
-    if _dist():
-        everyone = all_gather_records({str(i): m for i, m in enumerate(lines)})  # JSON, no pickle
-        lines = [f"rank {r}: {m}" for r, ms in enumerate(everyone) for m in ms.values()]
-    if lines:
-        shown = "\n  ".join(lines[:20])
-        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
-        raise cls(f"checkpoint refused (nothing was changed):\n  {shown}{more}")
+def _agree(problems: list[str], cls: type = CheckpointError, cause=None) -> None:
+    """Raise the same CheckpointError on every rank if any rank found a problem (the local
+    exception, if any, as its cause)."""
+    try:
+        raise_if_any_rank_failed(problems, error=cls, what=REFUSED)
+    except cls as e:
+        raise e from cause
+
+
+def _dcp_failure(e: CheckpointException) -> CheckpointError:
+    """DCP's exception (every rank's traceback, the cause at its very end) as one line per
+    failing rank: the file and what is wrong with it first."""
+    lines = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        lines.append(text if len(e.failures) == 1 and not _dist() else f"rank {rank}: {text}")
+    return CheckpointError(f"{REFUSED}: " + "\n  ".join(lines))
 
 
 def fsync_dir(path) -> None:
@@ -205,10 +213,11 @@ def load_checkpoint(
     `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
     every rank and changes nothing. Returns the `extra` saved with it (a JSON object, read
     without pickle). `check_extra(extra)` validates the caller's own metadata in that first
-    phase: a ValueError or TypeError it raises refuses the checkpoint the same way."""
+    phase: an exception it raises refuses the checkpoint the same way, on every rank (a
+    ValueError's or TypeError's text as is, another's with its type's name)."""
     problems: list[str] = []
     stored, objects, loaded = {}, {}, {}
-    cls = CheckpointError
+    cls, cause = CheckpointError, None
     try:
         directory = checkpoint_dir(path)
         stored, objects = read_metadata_json(directory)
@@ -216,19 +225,25 @@ def load_checkpoint(
         if check_extra is not None:
             try:
                 check_extra(objects.get("extra", {}))
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"extra: {e}") from e
+            except Exception as e:  # noqa: BLE001 - whatever it raises refuses on every rank
+                why = (
+                    str(e) if isinstance(e, TypeError | ValueError) else f"{type(e).__name__}: {e}"
+                )
+                raise CheckpointError(f"extra: {why}") from e
         loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
     except CheckpointError as e:
         problems.append(str(e))
-        cls = type(e)
-    _agree(problems, cls)
+        cls, cause = type(e), e
+    except Exception as e:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
+        problems.append(f"{type(e).__name__}: {e}")
+        cause = e
+    _agree(problems, cls, cause)
     try:
         reader = JsonStorageReader(directory, stored)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(loaded, storage_reader=reader, no_dist=not _dist())
     except CheckpointException as e:
-        raise CheckpointError(f"checkpoint refused (nothing was changed): {e}") from e
+        raise _dcp_failure(e) from e
     st.apply(model, opt, loaded, objects)
     return objects.get("extra", {})

@@ -164,20 +164,22 @@ class JsonStorageReader(StorageReader):
             path = meta.resolve_file(self.directory, name, f"tensor {reqs[0].storage_index.fqn!r}")
             with open_regular(path, root=self.directory, error=CheckpointError) as f:
                 for req in reqs:
-                    self._read_one(f, req, planner)
+                    self._read_one(f, path, req, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _read_one(self, f, req, planner) -> None:
+    def _read_one(self, f, path: str, req, planner) -> None:
         key, chunk = req.storage_index.fqn, self.storage[req.storage_index]
         dtype = self.tensors[key].dtype
         f.seek(chunk.offset)
         data = f.read(chunk.length)
         if len(data) != chunk.length:
-            raise CheckpointError(f"tensor {key!r}: {chunk.file!r} is truncated")
+            raise CheckpointError(f"{path}: truncated (tensor {key!r} ends past the file's end)")
         if zlib.crc32(data) != chunk.crc32:
-            raise CheckpointError(f"tensor {key!r}: checksum mismatch in {chunk.file!r}")
+            raise CheckpointError(
+                f"{path}: checksum mismatch in the bytes of tensor {key!r} (the file is damaged)"
+            )
         if data:
             t = torch.frombuffer(bytearray(data), dtype=dtype).reshape(chunk.sizes)
         else:

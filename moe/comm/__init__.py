@@ -18,7 +18,12 @@ from moe.comm.alltoall import (
 )
 from moe.comm.exchange_plan import ExpertExchange, plan_all_to_all, plan_expert_exchange
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile, save_profile
-from moe.comm.consistency import check_same_across_ranks
+from moe.comm.consistency import (
+    CrossRankError,
+    check_same_across_ranks,
+    raise_if_any_rank_failed,
+    same_error_on_every_rank,
+)
 from moe.comm.topology import Topology, get_topology
 
 __getattr__ = moved_names(__name__, {"all_to_all": "moe.dispatch.all_to_all"})

@@ -1,4 +1,9 @@
-"""Cross-rank configuration check: ranks that disagree on sizes would hang an all-to-all.
+"""Cross-rank agreement: ranks that disagree on sizes would hang an all-to-all, and a rank
+that fails alone would leave the others waiting in the next collective.
+
+check_same_across_ranks: the same values on every rank, or the same ValueError naming the
+field. raise_if_any_rank_failed / same_error_on_every_rank: an exception (or problem message)
+on any rank becomes the same named error (CrossRankError by default) on every rank, at once.
 
 Each rank's record is JSON (no pickle: what another rank sends is data, never code), padded
 to the longest record and all-gathered as bytes.
@@ -6,6 +11,7 @@ to the longest record and all-gathered as bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -109,3 +115,88 @@ def check_same_across_ranks(
     message = describe_mismatch(all_gather_records(values, group))
     if message is not None:
         raise ValueError(message)
+
+
+class CrossRankError(ValueError):
+    """A step every rank takes together failed on one or more ranks: raised on every rank of
+    the group with the same text, naming each failing rank and why."""
+
+
+Problem = BaseException | str | list[str] | None
+
+
+def _lines(problem: Problem) -> list[str]:
+    """One rank's problem as message lines; an exception other than a ValueError keeps its
+    type's name (a RuntimeError from a user callback is not a bad value)."""
+    if problem is None:
+        return []
+    if isinstance(problem, str):
+        return [problem]
+    if isinstance(problem, BaseException):
+        text = str(problem) or "(no message)"
+        return [text if isinstance(problem, ValueError) else f"{type(problem).__name__}: {text}"]
+    return [str(p) for p in problem]
+
+
+def raise_if_any_rank_failed(
+    problem: Problem,
+    group: dist.ProcessGroup | None = None,
+    *,
+    error: type[Exception] = CrossRankError,
+    what: str = "",
+    max_lines: int = 20,
+) -> None:
+    """Every rank passes its own problem (None, a message, a list of messages or the exception
+    it caught); if any rank has one, every rank raises the same `error` naming each failing
+    rank and its messages (identical ones merged: "ranks 0-3: ..."). The local exception, if
+    any, is the raised error's cause. One exchange of JSON records (no pickle), so every rank of
+    `group` must call it at the same point, and nothing between the failure and this call may
+    communicate. Without torch.distributed (or with one rank) it raises the same text without
+    rank names.
+
+    Example: raise_if_any_rank_failed(e, error=CheckpointError, what="load_checkpoint") ->
+    "load_checkpoint: rank 1: RuntimeError: boom" on every rank.
+    """
+    lines = _lines(problem)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = all_gather_records({str(i): m for i, m in enumerate(lines)}, group)
+        by_text: dict[str, list[int]] = {}
+        for rank, record in enumerate(everyone):
+            for text in record.values():
+                ranks = by_text.setdefault(str(text), [])
+                if rank not in ranks:
+                    ranks.append(rank)
+        lines = [f"{_rank_list(ranks)}: {text}" for text, ranks in by_text.items()]
+    if not lines:
+        return
+    head = f"{what}: " if what else ""
+    if len(lines) == 1:
+        message = head + lines[0]
+    else:
+        more = f"\n  ... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
+        message = head.rstrip() + "\n  " + "\n  ".join(lines[:max_lines]) + more
+    cause = problem if isinstance(problem, BaseException) else None
+    raise error(message) from cause
+
+
+@contextlib.contextmanager
+def same_error_on_every_rank(
+    group: dist.ProcessGroup | None = None,
+    *,
+    error: type[Exception] = CrossRankError,
+    what: str = "",
+):
+    """Run the block on every rank; an Exception it raises on any rank becomes the same
+    `error` on every rank (raise_if_any_rank_failed), also on the ranks where it succeeded.
+    The block must not communicate (a rank that fails before a collective would leave the
+    others in it). Example:
+
+        with same_error_on_every_rank(what="rebalance_experts"):
+            validate_arguments(...)   # local checks only
+    """
+    problem: Exception | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        problem = e
+    raise_if_any_rank_failed(problem, group, error=error, what=what)

@@ -25,6 +25,7 @@ from moe.comm.alltoall import (
     pipeline_chunks,
     validate_inputs,
 )
+from moe.comm.consistency import CrossRankError, describe_mismatch
 from moe.comm.topology import Topology, get_subgroups, get_topology
 
 
@@ -91,14 +92,17 @@ def plan_expert_exchange(
     sent to every rank along with the counts (ExpertExchange.extras_W). Every rank must call it.
 
     What each algorithm needs, and so which collective runs:
-      * flat (also "hierarchical"/"auto" on one node, and "auto" when its threshold is 0, as on
-        gloo without a cost model): each rank's own column, recv_WL[s][l] = counts_WL of rank s
-        at [this rank, l] -> one all_to_all_single of W x (L + extras) integers;
-      * hierarchical, and "auto" that may choose it: the intra-node relays of the 2D exchange
+      * flat (also "hierarchical"/"auto" on one node): each rank's own column, recv_WL[s][l] =
+        counts_WL of rank s at [this rank, l] -> one all_to_all_single of W x (L + extras)
+        integers;
+      * hierarchical, and "auto" on more than one node: the intra-node relays of the 2D exchange
         use node-mates' counts to this rank's local index (forward) and the counts of the ranks
         of equal local index to this rank's node-mates (its reverse), and "auto" needs every
         rank's total to agree on the choice -> one all_gather of the W x (L + extras) rows, so
-        every rank holds the W x W x L matrix.
+        every rank holds the W x W x L matrix. "auto" sends its threshold (cost model) along:
+        ranks whose thresholds differ, or whose cost model failed, raise the same
+        CrossRankError on every rank instead of choosing different exchanges. (The collective
+        cannot depend on the threshold, which may differ: "auto" gathers even when it is 0.)
     One host read of the result in either case.
     """
     if algorithm not in ALGORITHMS:
@@ -110,11 +114,17 @@ def plan_expert_exchange(
     counts_WL = counts_WL.to(torch.long)
     extra_X = counts_WL.new_zeros(0) if extra is None else extra.to(counts_WL).reshape(-1)
     total = counts_WL.sum().reshape(1)
-    send_WX = torch.cat([counts_WL, total.expand(W, 1), extra_X.expand(W, len(extra_X))], 1)
     topo = None if algorithm == "flat" else get_topology(group, ranks_per_node)
     matrix = topo is not None and topo.is_multi_node
-    if matrix and algorithm == "auto":
-        matrix = hierarchical_threshold(topo, dist.get_backend(group)) > 0
+    auto = matrix and algorithm == "auto"
+    threshold, problem = 0, None
+    if auto:  # read here, compared on every rank after the one count collective below
+        try:
+            threshold = max(0, hierarchical_threshold(topo, dist.get_backend(group)))
+        except ValueError as e:  # an unreadable cost profile: the other ranks must hear of it
+            threshold, problem = _UNREADABLE, e
+    own_X = torch.cat([total, extra_X, total.new_tensor([threshold] if auto else [])])
+    send_WX = torch.cat([counts_WL, own_X.expand(W, len(own_X))], 1)
     if not matrix:
         recv_WX = exchange_counts(send_WX.reshape(-1), group).view(W, -1)
         host = torch.cat([send_WX, recv_WX]).tolist()
@@ -136,11 +146,13 @@ def plan_expert_exchange(
     matrix_WWX = gather_count_matrix(send_WX.reshape(-1), group).view(W, W, -1)
     me = topo.rank
     host = matrix_WWX.tolist()
+    if auto:
+        _check_thresholds([row[0].pop() for row in host], problem)
     counts = tuple(tuple(tuple(c[:L]) for c in row) for row in host)
     totals = tuple(row[0][L] for row in host)
     chosen = algorithm
     if algorithm == "auto":
-        chosen = choose_algorithm(topo, max(totals) * row_bytes, backend=dist.get_backend(group))
+        chosen = choose_algorithm(topo, max(totals) * row_bytes, threshold)
     if chosen == "hierarchical":
         get_subgroups(topo, group)  # create (once, cached) before the first exchange
     return ExpertExchange(
@@ -156,6 +168,29 @@ def plan_expert_exchange(
         counts if chosen == "hierarchical" else None,
         topo if chosen == "hierarchical" else None,
     )
+
+
+_UNREADABLE = -1  # sent in place of the "auto" threshold by a rank whose cost model failed
+
+
+def _check_thresholds(thresholds_W: list[int], problem: ValueError | None) -> None:
+    """The "auto" thresholds every rank sent with its counts must agree, or ranks would choose
+    different exchanges and wait in different collectives: the same CrossRankError on every
+    rank (the local cost model's error, if any, as its cause)."""
+    if len(set(thresholds_W)) == 1 and thresholds_W[0] != _UNREADABLE:
+        return
+    shown = [
+        {"the hierarchical threshold": "unreadable" if t == _UNREADABLE else f"{t} bytes"}
+        for t in thresholds_W
+    ]
+    message = describe_mismatch(shown) or (
+        "the hierarchical threshold is unreadable on every rank (its cost model failed)"
+    )
+    raise CrossRankError(
+        f'algorithm="auto": {message}. Every rank must use the same cost model '
+        "(set_cost_model, MOE_A2A_COST_PROFILE) and threshold (set_hierarchical_threshold, "
+        "MOE_A2A_HIERARCHICAL_MAX_BYTES); a rank whose model failed is named 'unreadable'"
+    ) from problem
 
 
 def plan_all_to_all(

@@ -1,0 +1,140 @@
+"""A failure or a differing value on one rank becomes the same named error on every rank, at
+once (issue 32 item 5): the agreement helper itself, load_checkpoint's check_extra callback,
+and the low-level plan_all_to_all with per-rank cost models. Real gloo ranks whose collective
+timeout (20 s) is far longer than the time each error may take: the old code waited it out."""
+
+import os
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.checkpoint import load_checkpoint, save_checkpoint
+from moe.comm import (
+    NVLINK_IB,
+    CrossRankError,
+    plan_all_to_all,
+    raise_if_any_rank_failed,
+    same_error_on_every_rank,
+    set_cost_model,
+)
+from tests.distributed import run_ranks
+
+TIMEOUT = 20.0  # the process group's collective timeout
+AT_ONCE = 5.0  # seconds an agreed error may take (startup excluded)
+SLOW_NETWORK = replace(NVLINK_IB, a_inter=1e-3)  # 2D wins below ~0.5 GB at 2 nodes x 2 ranks
+
+
+def _outcome(fn) -> tuple[str, str, float]:
+    """(error class name, message, seconds) of fn(), ("", "", seconds) if it returned."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+def _failing_on(rank: int, failing: int, exc: Exception):
+    def block():
+        with same_error_on_every_rank(what="step"):
+            if rank == failing:
+                raise exc
+
+    return block
+
+
+def _helper_body(rank, world, path):
+    out = {
+        "runtime on rank 1": _outcome(_failing_on(rank, 1, RuntimeError("boom"))),
+        "nobody": _outcome(_failing_on(rank, 5, RuntimeError("never"))),
+        "same on both": _outcome(
+            lambda: raise_if_any_rank_failed(ValueError("bad size"), what="x")
+        ),
+        "lists": _outcome(
+            lambda: raise_if_any_rank_failed([f"a{rank}", "b"], error=KeyError, what="y")
+        ),
+    }
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(path, model, opt, extra={"step": 4})
+
+    def check(extra):
+        if rank == 1:
+            raise RuntimeError(f"the callback broke on step {extra['step']}")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    out["check_extra"] = _outcome(lambda: load_checkpoint(path, model, opt, check_extra=check))
+    out["unchanged"] = all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    dist.barrier()  # the group still works after every agreed error
+    return out
+
+
+def test_a_failure_on_one_rank_is_the_same_error_on_every_rank_at_once(tmp_path):
+    r0, r1 = run_ranks(_helper_body, 2, str(tmp_path), timeout=TIMEOUT, deadline=120)
+    for case in ("runtime on rank 1", "same on both", "lists", "check_extra"):
+        assert r0[case][:2] == r1[case][:2], case  # same class, same text
+        assert r0[case][2] < AT_ONCE and r1[case][2] < AT_ONCE, (case, r0[case], r1[case])
+    assert r0["runtime on rank 1"][:2] == ("CrossRankError", "step: rank 1: RuntimeError: boom")
+    assert r0["nobody"][:2] == ("", "")
+    assert r0["same on both"][:2] == ("CrossRankError", "x: ranks 0-1: bad size")
+    assert r0["lists"][0] == "KeyError"
+    for line in ("rank 0: a0", "rank 1: a1", "ranks 0-1: b"):
+        assert line in r0["lists"][1]
+    kind, message, _ = r0["check_extra"]
+    assert kind == "CheckpointError"
+    assert "rank 1: extra: RuntimeError: the callback broke on step 4" in message
+    assert r0["unchanged"] and r1["unchanged"]
+
+
+def test_single_process_keeps_the_text_and_the_cause():
+    with (
+        pytest.raises(CrossRankError, match=r"^what: RuntimeError: boom$") as info,
+        same_error_on_every_rank(what="what"),
+    ):
+        raise RuntimeError("boom")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with same_error_on_every_rank():
+        pass
+    raise_if_any_rank_failed(None)
+    raise_if_any_rank_failed([])
+
+
+def _plan_body(rank, world, bad_profile):
+    x_ND = torch.randn(world + rank, 4)
+    counts = [1] * (world - 1) + [1 + rank]
+
+    def plan():
+        return plan_all_to_all(x_ND, counts, algorithm="auto", ranks_per_node=2)
+
+    out = {}
+    set_cost_model(SLOW_NETWORK if rank < 2 else None)  # node 0 has a cost model, node 1 none
+    out["models differ"] = _outcome(plan)
+    set_cost_model(None)
+    if rank == 3:
+        os.environ["MOE_A2A_COST_PROFILE"] = bad_profile
+    out["unreadable on rank 3"] = _outcome(plan)
+    os.environ.pop("MOE_A2A_COST_PROFILE", None)
+    set_cost_model(SLOW_NETWORK)  # the same everywhere: plans
+    out["same"] = plan_all_to_all(x_ND, counts, algorithm="auto", ranks_per_node=2).algorithm
+    set_cost_model(None)
+    return out
+
+
+def test_plan_all_to_all_with_per_rank_cost_models_is_one_error_on_every_rank(tmp_path):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"version": 1, "model": {"a_coll": 1e400}}')
+    results = run_ranks(_plan_body, 4, str(bad), timeout=TIMEOUT, deadline=150)
+    for case in ("models differ", "unreadable on rank 3"):
+        assert len({r[case][:2] for r in results}) == 1, [r[case] for r in results]
+        assert all(r[case][2] < AT_ONCE for r in results), [r[case] for r in results]
+        assert results[0][case][0] == "CrossRankError"
+    message = results[0]["models differ"][1]
+    assert "the hierarchical threshold differs across ranks: ranks 0-1 have" in message
+    assert "ranks 2-3 have 0 bytes" in message
+    assert "rank 3 has unreadable" in results[0]["unreadable on rank 3"][1]
+    assert {r["same"] for r in results} == {"hierarchical"}
