@@ -4,11 +4,15 @@ safetensors headers, settings files, cost profiles).
 Only regular files are opened (a FIFO would block, /dev/zero would never end), optionally
 only inside a directory (no link leading out), at most `max_bytes` are read, and JSON is
 parsed in time linear in the file with a bounded nesting depth (deep nesting would exhaust
-Python's stack) and without duplicate keys (json keeps the last silently). Every problem is
-one error, of the caller's type, naming the file and what is wrong.
+Python's stack), without duplicate keys (json keeps the last silently), without NaN or
+infinite numbers (not JSON; Python's json accepts them) and without integers of more than
+MAX_INT_DIGITS digits (no number a file of ours holds needs more; 10**400 overflows a float).
+A read that fails (EIO from /proc/self/mem, a failing disk) is an error naming the file too.
+Every problem is one error, of the caller's type, naming the file and what is wrong.
 """
 
 import json
+import math
 import os
 import re
 import stat
@@ -16,6 +20,7 @@ import stat
 import numpy as np
 
 MAX_DEPTH = 64
+MAX_INT_DIGITS = 20  # 2**64 has 20 digits (safetensors offsets are u64)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -34,14 +39,84 @@ def _where(path, what: str) -> str:
     return f"{what} {os.fspath(path)!r}" if what else repr(os.fspath(path))
 
 
-def open_regular(path, *, root=None, error: type = UntrustedFileError, what: str = ""):
+_HUB_REPOSITORY = ("models--", "datasets--", "spaces--")
+
+
+def containing_folder(directory) -> str:
+    """The real folder that files read from `directory` must resolve inside: the directory
+    itself, or, for a snapshot of a Hugging Face hub cache
+    (`<cache>/models--org--name/snapshots/<hash>/...`, whose files are links to
+    `../../blobs/<sha>`), its cache repository `<cache>/models--org--name`. A link out of that
+    repository (another repository's blob, /etc/passwd) still leads outside."""
+    real = os.path.realpath(directory)
+    parts = real.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):  # a snapshot: .../<repo>/snapshots/<hash>[/...]
+        if parts[i] == "snapshots" and parts[i - 1].startswith(_HUB_REPOSITORY):
+            repository = os.sep.join(parts[:i]) or os.sep
+            if os.path.isdir(os.path.join(repository, "blobs")):
+                return repository
+    return real
+
+
+class UntrustedFile:
+    """A regular file opened by open_regular, for binary reading: a read that fails is the
+    caller's error naming the file (not OSError: /proc/self/mem is a regular file whose
+    reads fail with EIO). A context manager, like the file it wraps."""
+
+    def __init__(self, f, name: str, error: type):
+        self._f, self.name, self._error = f, name, error
+
+    def _failed(self, e: OSError):
+        return self._error(f"{self.name}: cannot read: {e.strerror or e}")
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._f.read(n)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def readline(self, n: int = -1) -> bytes:
+        try:
+            return self._f.readline(n)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        try:
+            return self._f.seek(offset, whence)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+def open_regular(
+    path, *, root=None, error: type = UntrustedFileError, what: str = ""
+) -> UntrustedFile:
     """Open `path` for binary reading if it is a regular file (and, with `root`, if its real
-    path lies inside `root`); anything else is `error` naming the file."""
+    path lies inside containing_folder(root): `root`, or the hub-cache repository of a
+    snapshot); anything else, and a read that fails, is `error` naming the file."""
     name = _where(path, what)
     target = os.fspath(path)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if root is not None:
-        top, target = os.path.realpath(root), os.path.realpath(path)
+        top, target = containing_folder(root), os.path.realpath(path)
         if os.path.commonpath([top, target]) != top or target == top:
             raise error(f"{name}: resolves to {target!r}, outside {top!r}")
         flags |= getattr(os, "O_NOFOLLOW", 0)  # the resolved path holds no link at its end
@@ -56,7 +131,7 @@ def open_regular(path, *, root=None, error: type = UntrustedFileError, what: str
         os.close(fd)
         kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
         raise error(f"{name}: is {kind}, not a regular file")
-    return os.fdopen(fd, "rb")
+    return UntrustedFile(os.fdopen(fd, "rb"), name, error)
 
 
 def read_bytes(
@@ -85,6 +160,28 @@ class _DuplicateKey(Exception):
     pass
 
 
+class _NotANumber(Exception):
+    pass
+
+
+def _constant(name: str):
+    raise _NotANumber(f"{name} is not a JSON number (non-finite numbers are refused)")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotANumber(f"{text[:40]} is beyond the range of a float")
+    return value
+
+
+def _int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise _NotANumber(f"an integer of {digits} digits (at most {MAX_INT_DIGITS} allowed)")
+    return int(text)
+
+
 def _unique_object(pairs: list) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -101,11 +198,19 @@ def parse_json(
     if depth > max_depth:
         raise error(f"{where}: JSON nested {depth} levels deep (at most {max_depth} allowed)")
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_object)
+        return json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_unique_object,
+            parse_constant=_constant,
+            parse_float=_float,
+            parse_int=_int,
+        )
     except UnicodeDecodeError as e:
         raise error(f"{where}: not UTF-8 text ({e})") from None
     except _DuplicateKey as e:
         raise error(f"{where}: key {e.args[0]!r:.100} appears twice in one JSON object") from None
+    except _NotANumber as e:
+        raise error(f"{where}: {e}") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError; an int of too many digits
         raise error(f"{where}: not valid JSON ({e})") from None
 

@@ -6,7 +6,7 @@ an HFCheckpointError naming the file; a key stored in two files is refused."""
 import math
 import os
 
-from moe.untrusted import open_regular, parse_json, read_json
+from moe.untrusted import containing_folder, open_regular, parse_json, read_json
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20
@@ -20,10 +20,15 @@ class HFCheckpointError(ValueError):
 
 
 def inside(directory: str, name: str) -> str:
-    root = os.path.realpath(directory)
-    path = os.path.realpath(os.path.join(root, name))
-    if os.path.basename(name) != name or os.path.dirname(path) != root:
+    """The real path of the file `name` of `directory`: a plain name (no folder part) whose
+    real path lies in the directory or, for a hub-cache snapshot, in its cache repository
+    (moe.untrusted.containing_folder: the snapshot's links lead to ../../blobs/<sha>)."""
+    if os.path.basename(name) != name or name in ("", ".", ".."):
         raise HFCheckpointError(f"{directory}: file {name!r} is not a plain file in the directory")
+    top = containing_folder(directory)
+    path = os.path.realpath(os.path.join(os.path.realpath(directory), name))
+    if os.path.commonpath([top, path]) != top or path == top:
+        raise HFCheckpointError(f"{directory}: file {name!r} resolves to {path!r}, outside {top!r}")
     return path
 
 
