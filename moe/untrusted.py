@@ -164,14 +164,28 @@ class _NotANumber(Exception):
     pass
 
 
-def _constant(name: str):
-    raise _NotANumber(f"{name} is not a JSON number (non-finite numbers are refused)")
+def _first_non_finite(doc) -> str:
+    """Where the first NaN or infinite float of a parsed document sits, e.g.
+    "objects.extra.loss" (document order; iterative: the depth is already bounded)."""
+    stack: list[tuple[str, object]] = [("", doc)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "the document"
+        if isinstance(value, dict):
+            items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        stack.extend(reversed(items))
+    return "the document"
 
 
-def _float(text: str) -> float:
+def _float(text: str, non_finite: list[str]) -> float:
     value = float(text)
-    if not math.isfinite(value):
-        raise _NotANumber(f"{text[:40]} is beyond the range of a float")
+    if not math.isfinite(value):  # 1e999
+        non_finite.append(text)
     return value
 
 
@@ -195,14 +209,15 @@ def parse_json(
 ):
     """Decode JSON bytes from an untrusted source named `where`."""
     depth = json_depth(data)
+    non_finite: list[str] = []
     if depth > max_depth:
         raise error(f"{where}: JSON nested {depth} levels deep (at most {max_depth} allowed)")
     try:
-        return json.loads(
+        doc = json.loads(
             data.decode("utf-8"),
             object_pairs_hook=_unique_object,
-            parse_constant=_constant,
-            parse_float=_float,
+            parse_constant=lambda name: non_finite.append(name) or float(name),
+            parse_float=lambda text: _float(text, non_finite),
             parse_int=_int,
         )
     except UnicodeDecodeError as e:
@@ -213,6 +228,12 @@ def parse_json(
         raise error(f"{where}: {e}") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError; an int of too many digits
         raise error(f"{where}: not valid JSON ({e})") from None
+    if non_finite:  # NaN, Infinity, 1e999: not JSON numbers (Python's json accepts them)
+        raise error(
+            f"{where}: {_first_non_finite(doc)} is {non_finite[0][:40]}, not a finite number "
+            "(non-finite numbers are refused)"
+        )
+    return doc
 
 
 def read_json(

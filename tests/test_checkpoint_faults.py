@@ -412,12 +412,13 @@ def test_many_small_chunks_load_in_linear_time(tmp_path):
 @pytest.mark.parametrize(
     "group_key,value,match",
     [
-        ("lr", float("nan"), "param_groups.0..lr: nan is not finite"),
+        ("lr", float("nan"), r"param_groups\[0\]\.lr is NaN, not a finite number"),
+        ("lr", 1e308, r"param_groups\[0\]\.lr: must be at most 10000, got 1e\+308"),
         ("lr", "0.1", "param_groups.0..lr: expected a number"),
         ("lr", -1.0, "lr: must be >= 0"),
         ("betas", [0.9], "betas: expected a list of 2 values"),
         ("betas", [0.9, 1.5], "betas must lie in"),
-        ("eps", float("inf"), "eps: inf is not finite"),
+        ("eps", float("inf"), r"param_groups\[0\]\.eps is Infinity, not a finite number"),
         ("amsgrad", 1, "amsgrad: expected bool"),
     ],
 )

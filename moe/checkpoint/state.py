@@ -91,7 +91,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
                 values.setdefault(fqn, {})[key] = _json_value(v, f"optim/{fqn}/{key}")
     scaler = getattr(opt, "loss_scaler", None)
     objects["optimizer"] = {
-        "class": type(opt).__name__,
+        "class": validate.algorithm_name(opt),
         "state_values": values,
         "param_groups": [
             {**_hyper(g, f"param_groups[{i}]"), "params": list(g["params"])}

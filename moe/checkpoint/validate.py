@@ -13,6 +13,16 @@ NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
 MOE_RUNTIME_FIELDS = {"backend", "checkpoint", "check_finite"}
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
+# No optimizer trains with a larger step; lr=1e308 makes the parameters non-finite in one step.
+MAX_LR = 1e4
+_AT_MOST = {"lr": MAX_LR, "initial_lr": MAX_LR, "max_lr": MAX_LR}
+LEGACY_CLASS = "GroupedApply"  # what releases before issue 32 recorded for any GroupedApply
+
+
+def algorithm_name(opt) -> str:
+    """The optimizer's algorithm, saved as `class`: a GroupedApply's inner optimizer class
+    (GroupedApply(AdamW) and AdamW hold the same state), else the optimizer's own class."""
+    return getattr(opt, "optimizer_class", type(opt)).__name__
 
 
 def _is_number(v) -> bool:
@@ -44,6 +54,8 @@ def _value_problem(value, ref, where: str, name: str) -> str | None:
         return f"{where}: {value!r} is not finite"
     if _is_number(value) and name in _NONNEGATIVE and value < 0:
         return f"{where}: must be >= 0, got {value!r}"
+    if _is_number(value) and name in _AT_MOST and value > _AT_MOST[name]:
+        return f"{where}: must be at most {_AT_MOST[name]:g}, got {value!r}"
     return None
 
 
@@ -105,6 +117,16 @@ def check_optimizer(opt, objects: dict, named: dict, live_state: dict, problems:
     """Hyper-parameters, JSON state values and the loss scaler that `apply` will set."""
     meta = objects.get("optimizer")
     if opt is None or not isinstance(meta, dict):
+        return
+    saved_class, live_class = meta.get("class"), algorithm_name(opt)
+    if saved_class not in (None, live_class, LEGACY_CLASS):
+        problems.append(
+            f"optimizer: the checkpoint holds the state of {saved_class!r:.80}, the optimizer "
+            f"given is {live_class!r}"
+        )
+        return  # its state and hyper-parameters mean something else
+    if not meta.get("param_groups", [None]):
+        problems.append("optimizer param_groups: empty (a saved optimizer has at least one group)")
         return
     _groups(opt, meta.get("param_groups", []), problems)
     _state_values(opt, meta.get("state_values", {}), named, live_state, problems)
