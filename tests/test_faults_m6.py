@@ -199,3 +199,19 @@ def test_damaged_state_on_resume_is_one_line_naming_the_field(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --resume: ") and "\n" not in err, err
     assert f"field {field!r}" in err, err
+
+
+def test_nan_in_the_saved_training_state_is_refused_on_resume(saved_run, tmp_path, capsys):
+    """Save refuses NaN in `extra`, so load does too (issue 32 item 8): before, the run
+    resumed and failed at its next save with a traceback."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    (step_dir,) = [p for _, p in complete_steps(run_dir / "checkpoint")]
+    doc = json.loads(_metadata(step_dir).read_text())
+    doc["objects"]["extra"]["history"]["loss"][-1] = float("nan")
+    _metadata(step_dir).write_text(json.dumps(doc))  # NaN, as Python's json writes it
+    argv = ["--steps", "4", "--run-dir", str(run_dir), "--resume", "--quiet", *FAST]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --resume: ") and "\n" not in err, err
+    assert "extra.history.loss[1] is NaN, not a finite number" in err, err

@@ -54,6 +54,10 @@ def _helper_body(rank, world, path):
         "same on both": _outcome(
             lambda: raise_if_any_rank_failed(ValueError("bad size"), what="x")
         ),
+        "values differ": _outcome(
+            lambda: raise_if_any_rank_failed(None, what="z", values={"k": 2, "min_gain": rank})
+        ),
+        "values agree": _outcome(lambda: raise_if_any_rank_failed(None, values={"k": 2})),
         "lists": _outcome(
             lambda: raise_if_any_rank_failed([f"a{rank}", "b"], error=KeyError, what="y")
         ),
@@ -76,12 +80,17 @@ def _helper_body(rank, world, path):
 
 def test_a_failure_on_one_rank_is_the_same_error_on_every_rank_at_once(tmp_path):
     r0, r1 = run_ranks(_helper_body, 2, str(tmp_path), timeout=TIMEOUT, deadline=120)
-    for case in ("runtime on rank 1", "same on both", "lists", "check_extra"):
+    for case in ("runtime on rank 1", "same on both", "values differ", "lists", "check_extra"):
         assert r0[case][:2] == r1[case][:2], case  # same class, same text
         assert r0[case][2] < AT_ONCE and r1[case][2] < AT_ONCE, (case, r0[case], r1[case])
     assert r0["runtime on rank 1"][:2] == ("CrossRankError", "step: rank 1: RuntimeError: boom")
     assert r0["nobody"][:2] == ("", "")
     assert r0["same on both"][:2] == ("CrossRankError", "x: ranks 0-1: bad size")
+    assert r0["values differ"][:2] == (
+        "CrossRankError",
+        "z: min_gain differs across ranks: rank 0 has 0, rank 1 has 1",
+    )
+    assert r0["values agree"][:2] == ("", "")
     assert r0["lists"][0] == "KeyError"
     for line in ("rank 0: a0", "rank 1: a1", "ranks 0-1: b"):
         assert line in r0["lists"][1]

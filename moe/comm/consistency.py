@@ -145,38 +145,54 @@ def raise_if_any_rank_failed(
     error: type[Exception] = CrossRankError,
     what: str = "",
     max_lines: int = 20,
+    values: dict[str, Scalar] | None = None,
 ) -> None:
     """Every rank passes its own problem (None, a message, a list of messages or the exception
     it caught); if any rank has one, every rank raises the same `error` naming each failing
     rank and its messages (identical ones merged: "ranks 0-3: ..."). The local exception, if
-    any, is the raised error's cause. One exchange of JSON records (no pickle), so every rank of
-    `group` must call it at the same point, and nothing between the failure and this call may
-    communicate. Without torch.distributed (or with one rank) it raises the same text without
-    rank names.
+    any, is the raised error's cause. With `values` (JSON scalars every rank must agree on,
+    e.g. {"min_gain": 0.1}), ranks that differ raise the same `error` naming the field and
+    ranks (check_same_across_ranks' message), in the same exchange. One exchange of JSON
+    records (no pickle), so every rank of `group` must call it at the same point, and nothing
+    between the failure and this call may communicate. Without torch.distributed (or with one
+    rank) it raises the same text without rank names.
 
     Example: raise_if_any_rank_failed(e, error=CheckpointError, what="load_checkpoint") ->
     "load_checkpoint: rank 1: RuntimeError: boom" on every rank.
     """
     lines = _lines(problem)
+    values = dict(values or {}) if values is not None else None
+    for name, value in list((values or {}).items()):  # refused here, not before the exchange
+        if value is not None and not isinstance(value, int | float | str | bool):
+            lines.append(f"{name} must be an int, float, str, bool or None, got {value!r:.80}")
+            values[name] = repr(value)[:80]
+    head = f"{what}: " if what else ""
+    cause = problem if isinstance(problem, BaseException) else None
+    mismatch = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone = all_gather_records({str(i): m for i, m in enumerate(lines)}, group)
+        record: dict[str, Scalar] = {f"problem {i}": m for i, m in enumerate(lines)}
+        record |= {f"value {k}": v for k, v in (values or {}).items()}
+        everyone = all_gather_records(record, group)
         by_text: dict[str, list[int]] = {}
-        for rank, record in enumerate(everyone):
-            for text in record.values():
-                ranks = by_text.setdefault(str(text), [])
-                if rank not in ranks:
+        for rank, got in enumerate(everyone):
+            for key, text in got.items():
+                ranks = by_text.setdefault(str(text), []) if key.startswith("problem ") else None
+                if ranks is not None and rank not in ranks:
                     ranks.append(rank)
         lines = [f"{_rank_list(ranks)}: {text}" for text, ranks in by_text.items()]
-    if not lines:
-        return
-    head = f"{what}: " if what else ""
-    if len(lines) == 1:
-        message = head + lines[0]
-    else:
-        more = f"\n  ... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
-        message = head.rstrip() + "\n  " + "\n  ".join(lines[:max_lines]) + more
-    cause = problem if isinstance(problem, BaseException) else None
-    raise error(message) from cause
+        if values is not None:
+            mismatch = describe_mismatch(
+                [{k[6:]: v for k, v in got.items() if k.startswith("value ")} for got in everyone]
+            )
+    if lines:
+        if len(lines) == 1:
+            message = head + lines[0]
+        else:
+            more = f"\n  ... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
+            message = head.rstrip() + "\n  " + "\n  ".join(lines[:max_lines]) + more
+        raise error(message) from cause
+    if mismatch is not None:
+        raise error(head + mismatch)
 
 
 @contextlib.contextmanager
@@ -185,9 +201,11 @@ def same_error_on_every_rank(
     *,
     error: type[Exception] = CrossRankError,
     what: str = "",
+    values: dict[str, Scalar] | None = None,
 ):
     """Run the block on every rank; an Exception it raises on any rank becomes the same
-    `error` on every rank (raise_if_any_rank_failed), also on the ranks where it succeeded.
+    `error` on every rank (raise_if_any_rank_failed), also on the ranks where it succeeded;
+    `values` that differ across ranks too (checked in the same exchange).
     The block must not communicate (a rank that fails before a collective would leave the
     others in it). Example:
 
@@ -199,4 +217,4 @@ def same_error_on_every_rank(
         yield
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         problem = e
-    raise_if_any_rank_failed(problem, group, error=error, what=what)
+    raise_if_any_rank_failed(problem, group, error=error, what=what, values=values)
