@@ -127,6 +127,8 @@ def _plan_body(rank, world, bad_profile):
     if rank == 3:
         os.environ["MOE_A2A_COST_PROFILE"] = bad_profile
     out["unreadable on rank 3"] = _outcome(plan)
+    os.environ["MOE_A2A_COST_PROFILE"] = bad_profile
+    out["unreadable everywhere"] = _outcome(plan)
     os.environ.pop("MOE_A2A_COST_PROFILE", None)
     set_cost_model(SLOW_NETWORK)  # the same everywhere: plans
     out["same"] = plan_all_to_all(x_ND, counts, algorithm="auto", ranks_per_node=2).algorithm
@@ -138,7 +140,7 @@ def test_plan_all_to_all_with_per_rank_cost_models_is_one_error_on_every_rank(tm
     bad = tmp_path / "profile.json"
     bad.write_text('{"version": 1, "model": {"a_coll": 1e400}}')
     results = run_ranks(_plan_body, 4, str(bad), timeout=TIMEOUT, deadline=150)
-    for case in ("models differ", "unreadable on rank 3"):
+    for case in ("models differ", "unreadable on rank 3", "unreadable everywhere"):
         assert len({r[case][:2] for r in results}) == 1, [r[case] for r in results]
         assert all(r[case][2] < AT_ONCE for r in results), [r[case] for r in results]
         assert results[0][case][0] == "CrossRankError"
@@ -146,4 +148,6 @@ def test_plan_all_to_all_with_per_rank_cost_models_is_one_error_on_every_rank(tm
     assert "the hierarchical threshold differs across ranks: ranks 0-1 have" in message
     assert "ranks 2-3 have 0 bytes" in message
     assert "rank 3 has unreadable" in results[0]["unreadable on rank 3"][1]
+    everywhere = results[0]["unreadable everywhere"][1]
+    assert "unreadable on every rank" in everywhere and str(bad) in everywhere, everywhere
     assert {r["same"] for r in results} == {"hierarchical"}

@@ -184,7 +184,7 @@ def _check_thresholds(thresholds_W: list[int], problem: ValueError | None) -> No
         for t in thresholds_W
     ]
     message = describe_mismatch(shown) or (
-        "the hierarchical threshold is unreadable on every rank (its cost model failed)"
+        f"the hierarchical threshold is unreadable on every rank (here: {problem})"
     )
     raise CrossRankError(
         f'algorithm="auto": {message}. Every rank must use the same cost model '
