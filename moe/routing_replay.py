@@ -9,9 +9,13 @@
 
 Several forwards: recording appends one record per forward to each layer's list, in order;
 replay gives forward i of a layer record i of that layer (a forward past the last record is an
-error). A forward autograd runs again in backward (activation checkpointing) is neither
-recorded nor counted: it takes the record of the oldest replayed forward not yet recomputed,
-which is the right one when every backward follows its own forward (the usual loop).
+error). Every forward counts once, in call order, whether or not its output reaches a
+backward (a dropped forward still takes its record, as recording recorded it). A forward
+autograd runs again in backward (activation checkpointing) is neither recorded nor counted:
+it replays the record its original forward took, whatever the order of forwards and
+backwards (moe.recompute_frame). MoEConfig.checkpoint and moe.memory.recompute_blocks do this
+themselves; your own torch.utils.checkpoint must pass use_reentrant=False,
+context_fn=moe.recompute_context, else the recompute is a RuntimeError (never a wrong record).
 
 Under replay the router still computes its scores; only the top-k choice is replaced. The
 combine weights are the router's own scores at the recorded experts, normalised as the router
@@ -31,7 +35,6 @@ the per-forward record lookup is Python state the compiler guards on (not tuned 
 
 import contextlib
 import json
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ from torch import nn
 from moe.gating import Routing
 from moe.gating.balance import in_recomputation
 from moe.layer import MoELayer, moe_layers
+from moe.recompute_frame import in_frame_recompute, once_per_forward
 
 FORMAT = "moe.routes/1"
 WEIGHT_DTYPES = {"F32": torch.float32, "F64": torch.float64, "BF16": torch.bfloat16}
@@ -165,34 +169,40 @@ class _Recorder:
 
 
 class _Replay:
-    """A layer's route_replay: forward i gets record i; a recomputed forward the oldest pending
-    one (see the module docstring)."""
+    """A layer's route_replay: original forward i gets record i; a recompute gets the record of
+    the forward it repeats (moe.recompute_frame)."""
 
     def __init__(self, name: str, records: list[RouteRecord], weights: bool):
         self.name, self.records, self.weights = name, records, weights
         self.next = 0
-        self.pending: deque[int] = deque()
+
+    def __repr__(self) -> str:
+        return f"router replay of {self.name}"
+
+    def _take_next(self) -> int:
+        index = self.next
+        if index >= len(self.records):
+            raise ValueError(
+                f"{self.name}: routes hold {len(self.records)} forward(s) of this layer; "
+                f"forward {index + 1} has no record to replay"
+            )
+        self.next += 1
+        return index
 
     def route(self, layer: MoELayer, x_TD: torch.Tensor) -> Routing:
-        if in_recomputation() and self.pending:
-            index = self.pending.popleft()
-        else:
-            index = self.next
-            if index >= len(self.records):
-                raise ValueError(
-                    f"{self.name}: routes hold {len(self.records)} forward(s) of this layer; "
-                    f"forward {index + 1} has no record to replay"
-                )
+        if in_recomputation() and not in_frame_recompute():
+            raise RuntimeError(
+                f"{self.name}: a forward run again in backward without moe.recompute_context: "
+                "router replay cannot tell which forward it repeats; checkpoint with "
+                "use_reentrant=False, context_fn=moe.recompute_context"
+            )
+        index = once_per_forward(self, self._take_next)
         record = self.records[index]
         if record.expert_ids_TK.shape[0] != x_TD.shape[0]:
             raise ValueError(
                 f"{self.name}: forward {index} was recorded with "
                 f"{record.expert_ids_TK.shape[0]} tokens, got {x_TD.shape[0]}"
             )
-        if not in_recomputation():
-            self.next += 1
-            if torch.is_grad_enabled():  # checkpointing may run it again in backward
-                self.pending.append(index)
         routing = layer.router(x_TD, forced_ids_TK=record.expert_ids_TK)
         if self.weights:
             routing.weights_TK = record.weights_TK.to(routing.weights_TK.dtype)

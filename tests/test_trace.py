@@ -74,7 +74,10 @@ def check(lines, by_hand, ep):
             got = lines[2 * i + j]
             assert got.keys() == want.keys()
             for key, value in want.items():
-                assert got[key] == pytest.approx(value, rel=1e-12), key
+                if isinstance(value, str):  # approx of a string is a TypeError since pytest 9.2
+                    assert got[key] == value, key
+                else:
+                    assert got[key] == pytest.approx(value, rel=1e-12), key
 
 
 def test_trace_equals_layer_stats_by_hand(tmp_path):
