@@ -37,8 +37,8 @@ class Net(nn.Module):
 
 def build(recompute: str) -> Net:
     torch.manual_seed(0)
-    net = Net(checkpoint=recompute == "layer").double().train()
-    if recompute == "blocks":
+    net = Net(checkpoint=recompute in ("layer", "nested")).double().train()
+    if recompute in ("blocks", "nested"):  # nested: checkpointed layers in checkpointed blocks
         moe.memory.recompute_blocks(net)
     return net
 
@@ -106,7 +106,7 @@ SCENARIOS = [two_forwards_one_backward, dropped_forward, backwards_in_reverse]
 
 @pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("scenario", SCENARIOS + [twice_with_retained_graph])
-@pytest.mark.parametrize("recompute", ["layer", "blocks"])
+@pytest.mark.parametrize("recompute", ["layer", "blocks", "nested"])
 def test_recompute_replays_its_own_forwards_record(recompute, scenario, weights):
     routes, xs = routes_and_inputs()
     results = {}
