@@ -15,6 +15,7 @@ from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_fr
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
 from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
 from moe import checkpoint, memory, parallel  # after the layer: they build on it
+from moe.recompute_frame import recompute_context
 from moe.routing_replay import Routes, record_routing, replay_routing
 from moe.routing_trace import RoutingTrace, read_trace
 
@@ -36,6 +37,7 @@ __all__ = [
     "moe_layers",
     "parallel",
     "read_trace",
+    "recompute_context",
     "record_routing",
     "replay_routing",
     "reset_global_balance",

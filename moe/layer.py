@@ -14,6 +14,7 @@ from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_ch
 from moe.experts import GroupedExperts, check_experts_finite
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
+from moe.recompute_frame import recompute_context
 from moe.shared_experts import SharedExperts
 
 
@@ -108,7 +109,9 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, d)
         self.balance.seq_len = x.shape[-2] if x.dim() > 1 else 1  # balance_loss="sequence"
         if self.config.checkpoint and self.training and torch.is_grad_enabled():
-            y_TD = checkpoint(self._forward_tokens, x_TD, use_reentrant=False)
+            y_TD = checkpoint(
+                self._forward_tokens, x_TD, use_reentrant=False, context_fn=recompute_context
+            )
         else:
             y_TD = self._forward_tokens(x_TD)
         return y_TD.view(x.shape)

@@ -105,7 +105,7 @@ README_PUBLIC_NAMES = {
             "update_router_biases", "reset_global_balance", "swap_ffn", "ConversionError",
             "save_moe_settings", "swap_ffn_from_settings", "check_moe_settings", "from_hf",
             "to_hf", "load_hf_checkpoint", "save_hf_checkpoint", "record_routing",
-            "replay_routing", "Routes", "RoutingTrace", "read_trace"],
+            "replay_routing", "recompute_context", "Routes", "RoutingTrace", "read_trace"],
     "moe.parallel": ["init_mesh", "parallelize", "clip_grad_norm_", "rebalance_experts",
                      "RebalanceReport", "plan_placement", "Placement", "expert_parameters",
                      "dense_parameters", "is_expert_parameter"],

@@ -53,11 +53,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps, --batch must be >= 1, --seq-len >= 2 and --lr > 0")
     if args.log_every < 1:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
+    problem = _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1"))) or _path_problem(args)
+    if problem:
+        p.error(problem)
     try:
         args.device = resolve_device(args.device)
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def _layout_problem(args, world: int) -> str | None:
+    """--ep and --batch against the number of ranks (torchrun's WORLD_SIZE)."""
+    if args.ep < 1:
+        return f"--ep must be >= 1, got {args.ep}"
+    if world % args.ep:
+        return f"--ep {args.ep} must divide the {world} rank(s) (torchrun --nproc-per-node)"
+    if args.batch % world:
+        return f"--batch {args.batch} must divide by the {world} rank(s)"
+    return None
+
+
+def _path_problem(args) -> str | None:
+    """--model an existing directory; --out a directory to (over)write, not a file, and under
+    no file (checked before training, not after it)."""
+    if args.model is not None and not Path(args.model).is_dir():
+        return f"--model {args.model!r}: not a directory"
+    out = Path(args.out)
+    for path in (out, *out.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                return f"--out {args.out!r}: {str(path)!r} exists and is not a directory"
+            if not os.access(path, os.W_OK | os.X_OK):
+                return f"--out {args.out!r}: {str(path)!r} is not writable"
+            return None
+    return None
 
 
 def tiny_qwen3_moe():
@@ -88,8 +118,6 @@ def main(argv=None) -> dict:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend(device))
     rank = dist.get_rank() if world > 1 else 0
-    if args.batch % world or world % args.ep:
-        raise SystemExit(f"error: --batch must divide by {world} ranks and --ep divide them")
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model = (

@@ -224,8 +224,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
     # read back at the metrics' log interval, so it adds no host sync of its own
-    trace_path, resume_from = out / "routing_trace.jsonl", start if args.resume else None
-    trace = moe.RoutingTrace(model, trace_path, every=args.log_every, resume_from=resume_from)
+    trace = open_trace(model, out / "routing_trace.jsonl", args, start)
     tokens_per_step = args.global_batch * cfg.seq_len
     say(
         f"{cfg.name}: {total:,} parameters ({experts:,} in experts), {cfg.active_params:,} active "
@@ -305,6 +304,29 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
+
+
+class _NoTrace:
+    """A dense model (--dense, --experts 0) has no expert load to trace."""
+
+    def step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTrace:
+    """The run's routing trace; resuming keeps its lines up to `start`. A damaged trace or a
+    path that is not a regular file is a UsageError naming it (file:line) on every rank."""
+    if not moe.moe_layers(model):
+        return _NoTrace()
+    resume_from = start if args.resume else None
+    try:
+        return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
+    except ValueError as e:
+        hint = " (remove it to start a new trace)" if args.resume else ""
+        raise UsageError(f"{e}{hint}") from None
 
 
 def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float, args) -> None:

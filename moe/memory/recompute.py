@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe.recompute_frame import recompute_context
+
 _MARK = "_moe_checkpointed"
 
 
@@ -35,7 +37,10 @@ def find_repeated_blocks(model: nn.Module) -> list[str]:
 def _checkpointed_forward(self, *args, **kwargs):
     forward = type(self).forward.__get__(self)
     if self.training and torch.is_grad_enabled():
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # recompute_context: a recompute replays what its own forward took (router replay)
+        return checkpoint(
+            forward, *args, use_reentrant=False, context_fn=recompute_context, **kwargs
+        )
     return forward(*args, **kwargs)
 
 

@@ -1,0 +1,59 @@
+"""The M6 example's dense baseline runs (no MoE layers: no routing trace), and its routing
+trace at a damaged file or a FIFO is one `error:` line naming it, before any training."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples.m6 import train
+
+FAST = ["--quiet", "--no-plots", "--eval-every", "1000", "--global-batch", "8"]
+TRAIN = str(Path(train.__file__))
+
+
+def _main(tmp_path, *extra, steps=2):
+    return train.main(["--steps", str(steps), "--run-dir", str(tmp_path), *FAST, *extra])
+
+
+@pytest.mark.parametrize("flag", [["--dense"], ["--experts", "0"]])
+def test_dense_baseline_trains_without_a_trace(flag, tmp_path, capsys):
+    assert _main(tmp_path, *flag) == 0
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "checkpoint").exists()
+    assert not (tmp_path / "routing_trace.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ('{"step": NaN}\n', "not JSON"),
+        ("[" * 100 + "\n", "JSON nested"),
+    ],
+    ids=["nan", "deep"],
+)
+def test_resume_with_a_damaged_trace_is_one_error_line(damage, message, tmp_path, capsys):
+    assert _main(tmp_path, "--stop-after", "1") == 0
+    trace = tmp_path / "routing_trace.jsonl"
+    good = trace.read_text()
+    trace.write_text(good + damage)
+    capsys.readouterr()
+    assert _main(tmp_path, "--resume") == 2
+    err = capsys.readouterr().err
+    lines = len(good.splitlines()) + 1
+    assert err.startswith(f"error: {trace}:{lines}: {message}") and err.count("\n") == 1, err
+    assert trace.read_text() == good + damage  # left as it was
+
+
+def test_a_fifo_as_the_trace_is_one_error_line_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "routing_trace.jsonl")
+    argv = [sys.executable, TRAIN, "--steps", "2", "--run-dir", str(tmp_path), *FAST]
+    root = str(Path(train.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: routing trace") and "not a regular file" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "checkpoint").exists()
