@@ -51,6 +51,7 @@ from examples.m6.setup import (  # noqa: E402
     setup_parallel,
     topology,
 )
+from examples.m6.syncs import SyncCounter  # noqa: E402
 
 __all__ = ["Interrupted", "UsageError", "main", "run"]
 
@@ -242,7 +243,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     model.train()
     log = MetricsLog()
     signals = StopOnSignal()
-    with signals:
+    syncs = SyncCounter(args.count_syncs, device)
+    out_of_time = False
+    with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
             trace.step(step + 1)
@@ -250,8 +253,11 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
             save_now = args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop
             signalled = signals.signum is not None
+            elapsed = time.perf_counter() - t0 - eval_s
+            out_of_time = args.max_seconds is not None and elapsed >= args.max_seconds
             if not (
-                (step + 1) % args.log_every == 0
+                out_of_time
+                or (step + 1) % args.log_every == 0
                 or step + 1 == stop
                 or evaluate_now
                 or save_now
@@ -284,6 +290,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                     out / "checkpoint", model, opt, _state(step + 1, history, cfg, data)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
+            if out_of_time:  # --max-seconds: evaluate what was trained so far
+                stop = step + 1
+                break
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
@@ -294,8 +303,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         "time_s": elapsed, "tokens_per_s": done * tokens_per_step / elapsed if done else 0.0,
         "params": total, "active_params": cfg.active_params, "losses": history["loss"],
         "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
+        "host_syncs": syncs.count, "out_of_time": out_of_time,
     }  # fmt: skip
-    if stop < args.steps:  # preempted on purpose: no evaluation
+    if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
         return summary
     summary.update(final_evaluation(model, data, cfg, args, rt, history))
