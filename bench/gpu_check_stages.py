@@ -61,9 +61,9 @@ def stage_a(check, limit: float):
             check.problem(f"tools.triton_aot_check does not import: {out[-300:]}")
         return ("passed" if not check.problems else "failed"), "; ".join(notes)
     arch = "".join(cap.split("."))
-    rc, out = check.run(
-        "AOT check", [PY, "-m", "tools.triton_aot_check", "--arch", arch], limit / 2
-    )
+    env = dict(check.env, TRITON_DEFAULT_FP_FUSION="1")  # as CI runs it
+    argv = [PY, "-m", "tools.triton_aot_check", "--arch", arch]
+    rc, out = check.run("AOT check", argv, limit / 2, env)
     check.figure("a", "aot_check_exit", rc)
     notes.append(f"AOT check sm_{arch}: exit {rc}")
     return ("passed" if rc == 0 else "failed"), "; ".join(notes)
@@ -107,7 +107,7 @@ def _install_peers(check, limit: float) -> str:
         elif check.rehearse:
             notes.append("Tutel snapshot found (its CUDA build runs on the GPU machine only)")
         else:
-            argv = [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+            argv = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", "--no-deps",
                     "--target", str(check.work / "tutel"), str(tutel)]  # fmt: skip
             log = (check.work / "tutel-build.log").open("w")
             check.background = subprocess.Popen(
@@ -172,12 +172,16 @@ def stage_c(check, limit: float):
         except subprocess.TimeoutExpired:
             stop_background(check)
         check.figure("c", "tutel build exit", check.background.returncode)
+        with check.log.open("a") as f:
+            f.write("\n===== Tutel build\n" + (check.work / "tutel-build.log").read_text()[-5000:])
     out_json = check.work / "gpu-layer.json"
     if check.rehearse:
         argv = ["--smoke-cpu", "--shapes", REHEARSAL_SHAPE]
     else:
         argv = ["--shapes", "all", "--no-compile", "--max-minutes", f"{(limit - 60) / 60:.1f}"]
     argv = [PY, "-m", "bench.gpu_layer", *argv, "--profile", "--json", str(out_json)]
+    # pinned Triton configs (check.env): autotuning 6 configs per kernel and shape costs minutes
+    check.figure("c", "triton configs", "pinned (MOE_TRITON_AUTOTUNE=0)")
     rc, out = check.run("gpu_layer", argv, limit, dict(check.env, OUT=str(check.out)))
     records = json.loads(out_json.read_text())["records"] if out_json.is_file() else []
     for r in records:

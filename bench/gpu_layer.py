@@ -76,6 +76,15 @@ def record(s, candidate: str, figure: str, value, unit: str) -> None:
     )
 
 
+JSON_PATH: list[str] = []  # --json: rewritten after every candidate (a killed run keeps them)
+
+
+def write_json(device: str, argv) -> None:
+    for path in JSON_PATH:
+        with open(path, "w") as f:
+            json.dump({"device": device, "argv": list(argv), "records": RECORDS}, f)
+
+
 def profile_candidate(s, name: str, step) -> str:
     """Time outside the GEMMs per step (recorded); the kernel table once, for moe triton at the
     first shape profiled (the Mixtral shape in the full run)."""
@@ -311,8 +320,11 @@ def main(argv=None) -> int:
         os.environ["MOE_TRITON_AUTOTUNE"] = "0"
     PROFILES.clear()
     RECORDS.clear()
+    JSON_PATH[:] = [args.json] if args.json else []
     dtype = torch.float32 if args.smoke_cpu else torch.bfloat16
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run, nothing timed)"
+    pinned = os.environ.get("MOE_TRITON_AUTOTUNE", "1") == "0"
+    configs = "pinned (MOE_TRITON_AUTOTUNE=0)" if pinned else "autotuned"
     lines = [
         f"# MoE layer fwd+bwd on {gpu} "
         f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
@@ -320,7 +332,7 @@ def main(argv=None) -> int:
         f"Run by `python -m bench.gpu_layer {' '.join(argv or sys.argv[1:])}`; "
         f"torch {torch.__version__}, triton {__import__('triton').__version__}, bf16, SwiGLU, "
         f"dropless (DeepSpeed: capacity 1.0, drops). Median of {args.iters} CUDA-event timings "
-        f"after {args.warmup} warm-up steps. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "
+        f"after {args.warmup} warm-up steps; Triton configs {configs}. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "
         "Errors: ||a - ref|| / ||ref|| against a float32 moe layer with the same weights.",
         "",
     ]
@@ -350,6 +362,7 @@ def main(argv=None) -> int:
             rows.append(row)
             times[name] = ms
             print(row, flush=True)
+            write_json(gpu, argv or sys.argv[1:])
         dense = times.get("dense")
         best = min((v for k, v in times.items() if k.startswith("moe") and v), default=None)
         if dense and best:
@@ -375,11 +388,10 @@ def main(argv=None) -> int:
             table = role_table(s, time_fn, DEV, dtype, records=RECORDS)
             print("\n".join(table), flush=True)
             lines += table
+            write_json(gpu, argv or sys.argv[1:])
     lines.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": gpu, "argv": list(argv or sys.argv[1:]), "records": RECORDS}, f)
+    write_json(gpu, argv or sys.argv[1:])
     out_dir = os.environ.get("OUT")
     if args.smoke_cpu:
         print(text)
