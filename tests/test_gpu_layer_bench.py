@@ -107,3 +107,10 @@ def test_smoke_runs_the_triton_candidate_in_the_interpreter(capsys, monkeypatch)
     fail = lambda s, backend, dtype: 1 / 0 if backend == "triton" else real(s, backend, dtype)  # noqa: E731
     monkeypatch.setattr(gpu_layer, "moe_layer", fail)
     assert gpu_layer.main(argv) == 1
+
+
+def test_smoke_refuses_shapes_too_big_for_the_interpreter(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_layer.main(["--smoke-cpu", "--shapes", "32/16/4/2/16,256/128/8/2/192"])
+    assert e.value.code == 2
+    assert "too big: 256/128/8/2/192" in capsys.readouterr().err
