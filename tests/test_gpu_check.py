@@ -36,7 +36,7 @@ def test_budget_skips_what_does_not_fit_and_the_report_survives_a_failure(tmp_pa
     status = {s["stage"]: (s["status"], s["detail"]) for s in report["stages"]}
     assert status["b"] == ("failed", "RuntimeError: stage b broke")
     assert status["c"][0] == "skipped" and "needs 200 s" in status["c"][1]
-    assert status["d"] == ("passed", "limit 75")
+    assert status["d"] == ("passed", "limit 80")
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| c | layer benchmark at four shapes | skipped |" in md and "decided" in md
 
@@ -138,3 +138,11 @@ def test_m6_max_seconds_stops_and_evaluates(tmp_path):
 def test_m6_max_seconds_is_validated(bad, capsys):
     assert train.main(["--config", "m6-tiny", "--max-seconds", bad, "--quiet"]) == 2
     assert "--max-seconds must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_m6_steady_tokens_per_s_leaves_out_the_first_read_back(tmp_path):
+    s = train.run(["--config", "m6-tiny", "--steps", "6", "--log-every", "2", "--no-plots",
+                   "--quiet", "--run-dir", str(tmp_path)])  # fmt: skip
+    assert not s["out_of_time"] and s["steady_tokens_per_s"] > 0
+    assert train._steady((2, 1.0), 6, 3.0, 100) == 200.0
+    assert train._steady(None, 6, 3.0, 100) is None and train._steady((6, 1.0), 6, 3.0, 100) is None

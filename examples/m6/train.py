@@ -244,7 +244,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     log = MetricsLog()
     signals = StopOnSignal()
     syncs = SyncCounter(args.count_syncs, device)
-    out_of_time = False
+    out_of_time, first_read = False, None  # first_read: (steps, seconds) at the first read-back
     with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
@@ -266,6 +266,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                 continue  # nothing read back: the device runs ahead of the host
             records, stopping = log.flush(world, signalled)
             tok_s = done * tokens_per_step / (time.perf_counter() - t0 - eval_s)
+            first_read = first_read or (done, time.perf_counter() - t0 - eval_s)
             _add_to_history(history, records, step, tok_s, args)
             m = records[-1]
             progress.update(
@@ -304,6 +305,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         "params": total, "active_params": cfg.active_params, "losses": history["loss"],
         "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
         "host_syncs": syncs.count, "out_of_time": out_of_time,
+        "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
@@ -315,6 +317,13 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
+
+
+def _steady(first_read, done: int, elapsed: float, tokens_per_step: int) -> float | None:
+    """tokens/s after the first metrics read-back: without the first steps' kernel compiles."""
+    if first_read is None or done <= first_read[0] or elapsed <= first_read[1]:
+        return None
+    return (done - first_read[0]) * tokens_per_step / (elapsed - first_read[1])
 
 
 def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float, args) -> None:
