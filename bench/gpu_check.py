@@ -55,6 +55,7 @@ class Check:
         self.problems: list[str] = []  # rehearsal: plumbing that did not work
         self.log = out_dir / "gpu-check-log.txt"
         self.background = None  # Tutel's build
+        self.current = None  # the stage running now
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
@@ -74,6 +75,8 @@ class Check:
         for key, title, gpu_limit, cpu_limit in STAGES:
             limit = cpu_limit if self.rehearse else gpu_limit
             start = time.monotonic()
+            self.current = key
+            self.write_report()  # if this stage is killed, the report says where
             if self.left() < limit:
                 status, detail = "skipped", f"needs {limit} s, {max(self.left(), 0):.0f} s left"
             else:
@@ -86,6 +89,7 @@ class Check:
                 dict(stage=key, title=title, status=status, seconds=seconds, detail=detail)
             )
             self.write_report()
+        self.current = None
         st.stop_background(self)
         self.decisions = st.decide(self)
         self.write_report()
@@ -104,10 +108,11 @@ class Check:
                 "stages": self.stages, "rows": self.rows, "decisions": self.decisions,
                 "problems": self.problems}  # fmt: skip
         (self.out / "gpu-check.json").write_text(json.dumps(data, indent=1, default=str))
+        gpu = next((r["value"] for r in self.rows if r["name"] == "gpu"), "not yet known")
         lines = [
             f"# {mode}",
             "",
-            f"Budget {self.budget_s:.0f} s; used {time.monotonic() - self.t0:.0f} s.",
+            f"Machine: {gpu}; budget {self.budget_s:.0f} s; used {time.monotonic() - self.t0:.0f} s.",
             "",
         ]
         lines += ["| stage | what | status | seconds | detail |", "|---|---|---|---|---|"]
@@ -115,11 +120,11 @@ class Check:
             f"| {s['stage']} | {s['title']} | {s['status']} | {s['seconds']} | {s['detail']} |"
             for s in self.stages
         ]
-        names = {k for k, *_ in STAGES}
+        done = {s["stage"] for s in self.stages}
         lines += [
-            f"| {k} | {t} | not reached | | |"
+            f"| {k} | {t} | {'running, or killed while running' if k == self.current else 'not reached'} | | |"
             for k, t, *_ in STAGES
-            if k not in {s["stage"] for s in self.stages} and k in names
+            if k not in done
         ]
         if self.decisions:
             lines += [
