@@ -59,6 +59,7 @@ class Check:
         self.log = out_dir / "gpu-check-log.txt"
         self.background = None  # Tutel's build
         self.current = None  # the stage running now
+        self.abort = None  # set by a stage after which the others cannot run (no CUDA)
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
@@ -80,7 +81,9 @@ class Check:
             start = time.monotonic()
             self.current = key
             self.write_report()  # if this stage is killed, the report says where
-            if self.left() < limit:
+            if self.abort:
+                status, detail = "skipped", self.abort
+            elif self.left() < limit:
                 status, detail = "skipped", f"needs {limit} s, {max(self.left(), 0):.0f} s left"
             else:
                 try:

@@ -53,6 +53,7 @@ def stage_a(check, limit: float):
                         ("python", sys.version.split()[0])):  # fmt: skip
         check.figure("a", name, value)
     if not cuda and not check.rehearse:
+        check.abort = "no CUDA (stage a)"
         return "failed", "CUDA is not available to torch: nothing to check on a GPU"
     notes = [_install_peers(check, limit / 3)]
     if check.rehearse:  # CI compiles the AOT facts just before the rehearsal: import them only

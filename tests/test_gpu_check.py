@@ -146,3 +146,15 @@ def test_m6_steady_tokens_per_s_leaves_out_the_first_read_back(tmp_path):
     assert not s["out_of_time"] and s["steady_tokens_per_s"] > 0
     assert train._steady((2, 1.0), 6, 3.0, 100) == 200.0
     assert train._steady(None, 6, 3.0, 100) is None and train._steady((6, 1.0), 6, 3.0, 100) is None
+
+
+def test_without_cuda_the_gpu_check_stops_after_stage_a(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-CUDA path")
+    assert gpu_check.main(["--out", str(tmp_path), "--carry", str(tmp_path / "none")]) == 1
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    status = [(s["stage"], s["status"], s["detail"]) for s in report["stages"]]
+    assert status[0][:2] == ("a", "failed") and "CUDA is not available" in status[0][2]
+    assert [s[1:] for s in status[1:]] == [("skipped", "no CUDA (stage a)")] * 3
