@@ -40,6 +40,21 @@ def _wheels(check) -> list[str]:
     return sorted(glob.glob(str(check.carry / "wheels" / "*.whl")))
 
 
+IMPORT_NAMES = {"py_cpuinfo": "cpuinfo"}  # wheel name -> module, where they differ
+
+
+def _missing(wheels: list[str]) -> list[str]:
+    """The wheels whose module this Python lacks (PYTHONPATH would shadow installed ones)."""
+    from importlib.util import find_spec
+
+    keep = []
+    for w in wheels:
+        dist = Path(w).name.split("-")[0]
+        if dist == "deepspeed" or find_spec(IMPORT_NAMES.get(dist, dist)) is None:
+            keep.append(w)
+    return keep
+
+
 def stage_a(check, limit: float):
     """Versions; the carried peers installed; the AOT facts compiled with this triton."""
     import torch
@@ -94,6 +109,8 @@ def _install_peers(check, limit: float) -> str:
             ]
             wheels = [w for w in wheels if not Path(w).name.startswith("pydantic")]
             notes.append("pydantic, pydantic_core: cp312 wheels, their import checked on 3.12 only")
+        elif not check.rehearse:
+            wheels = _missing(wheels)
         argv = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *tags,
                 "--target", str(_site(check)), *wheels]  # fmt: skip
         rc, out = check.run("peer wheels", argv, limit)

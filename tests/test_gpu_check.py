@@ -158,3 +158,10 @@ def test_without_cuda_the_gpu_check_stops_after_stage_a(tmp_path):
     status = [(s["stage"], s["status"], s["detail"]) for s in report["stages"]]
     assert status[0][:2] == ("a", "failed") and "CUDA is not available" in status[0][2]
     assert [s[1:] for s in status[1:]] == [("skipped", "no CUDA (stage a)")] * 3
+
+
+def test_gpu_machine_installs_only_the_carried_wheels_it_lacks():
+    wheels = ["w/deepspeed-0.19.8-py3-none-any.whl", "w/pytest-9.0-py3-none-any.whl",
+              "w/py_cpuinfo-9.0.0-py3-none-any.whl", "w/no_such_module_xyz-1.0-py3-none-any.whl"]  # fmt: skip
+    kept = gpu_check_stages._missing(wheels)
+    assert kept[0] == wheels[0] and wheels[1] not in kept and wheels[3] in kept
