@@ -8,20 +8,25 @@ backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 wh
                                                     # on one H100, not yet measured; --max-minutes)
     python -m bench.gpu_layer --quick               # no compile, no peers, fewer iterations
     python -m bench.gpu_layer --shapes mixtral,512/256/8/2/384 --iters 20
-    python -m bench.gpu_layer --profile             # + torch.profiler kernel tables (moe triton)
+    python -m bench.gpu_layer --profile             # + time outside the GEMMs per candidate and
+                                                    # one kernel table (moe triton, first shape)
+    python -m bench.gpu_layer --smoke-cpu --shapes 64/32/4/2/48   # the plumbing on CPU (Triton's
+                                                    # interpreter, pinned configs; nothing timed)
 
 Per candidate: median fwd+bwd ms from CUDA events after warm-up, expert TFLOP/s, peak MiB
 (torch.cuda.max_memory_allocated over one step, only that candidate resident), and the
 norm-relative error of y, dx, dW1 against a float32 moe layer with the same (bf16-rounded)
 weights and routing. Then the GEMM-role table (bench/gpu_roles.py): every grouped GEMM role
 timed alone, moe's Triton kernel vs CUTLASS (torch._grouped_mm).
-Writes bench/results/<date>-<gpu>-gpu-layer.md, or $OUT/gpu-layer.md when $OUT is set.
-Without CUDA it prints one line and exits with status 2 (nothing was measured).
+Writes bench/results/<date>-<gpu>-gpu-layer.md, or $OUT/gpu-layer.md when $OUT is set, and with
+--json PATH one record per measured figure. Without CUDA it prints one line and exits with
+status 2 (nothing was measured); --smoke-cpu exits 1 when any candidate or role failed.
 """
 
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import sys
@@ -31,20 +36,25 @@ import torch
 import torch.distributed as dist
 
 import moe
+from bench import gpu_profile
 from bench.gpu_roles import role_table
 from bench.titan_style import SwiGLU, TitanStyleMoE, expert_flops, parse_shapes
 
 NO_CUDA_EXIT = 2
+# --smoke-cpu runs the Triton kernels in Triton's interpreter, whose time grows with T*k*d*F:
+# 64/32/4/2/48 (196,608) takes ~16 s per Triton candidate on the loaded 2-core machine, the
+# issue's 256/128/8/2/192 (64x that) did not finish in 15 minutes.
+SMOKE_MAX_WORK = 2**18
 DEV = "cuda"  # --smoke-cpu: "cpu", to test this script's plumbing without a GPU (no timings)
 
 
 def cuda_time(fn, iters: int, warmup: int) -> float:
     """Median ms of fn() from CUDA events, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    if DEV == "cpu":  # --smoke-cpu: run the calls, time nothing
+    if DEV == "cpu":  # --smoke-cpu: one call (plumbing only: the interpreter is slow), no timing
         fn()
         return float("nan")
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -57,22 +67,41 @@ def cuda_time(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-PROFILES: list[str] = []
+PROFILES: list[str] = []  # kernel tables for the report
+RECORDS: list[dict] = []  # one per measured figure (--json)
 
 
-def profile(step, steps: int = 3) -> str:
-    """The kernels of `steps` fwd+bwd steps by self device time (torch.profiler)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+def record(s, candidate: str, figure: str, value, unit: str) -> None:
+    if isinstance(value, float) and value != value:  # NaN: nothing measured (smoke run)
+        value = None
+    shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
+    RECORDS.append(
+        {**shape, "candidate": candidate, "figure": figure, "value": value, "unit": unit}
+    )
 
-    acts = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
-    with torch_profile(activities=acts) as prof:
-        for _ in range(steps):
-            step()
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
+
+JSON_PATH: list[str] = []  # --json: rewritten after every candidate (a killed run keeps them)
+
+
+def write_json(device: str, argv) -> None:
+    for path in JSON_PATH:
+        with open(path, "w") as f:
+            json.dump({"device": device, "argv": list(argv), "records": RECORDS}, f)
+
+
+def profile_candidate(s, name: str, step) -> str:
+    """Time outside the GEMMs per step (recorded); the kernel table once, for moe triton at the
+    first shape profiled (the Mixtral shape in the full run)."""
+    cuda = DEV == "cuda"
+    steps = 3 if cuda else 1
+    averages = gpu_profile.profile_steps(step, steps, cuda)
+    split = gpu_profile.gemm_split(averages, steps, cuda)
+    for figure, value in split.items():
+        record(s, name, figure, value, "count" if figure.startswith("kernels") else "ms")
+    if name == "moe triton" and not PROFILES:
+        table = gpu_profile.kernel_table(averages, cuda)
+        PROFILES.append(f"### {s.name}, {name}, {steps} fwd+bwd steps\n\n```\n{table}\n```\n")
+    return f"{split['outside_gemm_ms']:.2f}"
 
 
 def _empty_cache() -> None:
@@ -97,7 +126,7 @@ def _init_dist() -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        dist.init_process_group("nccl" if DEV == "cuda" else "gloo", rank=0, world_size=1)
 
 
 class _First(torch.nn.Module):
@@ -200,7 +229,8 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
             module(x).backward(dy_TD)
             return module
 
-        step()  # compile / autotune before the timed warm-up
+        if DEV == "cuda":  # compile / autotune before the timed warm-up
+            step()
         ms = cuda_time(step, args.iters, args.warmup)
         module.zero_grad(set_to_none=True)
         on_gpu = DEV == "cuda"
@@ -216,21 +246,30 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
             w1 = getattr(module, "_orig_mod", module)
             w1 = w1.experts.w1 if hasattr(w1, "experts") else w1.w1
             errs = [rel_err(y, ref[0]), rel_err(x.grad, ref[1]), rel_err(w1.grad, ref[2])]
-        if args.profile and name in ("moe triton", "moe triton TMA"):
-            PROFILES.append(f"### {s.name}, {name}\n\n```\n{profile(step)}\n```\n")
+        outside = "–"
+        profiled = name == "moe triton" or DEV == "cuda" and name != "dense"
+        if args.profile and profiled and "compiled" not in name:  # smoke: one (interpreter)
+            outside = profile_candidate(s, name, step)
         tflops = expert_flops(s) / ms / 1e9
+        record(s, name, "fwd_bwd_ms", ms, "ms")
+        record(s, name, "peak_mib", peak, "MiB")
+        for figure, err in zip(("err_y", "err_dx", "err_dw1"), errs):
+            if err != "–":
+                record(s, name, figure, float(err), "relative")
         row = (
             f"| {s.name} | {name} | {ms:.2f} | {tflops:.0f} | {peak:.0f} | "
             + " | ".join(errs)
-            + " |"
+            + f" | {outside} |"
         )
     except torch.cuda.OutOfMemoryError:
         ms = None
-        row = f"| {s.name} | {name} | OOM | | | | | "
+        record(s, name, "failed", "OOM", "")
+        row = f"| {s.name} | {name} | OOM | | | | | |"
     except Exception as e:  # noqa: BLE001 - one failing candidate must not end the run
         ms = None
         msg = str(e).splitlines()[0][:100] if str(e) else ""
-        row = f"| {s.name} | {name} | failed: {type(e).__name__}: {msg} | | | | |"
+        record(s, name, "failed", f"{type(e).__name__}: {msg}", "")
+        row = f"| {s.name} | {name} | failed: {type(e).__name__}: {msg} | | | | | |"
     finally:
         if env_before is None:
             os.environ.pop("MOE_TRITON_TMA", None)
@@ -261,12 +300,18 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated candidate names to run")
     p.add_argument("--no-roles", action="store_true", help="skip the GEMM-role table")
     p.add_argument("--smoke-cpu", action="store_true", help="tests only: run every candidate on "
-                   "CPU (float32, no timings, no compile, no peers) to check the script")  # fmt: skip
+                   "CPU (float32, no timings, no compile; peers on gloo if they import; Triton's interpreter with "
+                   "pinned configs) to check the script")  # fmt: skip
+    p.add_argument("--json", help="also write one record per measured figure to this file")
     args = p.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)  # bad --shapes: an error before anything runs
     except ValueError as e:
         p.error(str(e))
+    big = [s.name for s in shapes if s.T * s.k * s.d * s.F > SMOKE_MAX_WORK]
+    if args.smoke_cpu and big:
+        p.error(f"--smoke-cpu runs Triton's interpreter: shapes with T*k*d*F <= {SMOKE_MAX_WORK} "
+                f"only (e.g. 32/16/4/2/16); too big: {', '.join(big)}")  # fmt: skip
     global DEV
     DEV = "cpu" if args.smoke_cpu else "cuda"
     if not args.smoke_cpu and not torch.cuda.is_available():
@@ -275,10 +320,19 @@ def main(argv=None) -> int:
     if args.quick:
         args.no_compile = args.no_peers = True
         args.iters, args.warmup = min(args.iters, 5), min(args.warmup, 2)
-    if args.smoke_cpu:
-        args.no_compile = args.no_peers = True
+    if args.smoke_cpu:  # peers run when they import (the rehearsal's carried DeepSpeed)
+        args.no_compile = True
+        # the kernels in Triton's interpreter, one pinned config each: autotuning there runs
+        # every config many times (minutes per kernel); set before any kernel module loads
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["MOE_TRITON_AUTOTUNE"] = "0"
+    PROFILES.clear()
+    RECORDS.clear()
+    JSON_PATH[:] = [args.json] if args.json else []
     dtype = torch.float32 if args.smoke_cpu else torch.bfloat16
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run, nothing timed)"
+    pinned = os.environ.get("MOE_TRITON_AUTOTUNE", "1") == "0"
+    configs = "pinned (MOE_TRITON_AUTOTUNE=0)" if pinned else "autotuned"
     lines = [
         f"# MoE layer fwd+bwd on {gpu} "
         f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
@@ -286,7 +340,7 @@ def main(argv=None) -> int:
         f"Run by `python -m bench.gpu_layer {' '.join(argv or sys.argv[1:])}`; "
         f"torch {torch.__version__}, triton {__import__('triton').__version__}, bf16, SwiGLU, "
         f"dropless (DeepSpeed: capacity 1.0, drops). Median of {args.iters} CUDA-event timings "
-        f"after {args.warmup} warm-up steps. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "
+        f"after {args.warmup} warm-up steps; Triton configs {configs}. TFLOP/s counts the expert GEMMs (18*T*k*d*F). "
         "Errors: ||a - ref|| / ||ref|| against a float32 moe layer with the same weights.",
         "",
     ]
@@ -309,21 +363,24 @@ def main(argv=None) -> int:
         for name, (build, shares) in cands.items():
             optional = name.endswith("compiled") or not shares and name != "dense"
             if optional and time.perf_counter() - t_start > 60 * args.max_minutes:
-                rows.append(f"| {s.name} | {name} | skipped: over --max-minutes | | | | | | |")
+                rows.append(f"| {s.name} | {name} | skipped: over --max-minutes | | | | | | | |")
+                record(s, name, "skipped", "over --max-minutes", "")
                 continue
             row, ms = run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args)
             rows.append(row)
             times[name] = ms
             print(row, flush=True)
+            write_json(gpu, argv or sys.argv[1:])
         dense = times.get("dense")
         best = min((v for k, v in times.items() if k.startswith("moe") and v), default=None)
         if dense and best:
             notes.append(f"{s.name}: best moe / dense = {best / dense:.2f}")
         del ref, state, x_TD, dy_TD
     head = (
-        "| shape | candidate | fwd+bwd ms | TFLOP/s | peak MiB | err y | err dx | err dW1 | wall |"
+        "| shape | candidate | fwd+bwd ms | TFLOP/s | peak MiB | err y | err dx | err dW1 | "
+        "outside GEMMs ms | wall |"
     )
-    lines += [head, "|---|---|---|---|---|---|---|---|---|", *rows, "", *notes, ""]
+    lines += [head, "|---|---|---|---|---|---|---|---|---|---|", *rows, "", *notes, ""]
     if PROFILES:
         lines += ["## Profiles (3 fwd+bwd steps, kernels by self device time)", "", *PROFILES]
     if not args.no_roles:
@@ -335,15 +392,26 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|",
         ]
         for s in shapes:
-            table = role_table(s, lambda fn: cuda_time(fn, args.iters, args.warmup), DEV)
+            time_fn = lambda fn: cuda_time(fn, args.iters, args.warmup)  # noqa: E731
+            table = role_table(s, time_fn, DEV, dtype, records=RECORDS)
             print("\n".join(table), flush=True)
             lines += table
+            write_json(gpu, argv or sys.argv[1:])
     lines.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
+    write_json(gpu, argv or sys.argv[1:])
+    if dist.is_initialized():
+        dist.destroy_process_group()
     out_dir = os.environ.get("OUT")
     if args.smoke_cpu:
         print(text)
-        return 0  # nothing timed: no report
+        failed = [r for r in RECORDS if r["figure"] == "failed"]
+        for r in failed:
+            print(f"smoke run: {r['shape']} {r['candidate']} failed: {r['value']}")
+        if out_dir:  # the rehearsal: the report file too (nothing timed in it)
+            with open(os.path.join(out_dir, "gpu-layer.md"), "w") as f:
+                f.write(text)
+        return 1 if failed else 0
     if out_dir:
         path = os.path.join(out_dir, "gpu-layer.md")
     else:
@@ -353,8 +421,6 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote {path}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 

@@ -45,6 +45,9 @@ def _inputs(T, d, E, k, F, device, dtype):
 
 
 def _triton_calls(t, E, d, F):
+    from moe.kernels.triton.common import ensure_mode
+
+    ensure_mode()  # kernel modules built for the mode TRITON_INTERPRET now asks for
     from moe.kernels.triton.activations import ACT_CODES
     from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, ragged_mm
     from moe.kernels.triton.grouped_mm_wgrad import ragged_reduce_mm
@@ -125,8 +128,12 @@ def _cutlass_calls(t, E, d, F):
     }
 
 
-def role_table(shape, time_fn, device, dtype=torch.bfloat16) -> list[str]:
-    """Markdown rows: role, ms and TFLOP/s of moe triton and CUTLASS, % of CUTLASS."""
+def role_table(shape, time_fn, device, dtype=torch.bfloat16, records=None) -> list[str]:
+    """Markdown rows: role, ms and TFLOP/s of moe triton and CUTLASS, % of CUTLASS. With
+    `records` (a list), one dict per timing is appended: role, backend, ms (or the failure)."""
+    records = [] if records is None else records
+    where = {"shape": shape.name, "T": shape.T, "d": shape.d, "E": shape.E, "k": shape.k,
+             "F": shape.F}  # fmt: skip
     s = shape
     t = _inputs(s.T, s.d, s.E, s.k, s.F, device, dtype)
     M = s.T * s.k
@@ -134,17 +141,23 @@ def role_table(shape, time_fn, device, dtype=torch.bfloat16) -> list[str]:
     try:
         ours = _triton_calls(t, s.E, s.d, s.F)
     except Exception as e:  # noqa: BLE001 - the report says why
+        records.append({**where, "candidate": "role all triton", "figure": "failed",
+                        "value": f"{type(e).__name__}: {e}", "unit": ""})  # fmt: skip
         return [f"| {s.name} | all | triton unavailable: {type(e).__name__}: {e} | | | | |"]
     theirs = _cutlass_calls(t, s.E, s.d, s.F)
     for role in (*ROLES, *VARIANTS):
         fl = role_flops(role, M, s.d, s.F)
         cells = []
-        for fn in (ours[role], theirs[VARIANTS.get(role, role)]):
+        for backend, fn in (("triton", ours[role]), ("cutlass", theirs[VARIANTS.get(role, role)])):
+            rec = {**where, "candidate": f"role {role} {backend}", "unit": "ms"}
             try:
                 ms = time_fn(fn)
                 cells.append((ms, fl / ms / 1e9))
+                records.append({**rec, "figure": "ms", "value": None if ms != ms else ms})
             except Exception as e:  # noqa: BLE001
-                cells.append((None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"))
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+                cells.append((None, msg))
+                records.append({**rec, "figure": "failed", "value": msg, "unit": ""})
         fmt = lambda c: f"{c[0]:.3f} | {c[1]:.0f}" if c[0] is not None else f"– | {c[1]}"
         pct = (
             f"{100 * cells[0][1] / cells[1][1]:.0f}%"

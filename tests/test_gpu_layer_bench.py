@@ -90,3 +90,27 @@ def test_script_runs_on_cpu(capsys):
         errs = [float(e) for e in by_name[name][3:6]]
         assert max(errs) < 1e-5, (name, by_name[name])
     assert by_name["dense"][3:6] == ["–", "–", "–"]
+
+
+def test_smoke_runs_the_triton_candidate_in_the_interpreter(capsys, monkeypatch):
+    """--smoke-cpu runs moe triton in Triton's interpreter with pinned configs (it failed with
+    'needs CUDA tensors' before; its GEMM roles with '0 active drivers'), and exits 1 when a
+    candidate fails."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # main() sets both; restored after the test
+    monkeypatch.setenv("MOE_TRITON_AUTOTUNE", "1")
+    argv = ["--smoke-cpu", "--shapes", "32/16/4/2/16", "--only", "moe triton", "--no-roles"]
+    assert gpu_layer.main(argv) == 0
+    (row,) = {r for r in capsys.readouterr().out.splitlines() if r.startswith("| 32/16")}
+    errs = [float(e) for e in [c.strip() for c in row.split("|")[3:-1]][3:6]]
+    assert max(errs) < 1e-5, row
+    real = gpu_layer.moe_layer
+    fail = lambda s, backend, dtype: 1 / 0 if backend == "triton" else real(s, backend, dtype)  # noqa: E731
+    monkeypatch.setattr(gpu_layer, "moe_layer", fail)
+    assert gpu_layer.main(argv) == 1
+
+
+def test_smoke_refuses_shapes_too_big_for_the_interpreter(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_layer.main(["--smoke-cpu", "--shapes", "32/16/4/2/16,256/128/8/2/192"])
+    assert e.value.code == 2
+    assert "too big: 256/128/8/2/192" in capsys.readouterr().err

@@ -100,6 +100,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--stop-after", type=int, help="stop (and checkpoint) after this step, as if preempted"
     )
+    g.add_argument(
+        "--max-seconds",
+        type=float,
+        help="end training at the first step past this many seconds, then evaluate as usual "
+        "(a fixed-time benchmark; the learning-rate schedule still follows --steps)",
+    )
+    g.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count the host syncs of the training steps (CUDA: torch.cuda.set_sync_debug_mode)",
+    )
     g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
     g.add_argument("--eval-batch", type=int, default=256)
     g.add_argument(
@@ -222,6 +233,14 @@ def check_args(args, cfg: M6Config, world: int) -> None:
     micro = args.micro_batch or per_rank
     if micro < 1 or per_rank % micro:
         raise UsageError(f"--micro-batch {micro} must divide the per-rank batch {per_rank}")
+    if args.max_seconds is not None and not (
+        math.isfinite(args.max_seconds) and args.max_seconds > 0
+    ):
+        raise UsageError(f"--max-seconds must be a finite number > 0, got {args.max_seconds}")
+    if args.max_seconds is not None and world > 1:  # each rank's clock would stop it elsewhere
+        raise UsageError(
+            "--max-seconds is for one process (the ranks would stop at different steps)"
+        )
     for name in ("lr", "weight_decay", "clip", "timeout"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (name in ("lr", "timeout") and value == 0):

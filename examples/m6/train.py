@@ -51,6 +51,7 @@ from examples.m6.setup import (  # noqa: E402
     setup_parallel,
     topology,
 )
+from examples.m6.syncs import SyncCounter  # noqa: E402
 
 __all__ = ["Interrupted", "UsageError", "main", "run"]
 
@@ -241,7 +242,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     model.train()
     log = MetricsLog()
     signals = StopOnSignal()
-    with signals:
+    syncs = SyncCounter(args.count_syncs, device)
+    out_of_time, first_read = False, None  # first_read: (steps, seconds) at the first read-back
+    with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
             trace.step(step + 1)
@@ -249,8 +252,11 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
             save_now = args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop
             signalled = signals.signum is not None
+            elapsed = time.perf_counter() - t0 - eval_s
+            out_of_time = args.max_seconds is not None and elapsed >= args.max_seconds
             if not (
-                (step + 1) % args.log_every == 0
+                out_of_time
+                or (step + 1) % args.log_every == 0
                 or step + 1 == stop
                 or evaluate_now
                 or save_now
@@ -259,6 +265,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                 continue  # nothing read back: the device runs ahead of the host
             records, stopping = log.flush(world, signalled)
             tok_s = done * tokens_per_step / (time.perf_counter() - t0 - eval_s)
+            first_read = first_read or (done, time.perf_counter() - t0 - eval_s)
             _add_to_history(history, records, step, tok_s, args)
             m = records[-1]
             progress.update(
@@ -283,6 +290,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                     out / "checkpoint", model, opt, _state(step + 1, history, cfg, data)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
+            if out_of_time:  # --max-seconds: evaluate what was trained so far
+                stop = step + 1
+                break
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
@@ -293,8 +303,10 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         "time_s": elapsed, "tokens_per_s": done * tokens_per_step / elapsed if done else 0.0,
         "params": total, "active_params": cfg.active_params, "losses": history["loss"],
         "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
+        "host_syncs": syncs.count, "out_of_time": out_of_time,
+        "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
     }  # fmt: skip
-    if stop < args.steps:  # preempted on purpose: no evaluation
+    if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
         return summary
     summary.update(final_evaluation(model, data, cfg, args, rt, history))
@@ -327,6 +339,13 @@ def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTra
     except ValueError as e:
         hint = " (remove it to start a new trace)" if args.resume else ""
         raise UsageError(f"{e}{hint}") from None
+
+
+def _steady(first_read, done: int, elapsed: float, tokens_per_step: int) -> float | None:
+    """tokens/s after the first metrics read-back: without the first steps' kernel compiles."""
+    if first_read is None or done <= first_read[0] or elapsed <= first_read[1]:
+        return None
+    return (done - first_read[0]) * tokens_per_step / (elapsed - first_read[1])
 
 
 def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float, args) -> None:

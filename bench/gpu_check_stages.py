@@ -1,0 +1,278 @@
+"""The stages of bench/gpu_check.py. Each `stage_X(check, limit)` returns (status, detail) and
+adds its figures to the check; under `check.rehearse` it runs the same plumbing on CPU."""
+
+import glob
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import gpu_decide
+
+PY = sys.executable
+POINTER_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py"]
+TMA_TESTS = ["tests/test_triton_hopper.py", "tests/test_triton_kernels.py"]
+REHEARSAL_SHAPE = "32/16/4/2/16"  # the smallest shape every candidate and role accepts
+M6_SECONDS = 45  # issue 35: the GPU preset for a fixed 45 s
+
+
+def run_logged(log: Path, label: str, argv, limit: float, env: dict, cwd) -> tuple:
+    """(exit status, or None when it ran past `limit`; its output), appended to `log`."""
+    try:
+        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=limit)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = None
+        out = "".join(
+            x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)
+        )
+    with log.open("a") as f:
+        f.write(f"\n===== {label}: {' '.join(map(str, argv))} -> {rc}\n{out[-20000:]}\n")
+    return rc, out
+
+
+def _site(check) -> Path:
+    return check.work / "site"
+
+
+def _wheels(check) -> list[str]:
+    return sorted(glob.glob(str(check.carry / "wheels" / "*.whl")))
+
+
+IMPORT_NAMES = {"py_cpuinfo": "cpuinfo"}  # wheel name -> module, where they differ
+
+
+def _missing(wheels: list[str]) -> list[str]:
+    """The wheels whose module this Python lacks (PYTHONPATH would shadow installed ones)."""
+    from importlib.util import find_spec
+
+    keep = []
+    for w in wheels:
+        dist = Path(w).name.split("-")[0]
+        if dist == "deepspeed" or find_spec(IMPORT_NAMES.get(dist, dist)) is None:
+            keep.append(w)
+    return keep
+
+
+def stage_a(check, limit: float):
+    """Versions; the carried peers installed; the AOT facts compiled with this triton."""
+    import torch
+    import triton
+
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if cuda else "none"
+    cap = ".".join(map(str, torch.cuda.get_device_capability())) if cuda else "-"
+    for name, value in (("gpu", gpu), ("capability", cap), ("torch", torch.__version__),
+                        ("cuda", torch.version.cuda), ("triton", triton.__version__),
+                        ("python", sys.version.split()[0])):  # fmt: skip
+        check.figure("a", name, value)
+    if not cuda and not check.rehearse:
+        check.abort = "no CUDA (stage a)"
+        return "failed", "CUDA is not available to torch: nothing to check on a GPU"
+    notes = [_install_peers(check, limit / 3)]
+    if check.rehearse:  # CI compiles the AOT facts just before the rehearsal: import them only
+        rc, out = check.run("aot import", [PY, "-c", "import tools.triton_aot_check"], limit / 3)
+        if rc != 0:
+            check.problem(f"tools.triton_aot_check does not import: {out[-300:]}")
+        return ("passed" if not check.problems else "failed"), "; ".join(notes)
+    arch = "".join(cap.split("."))
+    env = dict(check.env, TRITON_DEFAULT_FP_FUSION="1")  # as CI runs it
+    argv = [PY, "-m", "tools.triton_aot_check", "--arch", arch]
+    rc, out = check.run("AOT check", argv, limit / 2, env)
+    check.figure("a", "aot_check_exit", rc)
+    notes.append(f"AOT check sm_{arch}: exit {rc}")
+    return ("passed" if rc == 0 else "failed"), "; ".join(notes)
+
+
+def _install_peers(check, limit: float) -> str:
+    """DeepSpeed and its dependency wheels into check.work/site; Tutel's build started."""
+    wheels, tutel = _wheels(check), check.carry / "tutel"
+    if not wheels and not tutel.is_dir():
+        msg = f"no carried peers in {check.carry} (scripts/gpu_carry.sh): DeepSpeed, Tutel not run"
+        if check.rehearse and check.carry.exists():
+            check.problem(msg)
+        return msg
+    notes = []
+    if wheels:
+        tags = []
+        if check.rehearse and sys.version_info[:2] != (3, 12):
+            # the wheels are for the GPU machine's CPython 3.12: unpack them for 3.12; import
+            # them here with this Python's own pydantic (the carried pydantic_core is cp312-only;
+            # msgpack falls back to pure Python)
+            tags = [
+                "--python-version",
+                "3.12",
+                "--platform",
+                "manylinux2014_x86_64",
+                "--only-binary=:all:",
+            ]
+            wheels = [w for w in wheels if not Path(w).name.startswith("pydantic")]
+            notes.append("pydantic, pydantic_core: cp312 wheels, their import checked on 3.12 only")
+        elif not check.rehearse:
+            wheels = _missing(wheels)
+        argv = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *tags,
+                "--target", str(_site(check)), *wheels]  # fmt: skip
+        rc, out = check.run("peer wheels", argv, limit)
+        check.env["PYTHONPATH"] += f":{_site(check)}"
+        notes.append(f"{len(wheels)} wheels installed (exit {rc})")
+        if rc != 0:
+            check.problem(f"carried wheels do not install: {out[-300:]}")
+        notes.append(_import_deepspeed(check, limit))
+    if tutel.is_dir():
+        if not (tutel / "setup.py").is_file():
+            check.problem(f"{tutel} has no setup.py: not a Tutel source snapshot")
+        elif check.rehearse:
+            notes.append("Tutel snapshot found (its CUDA build runs on the GPU machine only)")
+        else:
+            argv = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", "--no-deps",
+                    "--target", str(check.work / "tutel"), str(tutel)]  # fmt: skip
+            log = (check.work / "tutel-build.log").open("w")
+            check.background = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=check.env
+            )
+            check.env["PYTHONPATH"] += f":{check.work / 'tutel'}"
+            notes.append("Tutel build started in the background")
+    return "; ".join(notes)
+
+
+def _import_deepspeed(check, limit: float) -> str:
+    code = "import deepspeed.moe.layer, deepspeed; print(deepspeed.__version__)"
+    rc, out = check.run("import deepspeed", [PY, "-c", code], limit)
+    if rc == 0:
+        return f"DeepSpeed {out.strip().splitlines()[-1]} imports"
+    check.problem(f"carried DeepSpeed does not import: {out.strip()[-300:]}")
+    return "DeepSpeed does not import"
+
+
+def stop_background(check) -> None:
+    if check.background is not None and check.background.poll() is None:
+        check.background.kill()
+        check.background.wait()
+
+
+def _pytest(check, stage: str, label: str, files, limit: float, tma: bool) -> bool | None:
+    env = dict(check.env, MOE_TRITON_TMA="1" if tma else "0")
+    args = ["--collect-only", "-q"] if check.rehearse else ["-q", "-p", "no:cacheprovider"]
+    rc, out = check.run(label, [PY, "-m", "pytest", *args, *files], limit, env)
+    counts = {
+        k: int(v)
+        for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|tests? collected)", out)
+    }
+    for k, v in counts.items():
+        check.figure(stage, f"{label} {k}", v, "tests")
+    if check.rehearse:
+        collected = sum(v for k, v in counts.items() if "collected" in k)
+        if rc != 0 or not collected:
+            check.problem(f"{label}: the test selection does not collect (exit {rc})")
+        return rc == 0
+    return None if rc is None else rc == 0
+
+
+def stage_b(check, limit: float):
+    if check.rehearse:  # one collection of both selections (pytest's start-up is slow here)
+        ok = _pytest(
+            check, "b", "CUDA selection", sorted({*POINTER_TESTS, *TMA_TESTS}), limit, tma=True
+        )
+        return ("passed" if ok else "failed"), "collected only (no CUDA here)"
+    pointer = _pytest(check, "b", "pointer path", POINTER_TESTS, limit * 2 / 3, tma=False)
+    tma = _pytest(check, "b", "TMA path", TMA_TESTS, limit / 3, tma=True)
+    check.tma_passed = tma
+    ok = pointer and tma
+    word = {True: "passed", False: "failed", None: "timed out"}
+    return ("passed" if ok else "failed"), f"pointer {word[pointer]}, TMA {word[tma]}"
+
+
+def stage_c(check, limit: float):
+    if check.background is not None:  # Tutel's build: give it until a fifth of this stage
+        try:
+            check.background.wait(timeout=max(limit / 5, 1))
+        except subprocess.TimeoutExpired:
+            stop_background(check)
+        check.figure("c", "tutel build exit", check.background.returncode)
+        with check.log.open("a") as f:
+            f.write("\n===== Tutel build\n" + (check.work / "tutel-build.log").read_text()[-5000:])
+    out_json = check.work / "gpu-layer.json"
+    if check.rehearse:
+        argv = ["--smoke-cpu", "--shapes", REHEARSAL_SHAPE]
+    else:
+        argv = ["--shapes", "all", "--no-compile", "--max-minutes", f"{(limit - 60) / 60:.1f}"]
+    argv = [PY, "-m", "bench.gpu_layer", *argv, "--profile", "--json", str(out_json)]
+    # pinned Triton configs (check.env): autotuning 6 configs per kernel and shape costs minutes
+    check.figure("c", "triton configs", "pinned (MOE_TRITON_AUTOTUNE=0)")
+    rc, out = check.run("gpu_layer", argv, limit, dict(check.env, OUT=str(check.out)))
+    records = json.loads(out_json.read_text())["records"] if out_json.is_file() else []
+    for r in records:
+        check.figure("c", f"{r['candidate']} {r['figure']}", r["value"], r["unit"],
+                     shape=r["shape"], d=r["d"], F=r["F"])  # fmt: skip
+    check.layer_records = records
+    failed = [r for r in records if r["figure"] == "failed"]
+    if check.rehearse and (rc != 0 or failed or not records):
+        check.problem(f"bench.gpu_layer smoke: exit {rc}, {len(failed)} failed rows")
+    status = "passed" if rc == 0 and not failed else "failed"
+    return status, f"exit {rc}; {len(records)} figures, {len(failed)} failed rows"
+
+
+def cpu_m6_tokens_per_s():
+    """The 1-rank MoE m6-tiny tokens/s of the newest bench/results/*-cpu-m6.md, and the file."""
+    files = sorted(Path(__file__).parent.glob("results/*-cpu-m6.md"))
+    for path in reversed(files):
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) > 7 and cells[1] == "MoE" and cells[2] == "1":
+                return float(cells[6].replace(",", "")), path.name
+    return None, None
+
+
+def stage_d(check, limit: float):
+    run_dir = check.work / "m6"
+    if check.rehearse:
+        extra = ["--device", "cpu", "--global-batch", "64", "--max-seconds", "2"]
+    else:
+        extra = ["--device", "cuda", "--max-seconds", str(M6_SECONDS)]
+    argv = [PY, "examples/m6/train.py", "--config", "m6-tiny-gpu", *extra, "--count-syncs",
+            "--no-plots", "--quiet", "--eval-every", "1000000", "--run-dir", str(run_dir)]  # fmt: skip
+    rc, out = check.run("M6 GPU preset", argv, limit)
+    summary_path = run_dir / "summary.json"
+    if rc != 0 or not summary_path.is_file():
+        if check.rehearse:
+            check.problem(f"M6 preset run: exit {rc}")
+        return "failed", f"exit {rc}"
+    s = json.loads(summary_path.read_text())
+    steps = s["steps_this_run"]
+    syncs = s["host_syncs"] / steps if s["host_syncs"] is not None and steps else None
+    cpu, source = cpu_m6_tokens_per_s()
+    check.figure(
+        "d",
+        "m6-tiny-gpu tokens/s",
+        s["tokens_per_s"],
+        "tokens/s",
+        seconds=round(s["time_s"], 1),
+        steps=steps,
+    )
+    steady = s.get("steady_tokens_per_s")
+    check.figure("d", "m6-tiny-gpu tokens/s after the first read-back", steady, "tokens/s",
+                 excludes="the first steps' kernel compiles")  # fmt: skip
+    check.figure("d", "m6-tiny-gpu held-out caption accuracy", s["caption_accuracy"], "fraction")
+    check.figure(
+        "d", "m6-tiny-gpu host syncs per step", syncs, "syncs", counted="cuda sync debug mode"
+    )
+    check.figure("d", "m6-tiny (CPU preset) tokens/s, 2-core CPU", cpu, "tokens/s", source=source)
+    check.m6 = (steady or s["tokens_per_s"], cpu, syncs)
+    if cpu is None:
+        check.problem("no CPU M6 figure in bench/results/*-cpu-m6.md")
+    return "passed", f"{steps} steps in {s['time_s']:.0f} s"
+
+
+def decide(check) -> list[str]:
+    """The decision rules (bench/gpu_decide.py) on what was measured; nothing in a rehearsal."""
+    records = getattr(check, "layer_records", [])
+    tma, why = gpu_decide.tma_decision(records, getattr(check, "tma_passed", None))
+    lines = [f"TMA default on sm_90: {'yes' if tma else 'no'} ({why})"]
+    table, changes = gpu_decide.role_decision(records)
+    lines.append("GEMM roles (moe/kernels/gemm_roles.py): " + ("; ".join(changes) or "no change"))
+    keep, why = gpu_decide.m6_decision(*getattr(check, "m6", (None, None, None)))
+    lines.append(f"M6 GPU preset batch and width: {'keep' if keep else 'review'} ({why})")
+    if check.rehearse:
+        lines = [f"(rehearsal: no timings) {line}" for line in lines]
+    return lines

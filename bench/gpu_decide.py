@@ -1,0 +1,81 @@
+"""The decision rules of issue 35, written before the GPU run, applied to the check's records.
+
+1. TMA: the TMA path becomes the default on sm_90 if it passed stage b (correctness) and its
+   fwd+bwd is faster than the pointer path's at TMA_MIN_SHAPES of the four shapes.
+2. GEMM roles: each role goes to CUTLASS (torch._grouped_mm) at a shape class where the role
+   table shows CUTLASS faster by more than moe.kernels.gemm_roles.CUTLASS_MARGIN at every
+   measured shape of the class, to the Triton kernel elsewhere.
+3. M6: the GPU preset keeps its batch and width if it reaches M6_MIN_SPEEDUP x the 2-core CPU's
+   tokens/s; otherwise the report names the bound: host syncs (more than M6_MAX_SYNCS per step),
+   else kernel launches (the step is host-bound: bench/m6_step_ops counts its operators).
+"""
+
+from moe.kernels import gemm_roles
+
+TMA_MIN_SHAPES = 3  # of the 4 shapes (issue 35)
+M6_MIN_SPEEDUP = 5.0  # GPU preset tokens/s over the 2-core CPU preset's (issue 35)
+M6_MAX_SYNCS = 1.0  # host syncs per training step (issue 35's goal)
+
+
+def _figures(records: list[dict], figure: str) -> dict[tuple[str, str], float]:
+    """(shape, candidate) -> value of `figure`, measured values only."""
+    return {
+        (r["shape"], r["candidate"]): r["value"]
+        for r in records
+        if r["figure"] == figure and isinstance(r.get("value"), (int, float))
+    }
+
+
+def tma_decision(records: list[dict], tma_tests_passed: bool | None) -> tuple[bool, str]:
+    """(make TMA the sm_90 default, why)."""
+    ms = _figures(records, "fwd_bwd_ms")
+    shapes = sorted({s for s, c in ms if c == "moe triton TMA" and (s, "moe triton") in ms})
+    faster = [s for s in shapes if ms[(s, "moe triton TMA")] < ms[(s, "moe triton")]]
+    why = f"TMA faster than pointer at {len(faster)} of {len(shapes)} measured shapes"
+    why += f" ({', '.join(faster) or 'none'}); needs {TMA_MIN_SHAPES}"
+    if not tma_tests_passed:
+        state = "not run" if tma_tests_passed is None else "failed"
+        return False, f"TMA correctness (stage b) {state}; {why}"
+    return len(faster) >= TMA_MIN_SHAPES, why + "; stage b passed"
+
+
+def role_decision(records: list[dict]) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """(the (role, shape class) -> backend table the measurements give, one line per change)."""
+    ms = {}
+    for r in records:
+        if r["figure"] == "ms" and r["candidate"].startswith("role ") and r["value"] is not None:
+            parts = r["candidate"].split(" ")  # "role up triton"; variants ("up TMA") skipped
+            role, backend = (parts[1], parts[2]) if len(parts) == 3 else (None, None)
+            if role in gemm_roles.ROLES:
+                cls = gemm_roles.shape_class(r["d"], r["F"])
+                ms.setdefault((role, cls), {}).setdefault(r["shape"], {})[backend] = r["value"]
+    table, lines = dict(gemm_roles.TABLE), []
+    for key, by_shape in sorted(ms.items()):
+        both = [v for v in by_shape.values() if "triton" in v and "cutlass" in v]
+        if not both:
+            continue
+        wins = all(v["cutlass"] * (1 + gemm_roles.CUTLASS_MARGIN) < v["triton"] for v in both)
+        table[key] = "cutlass" if wins else "triton"
+        if table[key] != gemm_roles.TABLE[key]:
+            ratios = ", ".join(f"{s}: triton/cutlass {v['triton'] / v['cutlass']:.2f}"
+                               for s, v in by_shape.items() if "triton" in v and "cutlass" in v)  # fmt: skip
+            lines.append(
+                f"{key[0]} at {key[1]}: {gemm_roles.TABLE[key]} -> {table[key]} ({ratios})"
+            )
+    return table, lines
+
+
+def m6_decision(gpu_tok_s: float | None, cpu_tok_s: float | None, syncs_per_step: float | None):
+    """(keep the preset's batch and width, why)."""
+    if not gpu_tok_s or not cpu_tok_s:
+        return False, "not measured"
+    speedup = gpu_tok_s / cpu_tok_s
+    why = f"{gpu_tok_s:,.0f} tokens/s = {speedup:.1f}x the CPU's {cpu_tok_s:,.0f} (needs {M6_MIN_SPEEDUP:g}x)"
+    if speedup >= M6_MIN_SPEEDUP:
+        return True, why
+    if syncs_per_step is not None and syncs_per_step > M6_MAX_SYNCS:
+        return False, f"{why}; bound: host syncs ({syncs_per_step:.1f} per step)"
+    return (
+        False,
+        f"{why}; bound: kernel launches (host-bound step; syncs per step {syncs_per_step})",
+    )

@@ -1,0 +1,47 @@
+"""Which backend runs each grouped GEMM of the expert MLP, per shape class: the one table.
+
+Roles (bench/gpu_roles.py times each alone): up (x @ [w1|w3], SwiGLU epilogue), down
+(act @ w2), dact (dout @ w2^T, activation-backward epilogue) and dx (dpre @ [w1|w3]^T): the
+input gradients; wgrad13 and wgrad2: the weight gradients (dW). Backends: "triton" (moe's
+ragged-rows / ragged-reduction kernels) or "cutlass" (torch._grouped_mm).
+
+Decision rule (issue 35, written before any GPU run): a role goes to "cutlass" at a shape
+class where the GPU check's role table shows CUTLASS faster than the Triton kernel by more than
+CUTLASS_MARGIN at every measured shape of that class; to "triton" elsewhere.
+bench/gpu_decide.py computes the table from a check's measurements.
+
+Source of today's entries: NO GPU MEASUREMENT EXISTS YET for the current kernels (the check has
+not run; issue 35). Every entry is "triton", today's behaviour of backend="triton". The
+kernels apply only backends in APPLIED: a "cutlass" entry needs the dispatch to
+torch._grouped_mm wired into moe/kernels/triton/expert_mlp.py first (tests/test_gpu_check.py
+fails until then).
+"""
+
+ROLES = ("up", "down", "dact", "dx", "wgrad13", "wgrad2")
+BACKENDS = ("triton", "cutlass")
+APPLIED = ("triton",)  # backends the Triton expert MLP dispatches to today
+CUTLASS_MARGIN = 0.05  # issue 35: CUTLASS must be faster by more than 5%
+SOURCE = "no GPU measurement yet (issue 35): today's behaviour, Triton for every role"
+
+# Shape classes by expert geometry (model width d, expert width F); the four benchmark shapes:
+# Mixtral (d 4096, F 14336) "wide-ffn"; OLMoE (2048, 1024) and Qwen3 (2048, 768) "narrow";
+# DeepSeek-V3 slice (7168, 2048) "wide-model".
+SHAPE_CLASSES = ("wide-ffn", "wide-model", "narrow")
+
+
+def shape_class(d_model: int, d_ff: int) -> str:
+    if d_ff >= 4096:
+        return "wide-ffn"
+    if d_model >= 4096:
+        return "wide-model"
+    return "narrow"
+
+
+TABLE: dict[tuple[str, str], str] = {(r, c): "triton" for r in ROLES for c in SHAPE_CLASSES}
+
+
+def backend_for(role: str, d_model: int, d_ff: int) -> str:
+    """The backend of `role` for experts of width d_ff in a model of width d_model."""
+    if role not in ROLES:
+        raise ValueError(f"unknown GEMM role {role!r}; known: {', '.join(ROLES)}")
+    return TABLE[(role, shape_class(d_model, d_ff))]

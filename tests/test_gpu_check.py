@@ -1,0 +1,167 @@
+"""The GPU check's CPU-testable parts: the budget (a stage that does not fit is skipped and named,
+the report is written when a stage fails), the decision rules of issue 35 on synthetic records,
+the GEMM-role table, and the M6 example's --max-seconds / --count-syncs."""
+
+import json
+
+import pytest
+
+from bench import gpu_check, gpu_check_stages, gpu_decide
+from examples.m6 import train
+from moe.kernels import gemm_roles
+
+
+def _fake_stages(monkeypatch, behaviour):
+    for key, fn in behaviour.items():
+        monkeypatch.setattr(gpu_check_stages, f"stage_{key}", fn, raising=True)
+    monkeypatch.setattr(gpu_check_stages, "decide", lambda check: ["decided"])
+
+
+def test_budget_skips_what_does_not_fit_and_the_report_survives_a_failure(tmp_path, monkeypatch):
+    ran = []
+
+    def passes(key):
+        return lambda check, limit: ran.append(key) or ("passed", f"limit {limit}")
+
+    def boom(check, limit):
+        ran.append("b")
+        raise RuntimeError("stage b broke")
+
+    _fake_stages(monkeypatch, {"a": passes("a"), "b": boom, "c": passes("c"), "d": passes("d")})
+    # in 150 s: a (45 s) and b (90 s) fit (the fakes take no time), c (200 s) does not, d (75 s) does
+    check = gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path / "none")
+    assert check.main() == 1
+    assert ran == ["a", "b", "d"]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    status = {s["stage"]: (s["status"], s["detail"]) for s in report["stages"]}
+    assert status["b"] == ("failed", "RuntimeError: stage b broke")
+    assert status["c"][0] == "skipped" and "needs 200 s" in status["c"][1]
+    assert status["d"] == ("passed", "limit 80")
+    md = (tmp_path / "gpu-check.md").read_text()
+    assert "| c | layer benchmark at four shapes | skipped |" in md and "decided" in md
+
+
+def test_rehearsal_fails_on_a_skipped_stage(tmp_path, monkeypatch):
+    ok = lambda check, limit: ("passed", "")  # noqa: E731
+    _fake_stages(monkeypatch, {k: ok for k in "abcd"})
+    assert gpu_check.Check(tmp_path, 1000, rehearse=True, carry=tmp_path).main() == 0
+    assert gpu_check.Check(tmp_path, 200, rehearse=True, carry=tmp_path).main() == 1  # c: 300 s
+
+
+def _rec(shape, candidate, value, figure="fwd_bwd_ms", d=2048, F=1024):
+    return {
+        "shape": shape,
+        "candidate": candidate,
+        "figure": figure,
+        "value": value,
+        "d": d,
+        "F": F,
+    }
+
+
+def test_tma_rule_needs_correctness_and_three_of_four_shapes():
+    shapes = ["Mixtral", "OLMoE", "Qwen3", "DeepSeek"]
+    recs = [_rec(s, "moe triton", 10.0) for s in shapes]
+    three = recs + [_rec(s, "moe triton TMA", 9.0 if i < 3 else 11.0) for i, s in enumerate(shapes)]
+    two = recs + [_rec(s, "moe triton TMA", 9.0 if i < 2 else 11.0) for i, s in enumerate(shapes)]
+    assert gpu_decide.tma_decision(three, True)[0] is True
+    assert gpu_decide.tma_decision(two, True)[0] is False
+    assert gpu_decide.tma_decision(three, False)[0] is False
+    assert gpu_decide.tma_decision(three, None)[0] is False
+
+
+def test_role_rule_moves_a_role_only_past_the_margin_at_every_shape_of_its_class():
+    def role(shape, name, backend, ms, d=2048, F=1024):
+        return _rec(shape, f"role {name} {backend}", ms, figure="ms", d=d, F=F)
+
+    recs = [
+        role("OLMoE", "up", "triton", 1.10), role("OLMoE", "up", "cutlass", 1.0),  # 10% slower
+        role("Qwen3", "up", "triton", 1.10), role("Qwen3", "up", "cutlass", 1.0),
+        role("OLMoE", "down", "triton", 1.04), role("OLMoE", "down", "cutlass", 1.0),  # 4%
+        role("OLMoE", "dx", "triton", 1.2), role("OLMoE", "dx", "cutlass", 1.0),
+        role("Qwen3", "dx", "triton", 0.9), role("Qwen3", "dx", "cutlass", 1.0),  # one shape wins
+        role("Mixtral", "up TMA", "triton", 9.0), role("Mixtral", "up", "cutlass", 1.0, 4096, 14336),
+    ]  # fmt: skip
+    table, changes = gpu_decide.role_decision(recs)
+    assert table[("up", "narrow")] == "cutlass"
+    assert table[("down", "narrow")] == table[("dx", "narrow")] == "triton"
+    assert table[("up", "wide-ffn")] == "triton"  # no Triton time for plain "up" there
+    assert len(changes) == 1 and changes[0].startswith("up at narrow: triton -> cutlass")
+
+
+def test_role_table_is_todays_behaviour_and_only_names_applied_backends():
+    """A 'cutlass' entry needs the dispatch to torch._grouped_mm in the Triton expert MLP first."""
+    assert set(gemm_roles.TABLE) == {
+        (r, c) for r in gemm_roles.ROLES for c in gemm_roles.SHAPE_CLASSES
+    }
+    assert set(gemm_roles.TABLE.values()) <= set(gemm_roles.APPLIED)
+    presets = {
+        "Mixtral": (4096, 14336),
+        "OLMoE": (2048, 1024),
+        "Qwen3": (2048, 768),
+        "DeepSeek": (7168, 2048),
+    }
+    classes = {n: gemm_roles.shape_class(*dims) for n, dims in presets.items()}
+    assert classes == {
+        "Mixtral": "wide-ffn",
+        "OLMoE": "narrow",
+        "Qwen3": "narrow",
+        "DeepSeek": "wide-model",
+    }
+    assert gemm_roles.backend_for("dx", 2048, 1024) == "triton"
+    with pytest.raises(ValueError, match="unknown GEMM role 'dw'"):
+        gemm_roles.backend_for("dw", 2048, 1024)
+
+
+def test_m6_rule_names_the_bound():
+    assert gpu_decide.m6_decision(160_000, 30_000, 0.1)[0] is True
+    keep, why = gpu_decide.m6_decision(100_000, 30_000, 3.0)
+    assert not keep and "host syncs" in why
+    keep, why = gpu_decide.m6_decision(100_000, 30_000, 0.1)
+    assert not keep and "kernel launches" in why
+    assert gpu_decide.m6_decision(None, 30_000, None) == (False, "not measured")
+
+
+def test_cpu_m6_figure_comes_from_bench_results():
+    tok_s, source = gpu_check_stages.cpu_m6_tokens_per_s()
+    assert source.endswith("-cpu-m6.md") and tok_s > 1000
+
+
+def test_m6_max_seconds_stops_and_evaluates(tmp_path):
+    s = train.run(["--config", "m6-tiny", "--steps", "400", "--max-seconds", "0.01", "--count-syncs",
+                   "--no-plots", "--quiet", "--run-dir", str(tmp_path)])  # fmt: skip
+    assert s["out_of_time"] and s["steps_this_run"] == 1 and s["steps"] == 1
+    assert "caption_accuracy" in s and s["host_syncs"] is None  # CPU: nothing to count
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf"])
+def test_m6_max_seconds_is_validated(bad, capsys):
+    assert train.main(["--config", "m6-tiny", "--max-seconds", bad, "--quiet"]) == 2
+    assert "--max-seconds must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_m6_steady_tokens_per_s_leaves_out_the_first_read_back(tmp_path):
+    s = train.run(["--config", "m6-tiny", "--steps", "6", "--log-every", "2", "--no-plots",
+                   "--quiet", "--run-dir", str(tmp_path)])  # fmt: skip
+    assert not s["out_of_time"] and s["steady_tokens_per_s"] > 0
+    assert train._steady((2, 1.0), 6, 3.0, 100) == 200.0
+    assert train._steady(None, 6, 3.0, 100) is None and train._steady((6, 1.0), 6, 3.0, 100) is None
+
+
+def test_without_cuda_the_gpu_check_stops_after_stage_a(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-CUDA path")
+    assert gpu_check.main(["--out", str(tmp_path), "--carry", str(tmp_path / "none")]) == 1
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    status = [(s["stage"], s["status"], s["detail"]) for s in report["stages"]]
+    assert status[0][:2] == ("a", "failed") and "CUDA is not available" in status[0][2]
+    assert [s[1:] for s in status[1:]] == [("skipped", "no CUDA (stage a)")] * 3
+
+
+def test_gpu_machine_installs_only_the_carried_wheels_it_lacks():
+    wheels = ["w/deepspeed-0.19.8-py3-none-any.whl", "w/pytest-9.0-py3-none-any.whl",
+              "w/py_cpuinfo-9.0.0-py3-none-any.whl", "w/no_such_module_xyz-1.0-py3-none-any.whl"]  # fmt: skip
+    kept = gpu_check_stages._missing(wheels)
+    assert kept[0] == wheels[0] and wheels[1] not in kept and wheels[3] in kept
