@@ -99,4 +99,9 @@ class ExpertParallelDispatcher(Dispatcher):
         out_kept_ND = exchange(back_RD.contiguous(), ctx.a2a.reverse())
         num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
         out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
-        return weighted_sum_rows(out_MD, ctx.plan, resolve_backend(self.backend, out_MD))
+        return weighted_sum_rows(out_MD, ctx.plan, self._backend(ctx.backend, out_MD))
+
+    def _backend(self, backend: str | None, x: torch.Tensor) -> str:
+        """The combine's kernel backend: the layer's, resolved once per call, else this
+        dispatcher's own setting (dispatch / combine called directly)."""
+        return backend or resolve_backend(self.backend, x)

@@ -1,13 +1,15 @@
 """Single-device dispatch: gather each pair's token into expert-sorted rows, and back."""
 
+import warnings
+
 import torch
 
 from moe.dispatch.dispatcher import (
     DispatchContext,
     Dispatcher,
     ExpertFn,
-    fuses_combine,
     register_dispatcher,
+    rows_only,
 )
 from moe.dispatch.permute import DispatchPlan
 from moe.kernels.combine import sum_rows
@@ -19,15 +21,26 @@ class LocalDispatcher(Dispatcher):
     dropped pairs at the tail). The expert kernels gather token rows as they load them, so
     dispatch hands over x_TD with ctx.gather_ids_R instead of a copy, and the combine weights
     as ctx.row_weights_R. When the experts declare that they fuse the combine
-    (`fuses_combine(experts)`), `run` also asks them to add each row into its token
+    (`experts.fuses_combine`), `run` also asks them to add each row into its token
     (ctx.sum_to_tokens): combine then has nothing left to do and no [R, D] output is kept.
 
     fuse_combine: what `dispatch` asks for when called on its own (outside `run`); `run`
-    asks the experts and fuses only if both agree. `backend` is accepted and unused (the
-    experts own their backend)."""
+    asks the experts and fuses only if both agree. (The old first argument, a backend it never
+    used, is still accepted until 0.1 with a DeprecationWarning.)"""
 
-    def __init__(self, backend: str = "auto", fuse_combine: bool = True):
-        self.backend, self.fuse_combine = backend, fuse_combine
+    def __init__(self, *args, fuse_combine: bool = True, backend: str | None = None):
+        if args and isinstance(args[0], str):  # the old form LocalDispatcher(backend, fuse)
+            backend, args = args[0], args[1:]
+        if backend is not None:
+            warnings.warn(
+                "LocalDispatcher's backend argument is unused and deprecated (removed in 0.1): "
+                "call LocalDispatcher(fuse_combine)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if len(args) > 1:
+            raise TypeError(f"LocalDispatcher takes one argument, fuse_combine; got {args}")
+        self.fuse_combine = args[0] if args else fuse_combine
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
         fuse = self.fuse_combine if sum_to_tokens is None else sum_to_tokens
@@ -40,8 +53,10 @@ class LocalDispatcher(Dispatcher):
         # weights applied: add each row into its token (no float atomics, see sum_rows)
         return sum_rows(out_RD, ctx.gather_ids_R, ctx.plan.num_tokens)
 
-    def run(self, x_TD, plan, experts: ExpertFn, shared=None):
-        fuse = self.fuse_combine and fuses_combine(experts)
+    def run(self, x_TD, plan, experts: ExpertFn, shared=None, *, backend=None):
+        experts = rows_only(experts)
+        fuse = self.fuse_combine and experts.fuses_combine
         x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=fuse)
+        ctx.backend = backend
         y_TD = self.combine(experts(x_TD_, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()
