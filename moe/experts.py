@@ -10,13 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.expert_mlp import (
-    FUSES_COMBINE,
-    NO_ROWS_INFO,
-    ExpertRows,
-    expert_mlp,
-    resolve_backend,
-)
+from moe.kernels.expert_mlp import FUSES_COMBINE, expert_mlp, resolve_backend
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 
 
 class GroupedExperts(nn.Module):
@@ -49,6 +44,8 @@ class GroupedExperts(nn.Module):
         self.d_model, self.d_ff = d_model, d_ff
         self.expert_offset = expert_offset
         self.num_global_experts = num_global_experts or num_experts
+        # parallelize() records this rank's count here (w1 is then a global DTensor); None: w1's
+        self.num_local_experts: int | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **kw))
         self.w3 = (
@@ -63,7 +60,7 @@ class GroupedExperts(nn.Module):
     @property
     def num_experts(self) -> int:
         """Experts held on this rank (parallelize() records it: w1 is then a global DTensor)."""
-        return getattr(self, "num_local_experts", None) or self.w1.shape[0]
+        return self.w1.shape[0] if self.num_local_experts is None else self.num_local_experts
 
     def reset_parameters(self) -> None:
         for w, b, fan_in in (

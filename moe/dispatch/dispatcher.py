@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.permute import DispatchPlan
-from moe.kernels.expert_mlp import ExpertRows
+from moe.kernels.expert_rows import ExpertRows
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
 

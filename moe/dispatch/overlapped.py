@@ -63,7 +63,7 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
-from moe.kernels.expert_mlp import keep_graph
+from moe.kernels.saved_tensors import keep_graph
 
 # columns riding on the count exchange (the row totals always do): degree asked, expert ps
 # per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),

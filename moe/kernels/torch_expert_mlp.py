@@ -22,12 +22,8 @@ from torch import Tensor
 from moe.kernels.activations import GATED, apply_activation
 from moe.kernels.combine import rows_into_tokens
 from moe.kernels.expert_chunks import chunks, host_readable
-from moe.kernels.expert_mlp import (
-    NO_ROWS_INFO,
-    ExpertRows,
-    save_for_backward_early_free,
-    saved_early,
-)
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
 from moe.kernels.torch_expert_mlp_backward import (
     bwd_act_op,
     bwd_gate_op,

@@ -22,12 +22,8 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
-from moe.kernels.expert_mlp import (
-    NO_ROWS_INFO,
-    ExpertRows,
-    save_for_backward_early_free,
-    saved_early,
-)
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
