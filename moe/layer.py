@@ -4,6 +4,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from moe.capacity import capacity_factor_for, expert_capacity
@@ -91,6 +92,8 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)
+        self.mesh: DeviceMesh | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
         # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
         # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert

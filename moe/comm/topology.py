@@ -13,7 +13,6 @@ sizes is treated as one node (so "auto" picks the flat path); results stay corre
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import warnings
 from dataclasses import dataclass
@@ -21,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-ENV_RANKS_PER_NODE = "MOE_RANKS_PER_NODE"
+from moe import settings
+
+ENV_RANKS_PER_NODE = settings.ENV["ranks_per_node"]
 
 _TOPOLOGY_CACHE: dict[tuple, Topology] = {}
 _SUBGROUP_CACHE: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -96,7 +97,7 @@ def ranks_per_node_from_layout(node_ids: list[object]) -> int | None:
 
 def _detect(group: dist.ProcessGroup | None, global_ranks: list[int]) -> tuple[int, str]:
     """ranks_per_node from LOCAL_WORLD_SIZE or host names, without any override."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    local_world = settings.local_world_size()
     if local_world:
         lws = validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
         node_ids: list[object] = [g // lws for g in global_ranks]
@@ -128,13 +129,13 @@ def get_topology(
     group_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     global_ranks = group_ranks(group)
-    env_value = os.environ.get(ENV_RANKS_PER_NODE)
+    env_value = settings.current().ranks_per_node
     key = (
         id(dist.group.WORLD),  # a re-initialised default group invalidates the cache
         tuple(global_ranks),
         ranks_per_node,
         env_value,
-        os.environ.get("LOCAL_WORLD_SIZE"),
+        settings.local_world_size(),
     )
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
