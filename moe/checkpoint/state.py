@@ -122,7 +122,7 @@ def targets(
     stored key, shape and dtype against the model and optimizer, and every JSON value that
     `apply` will set (moe.checkpoint.validate)."""
     check_layout(model)
-    validate.check_moe_settings(model, objects.get("moe_layers"), allow_change, problems)
+    validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:

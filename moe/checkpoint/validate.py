@@ -119,7 +119,7 @@ def moe_settings(model: nn.Module) -> dict:
     return {name: asdict(layer.config) for name, layer in moe_layers(model)}
 
 
-def check_moe_settings(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
+def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
     """The model's MoE layers must have the settings they were saved with (a checkpoint
     without them, from an older release, is not checked)."""
     if saved is None:

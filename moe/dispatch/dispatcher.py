@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.permute import DispatchPlan
-from moe.kernels.expert_rows import ExpertRows
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
 
@@ -113,13 +113,12 @@ def build_dispatcher(name: str, **kwargs) -> "Dispatcher":
 class DispatchContext:
     """What combine needs to undo dispatch. Subclasses add their own fields.
 
-    gather_ids_R: when set, the rows handed to the experts are the un-gathered tokens x_TD and
-    expert row r is x_TD[gather_ids_R[r]]. The expert kernels gather on load this way, which
-    saves writing, keeping and re-reading one [R, D] buffer (LocalDispatcher sets it).
-    row_weights_R: when set, the experts scale row r by it (the combine weights folded into
-    the expert MLP).
-    sum_to_tokens: the experts also add each row into its token (gather_ids_R) and return
-    y_TD; combine then has nothing left to do.
+    rows: what the experts are told about the rows (ExpertRows, moe/kernels/expert_rows.py):
+    gather_ids_R (the rows are the un-gathered tokens x_TD, expert row r being
+    x_TD[gather_ids_R[r]]: LocalDispatcher hands them over so, the kernels gather on load),
+    row_weights_R (the combine weights folded into the expert MLP), sum_to_tokens (the experts
+    also add each row into its token and return y_TD; combine has nothing left to do) and
+    all_rows_kept (no dropped tail: the received rows of EP). ctx.gather_ids_R etc. read them.
     algorithm: the all-to-all algorithm that moved the rows between ranks ("flat" or
     "hierarchical", what "auto" chose), None on one device; the layer's stats report it.
     backend: the kernel backend resolved once per layer call (Dispatcher.run sets it); the
@@ -127,21 +126,29 @@ class DispatchContext:
     """
 
     plan: DispatchPlan
-    gather_ids_R: torch.Tensor | None = None
-    row_weights_R: torch.Tensor | None = None
-    sum_to_tokens: bool = False
+    rows: ExpertRows = NO_ROWS_INFO
     algorithm: str | None = None
-    all_rows_kept: bool = False  # no dropped tail among the rows (the received rows of EP)
     backend: str | None = None
 
     def expert_rows(self) -> ExpertRows:
-        """The fields the experts read, as the one typed object GroupedExperts takes."""
-        return ExpertRows(
-            gather_ids_R=self.gather_ids_R,
-            row_weights_R=self.row_weights_R,
-            sum_to_tokens=self.sum_to_tokens,
-            all_rows_kept=self.all_rows_kept,
-        )
+        """What the experts read (GroupedExperts' `rows`): ctx.rows."""
+        return self.rows
+
+    @property
+    def gather_ids_R(self) -> torch.Tensor | None:
+        return self.rows.gather_ids_R
+
+    @property
+    def row_weights_R(self) -> torch.Tensor | None:
+        return self.rows.row_weights_R
+
+    @property
+    def sum_to_tokens(self) -> bool:
+        return self.rows.sum_to_tokens
+
+    @property
+    def all_rows_kept(self) -> bool:
+        return self.rows.all_rows_kept
 
 
 class Dispatcher(ABC):

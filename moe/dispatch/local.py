@@ -13,6 +13,7 @@ from moe.dispatch.dispatcher import (
 )
 from moe.dispatch.permute import DispatchPlan
 from moe.kernels.combine import sum_rows
+from moe.kernels.expert_rows import ExpertRows
 
 
 @register_dispatcher("local")
@@ -43,8 +44,14 @@ class LocalDispatcher(Dispatcher):
         self.fuse_combine = args[0] if args else fuse_combine
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
-        fuse = self.fuse_combine if sum_to_tokens is None else sum_to_tokens
-        ctx = DispatchContext(plan, plan.token_ids_M, plan.row_weights(), fuse)
+        if sum_to_tokens is None:
+            sum_to_tokens = self.fuse_combine
+        rows = ExpertRows(
+            gather_ids_R=plan.token_ids_M,
+            row_weights_R=plan.row_weights(),
+            sum_to_tokens=sum_to_tokens,
+        )
+        ctx = DispatchContext(plan, rows)
         return x_TD, plan.offsets_E, ctx
 
     def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
@@ -55,8 +62,8 @@ class LocalDispatcher(Dispatcher):
 
     def run(self, x_TD, plan, experts: ExpertFn, shared=None, *, backend=None):
         experts = rows_only(experts)
-        fuse = self.fuse_combine and experts.fuses_combine
-        x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=fuse)
+        sum_to_tokens = self.fuse_combine and experts.fuses_combine
+        x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=sum_to_tokens)
         ctx.backend = backend
         y_TD = self.combine(experts(x_TD_, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

@@ -81,11 +81,6 @@ class Worker:
 
         return land
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
 
 def _run_no_grad(plan: AllToAllPlan, x_ND: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # grad mode is per thread: the caller's autograd Function owns it

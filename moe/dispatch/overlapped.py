@@ -47,7 +47,7 @@ from moe.comm.alltoall import cost_model
 from moe.comm.exchange_plan import ExpertExchange
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn, register_dispatcher, rows_only
-from moe.dispatch.expert_parallel import ExpertParallelDispatcher
+from moe.dispatch.expert_parallel import KEPT_ROWS, ExpertParallelDispatcher, receive_order
 from moe.dispatch.overlap_degree import (
     MAX_DEGREE,
     ExpertClock,
@@ -60,7 +60,6 @@ from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,
     permute_rows,
-    sort_rows_by_expert,
     weighted_sum_rows,
 )
 from moe.kernels.saved_tensors import keep_graph
@@ -173,9 +172,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
             counts.recv_counts_WL,
-            DispatchContext(
-                plan_c, algorithm=counts.algorithm, all_rows_kept=True, backend=backend
-            ),
+            DispatchContext(plan_c, KEPT_ROWS, algorithm=counts.algorithm, backend=backend),
             self,
         )
         token = _StartDispatch.apply(x_MD[:kept], pipe)
@@ -221,7 +218,7 @@ class _Pipeline:
         back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
         (rows leaf, weight leaves [lo:hi], out_RD, lo)."""
         b0, b1 = self.bounds[c], self.bounds[c + 1]
-        W, L = self.recv_WL.shape
+        L = self.recv_WL.shape[1]
         device = recv_RD.device
         in_chunk_L = torch.zeros(L, dtype=torch.bool, device=device)
         in_chunk_L[b0:b1] = True
@@ -229,12 +226,7 @@ class _Pipeline:
         offsets_L = offsets_L.to(torch.int32)
         order = None  # one expert: its rows are already expert-major
         if b1 - b0 > 1:
-            expert_R = torch.repeat_interleave(
-                torch.arange(b0, b1, device=device).repeat(W),
-                self.recv_WL[:, b0:b1].reshape(-1),
-                output_size=recv_RD.shape[0],
-            )
-            order = sort_rows_by_expert(expert_R)
+            order = receive_order(self.recv_WL[:, b0:b1], b0, recv_RD.shape[0])
         with torch.enable_grad() if any(needs_grad) else nullcontext():
             rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
             lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses

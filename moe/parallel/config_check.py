@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from moe import settings
 from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
-from moe.comm.topology import ENV_RANKS_PER_NODE, validate_ranks_per_node
+from moe.comm.topology import local_world_ranks, ranks_per_node_set
 from moe.dispatch.overlap_degree import validate_overlap
 from moe.layer import moe_layers
 
@@ -34,15 +34,11 @@ def _ranks_per_node(ranks_per_node: int | None, ep: int) -> int | str:
     moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, LOCAL_WORLD_SIZE) but without
     its host-name collective: "hostname" when that is what decides (it is the same on every
     rank by construction). Invalid values raise ValueError naming their source."""
-    if ranks_per_node is not None:
-        return validate_ranks_per_node(ranks_per_node, ep, "ranks_per_node")
-    env = settings.current().ranks_per_node
-    if env:
-        return validate_ranks_per_node(env, ep, ENV_RANKS_PER_NODE)
-    local_world = settings.local_world_size()
-    if local_world:
-        return validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
-    return "hostname"
+    by_hand = ranks_per_node_set(ranks_per_node, ep)
+    if by_hand is not None:
+        return by_hand[0]
+    local_world = local_world_ranks()
+    return "hostname" if local_world is None else local_world
 
 
 def exchange_record(algorithm: str, ranks_per_node: int | None, ep: int) -> dict[str, Scalar]:

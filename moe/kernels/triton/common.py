@@ -80,7 +80,7 @@ def check_device(*tensors: torch.Tensor | None) -> None:
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
-    """(DOT_F32, PRECISION) constexprs for `triton_mma.mma`.
+    """(DOT_F32, PRECISION) constexprs for `moe.kernels.triton.mma.mma`.
 
     DOT_F32: upcast tiles to fp32 before tl.dot. Only under the interpreter, whose bf16 tl.dot is
     wrong (docs/notes.md); compiled kernels keep bf16/fp16 operands on the tensor cores.
