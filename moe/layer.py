@@ -15,6 +15,7 @@ from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_ch
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
+from moe.gating.topk import TopKRouter
 from moe.shared_experts import SharedExperts
 
 
@@ -283,7 +284,7 @@ def update_router_biases(model: nn.Module) -> None:
     for _, layer in moe_layers(model):
         router = layer.router
         load_E = layer.balance.take_load_since_update()
-        if hasattr(router, "update_bias"):
+        if isinstance(router, TopKRouter):  # the routers with an expert bias
             if load_E is None:  # no training forward here: still join the all-reduce
                 load_E = torch.zeros_like(router.expert_bias)
             load_E = load_E.float()

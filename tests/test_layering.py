@@ -5,6 +5,7 @@ import ast
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -223,3 +224,17 @@ def test_settings_defaults_and_their_environment_overrides(monkeypatch):
     assert not settings.current().triton_tma
     readme = (ROOT / "README.md").read_text()
     assert all(f"| `{name}` | `{field}` |" in readme for field, name in settings.ENV.items())
+
+
+def test_architecture_doc_names_are_the_code_names():
+    """docs/architecture.md: every file it names exists and every called name, class or
+    shape-suffixed name in it is spelled as in moe/ (issue 33)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for path in set(re.findall(r"moe/[\w/]+\.py", doc)):
+        assert (ROOT / path).is_file(), path
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    called = re.findall(r"\b([A-Za-z_]\w*)\(", doc)
+    classes = re.findall(r"\b([A-Z][a-z]+[A-Z]\w*)\b", doc)
+    suffixed = re.findall(r"\b([a-z]\w*_[A-Z]{1,3})\b", doc)
+    missing = sorted({n for n in called + classes + suffixed if not re.search(rf"\b{n}\b", source)})
+    assert not missing, missing

@@ -21,10 +21,11 @@ from moe.checkpoint import validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
 from moe.checkpoint.validate import NOT_RESTORED
+from moe.memory.grouped_apply import GroupedApply
 
 
 def _is_grouped(opt) -> bool:
-    return hasattr(opt, "state_of") and hasattr(opt, "load_param_states")
+    return isinstance(opt, GroupedApply)
 
 
 def _json_value(value, where: str):
