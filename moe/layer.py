@@ -95,6 +95,8 @@ class MoELayer(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
         # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)
         self.mesh: DeviceMesh | None = None
+        # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
+        self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
         # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
         # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
