@@ -238,3 +238,19 @@ def test_architecture_doc_names_are_the_code_names():
     suffixed = re.findall(r"\b([a-z]\w*_[A-Z]{1,3})\b", doc)
     missing = sorted({n for n in called + classes + suffixed if not re.search(rf"\b{n}\b", source)})
     assert not missing, missing
+
+
+def test_no_attribute_probing_on_the_layer_path():
+    """layer -> dispatcher -> experts is read from declared interfaces: no getattr / hasattr
+    (the expert function's `fuses_combine` / `hold` were probed so, issue 33)."""
+    files = [PACKAGE / "layer.py", PACKAGE / "experts.py", *(PACKAGE / "dispatch").glob("*.py")]
+    files += [PACKAGE / "kernels" / "expert_mlp.py"]
+    probing = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "getattr",
+                "hasattr",
+            ):
+                probing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not probing, probing
