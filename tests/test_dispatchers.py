@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from moe.dispatch import (
     DISPATCHERS,
+    DispatchContext,
     ExpertParallelDispatcher,
     LocalDispatcher,
     build_dispatcher,
@@ -200,3 +201,14 @@ def test_local_dispatcher_old_backend_argument_warns_and_is_unused():
     assert old.fuse_combine is False and not hasattr(old, "backend")
     with pytest.warns(DeprecationWarning):
         assert build_dispatcher("local", backend="triton").fuse_combine is True
+
+
+def test_dispatch_context_holds_the_expert_rows():
+    """ctx.rows is the ExpertRows the experts get; the old field names read it (issue 33)."""
+    x_TD, _, _, plan = token_choice_case(8, 2, 4, 3, seed=2)
+    _, _, ctx = LocalDispatcher(True).dispatch(x_TD, plan)
+    assert ctx.expert_rows() is ctx.rows and ctx.sum_to_tokens and not ctx.all_rows_kept
+    assert ctx.gather_ids_R is ctx.rows.gather_ids_R
+    assert torch.equal(ctx.row_weights_R, plan.row_weights())
+    with pytest.raises(TypeError, match="must be an ExpertRows"):
+        DispatchContext(plan, plan.token_ids_M)

@@ -130,6 +130,13 @@ class DispatchContext:
     algorithm: str | None = None
     backend: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, ExpertRows):  # the fields before issue 33, positionally
+            raise TypeError(
+                f"DispatchContext.rows must be an ExpertRows, got {type(self.rows).__name__} "
+                "(gather_ids_R, row_weights_R, sum_to_tokens, all_rows_kept are ExpertRows fields)"
+            )
+
     def expert_rows(self) -> ExpertRows:
         """What the experts read (GroupedExperts' `rows`): ctx.rows."""
         return self.rows
