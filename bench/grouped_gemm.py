@@ -26,7 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moe.kernels.expert_mlp import ExpertRows, expert_mlp
+from moe.kernels.expert_mlp import expert_mlp
+from moe.kernels.expert_rows import ExpertRows
 
 ZIPF_S = 1.2
 FULL_SHAPES = [  # name, E, d_model, d_ff, tokens, k

@@ -13,7 +13,7 @@ import time
 import torch
 
 import moe
-from moe.kernels.expert_mlp import ExpertRows
+from moe.kernels.expert_rows import ExpertRows
 from moe.kernels.torch_expert_mlp import expert_mlp_torch
 
 GEMM = {"aten::mm", "aten::bmm", "aten::_grouped_mm", "aten::addmm"}

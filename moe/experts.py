@@ -2,19 +2,16 @@
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe.dispatch.dispatcher import DispatchContext, ExpertFn
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.expert_mlp import (
-    FUSES_COMBINE,
-    NO_ROWS_INFO,
-    ExpertRows,
-    expert_mlp,
-    resolve_backend,
-)
+from moe.kernels.expert_mlp import FUSES_COMBINE, expert_mlp, resolve_backend
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 
 
 class GroupedExperts(nn.Module):
@@ -47,6 +44,8 @@ class GroupedExperts(nn.Module):
         self.d_model, self.d_ff = d_model, d_ff
         self.expert_offset = expert_offset
         self.num_global_experts = num_global_experts or num_experts
+        # parallelize() records this rank's count here (w1 is then a global DTensor); None: w1's
+        self.num_local_experts: int | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **kw))
         self.w3 = (
@@ -61,7 +60,7 @@ class GroupedExperts(nn.Module):
     @property
     def num_experts(self) -> int:
         """Experts held on this rank (parallelize() records it: w1 is then a global DTensor)."""
-        return getattr(self, "num_local_experts", None) or self.w1.shape[0]
+        return self.w1.shape[0] if self.num_local_experts is None else self.num_local_experts
 
     def reset_parameters(self) -> None:
         for w, b, fan_in in (
@@ -105,7 +104,7 @@ class GroupedExperts(nn.Module):
         experts (autograd flows back into the DTensor, as in torchtitan).
         compute: returns compute(x_ND, self.local_weights()) instead, for a dispatcher that
         calls the experts in parts (`mlp` with those weights) within this one module call, so
-        FSDP2's hooks gather and reduce the weights once (moe.dispatch.overlapped).
+        FSDP2's hooks gather and reduce the weights once (LayerExperts.call_once).
         """
         if compute is not None:
             return compute(x_ND, self.local_weights())
@@ -138,6 +137,43 @@ class GroupedExperts(nn.Module):
             f"(first={self.expert_offset}), d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}"
         )
+
+
+@dataclass(eq=False)
+class LayerExperts(ExpertFn):
+    """The layer's GroupedExperts for one layer call, as every dispatcher calls them: on the
+    kernel backend the layer resolved for this call, each output checked when the layer's
+    MoEConfig.check_finite is on (`check_finite` = the layer's name, for the error), and the
+    all-to-all algorithm that brought the rows (ctx.algorithm) kept for the layer's stats."""
+
+    module: GroupedExperts
+    backend: str
+    check_finite: str | None = None
+    algorithm: str | None = None  # set by each call: ctx.algorithm
+
+    @property
+    def fuses_combine(self) -> bool:
+        # check_finite names experts from their output rows: keep the rows (no fused sum)
+        return self.module.fuses_combine(self.backend) and self.check_finite is None
+
+    def __call__(self, x_RD, offsets_L, ctx: DispatchContext) -> torch.Tensor:
+        out_RD = self.module(x_RD, offsets_L, rows=ctx.expert_rows(), backend=self.backend)
+        return self._seen(out_RD, offsets_L, ctx)
+
+    def call_once(self, x: torch.Tensor, compute: Callable) -> torch.Tensor:
+        return self.module(x, None, compute=compute)
+
+    def part(self, x_RD, offsets_L, ctx: DispatchContext, weights, first: int) -> torch.Tensor:
+        ends_L = offsets_L[first : first + weights[0].shape[0]]
+        rows = ctx.expert_rows()
+        out_RD = self.module.mlp(x_RD, ends_L, weights, rows=rows, backend=self.backend)
+        return self._seen(out_RD, offsets_L, ctx)
+
+    def _seen(self, out_RD, offsets_L, ctx: DispatchContext) -> torch.Tensor:
+        self.algorithm = ctx.algorithm
+        if self.check_finite is not None:
+            check_experts_finite(self.check_finite, self.module, out_RD, offsets_L)
+        return out_RD
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

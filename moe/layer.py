@@ -4,6 +4,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from moe.capacity import capacity_factor_for, expert_capacity
@@ -11,9 +12,10 @@ from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
-from moe.experts import GroupedExperts, check_experts_finite
+from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
+from moe.gating.topk import TopKRouter
 from moe.recompute_frame import recompute_context
 from moe.shared_experts import SharedExperts
 
@@ -89,9 +91,13 @@ class MoELayer(nn.Module):
             else None
         )
         # check_finite names experts from their output rows: keep the rows (no fused sum)
-        self.dispatcher: Dispatcher = LocalDispatcher(c.backend, fuse_combine=not c.check_finite)
+        self.dispatcher: Dispatcher = LocalDispatcher(fuse_combine=not c.check_finite)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)
+        self.mesh: DeviceMesh | None = None
+        # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
+        self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
         # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
         # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
@@ -121,33 +127,16 @@ class MoELayer(nn.Module):
         routing = self._route(x_TD)
         plan = self._plan(routing, len(x_TD))
 
-        backend = self.experts.resolve_backend(x_TD)  # once per layer call
-
-        crossed = []  # the all-to-all algorithm the dispatcher's context reports, for stats
-
-        def experts(x_RD, offsets_L, ctx, weights=None, first=0):
-            crossed.append(ctx.algorithm)
-            rows = ctx.expert_rows()
-            if weights is None:
-                out_RD = self.experts(x_RD, offsets_L, rows=rows, backend=backend)
-            else:  # inside the dispatcher's `hold` call: local experts [first, first + len)
-                ends_L = offsets_L[first : first + weights[0].shape[0]]
-                out_RD = self.experts.mlp(x_RD, ends_L, weights, rows=rows, backend=backend)
-            if self.config.check_finite:
-                check_experts_finite(self.name, self.experts, out_RD, offsets_L)
-            return out_RD
-
-        # the experts say whether they take the combine over (check_finite reads their rows)
-        experts.fuses_combine = self.experts.fuses_combine(backend) and not self.config.check_finite
-        experts.hold = lambda x, compute: self.experts(x, None, compute=compute)
-
+        backend = self.experts.resolve_backend(x_TD)  # once per layer call, passed down
+        check = self.name if self.config.check_finite else None
+        experts = LayerExperts(self.experts, backend, check_finite=check)
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)
-        y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared)
+        y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared, backend=backend)
         y_TD = y_TD.to(x_TD.dtype)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD.to(x_TD.dtype)
-        self._record(routing, plan, crossed[0] if crossed else None)
+        self._record(routing, plan, experts.algorithm)
         return y_TD
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
@@ -300,7 +289,7 @@ def update_router_biases(model: nn.Module) -> None:
     for _, layer in moe_layers(model):
         router = layer.router
         load_E = layer.balance.take_load_since_update()
-        if hasattr(router, "update_bias"):
+        if isinstance(router, TopKRouter):  # the routers with an expert bias
             if load_E is None:  # no training forward here: still join the all-reduce
                 load_E = torch.zeros_like(router.expert_bias)
             load_E = load_E.float()

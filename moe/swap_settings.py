@@ -34,7 +34,7 @@ def save_moe_settings(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError(f"{type(model).__name__} has no MoELayer: nothing to save")
     entries = []
     for path, layer in layers:
-        swapped = getattr(layer, "swapped_from", None) or {"block": path, "kind": "layer"}
+        swapped = layer.swapped_from or {"block": path, "kind": "layer"}
         entries.append({"path": path, **swapped, "config": asdict(layer.config)})
     out = Path(directory) / SETTINGS_FILE
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from moe.dispatch import (
     DISPATCHERS,
+    DispatchContext,
     ExpertParallelDispatcher,
     LocalDispatcher,
     build_dispatcher,
@@ -69,7 +70,7 @@ def grads(y_TD, *inputs):
 @pytest.mark.parametrize("T,K,E,capacity", [(9, 2, 4, 3), (7, 3, 5, None), (1, 1, 3, 1)])
 def test_local_token_choice_matches_pair_loop(T, K, E, capacity, fuse_combine):
     x_TD, ids_TK, weights_TK, plan = token_choice_case(T, K, E, capacity, seed=T + K)
-    y_TD = run(LocalDispatcher("torch", fuse_combine), x_TD, plan)
+    y_TD = run(LocalDispatcher(fuse_combine), x_TD, plan)
     kept_TK = plan.weights_TK.detach() != 0
     y_ref = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
@@ -89,7 +90,7 @@ def test_local_expert_choice_tokens_get_zero_to_all_experts(fuse_combine):
     x_TD, token_ids_EC, weights_EC, plan = expert_choice_case(T, E, C, seed=3)
     per_token_T = torch.bincount(token_ids_EC.reshape(-1), minlength=T)
     assert per_token_T.min() == 0 and per_token_T.max() > 1  # 0..E experts per token
-    y_TD = run(LocalDispatcher("torch", fuse_combine), x_TD, plan)
+    y_TD = run(LocalDispatcher(fuse_combine), x_TD, plan)
     y_ref = torch.zeros(T, D, dtype=torch.float64)
     for e in range(E):
         for c in range(C):
@@ -102,13 +103,13 @@ def test_local_expert_choice_tokens_get_zero_to_all_experts(fuse_combine):
 
 def test_local_triton_path_hands_over_tokens_and_gather_index():
     x_TD, _, _, plan = token_choice_case(8, 2, 4, 3, seed=1)
-    x_RD, offsets_L, ctx = LocalDispatcher("triton").dispatch(x_TD, plan)
+    x_RD, offsets_L, ctx = LocalDispatcher().dispatch(x_TD, plan)
     assert x_RD is x_TD and torch.equal(ctx.gather_ids_R, plan.token_ids_M)
     assert torch.equal(offsets_L, plan.offsets_E)
 
 
 def test_registry_builds_by_name_and_names_the_choices():
-    assert isinstance(build_dispatcher("local", backend="torch"), LocalDispatcher)
+    assert isinstance(build_dispatcher("local", fuse_combine=False), LocalDispatcher)
     assert DISPATCHERS["expert_parallel"] is ExpertParallelDispatcher
     with pytest.raises(ValueError, match=r"dispatcher='nope' is not one of \[.*'local'"):
         build_dispatcher("nope")
@@ -140,7 +141,7 @@ def _ep_body(rank, world):
         x_TD, _, weights, plan = make()
         ep = ExpertParallelDispatcher(dist.group.WORLD, L, algorithm, ranks_per_node=2)
         y_TD = run(ep, x_TD, plan, first=rank * L)
-        y_ref = run(LocalDispatcher("torch"), x_TD, plan)
+        y_ref = run(LocalDispatcher(), x_TD, plan)
         got, want = grads(y_TD, x_TD, weights), grads(y_ref, x_TD, weights)
         for label, a, b in [("y", y_TD, y_ref), ("dx", got[0], want[0]), ("dw", got[1], want[1])]:
             if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
@@ -191,3 +192,23 @@ def _expert_choice_layer_body(rank, world):
 def test_expert_choice_through_parallelize_equals_single_device_per_shard():
     results = run_ranks(_expert_choice_layer_body, 2, timeout=60)
     assert results == [[True, True]] * 2
+
+
+def test_local_dispatcher_old_backend_argument_warns_and_is_unused():
+    """LocalDispatcher(backend, fuse_combine): the backend it never used, deprecated for 0.1."""
+    with pytest.warns(DeprecationWarning, match="backend argument is unused"):
+        old = LocalDispatcher("torch", False)
+    assert old.fuse_combine is False and not hasattr(old, "backend")
+    with pytest.warns(DeprecationWarning):
+        assert build_dispatcher("local", backend="triton").fuse_combine is True
+
+
+def test_dispatch_context_holds_the_expert_rows():
+    """ctx.rows is the ExpertRows the experts get; the old field names read it (issue 33)."""
+    x_TD, _, _, plan = token_choice_case(8, 2, 4, 3, seed=2)
+    _, _, ctx = LocalDispatcher(True).dispatch(x_TD, plan)
+    assert ctx.expert_rows() is ctx.rows and ctx.sum_to_tokens and not ctx.all_rows_kept
+    assert ctx.gather_ids_R is ctx.rows.gather_ids_R
+    assert torch.equal(ctx.row_weights_R, plan.row_weights())
+    with pytest.raises(TypeError, match="must be an ExpertRows"):
+        DispatchContext(plan, plan.token_ids_M)

@@ -7,7 +7,7 @@ import torch
 
 import moe
 from moe.kernels import combine, expert_mlp, grouped_mm_torch
-from moe.kernels.expert_mlp import ExpertRows
+from moe.kernels.expert_rows import ExpertRows
 from tests import reference as ref
 
 # (rows per expert, tail rows past the last offset): T=1, empty experts, all rows to one

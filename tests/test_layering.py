@@ -5,6 +5,7 @@ import ast
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,52 @@ def test_no_sideways_imports_between_stages():
     for unit, forbidden in FORBIDDEN.items():
         bad += [f"{f}: {unit} -> {d}" for d, f in imports.get(unit, ()) if d in forbidden]
     assert not bad, "\n".join(sorted(bad))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the moe modules it imports (lazy ones too); a package is its __init__."""
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+
+    def owner(name: str) -> str:  # moe.kernels.expert_rows.ExpertRows -> moe.kernels.expert_rows
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[module] |= {owner(n) for n in names if n.startswith("moe.")} - {module, ""}
+    return graph
+
+
+def test_import_graph_has_no_cycle():
+    """Module by module (moe/kernels/expert_mlp.py <-> its backends was one, issue 33)."""
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target) :] + [module, target]))
+            elif target not in state:
+                visit(target, path + [module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "\n".join(cycles)
 
 
 ISOLATED = """
@@ -143,3 +190,67 @@ def test_balance_state_moves_with_the_layer_and_keeps_its_dtype():
         assert t.device.type == "meta"
     moe.reset_global_balance(layer)
     assert layer.global_balance is None
+
+
+def test_environment_is_read_in_one_module():
+    """moe/settings.py reads every environment variable (issue 33); the others ask it."""
+    readers = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "os.environ" in p.read_text()
+    )
+    assert readers == ["moe/settings.py"]
+
+
+def test_settings_defaults_and_their_environment_overrides(monkeypatch):
+    from moe import settings
+
+    for name in settings.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    assert settings.current() == settings.Settings()
+    assert settings.current().triton_autotune and not settings.current().triton_tma
+    overrides = {
+        "MOE_TRITON_AUTOTUNE": ("Off", "triton_autotune", False),
+        "MOE_TRITON_TMA": ("1", "triton_tma", True),
+        "MOE_OVERLAP_CUDA_STREAM": ("1", "overlap_cuda_stream", True),
+        "MOE_A2A_COST_PROFILE": ("/p.json", "a2a_cost_profile", "/p.json"),
+        "MOE_A2A_HIERARCHICAL_MAX_BYTES": ("123", "a2a_hierarchical_max_bytes", "123"),
+        "MOE_A2A_PIPELINE_MIN_BYTES": ("0", "a2a_pipeline_min_bytes", "0"),
+        "MOE_RANKS_PER_NODE": ("2", "ranks_per_node", "2"),
+    }
+    assert {settings.ENV[f] for _, f, _ in overrides.values()} == set(overrides)
+    for name, (raw, field, want) in overrides.items():
+        monkeypatch.setenv(name, raw)
+        assert getattr(settings.current(), field) == want, name
+    monkeypatch.setenv("MOE_TRITON_TMA", "yes")  # only "1" turns an opt-in on (as before)
+    assert not settings.current().triton_tma
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"| `{name}` | `{field}` |" in readme for field, name in settings.ENV.items())
+
+
+def test_architecture_doc_names_are_the_code_names():
+    """docs/architecture.md: every file it names exists and every called name, class or
+    shape-suffixed name in it is spelled as in moe/ (issue 33)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for path in set(re.findall(r"moe/[\w/]+\.py", doc)):
+        assert (ROOT / path).is_file(), path
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    called = re.findall(r"\b([A-Za-z_]\w*)\(", doc)
+    classes = re.findall(r"\b([A-Z][a-z]+[A-Z]\w*)\b", doc)
+    suffixed = re.findall(r"\b([a-z]\w*_[A-Z]{1,3})\b", doc)
+    missing = sorted({n for n in called + classes + suffixed if not re.search(rf"\b{n}\b", source)})
+    assert not missing, missing
+
+
+def test_no_attribute_probing_on_the_layer_path():
+    """layer -> dispatcher -> experts is read from declared interfaces: no getattr / hasattr
+    (the expert function's `fuses_combine` / `hold` were probed so, issue 33)."""
+    files = [PACKAGE / "layer.py", PACKAGE / "experts.py", *(PACKAGE / "dispatch").glob("*.py")]
+    files += [PACKAGE / "kernels" / "expert_mlp.py"]
+    probing = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "getattr",
+                "hasattr",
+            ):
+                probing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not probing, probing

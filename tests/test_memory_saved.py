@@ -21,7 +21,8 @@ if not HAS_CUDA:
 
 import moe  # noqa: E402
 from bench import memory_replay as replay  # noqa: E402
-from moe.kernels.expert_mlp import ExpertRows, expert_mlp  # noqa: E402
+from moe.kernels.expert_mlp import expert_mlp  # noqa: E402
+from moe.kernels.expert_rows import ExpertRows  # noqa: E402
 
 PAIR_BYTES = 64  # per (token, choice): 8 words of int64 / fp32 routing metadata
 SCORE_BYTES = 8  # per (token, expert): fp32 logits and scores

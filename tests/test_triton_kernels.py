@@ -24,7 +24,8 @@ pytest.importorskip("triton")
 
 from moe.kernels.activations import GATED, apply_activation  # noqa: E402
 from moe.kernels.combine import combine  # noqa: E402
-from moe.kernels.expert_mlp import ExpertRows, expert_mlp, resolve_backend  # noqa: E402
+from moe.kernels.expert_mlp import expert_mlp, resolve_backend  # noqa: E402
+from moe.kernels.expert_rows import ExpertRows  # noqa: E402
 from moe.kernels.triton import common as triton_common  # noqa: E402
 from moe.kernels.triton.gather_sum import rows_to_tokens  # noqa: E402
 from moe.kernels.triton.schedule import tile_schedule  # noqa: E402

@@ -21,10 +21,11 @@ from moe.checkpoint import validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
 from moe.checkpoint.validate import NOT_RESTORED
+from moe.memory.grouped_apply import GroupedApply
 
 
 def _is_grouped(opt) -> bool:
-    return hasattr(opt, "state_of") and hasattr(opt, "load_param_states")
+    return isinstance(opt, GroupedApply)
 
 
 def _json_value(value, where: str):
@@ -122,7 +123,7 @@ def targets(
     stored key, shape and dtype against the model and optimizer, and every JSON value that
     `apply` will set (moe.checkpoint.validate)."""
     check_layout(model)
-    validate.check_moe_settings(model, objects.get("moe_layers"), allow_change, problems)
+    validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:

@@ -8,6 +8,8 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from moe.memory.grouped_apply import GroupedApply
+
 # Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
 NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
@@ -61,7 +63,7 @@ def _value_problem(value, ref, where: str, name: str) -> str | None:
 
 def _groups(opt, saved: list, problems: list) -> None:
     live = opt.param_groups
-    grouped = hasattr(opt, "load_hyperparameters")
+    grouped = isinstance(opt, GroupedApply)
     saved = [{k: v for k, v in g.items() if k not in NOT_RESTORED} for g in saved]
     if len(saved) != len(live):
         if not grouped:
@@ -141,7 +143,7 @@ def moe_settings(model: nn.Module) -> dict:
     return {name: asdict(layer.config) for name, layer in moe_layers(model)}
 
 
-def check_moe_settings(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
+def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
     """The model's MoE layers must have the settings they were saved with (a checkpoint
     without them, from an older release, is not checked)."""
     if saved is None:

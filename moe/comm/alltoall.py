@@ -15,7 +15,6 @@ S/N bytes instead of W-L of S/W. Received rows come out in source-rank order, ex
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,16 +22,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe import settings
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
 from moe.comm.topology import Topology, get_subgroups
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
-ENV_HIERARCHICAL_MAX_BYTES = "MOE_A2A_HIERARCHICAL_MAX_BYTES"
-ENV_COST_PROFILE = "MOE_A2A_COST_PROFILE"
+ENV_HIERARCHICAL_MAX_BYTES = settings.ENV["a2a_hierarchical_max_bytes"]
+ENV_COST_PROFILE = settings.ENV["a2a_cost_profile"]
+ENV_PIPELINE_MIN_BYTES = settings.ENV["a2a_pipeline_min_bytes"]
+DEFAULT_PIPELINE_MIN_BYTES = settings.DEFAULT_PIPELINE_MIN_BYTES
 _threshold_override: int | None = None
 _model_override: CostModel | None = None
-ENV_PIPELINE_MIN_BYTES = "MOE_A2A_PIPELINE_MIN_BYTES"
-DEFAULT_PIPELINE_MIN_BYTES = 2 << 20
 MAX_PIPELINE_CHUNKS = 4
 
 Counts = torch.Tensor | Sequence[int]
@@ -45,6 +45,11 @@ def set_hierarchical_threshold(max_bytes: int | None) -> None:
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     _threshold_override = max_bytes
+
+
+def threshold_override() -> int | None:
+    """What set_hierarchical_threshold fixed (None: not set)."""
+    return _threshold_override
 
 
 def set_cost_model(model: CostModel | None) -> None:
@@ -62,7 +67,7 @@ def cost_model(backend: str = "nccl") -> CostModel | None:
     outweighed the saved messages at every size (bench/results/*alltoall*)."""
     if _model_override is not None:
         return _model_override
-    path = os.environ.get(ENV_COST_PROFILE)
+    path = settings.current().a2a_cost_profile
     if path:
         return load_profile(path)
     return NVLINK_IB if backend == "nccl" else None
@@ -83,7 +88,7 @@ def hierarchical_threshold(topo: Topology | None = None, backend: str = "nccl") 
     variable MOE_A2A_HIERARCHICAL_MAX_BYTES, then default_hierarchical_threshold."""
     if _threshold_override is not None:
         return _threshold_override
-    env = os.environ.get(ENV_HIERARCHICAL_MAX_BYTES)
+    env = settings.current().a2a_hierarchical_max_bytes
     if env:
         try:
             return int(env)
@@ -97,7 +102,7 @@ def pipeline_chunks(max_rank_bytes: int, num_nodes: int) -> int:
     message of a chunk (about S / (N * chunks) bytes) stays at least MOE_A2A_PIPELINE_MIN_BYTES
     (default 2 MiB, bandwidth-bound), at most 4 chunks. Each chunk costs one more pair of
     collectives, so small buffers and many nodes get 1 chunk; 0 in the variable disables it."""
-    env = os.environ.get(ENV_PIPELINE_MIN_BYTES)
+    env = settings.current().a2a_pipeline_min_bytes
     min_bytes = DEFAULT_PIPELINE_MIN_BYTES if not env else int(env)
     if min_bytes <= 0:
         return 1

@@ -13,7 +13,6 @@ sizes is treated as one node (so "auto" picks the flat path); results stay corre
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import warnings
 from dataclasses import dataclass
@@ -21,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-ENV_RANKS_PER_NODE = "MOE_RANKS_PER_NODE"
+from moe import settings
+
+ENV_RANKS_PER_NODE = settings.ENV["ranks_per_node"]
 
 _TOPOLOGY_CACHE: dict[tuple, Topology] = {}
 _SUBGROUP_CACHE: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -94,11 +95,30 @@ def ranks_per_node_from_layout(node_ids: list[object]) -> int | None:
     return sizes.pop()
 
 
+def ranks_per_node_set(ranks_per_node: int | None, group_size: int) -> tuple[int, str] | None:
+    """The ranks per node given by hand, validated, and where it came from: the argument
+    ("argument"), else MOE_RANKS_PER_NODE ("env"); None when neither is set (detect it)."""
+    if ranks_per_node is not None:
+        return validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node"), "argument"
+    env_value = settings.current().ranks_per_node
+    if env_value:
+        return validate_ranks_per_node(env_value, group_size, ENV_RANKS_PER_NODE), "env"
+    return None
+
+
+def local_world_ranks() -> int | None:
+    """torchrun's LOCAL_WORLD_SIZE, validated against the world size; None when unset (then
+    host names decide, a collective)."""
+    local_world = settings.local_world_size()
+    if not local_world:
+        return None
+    return validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
+
+
 def _detect(group: dist.ProcessGroup | None, global_ranks: list[int]) -> tuple[int, str]:
     """ranks_per_node from LOCAL_WORLD_SIZE or host names, without any override."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    if local_world:
-        lws = validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
+    lws = local_world_ranks()
+    if lws is not None:
         node_ids: list[object] = [g // lws for g in global_ranks]
         source = "LOCAL_WORLD_SIZE"
     else:
@@ -128,25 +148,17 @@ def get_topology(
     group_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     global_ranks = group_ranks(group)
-    env_value = os.environ.get(ENV_RANKS_PER_NODE)
     key = (
         id(dist.group.WORLD),  # a re-initialised default group invalidates the cache
         tuple(global_ranks),
         ranks_per_node,
-        env_value,
-        os.environ.get("LOCAL_WORLD_SIZE"),
+        settings.current().ranks_per_node,
+        settings.local_world_size(),
     )
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
         return cached
-    if ranks_per_node is not None:
-        value = validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node")
-        source = "argument"
-    elif env_value:
-        value = validate_ranks_per_node(env_value, group_size, ENV_RANKS_PER_NODE)
-        source = "env"
-    else:
-        value, source = _detect(group, global_ranks)
+    value, source = ranks_per_node_set(ranks_per_node, group_size) or _detect(group, global_ranks)
     topo = Topology(group_size=group_size, ranks_per_node=value, rank=rank, source=source)
     _TOPOLOGY_CACHE[key] = topo
     return topo

@@ -3,19 +3,20 @@
 A dispatcher owns the path between the routing plan and the experts, and back:
 
     x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
-    out_RD = experts(x_RD, offsets_L, ctx)  # the layer calls GroupedExperts(..., rows=ctx.expert_rows())
+    out_RD = experts(x_RD, offsets_L, ctx)  # an ExpertFn: the layer's LayerExperts
     y_TD = dispatcher.combine(out_RD, ctx)  # weighted sum back to tokens (if not done above)
 
 (With ctx.gather_ids_R set, the local dispatcher's "x_RD" is the token matrix x_TD and the
 experts gather on load; with ctx.sum_to_tokens their "out_RD" is y_TD.) The experts declare
-whether they can take the combine over (`fuses_combine(experts)`); a dispatcher asks them
+whether they can take the combine over (`experts.fuses_combine`); a dispatcher asks them
 rather than guessing from a backend.
 
-MoELayer calls `dispatcher.run(x_TD, plan, experts, shared)`, whose default is exactly the
-three lines above (then the shared experts). A new strategy (another all-to-all, a node-aware
-exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a user
-installs it as `MoELayer.dispatcher`. A strategy that interleaves exchange and compute (the
-overlapped dispatcher) overrides `run` instead. Every rank of a distributed dispatcher must call
+MoELayer calls `dispatcher.run(x_TD, plan, experts, shared, backend=...)`, whose default is
+exactly the three lines above (then the shared experts). A new strategy (another all-to-all, a
+node-aware exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a
+user installs it as `MoELayer.dispatcher`. A strategy that interleaves exchange and compute
+(the overlapped dispatcher) overrides `run` instead and calls the experts in parts
+(`ExpertFn.call_once` and `ExpertFn.part`). Every rank of a distributed dispatcher must call
 dispatch and combine (or run) once per forward, also with zero tokens, so collectives match.
 """
 
@@ -26,24 +27,68 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.permute import DispatchPlan
-from moe.kernels.expert_mlp import ExpertRows
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
-# (x_RD, offsets_L, ctx) -> out_RD: the layer's experts as the dispatcher sees them. It may
-# carry `fuses_combine: bool` (read with fuses_combine(experts); absent means False) and
-# `hold(x, compute)`, for a dispatcher that calls the experts in parts (moe.dispatch.overlapped):
-# it runs compute(x, weights) inside one call of the experts module (so FSDP2 gathers and
-# reduces the weights once), weights being the local expert tensors (w1, w2, w3, b1, b2);
-# compute then calls experts(x_RD, offsets_L, ctx, weights=..., first=lo) for each part:
-# weights are slices [lo:hi] of those tensors (or leaves made from them), the rows belong to
-# experts in [lo, hi) and offsets_L still covers all L experts.
-ExpertFn = Callable[..., torch.Tensor]
 
 
-def fuses_combine(experts: ExpertFn) -> bool:
-    """Whether `experts` declared that they apply the combine themselves (gather on load,
-    row weights, sum into tokens: the ExpertRows contract of moe.kernels.expert_mlp)."""
-    return bool(getattr(experts, "fuses_combine", False))
+class ExpertFn(ABC):
+    """The layer's experts as every dispatcher calls them (moe.experts.LayerExperts for a
+    layer; `rows_only` wraps a plain function of the rows).
+
+    `experts(x_RD, offsets_L, ctx)` computes all L local experts on their rows (expert-major,
+    int32 row ends offsets_L) with ctx.expert_rows() (gather on load, combine weights, sum into
+    tokens). A dispatcher that calls the experts in parts (moe.dispatch.overlapped) runs
+    `call_once(x, compute)`: compute(x, weights) inside one call of the experts module, so
+    FSDP2 gathers and reduces the weights once, weights being the local expert tensors (w1, w2,
+    w3, b1, b2); compute then calls `part(x_RD, offsets_L, ctx, weights, first)` for each part:
+    weights are slices [first:first + n] of those tensors (or leaves made from them), the rows
+    belong to local experts in that range and offsets_L still covers all L experts.
+    """
+
+    @property
+    def fuses_combine(self) -> bool:
+        """Whether the experts apply the combine themselves (gather on load, row weights, sum
+        into tokens: the ExpertRows contract of moe.kernels.expert_mlp)."""
+        return False
+
+    @abstractmethod
+    def __call__(
+        self, x_RD: torch.Tensor, offsets_L: torch.Tensor, ctx: "DispatchContext"
+    ) -> torch.Tensor:
+        """All L local experts on their rows -> out_RD (or y_TD with ctx.sum_to_tokens)."""
+
+    def call_once(self, x: torch.Tensor, compute: Callable) -> torch.Tensor:
+        """compute(x, weights) within one call of the experts module (no weights: ())."""
+        return compute(x, ())
+
+    def part(
+        self,
+        x_RD: torch.Tensor,
+        offsets_L: torch.Tensor,
+        ctx: "DispatchContext",
+        weights: tuple,
+        first: int,
+    ) -> torch.Tensor:
+        """The local experts [first, first + len(weights[0])) with `weights` (from
+        call_once); without weights, all of them on these rows."""
+        return self(x_RD, offsets_L, ctx)
+
+
+@dataclass(frozen=True)
+class _RowsOnly(ExpertFn):
+    """A plain function (x_RD, offsets_L, ctx) -> out_RD as an ExpertFn (no weights of its
+    own to hand over, no fused combine)."""
+
+    fn: Callable[..., torch.Tensor]
+
+    def __call__(self, x_RD, offsets_L, ctx):
+        return self.fn(x_RD, offsets_L, ctx)
+
+
+def rows_only(experts: "ExpertFn | Callable[..., torch.Tensor]") -> ExpertFn:
+    """`experts` as an ExpertFn: itself, or a plain function of (x_RD, offsets_L, ctx)."""
+    return experts if isinstance(experts, ExpertFn) else _RowsOnly(experts)
 
 
 def register_dispatcher(name: str):
@@ -68,32 +113,49 @@ def build_dispatcher(name: str, **kwargs) -> "Dispatcher":
 class DispatchContext:
     """What combine needs to undo dispatch. Subclasses add their own fields.
 
-    gather_ids_R: when set, the rows handed to the experts are the un-gathered tokens x_TD and
-    expert row r is x_TD[gather_ids_R[r]]. The expert kernels gather on load this way, which
-    saves writing, keeping and re-reading one [R, D] buffer (LocalDispatcher sets it).
-    row_weights_R: when set, the experts scale row r by it (the combine weights folded into
-    the expert MLP).
-    sum_to_tokens: the experts also add each row into its token (gather_ids_R) and return
-    y_TD; combine then has nothing left to do.
+    rows: what the experts are told about the rows (ExpertRows, moe/kernels/expert_rows.py):
+    gather_ids_R (the rows are the un-gathered tokens x_TD, expert row r being
+    x_TD[gather_ids_R[r]]: LocalDispatcher hands them over so, the kernels gather on load),
+    row_weights_R (the combine weights folded into the expert MLP), sum_to_tokens (the experts
+    also add each row into its token and return y_TD; combine has nothing left to do) and
+    all_rows_kept (no dropped tail: the received rows of EP). ctx.gather_ids_R etc. read them.
     algorithm: the all-to-all algorithm that moved the rows between ranks ("flat" or
     "hierarchical", what "auto" chose), None on one device; the layer's stats report it.
+    backend: the kernel backend resolved once per layer call (Dispatcher.run sets it); the
+    combine's kernels use it. None: the dispatcher resolves its own setting.
     """
 
     plan: DispatchPlan
-    gather_ids_R: torch.Tensor | None = None
-    row_weights_R: torch.Tensor | None = None
-    sum_to_tokens: bool = False
+    rows: ExpertRows = NO_ROWS_INFO
     algorithm: str | None = None
-    all_rows_kept: bool = False  # no dropped tail among the rows (the received rows of EP)
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, ExpertRows):  # the fields before issue 33, positionally
+            raise TypeError(
+                f"DispatchContext.rows must be an ExpertRows, got {type(self.rows).__name__} "
+                "(gather_ids_R, row_weights_R, sum_to_tokens, all_rows_kept are ExpertRows fields)"
+            )
 
     def expert_rows(self) -> ExpertRows:
-        """The fields the experts read, as the one typed object GroupedExperts takes."""
-        return ExpertRows(
-            gather_ids_R=self.gather_ids_R,
-            row_weights_R=self.row_weights_R,
-            sum_to_tokens=self.sum_to_tokens,
-            all_rows_kept=self.all_rows_kept,
-        )
+        """What the experts read (GroupedExperts' `rows`): ctx.rows."""
+        return self.rows
+
+    @property
+    def gather_ids_R(self) -> torch.Tensor | None:
+        return self.rows.gather_ids_R
+
+    @property
+    def row_weights_R(self) -> torch.Tensor | None:
+        return self.rows.row_weights_R
+
+    @property
+    def sum_to_tokens(self) -> bool:
+        return self.rows.sum_to_tokens
+
+    @property
+    def all_rows_kept(self) -> bool:
+        return self.rows.all_rows_kept
 
 
 class Dispatcher(ABC):
@@ -115,11 +177,16 @@ class Dispatcher(ABC):
         self,
         x_TD: torch.Tensor,
         plan: DispatchPlan,
-        experts: ExpertFn,
+        experts: ExpertFn | Callable[..., torch.Tensor],
         shared: Callable[[], torch.Tensor] | None = None,
+        *,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (y_TD, shared output or None): dispatch, experts, combine, then `shared()` (the
-        layer's dense work on every token). Overridden by strategies that overlap them."""
+        layer's dense work on every token). Overridden by strategies that overlap them.
+        backend: the kernel backend the layer resolved for this call (ctx.backend: the
+        combine's kernels use it); None: the dispatcher's own choice."""
         x_RD, offsets_L, ctx = self.dispatch(x_TD, plan)
-        y_TD = self.combine(experts(x_RD, offsets_L, ctx), ctx)
+        ctx.backend = backend
+        y_TD = self.combine(rows_only(experts)(x_RD, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

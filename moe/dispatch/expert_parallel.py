@@ -17,6 +17,24 @@ from moe.dispatch.permute import (
     weighted_sum_rows,
 )
 from moe.kernels import resolve_backend
+from moe.kernels.expert_rows import ExpertRows
+
+KEPT_ROWS = ExpertRows(all_rows_kept=True)  # only kept rows travel: no dropped tail
+
+
+def receive_order(
+    recv_WL: torch.Tensor, first: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_R, inverse_R): received rows come (source rank, local expert)-major, the
+    experts want them expert-major. recv_WL: rows received from each rank for each of the
+    local experts first, first + 1, ... (its columns); num_rows = recv_WL.sum()."""
+    W, n = recv_WL.shape
+    expert_R = torch.repeat_interleave(
+        torch.arange(first, first + n, device=recv_WL.device).repeat(W),
+        recv_WL.reshape(-1),
+        output_size=num_rows,
+    )
+    return sort_rows_by_expert(expert_R)
 
 
 @dataclass
@@ -71,23 +89,16 @@ class ExpertParallelDispatcher(Dispatcher):
         )
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
-        W, L = self.ep_size, self.num_local
         counts = self._plan_exchange(x_TD, plan)
         a2a = counts.plan()
         x_MD = gather_tokens(x_TD, plan)
         recv_RD = exchange(x_MD[: sum(a2a.send)], a2a)
-        # Received rows are (source rank, local expert)-major; the experts want expert-major.
-        expert_R = torch.repeat_interleave(
-            torch.arange(L, device=x_TD.device).repeat(W),
-            counts.recv_counts_WL.reshape(-1),
-            output_size=recv_RD.shape[0],
-        )
-        order_R, inverse_R = sort_rows_by_expert(expert_R)
+        order_R, inverse_R = receive_order(counts.recv_counts_WL, 0, recv_RD.shape[0])
         offsets_L = torch.cumsum(counts.recv_counts_WL.sum(0), 0).to(torch.int32)
         ctx = ExpertParallelContext(
             plan,
+            KEPT_ROWS,
             algorithm=a2a.algorithm,
-            all_rows_kept=True,  # only kept rows travel
             a2a=a2a,
             order_R=order_R,
             inverse_R=inverse_R,
@@ -99,4 +110,9 @@ class ExpertParallelDispatcher(Dispatcher):
         out_kept_ND = exchange(back_RD.contiguous(), ctx.a2a.reverse())
         num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
         out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
-        return weighted_sum_rows(out_MD, ctx.plan, resolve_backend(self.backend, out_MD))
+        return weighted_sum_rows(out_MD, ctx.plan, self._backend(ctx.backend, out_MD))
+
+    def _backend(self, backend: str | None, x: torch.Tensor) -> str:
+        """The combine's kernel backend: the layer's, resolved once per call, else this
+        dispatcher's own setting (dispatch / combine called directly)."""
+        return backend or resolve_backend(self.backend, x)

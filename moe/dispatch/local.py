@@ -1,16 +1,19 @@
 """Single-device dispatch: gather each pair's token into expert-sorted rows, and back."""
 
+import warnings
+
 import torch
 
 from moe.dispatch.dispatcher import (
     DispatchContext,
     Dispatcher,
     ExpertFn,
-    fuses_combine,
     register_dispatcher,
+    rows_only,
 )
 from moe.dispatch.permute import DispatchPlan
 from moe.kernels.combine import sum_rows
+from moe.kernels.expert_rows import ExpertRows
 
 
 @register_dispatcher("local")
@@ -19,19 +22,36 @@ class LocalDispatcher(Dispatcher):
     dropped pairs at the tail). The expert kernels gather token rows as they load them, so
     dispatch hands over x_TD with ctx.gather_ids_R instead of a copy, and the combine weights
     as ctx.row_weights_R. When the experts declare that they fuse the combine
-    (`fuses_combine(experts)`), `run` also asks them to add each row into its token
+    (`experts.fuses_combine`), `run` also asks them to add each row into its token
     (ctx.sum_to_tokens): combine then has nothing left to do and no [R, D] output is kept.
 
     fuse_combine: what `dispatch` asks for when called on its own (outside `run`); `run`
-    asks the experts and fuses only if both agree. `backend` is accepted and unused (the
-    experts own their backend)."""
+    asks the experts and fuses only if both agree. (The old first argument, a backend it never
+    used, is still accepted until 0.1 with a DeprecationWarning.)"""
 
-    def __init__(self, backend: str = "auto", fuse_combine: bool = True):
-        self.backend, self.fuse_combine = backend, fuse_combine
+    def __init__(self, *args, fuse_combine: bool = True, backend: str | None = None):
+        if args and isinstance(args[0], str):  # the old form LocalDispatcher(backend, fuse)
+            backend, args = args[0], args[1:]
+        if backend is not None:
+            warnings.warn(
+                "LocalDispatcher's backend argument is unused and deprecated (removed in 0.1): "
+                "call LocalDispatcher(fuse_combine)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if len(args) > 1:
+            raise TypeError(f"LocalDispatcher takes one argument, fuse_combine; got {args}")
+        self.fuse_combine = args[0] if args else fuse_combine
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
-        fuse = self.fuse_combine if sum_to_tokens is None else sum_to_tokens
-        ctx = DispatchContext(plan, plan.token_ids_M, plan.row_weights(), fuse)
+        if sum_to_tokens is None:
+            sum_to_tokens = self.fuse_combine
+        rows = ExpertRows(
+            gather_ids_R=plan.token_ids_M,
+            row_weights_R=plan.row_weights(),
+            sum_to_tokens=sum_to_tokens,
+        )
+        ctx = DispatchContext(plan, rows)
         return x_TD, plan.offsets_E, ctx
 
     def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
@@ -40,8 +60,10 @@ class LocalDispatcher(Dispatcher):
         # weights applied: add each row into its token (no float atomics, see sum_rows)
         return sum_rows(out_RD, ctx.gather_ids_R, ctx.plan.num_tokens)
 
-    def run(self, x_TD, plan, experts: ExpertFn, shared=None):
-        fuse = self.fuse_combine and fuses_combine(experts)
-        x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=fuse)
+    def run(self, x_TD, plan, experts: ExpertFn, shared=None, *, backend=None):
+        experts = rows_only(experts)
+        sum_to_tokens = self.fuse_combine and experts.fuses_combine
+        x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=sum_to_tokens)
+        ctx.backend = backend
         y_TD = self.combine(experts(x_TD_, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

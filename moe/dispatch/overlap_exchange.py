@@ -20,16 +20,15 @@ that may differ across ranks; NCCL can deadlock on that.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from moe import settings
 from moe.comm.alltoall import AllToAllPlan
 
-ENV_CUDA_STREAM = "MOE_OVERLAP_CUDA_STREAM"
 Landing = Callable[[], torch.Tensor]
 
 
@@ -42,7 +41,7 @@ class Worker:
         self._stream = None
 
     def submit(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
-        if x_ND.is_cuda and os.environ.get(ENV_CUDA_STREAM) != "1":
+        if x_ND.is_cuda and not settings.current().overlap_cuda_stream:
             y_ND = plan.run(x_ND)  # guarded: no side stream, no overlap
             return lambda: y_ND
         if self._pool is None:
@@ -81,11 +80,6 @@ class Worker:
             return y_ND
 
         return land
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 def _run_no_grad(plan: AllToAllPlan, x_ND: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ every rank. Why by expert rather than by row range:
     destination, expert) order, so each chunk is one contiguous slice.
 The price: n <= L (a larger n is clamped), and a chunk's size follows its experts' load.
 
-The experts module is called once per layer call (`experts.hold`), and the pipeline runs
+The experts module is called once per layer call (`ExpertFn.call_once`), and the pipeline runs
 inside that call as one autograd node (`_Experts`): FSDP2 gathers and reduces the weights
 once, and per chunk there is no module call, hook or gradient accumulation (their host cost
 was what the pipeline added on a CPU). Each chunk's expert MLP is a small autograd graph of
@@ -46,8 +46,8 @@ import torch.distributed as dist
 from moe.comm.alltoall import cost_model
 from moe.comm.exchange_plan import ExpertExchange
 from moe.comm.topology import get_topology
-from moe.dispatch.dispatcher import DispatchContext, register_dispatcher
-from moe.dispatch.expert_parallel import ExpertParallelDispatcher
+from moe.dispatch.dispatcher import DispatchContext, ExpertFn, register_dispatcher, rows_only
+from moe.dispatch.expert_parallel import KEPT_ROWS, ExpertParallelDispatcher, receive_order
 from moe.dispatch.overlap_degree import (
     MAX_DEGREE,
     ExpertClock,
@@ -60,11 +60,9 @@ from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,
     permute_rows,
-    sort_rows_by_expert,
     weighted_sum_rows,
 )
-from moe.kernels import resolve_backend
-from moe.kernels.expert_mlp import keep_graph
+from moe.kernels.saved_tensors import keep_graph
 
 # columns riding on the count exchange (the row totals always do): degree asked, expert ps
 # per row, and the measured forward us of this layer plain (n = 1) and pipelined (n > 1),
@@ -149,7 +147,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         probe = self.calls % PROBE_EVERY == 0
         return (1 if faster == n else n) if probe else faster
 
-    def run(self, x_TD, plan, experts, shared=None):
+    def run(self, x_TD, plan, experts, shared=None, *, backend=None):
+        experts = rows_only(experts)
         began = self.times.start(x_TD)
         self.calls += 1
         L = self.num_local
@@ -173,7 +172,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
             counts.recv_counts_WL,
-            DispatchContext(plan_c, algorithm=counts.algorithm, all_rows_kept=True),
+            DispatchContext(plan_c, KEPT_ROWS, algorithm=counts.algorithm, backend=backend),
             self,
         )
         token = _StartDispatch.apply(x_MD[:kept], pipe)
@@ -183,11 +182,10 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         def compute(token, weights):
             return _Experts.apply(token, pipe, experts, dropped, *weights)
 
-        hold = getattr(experts, "hold", None)
-        out_MD = compute(token, ()) if hold is None else hold(token, compute)
+        out_MD = experts.call_once(token, compute)  # one experts module call: FSDP2 gathers once
         if order is not None:
             out_MD = permute_rows(out_MD, order[1], order[0])
-        y_TD = weighted_sum_rows(out_MD, plan_c, resolve_backend(self.backend, out_MD))
+        y_TD = weighted_sum_rows(out_MD, plan_c, self._backend(backend, out_MD))
         self.times.stop(began, n > 1)
         return y_TD, shared_TD
 
@@ -215,12 +213,12 @@ class _Pipeline:
         dispatch's gradient)."""
         return start_exchange(x_RD, self.backs[c], self.worker)
 
-    def compute(self, c: int, recv_RD, experts, weights, needs_grad):
+    def compute(self, c: int, recv_RD, experts: ExpertFn, weights, needs_grad):
         """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
         back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
         (rows leaf, weight leaves [lo:hi], out_RD, lo)."""
         b0, b1 = self.bounds[c], self.bounds[c + 1]
-        W, L = self.recv_WL.shape
+        L = self.recv_WL.shape[1]
         device = recv_RD.device
         in_chunk_L = torch.zeros(L, dtype=torch.bool, device=device)
         in_chunk_L[b0:b1] = True
@@ -228,12 +226,7 @@ class _Pipeline:
         offsets_L = offsets_L.to(torch.int32)
         order = None  # one expert: its rows are already expert-major
         if b1 - b0 > 1:
-            expert_R = torch.repeat_interleave(
-                torch.arange(b0, b1, device=device).repeat(W),
-                self.recv_WL[:, b0:b1].reshape(-1),
-                output_size=recv_RD.shape[0],
-            )
-            order = sort_rows_by_expert(expert_R)
+            order = receive_order(self.recv_WL[:, b0:b1], b0, recv_RD.shape[0])
         with torch.enable_grad() if any(needs_grad) else nullcontext():
             rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
             lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
@@ -243,10 +236,8 @@ class _Pipeline:
             )
             x_RD = rows_RD if order is None else permute_rows(rows_RD, *order)
             start = self.clock.start(x_RD)
-            if weights:
-                out_RD = experts(x_RD, offsets_L, self.context, weights=leaves, first=lo)
-            else:  # an expert function without `hold`: its own parameters get their gradients
-                out_RD = experts(x_RD, offsets_L, self.context)
+            # without weights (a plain function of the rows) `part` computes all experts
+            out_RD = experts.part(x_RD, offsets_L, self.context, leaves, lo)
             self.clock.stop(start, x_RD.shape[0])
             if order is not None:
                 out_RD = permute_rows(out_RD, order[1], order[0])
@@ -278,7 +269,7 @@ class _Experts(torch.autograd.Function):
     gradient), start its dispatch gradient."""
 
     @staticmethod
-    def forward(ctx, token, pipe: _Pipeline, experts, dropped: int, *weights):
+    def forward(ctx, token, pipe: _Pipeline, experts: ExpertFn, dropped: int, *weights):
         needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
         ctx.pipe, ctx.graphs, ctx.weights, ctx.dropped = pipe, [], weights, dropped
         arriving, pipe.arriving = pipe.arriving, []

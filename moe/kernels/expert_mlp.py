@@ -7,82 +7,34 @@ Contract (every backend; letters of docs/shapes.md, L = this rank's experts, R =
   offsets_L     int32 cumulative row ends per local expert, on the device; rows at or past
                 offsets_L[-1] are dropped pairs and come out exactly zero (no NaN, no garbage).
   w1_LDF, w2_LFD, (w3_LDF for swiglu), optional biases b1_LF, b2_LD.
-  rows          ExpertRows: what the dispatcher hands over about the rows (gather ids, combine
-                weights folded into the MLP, and whether to sum the rows into their tokens).
+  rows          ExpertRows (moe/kernels/expert_rows.py): what the dispatcher hands over about
+                the rows (gather ids, combine weights folded into the MLP, and whether to sum
+                the rows into their tokens).
   returns out_ND in x's dtype: out_RD, or y_TD when rows.sum_to_tokens. Gradients flow to x,
   every weight and rows.row_weights_R; experts without rows get exactly zero weight gradients.
   No host sync on the Triton path.
 """
 
-from dataclasses import dataclass
-
 import torch
 
+from moe._moved import moved_names
+from moe.kernels import expert_rows as _rows
 from moe.kernels.activations import GATED, check_activation
+from moe.names import BACKENDS
 
-BACKENDS = ("auto", "torch", "triton")
 FUSES_COMBINE = {"torch": True, "triton": True}  # backend -> applies ExpertRows' combine
 
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertRows:
-    """The dispatch context's fields the experts read (DispatchContext.expert_rows()).
-
-    gather_ids_R: x is the un-gathered token matrix x_TD and expert row r is
-        x_TD[gather_ids_R[r]] (gather on load: no [R, D] copy is written, kept or re-read).
-    row_weights_R: each row's combine weight; out row r is row_weights_R[r] * MLP(row r), and
-        row_weights_R gets a gradient.
-    sum_to_tokens: return y_TD instead of out_RD, each row added into the token it was read
-        from (the combine fused into the experts; no [R, D] output). Without gather_ids_R
-        row r is token r.
-    all_rows_kept: every row handed over is one to compute (R = offsets_L[-1]: no dropped tail),
-        as with the rows an expert-parallel exchange delivers; the experts then skip zeroing a
-        tail that cannot exist (on CUDA that would be a masked pass over every output row).
-    """
-
-    gather_ids_R: torch.Tensor | None = None
-    row_weights_R: torch.Tensor | None = None
-    sum_to_tokens: bool = False
-    all_rows_kept: bool = False
-
-
-NO_ROWS_INFO = ExpertRows()  # plain rows: no gather, no weights, out_RD returned
-
-
-def keep_graph() -> bool:
-    """backward(retain_graph=True) is running: saved state must survive this backward (the
-    expert ops release their pre-activations early otherwise)."""
-    try:
-        return torch._C._autograd._get_current_graph_task_keep_graph()
-    except RuntimeError:  # not inside an engine-run backward (tracing)
-        return False
-
-
-def save_for_backward_early_free(ctx, inputs: tuple, pre: tuple) -> None:
-    """Save `inputs` and the pre-activation tensors `pre` of an expert op for its backward.
-
-    Without saved-tensor hooks, `pre` stays on ctx (detached: no cycle through the graph), so
-    the backward can free it as soon as its activation step has read it (see `saved_early`).
-    When hooks are installed (activation checkpointing, torch.autograd.graph.save_on_cpu), `pre`
-    goes through save_for_backward like the inputs, so the hooks see it: dropped and recomputed,
-    or moved to the host, instead of held on the device until backward."""
-    pre = tuple(t.detach() for t in pre)
-    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    ctx.save_for_backward(*inputs, *(pre if hooked else ()))
-    ctx.pre_on_ctx = None if hooked else pre
-    ctx.num_saved_inputs = len(inputs)
-
-
-def saved_early(ctx) -> tuple[tuple, tuple]:
-    """(inputs, pre) as saved by `save_for_backward_early_free`; the ctx reference to pre is
-    dropped here (unless the graph is retained), so pre dies when the caller lets it go."""
-    saved = ctx.saved_tensors
-    inputs, pre = saved[: ctx.num_saved_inputs], saved[ctx.num_saved_inputs :]
-    if ctx.pre_on_ctx is not None:
-        pre = ctx.pre_on_ctx
-        if not keep_graph():
-            ctx.pre_on_ctx = None
-    return inputs, pre
+# moved to leaf modules (the backends import them; importing them from here was a cycle)
+__getattr__ = moved_names(
+    __name__,
+    {
+        "ExpertRows": "moe.kernels.expert_rows.ExpertRows",
+        "NO_ROWS_INFO": "moe.kernels.expert_rows.NO_ROWS_INFO",
+        "keep_graph": "moe.kernels.saved_tensors.keep_graph",
+        "save_for_backward_early_free": "moe.kernels.saved_tensors.save_for_backward_early_free",
+        "saved_early": "moe.kernels.saved_tensors.saved_early",
+    },
+)
 
 
 def triton_available(x: torch.Tensor) -> bool:
@@ -114,7 +66,7 @@ def expert_mlp(
     b2_LD=None,
     *,
     activation: str = "gelu",
-    rows: ExpertRows = NO_ROWS_INFO,
+    rows: _rows.ExpertRows = _rows.NO_ROWS_INFO,
     backend: str = "auto",
 ):
     """Run every local expert's MLP over its rows; see the module docstring for the contract.

@@ -22,12 +22,8 @@ from torch import Tensor
 from moe.kernels.activations import GATED, apply_activation
 from moe.kernels.combine import rows_into_tokens
 from moe.kernels.expert_chunks import chunks, host_readable
-from moe.kernels.expert_mlp import (
-    NO_ROWS_INFO,
-    ExpertRows,
-    save_for_backward_early_free,
-    saved_early,
-)
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
 from moe.kernels.torch_expert_mlp_backward import (
     bwd_act_op,
     bwd_gate_op,
@@ -130,15 +126,17 @@ def _(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_w
 
 
 def _setup_context(ctx, inputs, output):
-    x, offsets, w1, w2, w3, b1, b2, ids, row_weights, activation, sum_to_tokens, _ = inputs
+    x, offsets_L, w1, w2, w3, b1, b2, gather_ids_R, row_weights_R, activation, sum_to_tokens = (
+        inputs[:11]
+    )
     # h, g never get a gradient; backward drops them as soon as the act step has read them
     save_for_backward_early_free(
-        ctx, (x, offsets, w1, w2, w3, b2, ids, row_weights), (output[1], output[2])
+        ctx, (x, offsets_L, w1, w2, w3, b2, gather_ids_R, row_weights_R), (output[1], output[2])
     )
     ctx.set_materialize_grads(False)  # h, g never get a gradient: no [R, F] zeros
     ctx.activation, ctx.sum_to_tokens = activation, sum_to_tokens
     ctx.has = {"w3": w3 is not None, "b1": b1 is not None,
-               "b2": b2 is not None, "row_weights": row_weights is not None}  # fmt: skip
+               "b2": b2 is not None, "row_weights": row_weights_R is not None}  # fmt: skip
 
 
 _GRAD_AT = dict(zip(NEEDS, [0, 2, 3, 4, 5, 6, 8]))  # input position of each gradient
@@ -147,7 +145,7 @@ _GRAD_AT = dict(zip(NEEDS, [0, 2, 3, 4, 5, 6, 8]))  # input position of each gra
 def _backward(ctx, dy, _d_h, _d_g):
     """Three ops (torch_expert_mlp_backward.py); h, g are released after the first and dh
     after the second unless the graph is retained."""
-    (x, offsets, w1, w2, w3, b2, ids, row_weights), (h, g) = saved_early(ctx)
+    (x, offsets_L, w1, w2, w3, b2, gather_ids_R, row_weights_R), (h, g) = saved_early(ctx)
     if torch.is_grad_enabled():
         raise NotImplementedError(
             "moe::expert_mlp has no double backward (create_graph=True); compose "
@@ -157,17 +155,21 @@ def _backward(ctx, dy, _d_h, _d_g):
     if dy is None:
         dy = h.new_zeros(x.shape[0] if ctx.sum_to_tokens else h.shape[0], w2.shape[2])
     dh, dg, dw2, db2, d_rw = bwd_act_op(
-        dy, x, offsets, w2, b2, ids, row_weights, h, g, ctx.activation, ctx.sum_to_tokens,
-        need["w2"], need["b2"], need["row_weights"],
+        dy, x, offsets_L, w2, b2, gather_ids_R, row_weights_R, h, g, ctx.activation,
+        ctx.sum_to_tokens, need["w2"], need["b2"], need["row_weights"],
     )  # fmt: skip
     del h, g, dy
-    dx, dw1, db1 = bwd_input_op(dh, dg, x, offsets, w1, w3, ids, ctx.activation, need["x"],
-                                need["w1"], need["b1"])  # fmt: skip
+    dx, dw1, db1 = bwd_input_op(dh, dg, x, offsets_L, w1, w3, gather_ids_R, ctx.activation,
+                                need["x"], need["w1"], need["b1"])  # fmt: skip
     del dh  # before dW3 exists: the step's peak holds dg alone
     dw3 = None
     if need["w3"]:  # (w3 given to a non-gated activation: unused, zero gradient)
         gated = ctx.activation in GATED
-        dw3 = bwd_gate_op(dg, x, offsets, ids, w1.shape[0]) if gated else torch.zeros_like(w3)
+        dw3 = (
+            bwd_gate_op(dg, x, offsets_L, gather_ids_R, w1.shape[0])
+            if gated
+            else torch.zeros_like(w3)
+        )
     got = {"x": dx, "w1": dw1, "w2": dw2, "w3": dw3, "b1": db1, "b2": db2, "row_weights": d_rw}
     out = [None] * 12  # one per op input
     for n in NEEDS:

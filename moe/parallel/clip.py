@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.mesh import dense_parameters, expert_parameters
 
 
@@ -59,7 +60,8 @@ def clip_grad_norm_(
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     norm_type = float(norm_type)
-    if optimizer is not None and getattr(optimizer, "loss_scaler", None) is not None:
+    grouped = isinstance(optimizer, GroupedApply)
+    if grouped and optimizer.loss_scaler is not None:
         optimizer.unscale_()
     dense = [p.grad for _, p in dense_parameters(model) if p.grad is not None]
     expert = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
@@ -82,11 +84,11 @@ def clip_grad_norm_(
         total = torch.maximum(dense_sum, expert_sum)
     else:
         total = (dense_sum + expert_sum).pow(1.0 / norm_type)
-    pending = getattr(optimizer, "pending_grad_factor", None)
+    pending = optimizer.pending_grad_factor if grouped else None
     if pending is not None:
         total = total * pending
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    if optimizer is not None and hasattr(optimizer, "mul_grads_"):
+    if grouped:
         optimizer.mul_grads_(coef)
     elif dtensors:
         for g in dtensors:

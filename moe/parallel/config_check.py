@@ -8,7 +8,6 @@ failure on one rank is the same clear ValueError on every rank instead of a hang
 error or "Connection closed by peer".
 """
 
-import os
 from dataclasses import asdict, fields
 
 import torch.distributed as dist
@@ -16,9 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from moe import settings
 from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
-from moe.comm.topology import ENV_RANKS_PER_NODE, validate_ranks_per_node
+from moe.comm.topology import local_world_ranks, ranks_per_node_set
 from moe.dispatch.overlap_degree import validate_overlap
 from moe.layer import moe_layers
 
@@ -34,15 +34,11 @@ def _ranks_per_node(ranks_per_node: int | None, ep: int) -> int | str:
     moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, LOCAL_WORLD_SIZE) but without
     its host-name collective: "hostname" when that is what decides (it is the same on every
     rank by construction). Invalid values raise ValueError naming their source."""
-    if ranks_per_node is not None:
-        return validate_ranks_per_node(ranks_per_node, ep, "ranks_per_node")
-    env = os.environ.get(ENV_RANKS_PER_NODE)
-    if env:
-        return validate_ranks_per_node(env, ep, ENV_RANKS_PER_NODE)
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    if local_world:
-        return validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
-    return "hostname"
+    by_hand = ranks_per_node_set(ranks_per_node, ep)
+    if by_hand is not None:
+        return by_hand[0]
+    local_world = local_world_ranks()
+    return "hostname" if local_world is None else local_world
 
 
 def exchange_record(algorithm: str, ranks_per_node: int | None, ep: int) -> dict[str, Scalar]:
@@ -55,11 +51,11 @@ def exchange_record(algorithm: str, ranks_per_node: int | None, ep: int) -> dict
     if algorithm == "flat":
         return record
     record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep)
-    record[alltoall.ENV_PIPELINE_MIN_BYTES] = os.environ.get(alltoall.ENV_PIPELINE_MIN_BYTES)
+    now = settings.current()
+    record[alltoall.ENV_PIPELINE_MIN_BYTES] = now.a2a_pipeline_min_bytes
     if algorithm == "auto":
-        record["set_hierarchical_threshold"] = alltoall._threshold_override
-        env = alltoall.ENV_HIERARCHICAL_MAX_BYTES
-        record[env] = os.environ.get(env)
+        record["set_hierarchical_threshold"] = alltoall.threshold_override()
+        record[alltoall.ENV_HIERARCHICAL_MAX_BYTES] = now.a2a_hierarchical_max_bytes
         model = alltoall.cost_model(dist.get_backend())
         if model is None:
             record["cost_model"] = None

@@ -144,11 +144,11 @@ def parallelize(
             else OverlappedDispatcher(*ep_args, degree=overlap)
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
+        layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)
         _divide_expert_grads(layer.experts, mesh["ep"].size(), sum_only)
     units = [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]
     for module in dict.fromkeys(units):  # once each: the model may itself be an MoELayer
         wrap(module, mesh=all_ranks, **common)
         module.set_force_sum_reduction_for_comms(sum_only)
-    model._moe_mesh = mesh
     return model

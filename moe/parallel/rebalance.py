@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moe.layer import MoELayer, moe_layers
+from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.placement import Placement, plan_placement
 
 
@@ -65,7 +67,7 @@ def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
     """The optimizer's per-element state tensors of `p` (shaped like it), in key order."""
     if optimizer is None:
         return []
-    if hasattr(optimizer, "state_of"):  # moe.memory.GroupedApply
+    if isinstance(optimizer, GroupedApply):
         state = optimizer.state_of(p)
     else:
         state = optimizer.state.get(p, {})
@@ -175,7 +177,7 @@ def rebalance_experts(
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     if optimizer is not None and not (
-        hasattr(optimizer, "state") or hasattr(optimizer, "state_of")
+        hasattr(optimizer, "state") or isinstance(optimizer, GroupedApply)
     ):
         raise ValueError(f"optimizer {type(optimizer).__name__} exposes no per-parameter state")
     layers = moe_layers(model)
@@ -191,8 +193,8 @@ def rebalance_experts(
         return report
     if not dist.is_initialized():
         raise ValueError("experts are split over ranks but torch.distributed is not initialized")
-    mesh = getattr(model, "_moe_mesh", None)
-    if mesh is not None and mesh.size() != dist.get_world_size():
+    meshes = [layer.mesh for _, layer in layers if layer.mesh is not None]
+    if any(mesh.size() != dist.get_world_size() for mesh in meshes):
         raise ValueError("rebalance_experts needs the model's mesh to span every rank")
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
     # The one collective every call makes: summed loads, and each layer's placement s summed
@@ -228,7 +230,7 @@ def rebalance_experts(
     jobs = []
     for i in changed:
         _, layer = layers[i]
-        if hasattr(layer.experts, "reshard"):  # FSDP2 may keep gathered weights from a forward
+        if isinstance(layer.experts, FSDPModule):  # FSDP2 may keep gathered weights from a forward
             layer.experts.reshard()  # without backward: drop them so the next one re-gathers
         k = multi.index(i)
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]

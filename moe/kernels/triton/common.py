@@ -7,11 +7,12 @@ This module holds no jitted code, so it is never reloaded itself.
 """
 
 import importlib
-import os
 import sys
 
 import torch
 import triton
+
+from moe import settings
 
 # Modules holding @triton.jit code, in dependency order (helpers before the kernels using them).
 KERNEL_MODULES = (
@@ -26,8 +27,9 @@ KERNEL_MODULES = (
 
 
 def autotune_pinned() -> bool:
-    """MOE_TRITON_AUTOTUNE=0 (the test suite sets it): no autotuning, one config per kernel."""
-    return os.environ.get("MOE_TRITON_AUTOTUNE", "1").strip().lower() in ("0", "false", "off", "no")
+    """MOE_TRITON_AUTOTUNE=0 (the test suite sets it): no autotuning, one config per kernel
+    (moe.settings.Settings.triton_autotune)."""
+    return not settings.current().triton_autotune
 
 
 def autotune_prune(prune=None):
@@ -48,7 +50,7 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return settings.triton_interpret()
 
 
 def ensure_mode() -> None:
@@ -78,7 +80,7 @@ def check_device(*tensors: torch.Tensor | None) -> None:
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
-    """(DOT_F32, PRECISION) constexprs for `triton_mma.mma`.
+    """(DOT_F32, PRECISION) constexprs for `moe.kernels.triton.mma.mma`.
 
     DOT_F32: upcast tiles to fp32 before tl.dot. Only under the interpreter, whose bf16 tl.dot is
     wrong (docs/notes.md); compiled kernels keep bf16/fp16 operands on the tensor cores.

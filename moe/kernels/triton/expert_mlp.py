@@ -22,12 +22,8 @@ import torch
 from torch import Tensor
 
 from moe.kernels.activations import GATED
-from moe.kernels.expert_mlp import (
-    NO_ROWS_INFO,
-    ExpertRows,
-    save_for_backward_early_free,
-    saved_early,
-)
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
@@ -68,9 +64,9 @@ def _fwd_op(
     save: bool,
     sum_to_tokens: bool,
 ) -> tuple[Tensor, Tensor]:
-    """(out, pre): out_RD[r] = s[r] * MLP(x[ids[r]]) (tail rows zero), or with sum_to_tokens
-    out_TD[t] = sum of the rows read from x row t; pre = h (or [h | g] for swiglu) if `save`,
-    else empty."""
+    """(out, pre): out_RD[r] = row_weights_R[r] * MLP(x_ND[gather_ids_R[r]]) (tail rows zero),
+    or with sum_to_tokens out_TD[t] = sum of the rows read from x row t; pre = h (or [h | g]
+    for swiglu) if `save`, else empty."""
     check_device(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R)
     out_dtype_ok(x_ND.dtype)
     code = _act_code(activation)
@@ -256,32 +252,34 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, _d_pre):
-    (x_ND, offsets_L, w1, w2, w3, b2, ids, row_weights), (pre,) = saved_early(ctx)
+    (x_ND, offsets_L, w1, w2, w3, b2, gather_ids_R, row_weights_R), (pre,) = saved_early(ctx)
     if not ctx.saved_pre:
         raise RuntimeError("expert_mlp_triton: forward ran without saving activations for backward")
     if torch.is_grad_enabled():
         raise NotImplementedError("moe::triton_expert_mlp has no double backward")
     need = ctx.needs_input_grad
-    need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights is not None
+    need_x, need_w, need_rw = need[0], any(need[2:7]), need[8] and row_weights_R is not None
     D = w2.shape[2]
     if dy is None:
         dy = pre.new_zeros(x_ND.shape[0] if ctx.sum_to_tokens else pre.shape[0], D)
     dy = dy.contiguous()
     # dout rows: the gathered token gradients (the adjoint of the sum into tokens), once
-    d_out_RD = dy.index_select(0, ids) if ctx.sum_to_tokens and ids is not None else dy
+    d_out_RD = (
+        dy.index_select(0, gather_ids_R) if ctx.sum_to_tokens and gather_ids_R is not None else dy
+    )
     del dy
     dpre, a_RF, d_rw = _bwd_act_op(
-        d_out_RD, offsets_L, w2, b2, pre, row_weights, ctx.activation, need_w
+        d_out_RD, offsets_L, w2, b2, pre, row_weights_R, ctx.activation, need_w
     )
     del pre  # the pre-activation is released here, before the input step
     dx, dw1, dw3, db1 = _bwd_input_op(
-        dpre, x_ND, offsets_L, w1, w3, ids, ctx.activation, need_x, need_w,
+        dpre, x_ND, offsets_L, w1, w3, gather_ids_R, ctx.activation, need_x, need_w,
         ctx.has_b1 and need[5],
     )  # fmt: skip
     del dpre  # released before the last weight gradient exists: dW2 comes last
     dw2 = db2 = None
     if need_w:
-        dw2, db2 = _bwd_w2_op(a_RF, d_out_RD, offsets_L, row_weights, ctx.has_b2 and need[6])
+        dw2, db2 = _bwd_w2_op(a_RF, d_out_RD, offsets_L, row_weights_R, ctx.has_b2 and need[6])
     del a_RF, d_out_RD
     gated = ctx.activation in GATED
     return (
@@ -303,11 +301,11 @@ def _backward(ctx, dy, _d_pre):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_shapes(x, offsets, w1, w2, w3, b1, b2, activation, ids):
+def _check_shapes(x, offsets, w1, w2, w3, b1, b2, activation, gather_ids_R):
     L, D, F = w1.shape
     want = {"x_ND": (x, (x.shape[0], D)), "offsets_L": (offsets, (L,)), "w2_LFD": (w2, (L, F, D)),
             "w3_LDF": (w3, (L, D, F)), "b1_LF": (b1, (L, F)), "b2_LD": (b2, (L, D)),
-            "gather_ids_R": (ids, (ids.shape[0],) if ids is not None else None)}  # fmt: skip
+            "gather_ids_R": (gather_ids_R, (gather_ids_R.shape[0],) if gather_ids_R is not None else None)}  # fmt: skip
     if activation not in GATED:
         want.pop("w3_LDF")
     for name, (t, shape) in want.items():
@@ -341,11 +339,24 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
     if activation not in GATED:
         w3 = None
     offsets = offsets_L.to(torch.int32).contiguous()
-    ids = None if gather_ids_R is None else gather_ids_R.to(torch.int64).contiguous()
-    rw = None if row_weights_R is None else row_weights_R.to(torch.float32).contiguous()
-    tracked = (x_ND, w1, w2, w3, b1, b2, rw)
+    if gather_ids_R is not None:
+        gather_ids_R = gather_ids_R.to(torch.int64).contiguous()
+    if row_weights_R is not None:
+        row_weights_R = row_weights_R.to(torch.float32).contiguous()
+    tracked = (x_ND, w1, w2, w3, b1, b2, row_weights_R)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)
     out_ND, _ = _fwd_op(
-        x_ND, offsets, w1, w2, w3, b1, b2, ids, rw, activation, save, rows.sum_to_tokens
+        x_ND,
+        offsets,
+        w1,
+        w2,
+        w3,
+        b1,
+        b2,
+        gather_ids_R,
+        row_weights_R,
+        activation,
+        save,
+        rows.sum_to_tokens,
     )
     return out_ND

@@ -1,14 +1,14 @@
 """Ragged-rows grouped GEMM: out[rows of e] = epilogue(A[rows of e] @ B[e]), all experts, one launch.
 
 One kernel, four roles in the expert MLP (constexpr flags pick the code at compile time):
-  up     EPILOGUE=1: A rows gathered from x through token_ids (no permuted copy), B = w1 (and w3
-         for swiglu, sharing the A tiles: two accumulators), + b1, fused activation; optionally
-         stores the pre-activation (h, and g for swiglu) for the backward.
+  up     EPILOGUE=1: A rows gathered from x through idx_M (the experts' gather_ids_R: no permuted
+         copy), B = w1 (and w3 for swiglu, sharing the A tiles: two accumulators), + b1, fused
+         activation; optionally stores the pre-activation (h, and g for swiglu) for the backward.
   down   EPILOGUE=0: A = act, B = w2, + b2.
   dact   EPILOGUE=2: A = dout, B = w2^T (a strided view), epilogue = activation backward using
          the saved pre-activation: writes dh (and dg).
   dx     EPILOGUE=0: A = [dh | dg], B = w1^T (+ w3^T: a second K loop into the same accumulator).
-The row-tile -> expert map comes from `triton_schedule.expert_tile` (on device, no host sync);
+The row-tile -> expert map comes from `schedule.expert_tile` (on device, no host sync);
 tail rows (dropped pairs, >= offsets[-1]) are written as exact zeros by the tail tiles. Pointer
 arithmetic is int64, so M*K, E*K*N may exceed 2**31. Any K, N >= 1 (masked loads); K, N that
 are multiples of 16 (8 for 2-byte types with 16-byte rows) are the fast case on GPUs.

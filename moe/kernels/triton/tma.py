@@ -2,18 +2,17 @@
 rules, the global scratch that device-built tensor descriptors need, and the persistent grid size.
 Holds no @triton.jit code (not reloaded by `common.ensure_mode`)."""
 
-import os
-
 import torch
 import triton
 
+from moe import settings
 from moe.kernels.triton.common import interpreting
 
 
 def tma_default(device: torch.device) -> bool:
     """The TMA path is opt-in (MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
     sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
-    if os.environ.get("MOE_TRITON_TMA", "0") != "1":
+    if not settings.current().triton_tma:
         return False
     if device.type != "cuda":
         return interpreting()
