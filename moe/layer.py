@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe.backward_watch import BackwardWatch
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
@@ -98,6 +99,7 @@ class MoELayer(nn.Module):
         # dispatch plan is built in slots. Persistent, so checkpoints carry it.
         slots = torch.arange(num_experts, dtype=torch.long, device=device)
         self.register_buffer("slot_of_expert_E", slots)
+        self._backwards = BackwardWatch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -111,7 +113,14 @@ class MoELayer(nn.Module):
             y_TD = checkpoint(self._forward_tokens, x_TD, use_reentrant=False)
         else:
             y_TD = self._forward_tokens(x_TD)
+        if y_TD.requires_grad and not torch.compiler.is_compiling():
+            y_TD = self._backwards.watch(y_TD)
         return y_TD.view(x.shape)
+
+    def backward_pending(self) -> bool:
+        """Whether a training forward's output still waits for its backward (its graph is
+        alive and its gradient not computed): weights must not move then (rebalance)."""
+        return self._backwards.pending()
 
     def _forward_tokens(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.parallel.placement import Placement, plan_placement
 
@@ -159,6 +160,58 @@ def _restart_counts(layers) -> None:
         layer.balance.load_since_rebalance = None
 
 
+def _holds(optimizer, p: torch.Tensor) -> bool:
+    """Whether `optimizer` (a torch optimizer or GroupedApply) updates parameter `p`."""
+    if hasattr(optimizer, "index_of"):  # moe.memory.GroupedApply
+        try:
+            optimizer.index_of(p)
+        except KeyError:
+            return False
+        return True
+    return any(q is p for g in getattr(optimizer, "param_groups", []) for q in g["params"])
+
+
+def _local_problem(layers, optimizer, min_gain) -> str | None:
+    """What this rank finds wrong before anything moves (None when nothing): checked on every
+    rank, then agreed, so every rank raises the same error or none does."""
+    if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
+        return f"min_gain must be in [0, 1), got {min_gain!r}"
+    if optimizer is not None and not (
+        hasattr(optimizer, "state") or hasattr(optimizer, "state_of")
+    ):
+        return f"optimizer {type(optimizer).__name__} exposes no per-parameter state"
+    for name, layer in layers:
+        if layer.backward_pending():
+            return (
+                f"{name}: a training forward is waiting for its backward; call "
+                "rebalance_experts after optimizer.step(), not between forward and backward"
+            )
+        if optimizer is None:
+            continue
+        if hasattr(layer.experts, "reshard"):  # FSDP2 may hold gathered weights after a
+            layer.experts.reshard()  # no-grad forward: its registered parameters are the shards
+        for pname, p in layer.experts.named_parameters(recurse=False):
+            if not _holds(optimizer, p):
+                return (
+                    f"{name}: the optimizer does not hold expert parameter {pname}; pass the "
+                    "optimizer that trains the model (its state moves with the weights)"
+                )
+    return None
+
+
+def _agree(problem: str | None, min_gain: float) -> None:
+    """One exchange of every rank's verdict and min_gain (moe.comm.consistency records): the
+    same ValueError on every rank, at once, when any rank found a problem or they differ."""
+    gain = min_gain if isinstance(min_gain, (int, float)) else repr(min_gain)
+    records = all_gather_records({"problem": problem, "min_gain": gain})
+    for rank, record in enumerate(records):
+        if record.get("problem") is not None:
+            raise ValueError(f"rebalance_experts: rank {rank}: {record['problem']}")
+    message = describe_mismatch(records)
+    if message is not None:
+        raise ValueError(f"rebalance_experts: {message}")
+
+
 @torch.no_grad()
 def rebalance_experts(
     model: nn.Module, optimizer=None, *, min_gain: float = 0.05
@@ -168,32 +221,32 @@ def rebalance_experts(
 
     Collective over all ranks of the model's mesh; call it on every rank, after
     optimizer.step() (outside forward / backward), with the optimizer whose state must move
-    along (a torch optimizer or GroupedApply; None moves weights and gradients only). A
-    layer's placement changes only when its largest rank load drops by at least `min_gain`
-    (relative). In one process, or with ep = 1, it only resets the counts (no-op). Ranks
-    holding different placements are a ValueError on every rank, before anything moves."""
-    if not 0.0 <= min_gain < 1.0:
-        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-    if optimizer is not None and not (
-        hasattr(optimizer, "state") or hasattr(optimizer, "state_of")
-    ):
-        raise ValueError(f"optimizer {type(optimizer).__name__} exposes no per-parameter state")
+    along (a torch optimizer or GroupedApply holding every expert parameter; None moves
+    weights and gradients only). A layer's placement changes only when its largest rank load
+    drops by at least `min_gain` (relative). In one process, or with ep = 1, it only resets
+    the counts (no-op). A bad argument, an optimizer without the expert parameters, a call
+    between forward and backward, ranks passing different `min_gain` or holding different
+    placements: the same ValueError on every rank, before anything moves."""
     layers = moe_layers(model)
+    problem = _local_problem(layers, optimizer, min_gain)
     sizes = [ep_size(layer) for _, layer in layers]
+    if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
+        if problem is not None:
+            raise ValueError(f"rebalance_experts: {problem}")
+        _restart_counts(layers)
+        return RebalanceReport()
+    if not dist.is_initialized():
+        raise ValueError("experts are split over ranks but torch.distributed is not initialized")
+    mesh = getattr(model, "_moe_mesh", None)
+    if mesh is not None and mesh.size() != dist.get_world_size():
+        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
+    _agree(problem, min_gain)
     counts = []
     for _, layer in layers:
         load_E = layer.balance.load_since_rebalance
         slots = layer.slot_of_expert_E
         counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     report = RebalanceReport()
-    if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
-        _restart_counts(layers)
-        return report
-    if not dist.is_initialized():
-        raise ValueError("experts are split over ranks but torch.distributed is not initialized")
-    mesh = getattr(model, "_moe_mesh", None)
-    if mesh is not None and mesh.size() != dist.get_world_size():
-        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
     # The one collective every call makes: summed loads, and each layer's placement s summed
     # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
