@@ -11,7 +11,12 @@ from torch import nn
 # Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
 NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
-MOE_RUNTIME_FIELDS = {"backend", "checkpoint", "check_finite"}
+MOE_RUNTIME_FIELDS = {
+    "backend",
+    "checkpoint",
+    "check_finite",
+    "spare_slots",
+}  # spare slots: checkpoints are canonical
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
 
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.parallel.placement import Placement, plan_placement
+from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
 
 
 @dataclass
@@ -44,7 +45,7 @@ class RebalanceReport:
     """What one call did: each layer's placement decision (keyed by module name) and what this
     rank sent: expert rows (one row = one expert's slice of one tensor) and bytes."""
 
-    layers: dict[str, Placement] = field(default_factory=dict)
+    layers: dict[str, Placement | ReplicaPlacement] = field(default_factory=dict)
     rows_sent: int = 0
     bytes_sent: int = 0
 
@@ -59,7 +60,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def ep_size(layer: MoELayer) -> int:
     """Expert-parallel ranks the layer's experts are spread over (1 in one process)."""
-    return layer.config.num_experts // layer.experts.num_experts
+    return (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
 
 
 def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
@@ -118,6 +119,32 @@ def _transfers(old, new, ranges):
             h = holders[src][i % len(holders[src])]
             out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
     return out
+
+
+def _transfers_by_slot(old, new, ranges):
+    """_transfers for layouts with replicas (expert_of_slot lists): each slot whose expert
+    changes is filled, on every rank holding it, from the first slot that holds that expert
+    now (the holder at the same position)."""
+    holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
+    first = {}
+    for s, e in enumerate(old):
+        first.setdefault(e, s)
+    out = []
+    for s in range(len(new)):
+        if new[s] == old[s]:
+            continue
+        src = first[new[s]]
+        for i, q in enumerate(holders[s]):
+            h = holders[src][i % len(holders[src])]
+            out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
+    return out
+
+
+def _layout(layer: MoELayer) -> torch.Tensor:
+    """The placement every rank must agree on: slot_of_expert_E, and expert_of_slot_S."""
+    if not layer.config.spare_slots:
+        return layer.slot_of_expert_E
+    return torch.cat([layer.slot_of_expert_E, layer.expert_of_slot_S])
 
 
 def _row_bytes(t: torch.Tensor, row: int) -> torch.Tensor:
@@ -250,21 +277,26 @@ def rebalance_experts(
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
     # The one collective every call makes: summed loads, and each layer's placement s summed
     # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
-    slots = torch.cat([layer.slot_of_expert_E for _, layer in layers])
+    slots = torch.cat([_layout(layer) for _, layer in layers])
     load = torch.cat([torch.cat(counts), slots, slots * slots])
     dist.all_reduce(load)
-    n, world = slots.numel(), dist.get_world_size()
-    summed, squares = load[n : 2 * n], load[2 * n :]
+    n, world, nc = slots.numel(), dist.get_world_size(), sum(c.numel() for c in counts)
+    summed, squares = load[nc : nc + n], load[nc + n :]
     if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
         raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
-    loads = load[:n].tolist()
+    loads = load[:nc].tolist()
     _restart_counts(layers)
     plans, start = [], 0
     for (name, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
-        placement = plan_placement(
-            loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
-        )
+        if layer.config.spare_slots:
+            placement = plan_replicas(
+                loads[start : start + E], layer.expert_of_slot_S.tolist(), w, min_gain
+            )
+        else:
+            placement = plan_placement(
+                loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
+            )
         start += E
         report.layers[name] = placement
         plans.append(placement)
@@ -285,12 +317,19 @@ def rebalance_experts(
             layer.experts.reshard()  # without backward: drop them so the next one re-gathers
         k = multi.index(i)
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
-        transfers = _transfers(
-            layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
-        )
+        if layer.config.spare_slots:
+            transfers = _transfers_by_slot(
+                layer.expert_of_slot_S.tolist(), plans[i].expert_of_slot, rank_ranges
+            )
+        else:
+            transfers = _transfers(
+                layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
+            )
         jobs.append((_moving_tensors(layer, optimizer), transfers))
     report.rows_sent, report.bytes_sent = _exchange(jobs, device)
     for i in changed:
         layer = layers[i][1]
         layer.slot_of_expert_E.copy_(torch.tensor(plans[i].slot_of_expert))
+        if layer.config.spare_slots:
+            layer.expert_of_slot_S.copy_(torch.tensor(plans[i].expert_of_slot))
     return report
