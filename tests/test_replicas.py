@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import moe
+from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.dispatch.replica_split import copy_candidates
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
@@ -107,7 +108,7 @@ def _pair(R, seed=0, dtype=torch.float64):
         )
         for a, b in ((ref[1], rep[1]), (ref[3], rep[3])):
             for pa, pb in zip(a.experts.parameters(), b.experts.parameters()):
-                pb.copy_(pa[b.expert_of_slot_S])
+                pb.copy_(pa[b.expert_of_slot_S] if R else pa)
     return ref, rep
 
 
@@ -146,6 +147,8 @@ def test_single_process_replicas_are_exact(T):
     ga, gb = _canonical(ref, grads=True), _canonical(rep, grads=True)
     for name, g in ga.items():
         torch.testing.assert_close(gb[name], g, **TOL64, msg=name)
+    norm = moe.parallel.clip_grad_norm_(ref, 0.1)  # each expert counted once
+    torch.testing.assert_close(moe.parallel.clip_grad_norm_(rep, 0.1), norm, **TOL64)
 
 
 def _batch(step, n=24):
@@ -168,31 +171,41 @@ def _rows(rank, world, step, n):
     return slice(i * per, n if i == len(owners) - 1 else (i + 1) * per)
 
 
-def _step(model, opt, step, rank, world, replicas):
+def _step(model, opt, step, rank, world, replicas, micro=1):
     x, y = _batch(step)
     rows = _rows(rank, world, step, x.shape[0])
-    loss = (model(x[rows]) - y[rows]).square().sum() * world / (x.shape[0] * D)
-    loss.backward()
+    x, y = x[rows], y[rows]
+    for xs, ys in zip(x.tensor_split(micro), y.tensor_split(micro)):  # gradient accumulation
+        loss = (model(xs) - ys).square().sum() * world / (_batch(step)[0].shape[0] * D)
+        loss.backward()
     if replicas:
         sum_replica_grads(model)
+    moe.parallel.clip_grad_norm_(model, 0.5, model._moe_mesh)  # active: the norm is larger
     grads = _canonical(model, grads=True)
     opt.step()
     opt.zero_grad()
     return grads
 
 
-def _run_body(rank, world, layouts):
+def _run_body(rank, world, layouts, path=None):
     out = {}
     probe = _batch(99)[0]
     for layout in layouts:
         dp, ep, mode, extra = layout
+        extra = dict(extra)
+        grouped, micro = extra.pop("grouped", False), extra.pop("micro", 1)
         mesh = init_mesh(dp=dp, ep=ep)
         ref, rep = _pair(world)
         runs = {}
         for replicas, model in ((False, ref), (True, rep)):
             model = parallelize(model, mesh, mode, **extra)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            grads = [_step(model, opt, s, rank, world, replicas) for s in (0, 1)]
+            if grouped:  # state read through state_of, stepped in 2 groups
+                opt = moe.memory.GroupedApply(
+                    model.parameters(), torch.optim.AdamW, groups=2, lr=1e-2, weight_decay=0.1
+                )
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            grads = [_step(model, opt, s, rank, world, replicas, micro) for s in (0, 1)]
             report = None
             if replicas:
                 with torch.no_grad():
@@ -200,9 +213,12 @@ def _run_body(rank, world, layouts):
                 report = rebalance_experts(model, opt, min_gain=0.0)
                 with torch.no_grad():
                     torch.testing.assert_close(model(probe), before, **TOL64)
-            grads += [_step(model, opt, s, rank, world, replicas) for s in (2, 3)]
+            grads += [_step(model, opt, s, rank, world, replicas, micro) for s in (2, 3)]
             with torch.no_grad():
                 y = model(probe)
+            if replicas and path is not None and layout == layouts[0]:
+                save_checkpoint(path, model, opt)
+                out["saved"] = (y, _canonical(model))
             layouts_after = [m.expert_of_slot_S.tolist() for m in model[1::2]] if replicas else None
             runs[replicas] = (y, _canonical(model), grads, report, layouts_after)
         (ya, pa, ga, _, _), (yb, pb, gb, report, after) = runs[False], runs[True]
@@ -229,14 +245,56 @@ def _check(results, world):
 
 
 def test_replicas_exact_on_two_gloo_ranks():
-    layouts = [(1, 2, "ddp", {}), (1, 2, "fsdp", {"overlap": 2})]
+    """ddp with two micro-batches per step, fsdp with the overlapped dispatcher, GroupedApply."""
+    layouts = [
+        (1, 2, "ddp", {"micro": 2}),
+        (1, 2, "fsdp", {"overlap": 2}),
+        (1, 2, "ddp", {"grouped": True}),
+    ]
     _check(run_ranks(_run_body, 2, layouts, timeout=120), 2)
 
 
-def test_replicas_exact_on_four_gloo_ranks():
+def _load_body(rank, world, path, spare):
+    """Load the 4-rank replica checkpoint at ep = 2, with or without spare slots, then one
+    step: the same as the model without replicas."""
+    mesh = init_mesh(dp=1, ep=world)
+    out = []
+    for R in (0, spare):
+        model = parallelize(_pair(R, seed=5)[R > 0], mesh, "fsdp")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        load_checkpoint(path, model, opt)
+        with torch.no_grad():
+            y = model(_batch(99)[0])
+        loaded = _canonical(model)
+        _step(model, opt, 4, rank, world, R > 0)
+        with torch.no_grad():
+            out.append((y, loaded, model(_batch(99)[0]), _canonical(model)))
+    return out
+
+
+def test_replicas_exact_on_four_gloo_ranks(tmp_path):
+    """... and the checkpoint saved with replicas at ep = 4 loads at ep = 2 with and without
+    spare slots, and in one process."""
+    path = str(tmp_path / "ckpt")
     layouts = [
         (1, 4, "ddp", {}),
         (2, 2, "fsdp", {}),
         (1, 4, "ddp", {"algorithm": "hierarchical", "ranks_per_node": 2}),
     ]
-    _check(run_ranks(_run_body, 4, layouts, timeout=180), 4)
+    results = run_ranks(_run_body, 4, layouts, path, timeout=180)
+    saved_y, saved_params = results[0].pop("saved")
+    for r in results[1:]:
+        r.pop("saved")
+    _check(results, 4)
+    (plain, replicated) = run_ranks(_load_body, 2, path, 2, timeout=120)[0]
+    for y, params, _, _ in (plain, replicated):
+        torch.testing.assert_close(y, saved_y, **TOL64)
+        for name, value in saved_params.items():
+            torch.testing.assert_close(params[name], value, **TOL64, msg=name)
+    torch.testing.assert_close(replicated[2], plain[2], **TOL64)  # one more step, both ways
+    for name, value in plain[3].items():
+        torch.testing.assert_close(replicated[3][name], value, **TOL64, msg=name)
+    model = _pair(0, seed=7)[0]  # one process, no replicas
+    load_checkpoint(path, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(_batch(99)[0]), saved_y, **TOL64)

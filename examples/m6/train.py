@@ -131,6 +131,8 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
         aux = moe.aux_loss(model).to(ce.device, non_blocking=True)  # dense: a CPU zero
         (ce * scale + aux / len(micro)).backward()
         metrics.add(ce, aux, len(micro))
+    if args.spare_slots:  # copies of one expert: their gradients summed before clip and step
+        moe.parallel.sum_replica_grads(model)
     clip_gradients(model, opt, args, rt.mesh)
     opt.step()
     moe.update_router_biases(model)

@@ -16,8 +16,8 @@ state and steps on the same summed gradient, so copies stay bit-identical and tr
 the run without replicas (reduction order aside). Memory: R / W extra expert slots per rank,
 each with its weights, gradient and optimizer state (AdamW in fp32: 16 bytes per parameter
 with bf16 weights and fp32 masters). Bytes: the replicated experts' gradient rows, all-reduced.
-Gradient clipping must run after this call; moe.parallel.clip counts every slot, so a
-replicated expert's norm counts once per copy (not corrected here).
+Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each expert once
+(extra_copies_power_sum takes the repeated copies out of the global norm).
 """
 
 import torch
@@ -101,3 +101,35 @@ def sum_replica_grads(model: nn.Module) -> int:
             idx = torch.tensor(rows, device=device)
             grad[idx] = view[torch.tensor(at, device=device)].to(grad.dtype)
     return buffer.numel() * buffer.element_size()
+
+
+@torch.no_grad()
+def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor | None:
+    """sum |g|^p over the gradient rows of every copy but each expert's first (after
+    sum_replica_grads they repeat the first copy's): what a global norm must not count twice.
+    None without replicas; collective (one all-reduce) when the experts are split over ranks."""
+    parts, device, wide = [], None, torch.float32
+    for _, layer in moe_layers(model):
+        if not layer.config.spare_slots:
+            continue
+        first = set(layer.slot_of_expert_E.tolist())
+        lo, n, contributes = _rows_here(layer)
+        rows = [s - lo for s in range(lo, lo + n) if s not in first] if contributes else []
+        for p in layer.experts.parameters():
+            if p.grad is None:
+                continue
+            grad = _local(p.grad)
+            device = grad.device
+            wide = torch.promote_types(wide, grad.dtype)
+            if rows:
+                picked = grad[torch.tensor(rows, device=device)]
+                picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+                parts.append(picked.norm(norm_type).pow(norm_type))
+    if device is None:
+        return None
+    total = torch.zeros((), dtype=wide, device=device)
+    for part in parts:
+        total = total + part.to(wide)
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters()):
+        dist.all_reduce(total)
+    return total
