@@ -298,3 +298,43 @@ def test_replicas_exact_on_four_gloo_ranks(tmp_path):
     load_checkpoint(path, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     with torch.no_grad():
         torch.testing.assert_close(model(_batch(99)[0]), saved_y, **TOL64)
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_spare_slots_and_layouts_are_refused_naming_layer_and_value():
+    with pytest.raises(ValueError, match="spare_slots must be >= 0, got -1"):
+        moe.MoELayer(D, F, E, spare_slots=-1)
+    with pytest.raises(ValueError, match="token-choice router"):
+        moe.MoELayer(D, F, E, router="expert_choice", capacity_factor=1.0, spare_slots=2)
+    plain, rep = _pair(2)
+    with pytest.raises(ValueError, match=r"1.expert_of_slot_S holds a replica layout of 10 slots"):
+        plain.load_state_dict(rep.state_dict())
+    bad = dict(rep.state_dict())
+    bad["1.expert_of_slot_S"] = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 0, 1])  # no expert 7
+    before = {k: v.clone() for k, v in rep.state_dict().items()}
+    with pytest.raises(ValueError, match=r"moe: 1.expert_of_slot_S: .*no copy of experts \[7\]"):
+        rep.load_state_dict(bad)
+    assert all(torch.equal(v, before[k]) for k, v in rep.state_dict().items())  # unchanged
+
+
+def _parallelize_body(rank, world, spare):
+    _, rep = _pair(spare)
+    try:
+        parallelize(rep, init_mesh(dp=1, ep=world), "ddp")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "spare, message",
+    [
+        (3, "spare_slots=3 is not a multiple of the EP size 2"),
+        (10, "spare_slots=10 needs more copies of an expert than there are EP ranks"),
+    ],
+)
+def test_parallelize_refuses_bad_spare_slots_on_every_rank(spare, message):
+    results = run_ranks(_parallelize_body, 2, spare, timeout=30, deadline=90)
+    assert results[0] == results[1] and results[0] is not None and message in results[0]
