@@ -24,6 +24,10 @@ training continues as it would have (float32 reduction-order differences at most
 
 Checkpoints carry the placement (the buffer is in the state dict), so a save after a rebalance
 reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
+
+Layers built with spare slots (MoEConfig.spare_slots, moe.parallel.replicas) are planned with
+moe.parallel.replica_placement.plan_replicas: the call also decides which experts the spare
+slots copy; slots whose expert changes are filled from a current copy in the same exchange.
 """
 
 from dataclasses import dataclass, field
