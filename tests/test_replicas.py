@@ -333,6 +333,9 @@ def _parallelize_body(rank, world, spare):
     _, rep = _pair(spare)
     try:
         parallelize(rep, init_mesh(dp=1, ep=world), "ddp")
+        if rank == 1:  # a rank with another replica layout: refused everywhere, nothing moves
+            rep[1].expert_of_slot_S[[4, 8]] = rep[1].expert_of_slot_S[[8, 4]].clone()
+        rebalance_experts(rep, None, min_gain=0.0)
     except ValueError as e:
         return str(e)
     return None
@@ -343,6 +346,7 @@ def _parallelize_body(rank, world, spare):
     [
         (3, "spare_slots=3 is not a multiple of the EP size 2"),
         (10, "spare_slots=10 needs more copies of an expert than there are EP ranks"),
+        (2, "ranks hold different expert placements"),
     ],
 )
 def test_parallelize_refuses_bad_spare_slots_on_every_rank(spare, message):
