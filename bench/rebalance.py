@@ -1,7 +1,17 @@
 """Load-aware expert placement on skewed routing: largest / mean rank load before and after
-moe.parallel.plan_placement, and the MoE-layer step time that implies.
+moe.parallel.plan_placement, then with replicas (moe.parallel.replica_placement.plan_replicas,
+--spare-slots per layer, default one per rank), and the MoE-layer step time that implies.
 
     python -m bench.rebalance [--m6-state runs/x/checkpoint/step-N/state.json] [--write]
+    [--spare-slots R]
+
+Replica columns: largest / mean after placement + R replicas, the lower bound for that R
+(max(mean, the largest load per copy of the best copy counts)), experts with more than one
+copy, slots changed from the identity layout, extra memory per rank (R / W expert slots:
+bf16 weights and gradients, fp32 master and two AdamW moments, 16 bytes per parameter, since
+every copy keeps its own state), and the bytes each rank sends per step to sum the copies'
+gradients (one all-reduce of the replicated experts' bf16 gradients over the W ranks: a
+ring sends 2 (W - 1) / W of it).
 
 Loads: the per-expert load of a trained M6 run (history["load"] in a checkpoint's
 state.json: the share of rows per expert each step, averaged over the last --m6-steps
@@ -25,6 +35,9 @@ import torch
 from bench.common import write_report
 from moe.comm.cost_model import NVLINK_IB
 from moe.parallel.placement import plan_placement, rank_loads
+from moe.parallel.replica_placement import plan_replicas
+from moe.parallel.replica_placement import rank_loads as replica_rank_loads
+from moe.replica_layout import initial_expert_of_slot
 
 H100_BF16_FLOPS = 600e12  # assumed achieved dense bf16 GEMM rate: a projection, not measured
 
@@ -63,7 +76,25 @@ def layer_time(rows: float, d: int, F: int, n_mats: int, flops: float, ranks: in
     return gemm + 4 * a2a
 
 
-def row(label, load, W, tokens_rows, d, F, n_mats, cpu_rate):
+def replica_cells(load, W, R, scale, d, F, n_mats, cpu_rate) -> str:
+    """The replica columns of one row (see the module docstring)."""
+    E = len(load)
+    q = plan_replicas(load, initial_expert_of_slot(E, R), W, min_gain=0.0)
+    check = max(replica_rank_loads(load, q.expert_of_slot, W)) / q.mean
+    assert abs(check - q.max_after / q.mean) < 1e-9
+    copied = sum(c > 1 for c in q.copies)
+    params = n_mats * d * F  # one expert
+    extra_mb = R / W * params * 16 / 2**20
+    grad_mb = 2 * (W - 1) / W * copied * params * 2 / 2**20
+    rows = q.max_after * scale
+    cpu, gpu = (layer_time(rows, d, F, n_mats, rate, W) for rate in (cpu_rate, H100_BF16_FLOPS))
+    return (
+        f"{q.max_after / q.mean:.3f} | {max(q.mean, q.bound) / q.mean:.3f} | {copied} | "
+        f"{len(q.moved_slots)} | {extra_mb:.0f} | {grad_mb:.0f} | {cpu * 1e3:.1f} | {gpu * 1e3:.3f} |"
+    )
+
+
+def row(label, load, W, tokens_rows, d, F, n_mats, cpu_rate, R=0):
     E = len(load)
     p = plan_placement(load, list(range(E)), W, min_gain=0.0)
     mean = p.mean
@@ -85,6 +116,7 @@ def row(label, load, W, tokens_rows, d, F, n_mats, cpu_rate):
         f"{bound:.3f} | {len(p.moved)} | "
         f"{times['cpu'][0] * 1e3:.1f} -> {times['cpu'][1] * 1e3:.1f} ({times['cpu'][0] / times['cpu'][1]:.2f}x) | "
         f"{times['gpu'][0] * 1e3:.3f} -> {times['gpu'][1] * 1e3:.3f} ({times['gpu'][0] / times['gpu'][1]:.2f}x) |"
+        + (" " + replica_cells(load, W, R, scale, d, F, n_mats, cpu_rate) if R else "")
     )
 
 
@@ -97,36 +129,48 @@ def main(argv=None) -> str:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--d-ff", type=int, default=4096)
+    ap.add_argument("--spare-slots", type=int, default=None, help="R (default: one per rank)")
     ap.add_argument(
-        "--write", action="store_true", help="write bench/results/<date>-cpu-rebalance.md"
+        "--write", action="store_true", help="write bench/results/<date>-cpu-replicas.md"
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     W, d, F = args.ranks, args.d_model, args.d_ff
     rows = args.tokens * args.top_k * W
+    R = W if args.spare_slots is None else args.spare_slots
+    if R < 0 or R % W:
+        ap.error(f"--spare-slots must be a non-negative multiple of --ranks={W}, got {R}")
     cpu_rate = gemm_rate(d, F)
     head = (
         "| load | E | W | max/mean before | after | bound | experts moved | "
-        "layer ms CPU (measured rate) | layer ms H100 (projection) |\n|---|---|---|---|---|---|---|---|---|"
+        "layer ms CPU (measured rate) | layer ms H100 (projection) |"
+        + (
+            f" + {R} replicas | bound R={R} | experts copied | slots moved | extra MiB/rank | "
+            "grad-sum MiB/rank/step | layer ms CPU | layer ms H100 (projection) |"
+            if R
+            else ""
+        )
+        + "\n|"
+        + "---|" * (9 + 8 * bool(R))
     )
     lines = [head]
     if args.m6_state:
         for name, load in m6_loads(args.m6_state, args.m6_steps).items():
-            lines.append(row(f"M6 {name}", load, W, rows, d, F, 2, cpu_rate))
+            lines.append(row(f"M6 {name}", load, W, rows, d, F, 2, cpu_rate, R))
     for E in (64, 128):
         for s in (0.6, 0.8, 1.0, 1.2):
-            lines.append(row(f"Zipf s={s}", zipf_load(E, s), W, rows, d, F, 2, cpu_rate))
+            lines.append(row(f"Zipf s={s}", zipf_load(E, s), W, rows, d, F, 2, cpu_rate, R))
     text = "\n".join(lines)
     setup = (
         f"W={W} ranks, {args.tokens} tokens/rank, k={args.top_k} -> {rows} rows per step; "
         f"d={d}, F={F}, gelu (2 matrices); CPU float32 GEMM rate measured here: "
-        f"{cpu_rate / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads); "
+        f"{cpu_rate / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads); spare slots R={R}; "
         f"H100 rate assumed {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (projection)"
     )
     print(setup)
     print(text)
     if args.write:
-        print(write_report("rebalance", f"{setup}\n\n{text}\n", torch.device("cpu")))
+        print(write_report("replicas", f"{setup}\n\n{text}\n", torch.device("cpu")))
     return text
 
 

@@ -72,6 +72,7 @@ class MoEConfig:
     shared_expert_gate: bool = False  # scale the shared output by sigmoid(Linear(d, 1)) (Qwen2)
     checkpoint: bool = False  # recompute the layer in backward (activation checkpointing)
     check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
+    spare_slots: int = 0  # R extra expert slots holding copies of hot experts (replicas.py)
 
     def __post_init__(self):
         for f in fields(self):
@@ -94,6 +95,10 @@ class MoEConfig:
             )
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate=True needs num_shared_experts > 0")
+        if self.spare_slots < 0:
+            raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
+        if self.spare_slots and self.router == "expert_choice":
+            raise ValueError("spare_slots (expert replicas) needs a token-choice router")
         if self.min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
         _choose("drop_policy", self.drop_policy, DROP_POLICIES)

@@ -7,16 +7,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from moe.backward_watch import BackwardWatch
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
+from moe.dispatch.replica_split import copy_candidates, plan_token_choice_replicated
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
 from moe.recompute_frame import recompute_context
+from moe.replica_layout import check_replica_state, initial_expert_of_slot
 from moe.shared_experts import SharedExperts
 
 
@@ -64,8 +67,9 @@ class MoELayer(nn.Module):
         )
         self.name = name
         self.router = build_router(self.config)
+        spare = self.config.spare_slots
         self.experts = GroupedExperts(
-            num_experts,
+            num_experts + spare,  # slots: the experts, then R spare slots (replicas)
             d_model,
             d_ff,
             activation,
@@ -105,6 +109,14 @@ class MoELayer(nn.Module):
         # dispatch plan is built in slots. Persistent, so checkpoints carry it.
         slots = torch.arange(num_experts, dtype=torch.long, device=device)
         self.register_buffer("slot_of_expert_E", slots)
+        if spare:  # replicas: slot s copies expert expert_of_slot_S[s]; slot_of_expert_E is
+            # each expert's first slot. Spare slots start as copies of experts 0, 1, ...
+            copies = initial_expert_of_slot(num_experts, spare)
+            self.register_buffer("expert_of_slot_S", torch.tensor(copies, device=device))
+            with torch.no_grad():
+                for p in self.experts.parameters():
+                    p[num_experts:] = p[list(copies[num_experts:])]
+        self._backwards = BackwardWatch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -120,7 +132,14 @@ class MoELayer(nn.Module):
             )
         else:
             y_TD = self._forward_tokens(x_TD)
+        if y_TD.requires_grad and not torch.compiler.is_compiling():
+            y_TD = self._backwards.watch(y_TD)
         return y_TD.view(x.shape)
+
+    def backward_pending(self) -> bool:
+        """Whether a training forward's output still waits for its backward (its graph is
+        alive and its gradient not computed): weights must not move then (rebalance)."""
+        return self._backwards.pending()
 
     def _forward_tokens(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
@@ -154,6 +173,18 @@ class MoELayer(nn.Module):
         """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
         slot_E = self.slot_of_expert_E
+        if c.spare_slots:  # replicas: capacity per expert, each kept pair to one copy
+            factor = capacity_factor_for(c, self.training)
+            return plan_token_choice_replicated(
+                routing.expert_ids_TK,
+                routing.weights_TK,
+                self.expert_of_slot_S,
+                slot_E,
+                self._copy_candidates(),
+                expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity),
+                c.drop_policy,
+                routing.mask_TK,
+            )
         if routing.token_ids_EC is not None:  # expert e's chosen tokens -> slot slot_E[e]
             ids_SC = torch.empty_like(routing.token_ids_EC).index_copy_(
                 0, slot_E, routing.token_ids_EC
@@ -172,6 +203,15 @@ class MoELayer(nn.Module):
             c.drop_policy,
             routing.mask_TK,
         )
+
+    def _copy_candidates(self):
+        """Where this rank sends each expert's pairs (moe.dispatch.replica_split): its own
+        copies first, then its node's. The EP rank comes from the experts' slot offset."""
+        L = self.experts.num_experts
+        S = self.config.num_experts + self.config.spare_slots
+        rank = getattr(self.experts, "expert_offset", 0) // L
+        per_node = getattr(self.dispatcher, "ranks_per_node", None) or S // L
+        return copy_candidates(self.expert_of_slot_S, self.config.num_experts, rank, L, per_node)
 
     def _check_finite(self, logits_TE: torch.Tensor) -> None:
         """Router logits must be finite. Compile-safe: under torch.compile or on a GPU this is
@@ -210,6 +250,14 @@ class MoELayer(nn.Module):
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""
+        if self.config.spare_slots:  # per slot -> summed over each expert's copies
+            E, slot_S = self.config.num_experts, self.expert_of_slot_S
+            zeros = plan.counts_E.new_zeros(E)
+            return dataclasses.replace(
+                plan,
+                counts_E=zeros.index_add(0, slot_S, plan.counts_E),
+                routed_E=zeros.index_add(0, slot_S, plan.routed_E),
+            )
         slot_E = self.slot_of_expert_E
         return dataclasses.replace(
             plan, counts_E=plan.counts_E[slot_E], routed_E=plan.routed_E[slot_E]
@@ -217,9 +265,23 @@ class MoELayer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
         """A state dict without a placement (saved before placements existed) is in canonical
-        order; a placement read from a file must be a permutation of the experts."""
+        order; a placement read from a file must be a permutation of the experts, a replica
+        layout one that fits this layer's slots (moe.replica_layout)."""
         key = prefix + "slot_of_expert_E"
-        if key not in state_dict:
+        replicas = prefix + "expert_of_slot_S"
+        if self.config.spare_slots:
+            if key in state_dict or replicas in state_dict:  # else: missing keys (strict)
+                check_replica_state(self.name, state_dict, prefix, self.config)
+        elif replicas in state_dict:
+            raise ValueError(
+                f"{self.name}: {replicas} holds a replica layout of "
+                f"{len(state_dict[replicas])} slots, but this layer has no spare slots "
+                "(MoEConfig.spare_slots=0); load it through moe.checkpoint, which reads "
+                "canonical experts, or build the layer with the same spare_slots"
+            )
+        if self.config.spare_slots:
+            pass
+        elif key not in state_dict:
             state_dict = {**state_dict, key: torch.arange(self.config.num_experts)}
         else:
             slots = state_dict[key]

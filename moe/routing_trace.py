@@ -85,8 +85,9 @@ class RoutingTrace:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.writer = not self.distributed or dist.get_rank() == 0
         self.experts = [layer.config.num_experts for _, layer in self.layers]
-        self.ep = [
-            layer.config.num_experts // layer.experts.num_experts for _, layer in self.layers
+        self.ep = [  # expert slots (experts + spare slots) over the slots this rank holds
+            (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
+            for _, layer in self.layers
         ]
         self.steps_done = resume_from or 0  # default line numbers continue after it
         self.buffer: list[torch.Tensor] = []  # one packed row per step, on the device
@@ -158,7 +159,7 @@ class RoutingTrace:
         if not self.writer:
             return
         # where each expert lives now (moe.parallel.rebalance_experts may have moved it)
-        slots = [layer.slot_of_expert_E.tolist() for _, layer in self.layers]
+        slots = [_rank_slots(layer, ep) for (_, layer), ep in zip(self.layers, self.ep)]
         with self.path.open("a") as f:
             for step, row in zip(step_ids, values):
                 offset = 0
@@ -181,6 +182,18 @@ class RoutingTrace:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _rank_slots(layer, ep: int) -> list[int]:
+    """slot_of_expert_E, as trace_line reads it (rank = slot // (E / ep)); with replicas
+    (spare slots) each expert counts on the rank of its first copy."""
+    slots = layer.slot_of_expert_E.tolist()
+    spare = layer.config.spare_slots
+    if not spare:
+        return slots
+    E = layer.config.num_experts
+    per_rank = (E + spare) // ep
+    return [(s // per_rank) * (E // ep) for s in slots]
 
 
 def _device(layer) -> torch.device:

@@ -150,6 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="re-place experts on EP ranks by their load every n steps (0: never)",
     )
+    g.add_argument(
+        "--spare-slots",
+        type=int,
+        default=0,
+        help="expert slots per MoE layer for copies of hot experts, placed by "
+        "--rebalance-every (a multiple of --ep; 0: none)",
+    )
     g = p.add_argument_group("memory plan (meta device, no allocation)")
     g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
     g.add_argument("--world-size", type=int, help="devices of the planned cluster")
@@ -181,6 +188,8 @@ def resolve_config(args) -> M6Config:
     }
     if hasattr(args, "capacity_factor"):
         changes["capacity_factor"] = args.capacity_factor
+    if getattr(args, "spare_slots", 0):
+        changes["spare_slots"] = args.spare_slots
     cfg = cfg.replace(**changes) if changes else cfg
     return cfg.equal_flops_dense() if args.dense else cfg
 
@@ -221,6 +230,14 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0, got {args.rebalance_every}")
+    if args.spare_slots < 0 or args.spare_slots % ep:
+        raise UsageError(
+            f"--spare-slots must be a non-negative multiple of --ep {ep}, got {args.spare_slots}"
+        )
+    if args.spare_slots and not cfg.is_moe:
+        raise UsageError(
+            f"--spare-slots {args.spare_slots} needs an MoE model; {cfg.name} is dense"
+        )
     if args.stop_after is not None and not 0 < args.stop_after < args.steps:
         raise UsageError(
             f"--stop-after must be in (0, --steps={args.steps}), got {args.stop_after}"

@@ -41,6 +41,7 @@ class M6Config:
     activation: str = "gelu"
     bias: bool = False  # biases of the attention and FFN projections
     dense_equivalent: bool = False
+    spare_slots: int = 0  # expert slots for replicas of hot experts per MoE layer (--spare-slots)
     nominal_params: float | None = None  # the size the source states (e.g. 1e12), if any
     source: str = ""  # where the sizes come from, or which of them are assumptions
 
@@ -107,6 +108,8 @@ class M6Config:
         }
         if self.capacity_factor is not None:
             options["eval_capacity_factor"] = self.num_experts / self.top_k
+        if self.spare_slots:
+            options["spare_slots"] = self.spare_slots
         return options
 
     # -- parameter counts (closed form) --------------------------------------------------

@@ -132,12 +132,34 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
         aux = moe.aux_loss(model).to(ce.device, non_blocking=True)  # dense: a CPU zero
         (ce * scale + aux / len(micro)).backward()
         metrics.add(ce, aux, len(micro))
+    if args.spare_slots:  # copies of one expert: their gradients summed before clip and step
+        moe.parallel.sum_replica_grads(model)
     clip_gradients(model, opt, args, rt.mesh)
     opt.step()
     moe.update_router_biases(model)
-    if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
-        moe.parallel.rebalance_experts(model, opt)  # weights and optimizer state move together
     return metrics.row(global_targets)
+
+
+def rebalance(model, opt, step: int, path: Path | None) -> None:
+    """Re-place experts (and their copies with --spare-slots): weights and optimizer state move
+    together. Rank 0 (path given) appends one summary line per layer to `path` (JSON lines
+    beside routing_trace.jsonl): largest / mean rank load before and after, the copies of each
+    expert, slots moved and the bytes rank 0 sent."""
+    report = moe.parallel.rebalance_experts(model, opt)
+    if path is None:
+        return
+    with path.open("a") as f:
+        for name, p in report.layers.items():
+            line = {
+                "step": step,
+                "layer": name,
+                "max_over_mean_before": p.max_before / p.mean if p.mean else 0.0,
+                "max_over_mean_after": p.max_after / p.mean if p.mean else 0.0,
+                "moved": len(p.moved),
+                "copies_per_expert": list(getattr(p, "copies", ())),
+                "bytes_sent_rank0": report.bytes_sent,
+            }
+            f.write(json.dumps(line) + "\n")
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -247,6 +269,8 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
+            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+                rebalance(model, opt, step + 1, out / "rebalance.jsonl" if rank == 0 else None)
             trace.step(step + 1)
             done += 1
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps

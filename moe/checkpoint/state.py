@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moe.checkpoint import validate
+from moe.checkpoint import replicas, validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
 from moe.checkpoint.validate import NOT_RESTORED
@@ -80,6 +80,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
     if opt is None:
+        replicas.to_canonical(model, tensors)
         return tensors, objects
     state, groups = _optimizer_state(model, opt)
     values: dict[str, dict] = {}
@@ -90,6 +91,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"optim/{fqn}/{key}"] = v
             else:
                 values.setdefault(fqn, {})[key] = _json_value(v, f"optim/{fqn}/{key}")
+    replicas.to_canonical(model, tensors)
     scaler = getattr(opt, "loss_scaler", None)
     objects["optimizer"] = {
         "class": validate.algorithm_name(opt),
@@ -128,6 +130,9 @@ def targets(
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
             continue  # saved before expert placement existed: MoELayer loads canonical order
+        v = replicas.canonical_like(model, f"model/{k}", v)  # replicas: stored canonical
+        if v is None:
+            continue
         if _check(f"model/{k}", stored.get(f"model/{k}"), v.shape, v.dtype, problems):
             out[f"model/{k}"] = torch.empty_like(v)
     model_keys = {f"model/{k}" for k in get_model_state_dict(model)}
@@ -154,6 +159,8 @@ def targets(
         for key in sorted(saved.get(fqn, ())):
             k, entry = f"optim/{fqn}/{key}", stored[f"optim/{fqn}/{key}"]
             ref = live.get(fqn, {}).get(key)
+            if isinstance(ref, torch.Tensor):
+                ref = replicas.canonical_like(model, k, ref)
             if not grouped and not isinstance(ref, torch.Tensor):
                 problems.append(f"{k}: this optimizer ({type(opt).__name__}) has no such state")
             elif ref is not None:
@@ -178,6 +185,11 @@ def _restore_group(saved: dict, live: dict) -> dict:
 def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
     """Copy validated, fully read tensors into the model and optimizer."""
     model_sd = {k[len("model/") :]: v for k, v in loaded.items() if k.startswith("model/")}
+    live = get_model_state_dict(model)
+    layout = replicas.live_layout(model)
+    saved_slots = {k: model_sd[k] for k in layout if k in model_sd}  # rows' stored order
+    model_sd = {k: _to_slots(model, k, v, live, saved_slots) for k, v in model_sd.items()}
+    model_sd.update(layout)  # replicated layers keep their live slot map
     set_model_state_dict(model, model_sd)
     if opt is None:
         return
@@ -189,6 +201,10 @@ def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
             state.setdefault(fqn, {})[key] = v
     for fqn, values in meta.get("state_values", {}).items():
         state.setdefault(fqn, {}).update(values)
+    for fqn, values in state.items():
+        for key, v in values.items():
+            if isinstance(v, torch.Tensor):
+                values[key] = _to_slots(model, fqn, v, live, saved_slots, f"optim/{fqn}/{key}")
     saved_groups = meta.get("param_groups", [])
     if _is_grouped(opt):
         named = _named_managed(model, opt)
@@ -202,3 +218,18 @@ def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
     if len(saved_groups) == len(groups):
         groups = [_restore_group(s, g) for s, g in zip(saved_groups, groups)]
     set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups})
+
+
+def _to_slots(model, fqn, v, live, saved_slots, key=None):
+    """A replicated layer's stored expert rows (canonical, or in a stored placement's slot
+    order) in the live slot layout; anything else unchanged."""
+    key = key or f"model/{fqn}"
+    layers = replicas.replica_layers(model)
+    hit = replicas._expert_fqn(key, layers)
+    if hit is None or not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v
+    order = saved_slots.get(f"{hit[1]}slot_of_expert_E")
+    if order is not None:
+        v = v.index_select(0, order.to(v.device))
+    param = fqn if key.startswith("model/") else key[len("optim/") :].rpartition("/")[0]
+    return replicas.to_slots(model, key, v, live[param])

@@ -67,7 +67,7 @@ def _copy_in(layer: HFMoELayer, block: nn.Module) -> None:
 
 @torch.no_grad()
 def _copy_out(block: nn.Module, layer: HFMoELayer) -> None:
-    slot_E = layer.slot_of_expert_E  # canonical expert order (moe.parallel.rebalance_experts)
+    slot_E = layer.slot_of_expert_E  # canonical order (rebalance_experts; replicas: first copy)
     w1, w2, w3 = (w[slot_E] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3))
     block.experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=2).transpose(1, 2))
     block.experts.down_proj.copy_(w2.transpose(1, 2))
@@ -136,7 +136,7 @@ def to_hf(model: nn.Module) -> nn.Module:
     """Put the original transformers blocks back, with the layers' (trained) weights. In place;
     returns the model. The experts must be whole (not sharded by expert parallelism)."""
     for path, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoELayer)]:
-        if layer.experts.num_experts != layer.config.num_experts:
+        if layer.experts.num_experts != layer.config.num_experts + layer.config.spare_slots:
             raise ValueError(
                 f"to_hf: {path} holds {layer.experts.num_experts} of {layer.config.num_experts} "
                 "experts (expert parallel); use moe.save_hf_checkpoint, or load the full model "

@@ -183,6 +183,13 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     _check(pieces, weight_map, headers, stored_in, path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    for name, layer in owners.items():
+        if layer.config.spare_slots:  # checked before anything is read
+            raise HFCheckpointError(
+                f"{path}: {name} has spare_slots={layer.config.spare_slots} (expert replicas); "
+                "load the Hugging Face checkpoint into the model built without spare slots, "
+                "save it with moe.checkpoint.save_checkpoint and load that"
+            )
     for layer in owners.values():  # every expert is read in canonical order
         layer.slot_of_expert_E.copy_(torch.arange(layer.config.num_experts))
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled

@@ -2,7 +2,8 @@
 parallelize, gradient clipping, and load-aware expert placement.
 
 Public names (one path each, the README's): init_mesh, parallelize, clip_grad_norm_,
-rebalance_experts, RebalanceReport, plan_placement, Placement, expert_parameters,
+rebalance_experts, RebalanceReport, plan_placement, Placement, plan_replicas,
+ReplicaPlacement, sum_replica_grads, expert_parameters,
 dense_parameters, is_expert_parameter. The memory features live in moe.memory and checkpoint
 I/O in moe.checkpoint; their old paths here warn for one release.
 """
@@ -13,10 +14,13 @@ from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
 from moe.parallel.placement import Placement, plan_placement
 from moe.parallel.rebalance import RebalanceReport, rebalance_experts
+from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
+from moe.parallel.replicas import sum_replica_grads
 
 __all__ = [
     "Placement",
     "RebalanceReport",
+    "ReplicaPlacement",
     "clip_grad_norm_",
     "dense_parameters",
     "expert_parameters",
@@ -24,7 +28,9 @@ __all__ = [
     "is_expert_parameter",
     "parallelize",
     "plan_placement",
+    "plan_replicas",
     "rebalance_experts",
+    "sum_replica_grads",
 ]
 
 # re-exports of moe.memory and moe.checkpoint until 0.1; removed in the next release

@@ -17,13 +17,15 @@ from torch.distributed.tensor import DTensor
 
 from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.mesh import dense_parameters, expert_parameters
+from moe.parallel.replicas import extra_copies_power_sum
 
 
 def _power_sum(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
-    """sum |g|^p (or max |g| for p = inf) over `grads` in fp32, as a 0-dim tensor."""
+    """sum |g|^p (or max |g| for p = inf) over `grads` in fp32 (fp64 if any is), 0-dim."""
     if not grads:
         return torch.zeros((), device=device)
-    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=wide))
     return norms.amax() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
@@ -83,6 +85,10 @@ def clip_grad_norm_(
     if math.isinf(norm_type):
         total = torch.maximum(dense_sum, expert_sum)
     else:
+        # expert replicas (after sum_replica_grads): each expert's norm counted once
+        copies = extra_copies_power_sum(model, norm_type)
+        if copies is not None:
+            expert_sum = expert_sum - copies.to(expert_sum.device)
         total = (dense_sum + expert_sum).pow(1.0 / norm_type)
     pending = optimizer.pending_grad_factor if grouped else None
     if pending is not None:

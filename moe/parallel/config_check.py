@@ -21,6 +21,7 @@ from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
 from moe.comm.topology import local_world_ranks, ranks_per_node_set
 from moe.dispatch.overlap_degree import validate_overlap
 from moe.layer import moe_layers
+from moe.replica_layout import check_spare_slots
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -113,10 +114,12 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
     }
     for name, layer in layers:
         c = layer.config
-        if layer.experts.num_experts != c.num_experts:
+        if layer.experts.num_experts != c.num_experts + c.spare_slots:
             raise ValueError(f"{name}: already parallelized")
         if c.num_experts % ep:
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
+        if c.spare_slots:
+            check_spare_slots(name, layer.expert_of_slot_S.tolist(), c, ep)
         for f in fields(c):
             record[f"{name}.{f.name}"] = getattr(c, f.name)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

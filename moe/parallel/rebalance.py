@@ -24,6 +24,10 @@ training continues as it would have (float32 reduction-order differences at most
 
 Checkpoints carry the placement (the buffer is in the state dict), so a save after a rebalance
 reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
+
+Layers built with spare slots (MoEConfig.spare_slots, moe.parallel.replicas) are planned with
+moe.parallel.replica_placement.plan_replicas: the call also decides which experts the spare
+slots copy; slots whose expert changes are filled from a current copy in the same exchange.
 """
 
 from dataclasses import dataclass, field
@@ -35,9 +39,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.placement import Placement, plan_placement
+from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
 
 
 @dataclass
@@ -45,7 +51,7 @@ class RebalanceReport:
     """What one call did: each layer's placement decision (keyed by module name) and what this
     rank sent: expert rows (one row = one expert's slice of one tensor) and bytes."""
 
-    layers: dict[str, Placement] = field(default_factory=dict)
+    layers: dict[str, Placement | ReplicaPlacement] = field(default_factory=dict)
     rows_sent: int = 0
     bytes_sent: int = 0
 
@@ -60,7 +66,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def ep_size(layer: MoELayer) -> int:
     """Expert-parallel ranks the layer's experts are spread over (1 in one process)."""
-    return layer.config.num_experts // layer.experts.num_experts
+    return (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
 
 
 def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
@@ -121,6 +127,32 @@ def _transfers(old, new, ranges):
     return out
 
 
+def _transfers_by_slot(old, new, ranges):
+    """_transfers for layouts with replicas (expert_of_slot lists): each slot whose expert
+    changes is filled, on every rank holding it, from the first slot that holds that expert
+    now (the holder at the same position)."""
+    holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
+    first = {}
+    for s, e in enumerate(old):
+        first.setdefault(e, s)
+    out = []
+    for s in range(len(new)):
+        if new[s] == old[s]:
+            continue
+        src = first[new[s]]
+        for i, q in enumerate(holders[s]):
+            h = holders[src][i % len(holders[src])]
+            out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
+    return out
+
+
+def _layout(layer: MoELayer) -> torch.Tensor:
+    """The placement every rank must agree on: slot_of_expert_E, and expert_of_slot_S."""
+    if not layer.config.spare_slots:
+        return layer.slot_of_expert_E
+    return torch.cat([layer.slot_of_expert_E, layer.expert_of_slot_S])
+
+
 def _row_bytes(t: torch.Tensor, row: int) -> torch.Tensor:
     r = t[row]
     if not r.is_contiguous():
@@ -161,6 +193,58 @@ def _restart_counts(layers) -> None:
         layer.balance.load_since_rebalance = None
 
 
+def _holds(optimizer, p: torch.Tensor) -> bool:
+    """Whether `optimizer` (a torch optimizer or GroupedApply) updates parameter `p`."""
+    if isinstance(optimizer, GroupedApply):
+        try:
+            optimizer.index_of(p)
+        except KeyError:
+            return False
+        return True
+    return any(q is p for g in getattr(optimizer, "param_groups", []) for q in g["params"])
+
+
+def _local_problem(layers, optimizer, min_gain) -> str | None:
+    """What this rank finds wrong before anything moves (None when nothing): checked on every
+    rank, then agreed, so every rank raises the same error or none does."""
+    if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
+        return f"min_gain must be in [0, 1), got {min_gain!r}"
+    if optimizer is not None and not (
+        hasattr(optimizer, "state") or isinstance(optimizer, GroupedApply)
+    ):
+        return f"optimizer {type(optimizer).__name__} exposes no per-parameter state"
+    for name, layer in layers:
+        if layer.backward_pending():
+            return (
+                f"{name}: a training forward is waiting for its backward; call "
+                "rebalance_experts after optimizer.step(), not between forward and backward"
+            )
+        if optimizer is None:
+            continue
+        if isinstance(layer.experts, FSDPModule):  # FSDP2 may hold gathered weights after a
+            layer.experts.reshard()  # no-grad forward: its registered parameters are the shards
+        for pname, p in layer.experts.named_parameters(recurse=False):
+            if not _holds(optimizer, p):
+                return (
+                    f"{name}: the optimizer does not hold expert parameter {pname}; pass the "
+                    "optimizer that trains the model (its state moves with the weights)"
+                )
+    return None
+
+
+def _agree(problem: str | None, min_gain: float) -> None:
+    """One exchange of every rank's verdict and min_gain (moe.comm.consistency records): the
+    same ValueError on every rank, at once, when any rank found a problem or they differ."""
+    gain = min_gain if isinstance(min_gain, (int, float)) else repr(min_gain)
+    records = all_gather_records({"problem": problem, "min_gain": gain})
+    for rank, record in enumerate(records):
+        if record.get("problem") is not None:
+            raise ValueError(f"rebalance_experts: rank {rank}: {record['problem']}")
+    message = describe_mismatch(records)
+    if message is not None:
+        raise ValueError(f"rebalance_experts: {message}")
+
+
 @torch.no_grad()
 def rebalance_experts(
     model: nn.Module, optimizer=None, *, min_gain: float = 0.05
@@ -170,50 +254,55 @@ def rebalance_experts(
 
     Collective over all ranks of the model's mesh; call it on every rank, after
     optimizer.step() (outside forward / backward), with the optimizer whose state must move
-    along (a torch optimizer or GroupedApply; None moves weights and gradients only). A
-    layer's placement changes only when its largest rank load drops by at least `min_gain`
-    (relative). In one process, or with ep = 1, it only resets the counts (no-op). Ranks
-    holding different placements are a ValueError on every rank, before anything moves."""
-    if not 0.0 <= min_gain < 1.0:
-        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-    if optimizer is not None and not (
-        hasattr(optimizer, "state") or isinstance(optimizer, GroupedApply)
-    ):
-        raise ValueError(f"optimizer {type(optimizer).__name__} exposes no per-parameter state")
+    along (a torch optimizer or GroupedApply holding every expert parameter; None moves
+    weights and gradients only). A layer's placement changes only when its largest rank load
+    drops by at least `min_gain` (relative). In one process, or with ep = 1, it only resets
+    the counts (no-op). A bad argument, an optimizer without the expert parameters, a call
+    between forward and backward, ranks passing different `min_gain` or holding different
+    placements: the same ValueError on every rank, before anything moves."""
     layers = moe_layers(model)
+    problem = _local_problem(layers, optimizer, min_gain)
     sizes = [ep_size(layer) for _, layer in layers]
+    if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
+        if problem is not None:
+            raise ValueError(f"rebalance_experts: {problem}")
+        _restart_counts(layers)
+        return RebalanceReport()
+    if not dist.is_initialized():
+        raise ValueError("experts are split over ranks but torch.distributed is not initialized")
+    meshes = [layer.mesh for _, layer in layers if layer.mesh is not None]
+    if any(mesh.size() != dist.get_world_size() for mesh in meshes):
+        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
+    _agree(problem, min_gain)
     counts = []
     for _, layer in layers:
         load_E = layer.balance.load_since_rebalance
         slots = layer.slot_of_expert_E
         counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     report = RebalanceReport()
-    if not layers or max(sizes) == 1:  # every expert on every rank: nothing to place
-        _restart_counts(layers)
-        return report
-    if not dist.is_initialized():
-        raise ValueError("experts are split over ranks but torch.distributed is not initialized")
-    meshes = [layer.mesh for _, layer in layers if layer.mesh is not None]
-    if any(mesh.size() != dist.get_world_size() for mesh in meshes):
-        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
     # The one collective every call makes: summed loads, and each layer's placement s summed
     # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
-    slots = torch.cat([layer.slot_of_expert_E for _, layer in layers])
+    slots = torch.cat([_layout(layer) for _, layer in layers])
     load = torch.cat([torch.cat(counts), slots, slots * slots])
     dist.all_reduce(load)
-    n, world = slots.numel(), dist.get_world_size()
-    summed, squares = load[n : 2 * n], load[2 * n :]
+    n, world, nc = slots.numel(), dist.get_world_size(), sum(c.numel() for c in counts)
+    summed, squares = load[nc : nc + n], load[nc + n :]
     if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
         raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
-    loads = load[:n].tolist()
+    loads = load[:nc].tolist()
     _restart_counts(layers)
     plans, start = [], 0
     for (name, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
-        placement = plan_placement(
-            loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
-        )
+        if layer.config.spare_slots:
+            placement = plan_replicas(
+                loads[start : start + E], layer.expert_of_slot_S.tolist(), w, min_gain
+            )
+        else:
+            placement = plan_placement(
+                loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
+            )
         start += E
         report.layers[name] = placement
         plans.append(placement)
@@ -234,12 +323,19 @@ def rebalance_experts(
             layer.experts.reshard()  # without backward: drop them so the next one re-gathers
         k = multi.index(i)
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
-        transfers = _transfers(
-            layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
-        )
+        if layer.config.spare_slots:
+            transfers = _transfers_by_slot(
+                layer.expert_of_slot_S.tolist(), plans[i].expert_of_slot, rank_ranges
+            )
+        else:
+            transfers = _transfers(
+                layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
+            )
         jobs.append((_moving_tensors(layer, optimizer), transfers))
     report.rows_sent, report.bytes_sent = _exchange(jobs, device)
     for i in changed:
         layer = layers[i][1]
         layer.slot_of_expert_E.copy_(torch.tensor(plans[i].slot_of_expert))
+        if layer.config.spare_slots:
+            layer.expert_of_slot_S.copy_(torch.tensor(plans[i].expert_of_slot))
     return report

@@ -1,0 +1,101 @@
+"""Dispatch plan with expert replicas: capacity, drops and counts per expert, then each kept
+pair to one copy's slot.
+
+A layer with spare slots holds S = E + R expert slots; expert e sits in every slot s with
+expert_of_slot_S[s] == e. The T*k pairs are sorted and capped per canonical expert exactly as
+plan_token_choice does (so drops, routing statistics and losses never see copies), then kept
+pair number p of expert e (its position in that order) goes to candidate p mod n of e, where
+the candidates are e's copies on the sending rank if any, else on its node, else all of them:
+deterministic, the same rule on every rank, static shapes, no host sync. Rows are then sorted
+by slot (kept first), which is the plan every dispatcher already takes.
+"""
+
+import torch
+
+from moe.capacity import count_ids
+from moe.dispatch.permute import DispatchPlan, _sort_pairs
+
+
+def copy_candidates(
+    expert_of_slot_S: torch.Tensor,
+    num_experts: int,
+    rank: int,
+    slots_per_rank: int,
+    ranks_per_node: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order_S, first_E, count_E): expert e's candidate slots for a pair sent from `rank` are
+    order_S[first_E[e] : first_E[e] + count_E[e]] (by slot)."""
+    E, S = num_experts, expert_of_slot_S.numel()
+    device = expert_of_slot_S.device
+    slot_S = torch.arange(S, device=device)
+    rank_S = slot_S // slots_per_rank
+    score_S = 2 * (rank_S == rank).long() + (rank_S // ranks_per_node == rank // ranks_per_node)
+    best_E = torch.full((E,), -1, dtype=torch.long, device=device)
+    best_E = best_E.scatter_reduce(0, expert_of_slot_S, score_S, "amax")
+    cand_S = score_S == best_E[expert_of_slot_S]
+    count_E = torch.zeros(E, dtype=torch.long, device=device).index_add(
+        0, expert_of_slot_S, cand_S.long()
+    )
+    key_S = (2 * expert_of_slot_S + (~cand_S).long()) * S + slot_S
+    order_S = torch.argsort(key_S)
+    copies_E = count_ids(expert_of_slot_S, E)
+    first_E = torch.cumsum(copies_E, 0) - copies_E
+    return order_S, first_E, count_E
+
+
+def plan_token_choice_replicated(
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_of_slot_S: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    capacity: int | None,
+    drop_policy: str = "position",
+    mask_TK: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """plan_token_choice in canonical ids (capacity per expert), rows in copy slots. The plan's
+    counts_E are per slot; routed_E per slot counts the slot's kept rows plus, on each expert's
+    first slot (slot_of_expert_E), its dropped pairs: summed over copies, the expert's."""
+    T, K = expert_ids_TK.shape
+    E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
+    device = expert_ids_TK.device
+    ids_M = expert_ids_TK.t().reshape(-1)  # pair p = j * T + t: first choices first
+    if mask_TK is not None:
+        ids_M = torch.where(mask_TK.t().reshape(-1), ids_M, E)
+    order_M = _sort_pairs(ids_M, weights_TK.t().reshape(-1), drop_policy)
+    sorted_ids_M = ids_M[order_M]
+    routed_E = count_ids(sorted_ids_M, E + 1)[:E]
+    starts_E = torch.cumsum(routed_E, 0) - routed_E
+    position_M = (
+        torch.arange(T * K, device=device)
+        - torch.cat([starts_E, starts_E.new_zeros(1)])[sorted_ids_M]
+    )
+    keep_sorted_M = sorted_ids_M < E
+    counts_E = routed_E
+    if capacity is not None:
+        keep_sorted_M = keep_sorted_M & (position_M < capacity)
+        counts_E = routed_E.clamp(max=capacity)
+    order_S, first_E, count_E = candidates
+    e_M = sorted_ids_M.clamp(max=E - 1)
+    pick_M = first_E[e_M] + position_M % count_E[e_M]
+    slot_M = torch.where(keep_sorted_M, order_S[pick_M], S)
+    by_slot_M = torch.argsort(slot_M, stable=True)  # kept by slot, dropped at the tail
+    order_M, slot_M, keep_sorted_M = order_M[by_slot_M], slot_M[by_slot_M], keep_sorted_M[by_slot_M]
+    counts_S = count_ids(slot_M, S + 1)[:S]
+    dropped_E = routed_E - counts_E
+    routed_S = counts_S.index_add(0, slot_of_expert_E, dropped_E)
+    rows_M = torch.empty_like(order_M)
+    rows_M[order_M] = torch.arange(T * K, device=device)
+    keep_M = torch.empty_like(keep_sorted_M)
+    keep_M[order_M] = keep_sorted_M
+    return DispatchPlan(
+        token_ids_M=order_M % T,
+        counts_E=counts_S,
+        routed_E=routed_S,
+        offsets_E=torch.cumsum(counts_S, 0).to(torch.int32),
+        weights_TK=weights_TK * keep_M.view(K, T).t(),
+        pair_rows_TK=rows_M.view(K, T).t(),
+        weights_M=None,
+        num_dropped=dropped_E.sum(),
+        num_tokens=T,
+    )

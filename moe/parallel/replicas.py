@@ -1,0 +1,135 @@
+"""Expert replicas in training: the copies' gradients summed before the optimizer step.
+
+A layer built with `MoEConfig.spare_slots = R` holds E + R expert slots; slot s holds a copy of
+expert `expert_of_slot_S[s]` (moe.replica_layout), and the dispatch plan splits each expert's
+kept pairs over its copies (moe.dispatch.replica_split). Each copy's weight gradient then
+holds only its share of the rows; after the last backward of a step (all micro-batches under
+gradient accumulation, after FSDP2's reduction under "ddp" or "fsdp"),
+
+    moe.parallel.sum_replica_grads(model)
+    optimizer.step()
+
+gives every copy the expert's whole gradient: one all-reduce over all ranks of a buffer
+holding only the replicated experts' rows (each slot row contributed once: by its only holder
+under "fsdp", by data-parallel replica 0 under "ddp"). Every copy keeps its own optimizer
+state and steps on the same summed gradient, so copies stay bit-identical and training equals
+the run without replicas (reduction order aside). Memory: R / W extra expert slots per rank,
+each with its weights, gradient and optimizer state (AdamW in fp32: 16 bytes per parameter
+with bf16 weights and fp32 masters). Bytes: the replicated experts' gradient rows, all-reduced.
+Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each expert once
+(extra_copies_power_sum takes the repeated copies out of the global norm).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from moe.layer import MoELayer, moe_layers
+from moe.replica_layout import copies_of
+
+
+def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
+    """(first slot, number of slots) this rank holds, and whether it contributes them: a rank
+    whose coordinate on a replicated mesh dimension is not 0 holds a duplicate."""
+    w1 = layer.experts.w1
+    if not isinstance(w1, DTensor):
+        return 0, w1.shape[0], True
+    shape, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+    mesh = w1.device_mesh
+    first = all(
+        mesh.get_local_rank(d) == 0
+        for d, p in enumerate(w1.placements)
+        if isinstance(p, Replicate) and mesh.size(d) > 1
+    )
+    return offset[0], shape[0], first
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def sum_replica_grads(model: nn.Module) -> int:
+    """Sum each replicated expert's weight gradients over its copies, in place, on every rank
+    (collective when the experts are split over ranks: call it on every rank, after the last
+    backward of the step and before clipping and optimizer.step()). Returns the gradient bytes
+    this rank contributed to the all-reduce (0 without replicas)."""
+    jobs = []  # (local grad, local rows, buffer rows, contributes)
+    sizes = []
+    for _, layer in moe_layers(model):
+        R = layer.config.spare_slots
+        if not R:
+            continue
+        E = layer.config.num_experts
+        slots = layer.expert_of_slot_S.tolist()  # step-time host read, not in forward/backward
+        copies = copies_of(slots, E)
+        index = {e: i for i, e in enumerate(e for e in range(E) if copies[e] > 1)}
+        lo, n, contributes = _rows_here(layer)
+        rows = [s - lo for s in range(lo, lo + n) if copies[slots[s]] > 1]
+        at = [index[slots[s + lo]] for s in rows]
+        for p in layer.experts.parameters():
+            if p.grad is None:
+                raise ValueError(
+                    f"{layer.name}: sum_replica_grads needs every expert gradient; call it "
+                    "after backward (all ranks), before optimizer.step()"
+                )
+            grad = _local(p.grad)
+            jobs.append((grad, rows, at, contributes, len(index)))
+            sizes.append(len(index) * grad[0].numel() if grad.shape[0] else 0)
+    if not jobs:
+        return 0
+    split = dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters())
+    device = jobs[0][0].device
+    dtype = torch.promote_types(jobs[0][0].dtype, torch.float32)
+    for grad, *_ in jobs:
+        dtype = torch.promote_types(dtype, grad.dtype)
+    buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    views, offset = [], 0
+    for (grad, rows, at, contributes, n_rep), size in zip(jobs, sizes):
+        view = buffer[offset : offset + size].view(n_rep, *grad.shape[1:])
+        offset += size
+        if rows and contributes:
+            idx = torch.tensor(rows, device=device)
+            view.index_add_(0, torch.tensor(at, device=device), grad[idx].to(dtype))
+        views.append(view)
+    if split:
+        dist.all_reduce(buffer)
+    for (grad, rows, at, _, _), view in zip(jobs, views):
+        if rows:
+            idx = torch.tensor(rows, device=device)
+            grad[idx] = view[torch.tensor(at, device=device)].to(grad.dtype)
+    return buffer.numel() * buffer.element_size()
+
+
+@torch.no_grad()
+def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor | None:
+    """sum |g|^p over the gradient rows of every copy but each expert's first (after
+    sum_replica_grads they repeat the first copy's): what a global norm must not count twice.
+    None without replicas; collective (one all-reduce) when the experts are split over ranks."""
+    parts, device, wide = [], None, torch.float32
+    for _, layer in moe_layers(model):
+        if not layer.config.spare_slots:
+            continue
+        first = set(layer.slot_of_expert_E.tolist())
+        lo, n, contributes = _rows_here(layer)
+        rows = [s - lo for s in range(lo, lo + n) if s not in first] if contributes else []
+        for p in layer.experts.parameters():
+            if p.grad is None:
+                continue
+            grad = _local(p.grad)
+            device = grad.device
+            wide = torch.promote_types(wide, grad.dtype)
+            if rows:
+                picked = grad[torch.tensor(rows, device=device)]
+                picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+                parts.append(picked.norm(norm_type).pow(norm_type))
+    if device is None:
+        return None
+    total = torch.zeros((), dtype=wide, device=device)
+    for part in parts:
+        total = total + part.to(wide)
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters()):
+        dist.all_reduce(total)
+    return total

@@ -1,0 +1,95 @@
+"""The slot layout of a layer with expert replicas (MoEConfig.spare_slots = R): S = E + R
+slots, slot s holding a copy of expert expert_of_slot[s]; every expert in at least one slot,
+copies of one expert on different expert-parallel ranks; slot_of_expert[e] is expert e's first
+slot (the copy checkpoints and exports read). Pure functions, imported by the layer and by
+moe.parallel's planner (replica_placement.py)."""
+
+import torch
+
+
+def copies_of(expert_of_slot, num_experts: int) -> tuple[int, ...]:
+    out = [0] * num_experts
+    for e in expert_of_slot:
+        out[e] += 1
+    return tuple(out)
+
+
+def primary_slots(expert_of_slot, num_experts: int) -> tuple[int, ...]:
+    """Each expert's first slot: the copy checkpoints and exports read."""
+    out = [-1] * num_experts
+    for s, e in enumerate(expert_of_slot):
+        if out[e] < 0:
+            out[e] = s
+    return tuple(out)
+
+
+def check_replica_placement(expert_of_slot, num_experts: int, num_ranks: int) -> None:
+    """Every expert in at least one slot, slots split evenly, copies on different ranks."""
+    S = len(expert_of_slot)
+    if num_ranks < 1 or S % num_ranks:
+        raise ValueError(f"{S} slots cannot be split evenly over {num_ranks} ranks")
+    if any(not 0 <= e < num_experts for e in expert_of_slot):
+        raise ValueError(f"expert_of_slot holds ids outside 0..{num_experts - 1}")
+    missing = [e for e, c in enumerate(copies_of(expert_of_slot, num_experts)) if c == 0]
+    if missing:
+        raise ValueError(f"expert_of_slot holds no copy of experts {missing[:16]}")
+    L = S // num_ranks
+    if num_ranks > 1:
+        for r in range(num_ranks):
+            held = expert_of_slot[r * L : (r + 1) * L]
+            if len(set(held)) != len(held):
+                raise ValueError(f"rank {r} holds two copies of one expert: {list(held)}")
+
+
+def initial_expert_of_slot(num_experts: int, spare_slots: int) -> tuple[int, ...]:
+    """Before any plan: experts in canonical order, then the spare slots copy experts
+    0, 1, ... (one copy each while there are experts): exact from the first step, and on
+    different ranks from the originals whenever E >= L (W > 1)."""
+    return tuple(range(num_experts)) + tuple(i % num_experts for i in range(spare_slots))
+
+
+def check_replica_state(name: str, state_dict: dict, prefix: str, config) -> None:
+    """A state dict's replica layout must fit the layer: expert_of_slot_S [E + R] long with
+    every expert, slot_of_expert_E its first slots. Raises ValueError naming layer and value."""
+    E, S = config.num_experts, config.num_experts + config.spare_slots
+    eos, soe = (
+        state_dict.get(prefix + "expert_of_slot_S"),
+        state_dict.get(prefix + "slot_of_expert_E"),
+    )
+    for key, value, n in (("expert_of_slot_S", eos, S), ("slot_of_expert_E", soe, E)):
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dtype != torch.long
+            or tuple(value.shape) != (n,)
+        ):
+            shown = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+            raise ValueError(
+                f"{name}: {prefix}{key} must be a long tensor of {n} entries "
+                f"(num_experts={E}, spare_slots={S - E}), got {shown}"
+            )
+    slots = [int(v) for v in eos.tolist()]
+    try:
+        check_replica_placement(slots, E, 1)
+    except ValueError as e:
+        raise ValueError(f"{name}: {prefix}expert_of_slot_S: {e}") from None
+    if [int(v) for v in soe.tolist()] != list(primary_slots(slots, E)):
+        raise ValueError(
+            f"{name}: {prefix}slot_of_expert_E is not each expert's first slot in expert_of_slot_S"
+        )
+
+
+def check_spare_slots(name: str, expert_of_slot, config, ep: int) -> None:
+    """Spare slots over `ep` expert-parallel ranks: R a multiple of ep, at most E * (ep - 1)
+    copies beyond the experts, and a layout with no two copies of an expert on one rank."""
+    E, R = config.num_experts, config.spare_slots
+    if R % ep:
+        raise ValueError(f"{name}: spare_slots={R} is not a multiple of the EP size {ep}")
+    if ep > 1 and E * (ep - 1) < R:
+        raise ValueError(
+            f"{name}: spare_slots={R} needs more copies of an expert than there are EP ranks "
+            f"({E} experts x {ep} ranks)"
+        )
+    try:
+        check_replica_placement(list(expert_of_slot), E, ep)
+    except ValueError as e:
+        raise ValueError(f"{name}: expert_of_slot_S at ep={ep}: {e}") from None
