@@ -209,8 +209,8 @@ class MoELayer(nn.Module):
         copies first, then its node's. The EP rank comes from the experts' slot offset."""
         L = self.experts.num_experts
         S = self.config.num_experts + self.config.spare_slots
-        rank = getattr(self.experts, "expert_offset", 0) // L
-        per_node = getattr(self.dispatcher, "ranks_per_node", None) or S // L
+        rank = self.experts.expert_offset // L
+        per_node = self.dispatcher.ranks_per_node or S // L
         return copy_candidates(self.expert_of_slot_S, self.config.num_experts, rank, L, per_node)
 
     def _check_finite(self, logits_TE: torch.Tensor) -> None:

@@ -159,7 +159,13 @@ class DispatchContext:
 
 
 class Dispatcher(ABC):
-    """Moves rows between token order and expert order (and between ranks)."""
+    """Moves rows between token order and expert order (and between ranks).
+
+    `ranks_per_node`: the exchange's ranks per node when set (expert-parallel dispatchers;
+    None: one node, or detected by the exchange); replicas prefer a copy on the sender's node.
+    """
+
+    ranks_per_node: int | None = None
 
     @abstractmethod
     def dispatch(
