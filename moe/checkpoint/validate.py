@@ -13,7 +13,8 @@ from moe.memory.grouped_apply import GroupedApply
 # Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
 NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
-MOE_RUNTIME_FIELDS = {"backend", "checkpoint", "check_finite"}
+# "checkpoint": recompute's old name, in checkpoints saved before the rename
+MOE_RUNTIME_FIELDS = {"backend", "recompute", "checkpoint", "check_finite"}
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
 
 
