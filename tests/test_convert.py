@@ -145,6 +145,14 @@ MOVED = {
     **{f"moe.dispatch.{n}": f"moe.comm.{n}" for n in [
         "AllToAllPlan", "Topology", "check_same_across_ranks", "exchange", "exchange_counts",
         "gather_count_matrix", "get_topology", "plan_all_to_all", "set_hierarchical_threshold"]},
+    # issue 33: one path each for the router registry, the parameter split and the capacity
+    "moe.gating.base.ROUTERS": "moe.gating.ROUTERS",
+    "moe.gating.base.register_router": "moe.gating.register_router",
+    **{f"moe.parallel.mesh.{n}": f"moe.parallel.{n}" for n in [
+        "expert_parameters", "dense_parameters", "is_expert_parameter"]},
+    "moe.dispatch.capacity.expert_capacity": "moe.dispatch.expert_capacity",
+    "moe.dispatch.capacity.capacity_factor_for": "moe.dispatch.capacity_factor_for",
+    "moe.dispatch.capacity.count_ids": "moe.capacity.count_ids",
 }  # fmt: skip
 
 
