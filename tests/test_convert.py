@@ -153,6 +153,9 @@ MOVED = {
     "moe.dispatch.capacity.expert_capacity": "moe.dispatch.expert_capacity",
     "moe.dispatch.capacity.capacity_factor_for": "moe.dispatch.capacity_factor_for",
     "moe.dispatch.capacity.count_ids": "moe.capacity.count_ids",
+    "moe.dispatch.overlap_degree.validate_overlap": "moe.dispatch.overlap_option.validate_overlap",
+    **{f"moe.dispatch.overlap_degree.{n}": f"moe.dispatch.overlap_clock.{n}" for n in [
+        "Stopwatch", "ExpertClock", "ForwardTimes", "RECENT", "EXPLORE"]},
 }  # fmt: skip
 
 

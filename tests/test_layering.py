@@ -266,6 +266,32 @@ def test_configs_hold_the_settings_and_the_environment_overrides_them(monkeypatc
     assert all(f"| `{name}` | `{key}` |" in readme for key, name in settings.ENV.items())
 
 
+def test_local_shard_helper_is_written_once_and_the_clocks_stop_alike():
+    """The DTensor to_local helper lives in moe/shards.py only; every clock of the overlapped
+    dispatcher stops the same way, stop(start, key) (issue 33)."""
+    import inspect
+
+    from moe.dispatch.overlap_clock import ExpertClock, ForwardTimes, Stopwatch
+
+    writers = sorted(
+        str(p.relative_to(ROOT))
+        for p in PACKAGE.rglob("*.py")
+        if re.search(r"to_local\(\) if isinstance", p.read_text())
+    )
+    assert writers == ["moe/shards.py"]
+    shapes = {
+        tuple(inspect.signature(c.stop).parameters)[:1]
+        + (len(inspect.signature(c.stop).parameters),)
+        for c in (Stopwatch, ExpertClock, ForwardTimes)
+    }
+    assert shapes == {("self", 3)}
+    with pytest.raises(NotImplementedError):  # the base only measures: measure(start, record)
+        Stopwatch().stop(0.0, "key")
+    seen = []
+    Stopwatch().measure(0.0, seen.append)
+    assert seen and seen[0] > 0
+
+
 def test_architecture_doc_names_are_the_code_names():
     """docs/architecture.md: every file it names exists and every called name, class or
     shape-suffixed name in it is spelled as in moe/ (issue 33)."""

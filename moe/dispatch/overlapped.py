@@ -49,14 +49,10 @@ from moe.comm.exchange_plan import ExpertExchange
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn, register_dispatcher, rows_only
 from moe.dispatch.expert_parallel import KEPT_ROWS, ExpertParallelDispatcher, receive_order
-from moe.dispatch.overlap_degree import (
-    MAX_DEGREE,
-    ExpertClock,
-    ForwardTimes,
-    choose_degree,
-    validate_overlap,
-)
+from moe.dispatch.overlap_clock import ExpertClock, ForwardTimes
+from moe.dispatch.overlap_degree import MAX_DEGREE, choose_degree
 from moe.dispatch.overlap_exchange import Landing, Worker, start_exchange
+from moe.dispatch.overlap_option import validate_overlap
 from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,

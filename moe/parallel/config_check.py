@@ -19,7 +19,7 @@ from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
 from moe.comm.exchange_config import ExchangeConfig, override
 from moe.comm.topology import local_world_ranks, ranks_per_node_set
-from moe.dispatch.overlap_degree import validate_overlap
+from moe.dispatch.overlap_option import validate_overlap
 from moe.layer import moe_layers
 
 DATA_PARALLEL = ("ddp", "fsdp")
