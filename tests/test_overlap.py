@@ -67,7 +67,7 @@ CASES = [
         [6, 2, 5, 8],
         3,
         12,
-        {"num_shared_experts": 1, "checkpoint": True},
+        {"num_shared_experts": 1, "recompute": True},
         {},
     ),
     (

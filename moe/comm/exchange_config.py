@@ -53,8 +53,13 @@ class ExchangeConfig:
             )
 
     def record(self) -> dict[str, object]:
-        """The fields as plain values, for the ranks' agreement check."""
-        return {f"exchange.{f.name}": getattr(self, f.name) for f in fields(self)}
+        """The fields as plain values, for the ranks' agreement check; not the profile's path
+        (ranks may read one profile from different paths: its values are compared instead)."""
+        return {
+            f"exchange.{f.name}": getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "cost_profile"
+        }
 
 
 DEFAULT = ExchangeConfig()
