@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn
 from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_mlp import FUSES_COMBINE, expert_mlp, resolve_backend
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.shards import local
 
 
 class GroupedExperts(nn.Module):
@@ -112,7 +112,7 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor | None, ...]:
         """(w1, w2, w3, b1, b2) as this rank's plain tensors (None where absent)."""
-        return tuple(_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
+        return tuple(local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
 
     def mlp(
         self,
@@ -176,10 +176,6 @@ class LayerExperts(ExpertFn):
         return out_RD
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Parameters of every GroupedExperts: sharded over "ep", replicated over "dp"."""
     return [
@@ -208,7 +204,7 @@ def check_experts_finite(
     (a host sync), so it is off by default."""
     bad_L = torch.zeros(experts.num_experts, dtype=torch.bool, device=out_RD.device)
     for _, p in experts.named_parameters(recurse=False):
-        bad_L |= ~torch.isfinite(_local(p.detach())).flatten(1).all(1)
+        bad_L |= ~torch.isfinite(local(p.detach())).flatten(1).all(1)
     rows = torch.arange(out_RD.shape[0], device=out_RD.device)
     expert_R = torch.searchsorted(offsets_L.to(rows.dtype), rows, right=True)
     bad_R = ~torch.isfinite(out_RD.detach()).all(1) & (expert_R < experts.num_experts)

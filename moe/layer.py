@@ -126,7 +126,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"{self.name}: expected a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, d)
         self.balance.seq_len = x.shape[-2] if x.dim() > 1 else 1  # balance_loss="sequence"
-        if self.config.checkpoint and self.training and torch.is_grad_enabled():
+        if self.config.recompute and self.training and torch.is_grad_enabled():
             y_TD = checkpoint(
                 self._forward_tokens, x_TD, use_reentrant=False, context_fn=recompute_context
             )

@@ -1,4 +1,4 @@
-"""Activation checkpointing: MoELayer(checkpoint=True) and recompute_blocks give the same
+"""Activation checkpointing: MoELayer(recompute=True) and recompute_blocks give the same
 outputs and gradients as the plain model, also for routers that draw random numbers."""
 
 import copy
@@ -35,7 +35,7 @@ def test_checkpointed_layer_has_identical_gradients(router, k, options):
     plain = moe.MoELayer(16, 24, num_experts=6, top_k=k, router=router, **options)
     if router == "noisy_topk":
         nn.init.normal_(plain.router.w_noise, std=0.5)  # make the noise matter
-    ckpt = moe.MoELayer(16, 24, num_experts=6, top_k=k, router=router, checkpoint=True, **options)
+    ckpt = moe.MoELayer(16, 24, num_experts=6, top_k=k, router=router, recompute=True, **options)
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randn(37, 16)
     y0, gx0, g0 = grads_of(plain, x, seed=3)

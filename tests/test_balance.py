@@ -180,7 +180,7 @@ def test_balance_metrics_in_stats():
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_bias_update_uses_every_micro_batch_since_the_last_update(checkpoint):
-    options = dict(score_func="sigmoid", bias_update_rate=0.05, checkpoint=checkpoint)
+    options = dict(score_func="sigmoid", bias_update_rate=0.05, recompute=checkpoint)
     micro, whole = make_layer(**options), make_layer(**options)
     for step in range(2):  # two steps: the count is reset by each update
         chunks = [torch.randn(n, 3, D, requires_grad=True) for n in (2, 1, 3, 2)]

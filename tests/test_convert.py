@@ -118,7 +118,7 @@ README_PUBLIC_NAMES = {
                      "plan_token_choice", "plan_expert_choice", "expert_capacity",
                      "capacity_factor_for", "gather_tokens", "permute_rows",
                      "sort_rows_by_expert", "weighted_sum_rows"],
-    "moe.comm": ["exchange", "exchange_counts", "AllToAllPlan", "plan_all_to_all",
+    "moe.comm": ["ExchangeConfig", "exchange", "exchange_counts", "AllToAllPlan", "plan_all_to_all",
                  "gather_count_matrix", "set_hierarchical_threshold", "Topology", "get_topology",
                  "check_same_across_ranks", "set_cost_model", "CostModel", "NVLINK_IB",
                  "load_profile", "save_profile"],
@@ -126,7 +126,8 @@ README_PUBLIC_NAMES = {
                    "load_balance_loss", "z_loss", "cv_squared", "sequence_balance_loss",
                    "GlobalBalance"],
     "moe.kernels": ["expert_mlp", "combine", "grouped_mm_torch", "apply_activation",
-                    "ACTIVATIONS", "BACKENDS", "resolve_backend"],
+                    "ACTIVATIONS", "BACKENDS", "resolve_backend", "KernelConfig",
+                    "set_kernel_config", "kernel_config"],
 }  # fmt: skip
 
 # Old paths (CHANGELOG.md, "One public path per name"): they warn, naming the new path.
@@ -144,6 +145,17 @@ MOVED = {
     **{f"moe.dispatch.{n}": f"moe.comm.{n}" for n in [
         "AllToAllPlan", "Topology", "check_same_across_ranks", "exchange", "exchange_counts",
         "gather_count_matrix", "get_topology", "plan_all_to_all", "set_hierarchical_threshold"]},
+    # issue 33: one path each for the router registry, the parameter split and the capacity
+    "moe.gating.base.ROUTERS": "moe.gating.ROUTERS",
+    "moe.gating.base.register_router": "moe.gating.register_router",
+    **{f"moe.parallel.mesh.{n}": f"moe.parallel.{n}" for n in [
+        "expert_parameters", "dense_parameters", "is_expert_parameter"]},
+    "moe.dispatch.capacity.expert_capacity": "moe.dispatch.expert_capacity",
+    "moe.dispatch.capacity.capacity_factor_for": "moe.dispatch.capacity_factor_for",
+    "moe.dispatch.capacity.count_ids": "moe.capacity.count_ids",
+    "moe.dispatch.overlap_degree.validate_overlap": "moe.dispatch.overlap_option.validate_overlap",
+    **{f"moe.dispatch.overlap_degree.{n}": f"moe.dispatch.overlap_clock.{n}" for n in [
+        "Stopwatch", "ExpertClock", "ForwardTimes", "RECENT", "EXPLORE"]},
 }  # fmt: skip
 
 
@@ -220,3 +232,29 @@ def test_settings_with_two_entries_for_one_module_are_refused_by_every_reader(tm
     path.write_text('{"format": "moe.swap_ffn", "version": 1, "layers": ' + "[" * 200 + "]" * 201)
     with pytest.raises(ValueError, match="moe_config.json.: JSON nested 201 levels deep"):
         moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)
+
+
+def test_recompute_is_the_field_and_checkpoint_its_deprecated_name(tmp_path):
+    """MoEConfig.checkpoint meant recompute (issue 33): `recompute` is the field; the old
+    keyword warns and sets it, the old attribute reads it, old settings files still load."""
+    import json
+
+    assert "recompute" in moe.MoEConfig.field_names()
+    assert "checkpoint" not in moe.MoEConfig.field_names()
+    with pytest.warns(DeprecationWarning, match="use recompute="):
+        old = moe.MoEConfig(16, 40, 4, checkpoint=True)
+    assert old == moe.MoEConfig(16, 40, 4, recompute=True) and old.checkpoint
+    with pytest.warns(DeprecationWarning, match="use recompute="):
+        layer = moe.MoELayer(16, 40, 4, checkpoint=True)
+    assert layer.config.recompute
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        moe.MoEConfig(16, 40, 4, checkpoint=True, recompute=True)
+    model = moe.swap_ffn(tiny_transformer(), num_experts=4, top_k=2, recompute=True)
+    path = moe.save_moe_settings(model, tmp_path)
+    doc = json.loads(path.read_text())
+    for entry in doc["layers"]:  # as a file written before the rename
+        entry["config"]["checkpoint"] = entry["config"].pop("recompute")
+    path.write_text(json.dumps(doc))
+    moe.check_moe_settings(model, tmp_path)
+    fresh = moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)
+    assert all(layer.config.recompute for _, layer in moe.moe_layers(fresh))

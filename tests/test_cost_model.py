@@ -219,3 +219,34 @@ def _stats_body(rank: int, world_size: int) -> dict[str, int]:
 def test_layer_stats_show_the_chosen_algorithm():
     results = run_ranks(_stats_body, 4, timeout=60)
     assert results == [{"gloo default": 0, "small model": 1}] * 4
+
+
+def _exchange_config_body(rank: int, world_size: int) -> dict[str, int]:
+    """parallelize(exchange=ExchangeConfig(...)): the dispatcher holds it and "auto" follows
+    its threshold and ranks per node (no env variable, no set_hierarchical_threshold)."""
+    import moe
+    from moe.comm import ExchangeConfig
+    from moe.parallel import init_mesh, parallelize
+
+    seen = {}
+    configs = {
+        "default": None,
+        "2 nodes, 1 GiB threshold": ExchangeConfig(
+            ranks_per_node=2, hierarchical_max_bytes=1 << 30
+        ),
+        "2 nodes, threshold 0": ExchangeConfig(ranks_per_node=2, hierarchical_max_bytes=0),
+    }
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        layer = moe.MoELayer(8, 16, 4, top_k=2)
+        layer = parallelize(layer, init_mesh(dp=1, ep=4), algorithm="auto", exchange=config)
+        assert layer.dispatcher.exchange_config == (config or ExchangeConfig())
+        layer(torch.randn(3 + rank, 8))
+        seen[name] = int(layer.stats["a2a_hierarchical"])
+    return seen
+
+
+def test_exchange_config_decides_auto():
+    results = run_ranks(_exchange_config_body, 4, timeout=60)
+    want = {"default": 0, "2 nodes, 1 GiB threshold": 1, "2 nodes, threshold 0": 0}
+    assert results == [want] * 4

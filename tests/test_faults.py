@@ -48,7 +48,7 @@ ALTERNATIVES = {
     "num_shared_experts": 2,
     "shared_d_ff": 20,
     "shared_expert_gate": True,
-    "checkpoint": True,
+    "recompute": True,
     "check_finite": True,
 }
 

@@ -95,7 +95,7 @@ def test_saved_tensor_hooks_see_the_pre_activation(backend):
     assert any(len(s) == 2 and s[0] == T * k and s[1] in pre_widths for s in packed), packed
     grads = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
-    ckpt = moe.MoELayer(D, F, E, top_k=k, activation="swiglu", backend=backend, checkpoint=True)
+    ckpt = moe.MoELayer(D, F, E, top_k=k, activation="swiglu", backend=backend, recompute=True)
     ckpt.load_state_dict(layer.state_dict())
     x2 = x.detach().clone().requires_grad_()
     held, y = replay.saved_bytes(lambda: ckpt(x2), [*ckpt.parameters(), x2])

@@ -20,7 +20,8 @@ from moe.dispatch import (
     overlapped,
     validate_overlap,
 )
-from moe.dispatch.overlap_degree import ForwardTimes, pipelined_time
+from moe.dispatch.overlap_clock import ForwardTimes
+from moe.dispatch.overlap_degree import pipelined_time
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
@@ -66,7 +67,7 @@ CASES = [
         [6, 2, 5, 8],
         3,
         12,
-        {"num_shared_experts": 1, "checkpoint": True},
+        {"num_shared_experts": 1, "recompute": True},
         {},
     ),
     (

@@ -168,6 +168,7 @@ def _settings_error(rank, model, mesh, env, cost_model, **kwargs):
 def _mismatch_body(rank, world, profile_dir):
     """Rank 3 differs in one setting at a time (or fails locally); every rank must name it,
     and none may hang."""
+    from moe.comm import ExchangeConfig
     from moe.comm.cost_model import NVLINK_IB
 
     odd = rank == 3
@@ -188,6 +189,7 @@ def _mismatch_body(rank, world, profile_dir):
         "cost_model": ({}, replace(NVLINK_IB, a_inter=5e-6) if odd else NVLINK_IB, {}),
         "bad_setting": ({}, None, {"data_parallel": "zero" if odd else "ddp"}),
         "hostile_profile": ({"MOE_A2A_COST_PROFILE": hostile} if odd else {}, None, {}),
+        "exchange": ({}, None, {"exchange": ExchangeConfig(pipeline_min_bytes=1 if odd else 2)}),
     }
     out = {"num_experts": _settings_error(rank, build_model(num_experts=8 if odd else 4),
                                           init_mesh(dp=2, ep=2), {}, None)}  # fmt: skip
@@ -212,6 +214,7 @@ def test_mismatched_config_raises_on_every_rank(tmp_path):
         "cost_model": ["cost_model.a_inter differs across ranks", "rank 3 has 5e-06"],
         "bad_setting": ["setup failed on 1 rank(s): rank 3", "data_parallel must be"],
         "hostile_profile": ["rank 3: ValueError: CostModel.a_inter=1e+308 s is outside"],
+        "exchange": ["exchange.pipeline_min_bytes differs across ranks", "rank 3 has 1"],
     }
     results = run_ranks(_mismatch_body, 4, str(tmp_path), timeout=60)
     for rank, out in enumerate(results):

@@ -145,7 +145,7 @@ def test_single_process_placement_is_exact(options):
 
 def test_load_count_training_only_not_twice_under_checkpointing():
     torch.manual_seed(0)
-    layer = moe.MoELayer(D, F, E, top_k=2, capacity_factor=1.0, checkpoint=True)
+    layer = moe.MoELayer(D, F, E, top_k=2, capacity_factor=1.0, recompute=True)
     x = torch.randn(17, D, requires_grad=True)
     layer(x).sum().backward()
     first = layer.load_since_rebalance.clone()

@@ -24,7 +24,7 @@ ROUTERS = [
     {"router": "noisy_topk"},
     {"router": "prototype", "top_k": 3},
     {"capacity_factor": 0.6, "min_capacity": 1},
-    {"capacity_factor": 0.6, "min_capacity": 1, "drop_policy": "probs", "checkpoint": True},
+    {"capacity_factor": 0.6, "min_capacity": 1, "drop_policy": "probs", "recompute": True},
 ]
 
 

@@ -1,4 +1,4 @@
-"""Router replay under activation recompute (MoEConfig.checkpoint, recompute_blocks, a user's
+"""Router replay under activation recompute (MoEConfig.recompute, recompute_blocks, a user's
 own torch checkpoint with moe.recompute_context): a recompute replays the record its own
 forward took, so gradients equal the run without recompute in float64, whatever the order of
 forwards and backwards and with a forward whose output is dropped. A checkpoint without the
@@ -37,7 +37,7 @@ class Net(nn.Module):
 
 def build(recompute: str) -> Net:
     torch.manual_seed(0)
-    net = Net(checkpoint=recompute in ("layer", "nested")).double().train()
+    net = Net(recompute=recompute in ("layer", "nested")).double().train()
     if recompute in ("blocks", "nested"):  # nested: checkpointed layers in checkpointed blocks
         moe.memory.recompute_blocks(net)
     return net

@@ -137,7 +137,7 @@ def _canonical(model, grads=False):
     [
         (29, torch.float64, {}),
         (1, torch.float64, {}),
-        (29, torch.float64, {"checkpoint": True, "drop_policy": "probs"}),
+        (29, torch.float64, {"recompute": True, "drop_policy": "probs"}),
         (29, torch.float32, {}),
     ],
 )

@@ -25,7 +25,7 @@ from moe.comm.alltoall import exchange
 from moe.comm.cost_model import MAX_BANDWIDTH, CostModel
 from moe.comm.exchange_plan import plan_all_to_all
 from moe.comm.topology import get_topology
-from moe.dispatch.overlap_degree import EXPLORE
+from moe.dispatch.overlap_clock import EXPLORE
 from moe.parallel import init_mesh, parallelize
 
 

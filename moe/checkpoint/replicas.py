@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moe.layer import MoELayer, moe_layers
+from moe.shards import local
 
 
 def replica_layers(model: nn.Module) -> dict[str, MoELayer]:
@@ -70,11 +71,7 @@ def canonical_like(model: nn.Module, key: str, live: torch.Tensor) -> torch.Tens
     if hit is None or live.dim() == 0:
         return live
     E = hit[0].config.num_experts
-    return torch.empty((E, *live.shape[1:]), dtype=live.dtype, device=_local(live).device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return torch.empty((E, *live.shape[1:]), dtype=live.dtype, device=local(live).device)
 
 
 def to_slots(model: nn.Module, key: str, canonical: torch.Tensor, like: torch.Tensor):
@@ -91,7 +88,7 @@ def to_slots(model: nn.Module, key: str, canonical: torch.Tensor, like: torch.Te
         like.shape, like.device_mesh, like.placements
     )
     rows = full[offset[0] : offset[0] + shape[0]].to(like.dtype).contiguous()
-    return DTensor.from_local(
+    return DTensor.fromlocal(
         rows,
         like.device_mesh,
         like.placements,

@@ -13,12 +13,9 @@ from moe.memory.grouped_apply import GroupedApply
 # Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
 NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
-MOE_RUNTIME_FIELDS = {
-    "backend",
-    "checkpoint",
-    "check_finite",
-    "spare_slots",
-}  # spare slots: checkpoints are canonical
+# "checkpoint": recompute's old name, in checkpoints saved before the rename; spare slots:
+# checkpoints are canonical
+MOE_RUNTIME_FIELDS = {"backend", "recompute", "checkpoint", "check_finite", "spare_slots"}
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
 # No optimizer trains with a larger step; lr=1e308 makes the parameters non-finite in one step.
 MAX_LR = 1e4

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe import settings
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
+from moe.comm.exchange_config import DEFAULT_PIPELINE_MIN_BYTES, ExchangeConfig, env_var, override
 from moe.comm.topology import Topology, get_subgroups
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
-ENV_HIERARCHICAL_MAX_BYTES = settings.ENV["a2a_hierarchical_max_bytes"]
-ENV_COST_PROFILE = settings.ENV["a2a_cost_profile"]
-ENV_PIPELINE_MIN_BYTES = settings.ENV["a2a_pipeline_min_bytes"]
-DEFAULT_PIPELINE_MIN_BYTES = settings.DEFAULT_PIPELINE_MIN_BYTES
+ENV_HIERARCHICAL_MAX_BYTES = env_var("hierarchical_max_bytes")
+ENV_COST_PROFILE = env_var("cost_profile")
+ENV_PIPELINE_MIN_BYTES = env_var("pipeline_min_bytes")
 _threshold_override: int | None = None
 _model_override: CostModel | None = None
 MAX_PIPELINE_CHUNKS = 4
@@ -60,64 +59,88 @@ def set_cost_model(model: CostModel | None) -> None:
     _model_override = model
 
 
-def cost_model(backend: str = "nccl") -> CostModel | None:
+def cost_model(
+    backend: str = "nccl", exchange_config: ExchangeConfig | None = None
+) -> CostModel | None:
     """The model "auto" uses: set_cost_model, then the JSON profile named by the env variable
-    MOE_A2A_COST_PROFILE, then NVLINK_IB for NCCL. None (always flat) for other backends
+    MOE_A2A_COST_PROFILE, then exchange_config.cost_profile, then NVLINK_IB for NCCL. None
+    (always flat) for other backends
     without a profile: on the emulated two-tier gloo network the per-collective overhead
     outweighed the saved messages at every size (bench/results/*alltoall*)."""
     if _model_override is not None:
         return _model_override
-    path = settings.current().a2a_cost_profile
+    path = override("cost_profile") or (exchange_config.cost_profile if exchange_config else None)
     if path:
         return load_profile(path)
     return NVLINK_IB if backend == "nccl" else None
 
 
-def default_hierarchical_threshold(topo: Topology, backend: str) -> int:
+def default_hierarchical_threshold(
+    topo: Topology, backend: str, exchange_config: ExchangeConfig | None = None
+) -> int:
     """Largest per-rank buffer (bytes) for which the 2D path is predicted to win: the cost
     model's crossover (about 5.6 MB at 2 x 8 GPUs on NVLINK_IB, beyond any realistic buffer
     at 60 x 8); 0 without a model or without more than one node."""
-    model = cost_model(backend)
+    model = cost_model(backend, exchange_config)
     if model is None or not topo.is_multi_node:
         return 0
     return model.crossover_bytes(topo.num_nodes, topo.ranks_per_node)
 
 
-def hierarchical_threshold(topo: Topology | None = None, backend: str = "nccl") -> int:
+def hierarchical_threshold(
+    topo: Topology | None = None,
+    backend: str = "nccl",
+    exchange_config: ExchangeConfig | None = None,
+) -> int:
     """Current "auto" threshold (bytes per rank): set_hierarchical_threshold, then the env
-    variable MOE_A2A_HIERARCHICAL_MAX_BYTES, then default_hierarchical_threshold."""
+    variable MOE_A2A_HIERARCHICAL_MAX_BYTES, then exchange_config.hierarchical_max_bytes, then
+    default_hierarchical_threshold."""
     if _threshold_override is not None:
         return _threshold_override
-    env = settings.current().a2a_hierarchical_max_bytes
+    env = override("hierarchical_max_bytes")
     if env:
         try:
             return int(env)
         except ValueError:
             raise ValueError(f"{ENV_HIERARCHICAL_MAX_BYTES}={env!r} is not an integer") from None
-    return 0 if topo is None else default_hierarchical_threshold(topo, backend)
+    if exchange_config is not None and exchange_config.hierarchical_max_bytes is not None:
+        return exchange_config.hierarchical_max_bytes
+    return 0 if topo is None else default_hierarchical_threshold(topo, backend, exchange_config)
 
 
-def pipeline_chunks(max_rank_bytes: int, num_nodes: int) -> int:
+def pipeline_chunks(
+    max_rank_bytes: int, num_nodes: int, exchange_config: ExchangeConfig | None = None
+) -> int:
     """Pipeline depth of the 2D path: cut the exchange into chunks only while every network
-    message of a chunk (about S / (N * chunks) bytes) stays at least MOE_A2A_PIPELINE_MIN_BYTES
-    (default 2 MiB, bandwidth-bound), at most 4 chunks. Each chunk costs one more pair of
+    message of a chunk (about S / (N * chunks) bytes) stays at least
+    exchange_config.pipeline_min_bytes (MOE_A2A_PIPELINE_MIN_BYTES overrides it; default 2 MiB,
+    bandwidth-bound), at most 4 chunks. Each chunk costs one more pair of
     collectives, so small buffers and many nodes get 1 chunk; 0 in the variable disables it."""
-    env = settings.current().a2a_pipeline_min_bytes
-    min_bytes = DEFAULT_PIPELINE_MIN_BYTES if not env else int(env)
+    env = override("pipeline_min_bytes")
+    configured = (
+        exchange_config.pipeline_min_bytes if exchange_config else DEFAULT_PIPELINE_MIN_BYTES
+    )
+    min_bytes = configured if not env else int(env)
     if min_bytes <= 0:
         return 1
     return max(1, min(MAX_PIPELINE_CHUNKS, max_rank_bytes // (num_nodes * min_bytes)))
 
 
 def choose_algorithm(
-    topo: Topology, max_rank_bytes: int, threshold: int | None = None, backend: str = "nccl"
+    topo: Topology,
+    max_rank_bytes: int,
+    threshold: int | None = None,
+    backend: str = "nccl",
+    exchange_config: ExchangeConfig | None = None,
 ) -> str:
     """ "hierarchical" only for more than one node (and >1 rank per node) and buffers up to
     a positive threshold (default: hierarchical_threshold(topo, backend), the cost model's
     crossover); 0 means never."""
     if not topo.is_multi_node:
         return "flat"
-    limit = hierarchical_threshold(topo, backend) if threshold is None else threshold
+    limit = (
+        hierarchical_threshold(topo, backend, exchange_config) if threshold is None else threshold
+    )
     return "hierarchical" if limit > 0 and max_rank_bytes <= limit else "flat"
 
 

@@ -26,6 +26,7 @@ from moe.comm.alltoall import (
     validate_inputs,
 )
 from moe.comm.consistency import CrossRankError, describe_mismatch
+from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.topology import Topology, get_subgroups, get_topology
 
 
@@ -53,6 +54,7 @@ class ExpertExchange:
     totals_W: tuple[int, ...] = ()
     counts_WWL: tuple[tuple[tuple[int, ...], ...], ...] | None = field(default=None, repr=False)
     topo: Topology | None = None
+    exchange_config: ExchangeConfig | None = None  # the settings its plans' pipeline depth follows
 
     @property
     def max_rank_bytes(self) -> int:
@@ -71,7 +73,8 @@ class ExpertExchange:
             return AllToAllPlan("flat", self.group, send, recv, recv_t, send_counts_W=send_t)
         assert self.topo is not None and self.counts_WWL is not None
         C = tuple(tuple(sum(c_L[first:last]) for c_L in row) for row in self.counts_WWL)
-        chunks = pipeline_chunks(max(sum(r) for r in C) * self.row_bytes, self.topo.num_nodes)
+        max_bytes = max(sum(r) for r in C) * self.row_bytes
+        chunks = pipeline_chunks(max_bytes, self.topo.num_nodes, self.exchange_config)
         topo = self.topo
         return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t)
 
@@ -83,13 +86,15 @@ def plan_expert_exchange(
     algorithm: str = "flat",
     ranks_per_node: int | None = None,
     extra: torch.Tensor | None = None,
+    exchange_config: ExchangeConfig | None = None,
 ) -> ExpertExchange:
     """Exchange the per-(rank, local expert) row counts with ONE collective and resolve the
     algorithm: everything an expert-parallel dispatcher needs to move its rows both ways.
 
     counts_WL[d, l]: rows this rank sends to local expert l of rank d; row_bytes: bytes of one
     row (for "auto" and the hierarchical pipeline depth); extra: an optional 1-D integer vector
-    sent to every rank along with the counts (ExpertExchange.extras_W). Every rank must call it.
+    sent to every rank along with the counts (ExpertExchange.extras_W); exchange_config: the
+    settings (moe.comm.ExchangeConfig; None: the defaults). Every rank must call it.
 
     What each algorithm needs, and so which collective runs:
       * flat (also "hierarchical"/"auto" on one node): each rank's own column, recv_WL[s][l] =
@@ -114,13 +119,14 @@ def plan_expert_exchange(
     counts_WL = counts_WL.to(torch.long)
     extra_X = counts_WL.new_zeros(0) if extra is None else extra.to(counts_WL).reshape(-1)
     total = counts_WL.sum().reshape(1)
-    topo = None if algorithm == "flat" else get_topology(group, ranks_per_node)
+    topo = None if algorithm == "flat" else get_topology(group, ranks_per_node, exchange_config)
     matrix = topo is not None and topo.is_multi_node
     auto = matrix and algorithm == "auto"
     threshold, problem = 0, None
     if auto:  # read here, compared on every rank after the one count collective below
         try:
-            threshold = max(0, hierarchical_threshold(topo, dist.get_backend(group)))
+            backend = dist.get_backend(group)
+            threshold = max(0, hierarchical_threshold(topo, backend, exchange_config))
         except ValueError as e:  # an unreadable cost profile: the other ranks must hear of it
             threshold, problem = _UNREADABLE, e
     own_X = torch.cat([total, extra_X, total.new_tensor([threshold] if auto else [])])
@@ -141,6 +147,7 @@ def plan_expert_exchange(
             counts_WL,
             tuple(tuple(r[L + 1 :]) for r in recv_h),
             totals,
+            exchange_config=exchange_config,
         )
     assert topo is not None
     matrix_WWX = gather_count_matrix(send_WX.reshape(-1), group).view(W, W, -1)
@@ -167,6 +174,7 @@ def plan_expert_exchange(
         totals,
         counts if chosen == "hierarchical" else None,
         topo if chosen == "hierarchical" else None,
+        exchange_config,
     )
 
 
@@ -200,6 +208,7 @@ def plan_all_to_all(
     algorithm: str = "flat",
     ranks_per_node: int | None = None,
     chunks: int | None = None,
+    exchange_config: ExchangeConfig | None = None,
 ) -> AllToAllPlan:
     """Validate, exchange the counts (one small collective), resolve the algorithm: the
     one-expert-per-rank case of plan_expert_exchange.
@@ -214,7 +223,10 @@ def plan_all_to_all(
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     send_t = torch.tensor(send, dtype=torch.long, device=x_ND.device).view(group_size, 1)
     row_bytes = x_ND.shape[1] * x_ND.element_size()
-    plan = plan_expert_exchange(send_t, row_bytes, group, algorithm, ranks_per_node).plan()
+    ex = plan_expert_exchange(
+        send_t, row_bytes, group, algorithm, ranks_per_node, None, exchange_config
+    )
+    plan = ex.plan()
     if chunks is None or plan.algorithm == "flat":
         return plan
     return replace(plan, chunks=chunks)
@@ -226,6 +238,7 @@ def all_to_all(
     group: dist.ProcessGroup | None = None,
     algorithm: str = "flat",
     ranks_per_node: int | None = None,
+    exchange_config: ExchangeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uneven all-to-all of rows: returns (y_ND, recv_counts_W); autograd-aware.
 
@@ -236,9 +249,12 @@ def all_to_all(
     (per call from the largest per-rank buffer, which every rank knows, and the cost model:
     hierarchical up to hierarchical_threshold(); on gloo only with a profile or threshold;
     the choice is plan.algorithm). ranks_per_node overrides topology detection (see
-    moe.comm.topology). Every rank of the group must call it, also with zero rows, and
+    moe.comm.topology); exchange_config: the settings (moe.comm.ExchangeConfig). Every rank
+    of the group must call it, also with zero rows, and
     must then take part in the backward too. A tensor send_counts_W costs one host read for
     validation, the received counts one more.
     """
-    plan = plan_all_to_all(x_ND, send_counts_W, group, algorithm, ranks_per_node)
+    plan = plan_all_to_all(
+        x_ND, send_counts_W, group, algorithm, ranks_per_node, None, exchange_config
+    )
     return exchange(x_ND, plan), plan.recv_counts_W

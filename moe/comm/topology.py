@@ -3,8 +3,9 @@
 The hierarchical all-to-all needs to know which ranks share a node. Sources, first match wins:
   1. an explicit ``ranks_per_node`` argument (config),
   2. the environment variable ``MOE_RANKS_PER_NODE`` (lets one machine emulate N nodes x G ranks),
-  3. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
-  4. gathering host names over the group (one small collective, done once and cached).
+  3. ``ExchangeConfig.ranks_per_node`` (the field that variable overrides),
+  4. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
+  5. gathering host names over the group (one small collective, done once and cached).
 Ranks are assumed node-major inside the group (group rank r sits on node r // ranks_per_node),
 which is how torchrun numbers them. A detected layout that is not node-major with equal node
 sizes is treated as one node (so "auto" picks the flat path); results stay correct either way.
@@ -21,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from moe import settings
+from moe.comm.exchange_config import ExchangeConfig, env_var, override
 
-ENV_RANKS_PER_NODE = settings.ENV["ranks_per_node"]
+ENV_RANKS_PER_NODE = env_var("ranks_per_node")
 
 _TOPOLOGY_CACHE: dict[tuple, Topology] = {}
 _SUBGROUP_CACHE: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -95,14 +97,20 @@ def ranks_per_node_from_layout(node_ids: list[object]) -> int | None:
     return sizes.pop()
 
 
-def ranks_per_node_set(ranks_per_node: int | None, group_size: int) -> tuple[int, str] | None:
+def ranks_per_node_set(
+    ranks_per_node: int | None, group_size: int, exchange_config: ExchangeConfig | None = None
+) -> tuple[int, str] | None:
     """The ranks per node given by hand, validated, and where it came from: the argument
-    ("argument"), else MOE_RANKS_PER_NODE ("env"); None when neither is set (detect it)."""
+    ("argument"), else MOE_RANKS_PER_NODE ("env"), else exchange_config.ranks_per_node ("config");
+    None when none is set (detect it)."""
     if ranks_per_node is not None:
         return validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node"), "argument"
-    env_value = settings.current().ranks_per_node
+    env_value = override("ranks_per_node")
     if env_value:
         return validate_ranks_per_node(env_value, group_size, ENV_RANKS_PER_NODE), "env"
+    if exchange_config is not None and exchange_config.ranks_per_node is not None:
+        name = "ExchangeConfig.ranks_per_node"
+        return validate_ranks_per_node(exchange_config.ranks_per_node, group_size, name), "config"
     return None
 
 
@@ -138,7 +146,9 @@ def _detect(group: dist.ProcessGroup | None, global_ranks: list[int]) -> tuple[i
 
 
 def get_topology(
-    group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None
+    group: dist.ProcessGroup | None = None,
+    ranks_per_node: int | None = None,
+    exchange_config: ExchangeConfig | None = None,
 ) -> Topology:
     """Topology of ``group`` for this rank; detection runs once per group and is cached.
 
@@ -152,13 +162,15 @@ def get_topology(
         id(dist.group.WORLD),  # a re-initialised default group invalidates the cache
         tuple(global_ranks),
         ranks_per_node,
-        settings.current().ranks_per_node,
+        override("ranks_per_node"),
+        None if exchange_config is None else exchange_config.ranks_per_node,
         settings.local_world_size(),
     )
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
         return cached
-    value, source = ranks_per_node_set(ranks_per_node, group_size) or _detect(group, global_ranks)
+    by_hand = ranks_per_node_set(ranks_per_node, group_size, exchange_config)
+    value, source = by_hand or _detect(group, global_ranks)
     topo = Topology(group_size=group_size, ranks_per_node=value, rank=rank, source=source)
     _TOPOLOGY_CACHE[key] = topo
     return topo

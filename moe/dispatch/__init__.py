@@ -18,7 +18,8 @@ from moe.dispatch.dispatcher import (
 )
 from moe.dispatch.expert_parallel import ExpertParallelDispatcher
 from moe.dispatch.local import LocalDispatcher
-from moe.dispatch.overlap_degree import choose_degree, validate_overlap
+from moe.dispatch.overlap_degree import choose_degree
+from moe.dispatch.overlap_option import validate_overlap
 from moe.dispatch.overlapped import OverlappedDispatcher
 from moe.dispatch.permute import (
     DispatchPlan,

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from moe.comm.alltoall import ALGORITHMS, AllToAllPlan, exchange
+from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.exchange_plan import ExpertExchange, plan_expert_exchange
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
@@ -58,6 +59,7 @@ class ExpertParallelDispatcher(Dispatcher):
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
         backend: str = "auto",
+        exchange_config: ExchangeConfig | None = None,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -67,6 +69,11 @@ class ExpertParallelDispatcher(Dispatcher):
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
         self.backend = backend
+        if exchange_config is not None and not isinstance(exchange_config, ExchangeConfig):
+            raise ValueError(
+                f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
+            )
+        self.exchange_config = exchange_config or ExchangeConfig()  # the all-to-all's settings
 
     def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local
@@ -85,7 +92,13 @@ class ExpertParallelDispatcher(Dispatcher):
         counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         return plan_expert_exchange(
-            counts_WL, row_bytes, self.group, self.algorithm, self.ranks_per_node, extra
+            counts_WL,
+            row_bytes,
+            self.group,
+            self.algorithm,
+            self.ranks_per_node,
+            extra,
+            self.exchange_config,
         )
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):

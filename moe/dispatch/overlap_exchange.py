@@ -7,8 +7,8 @@ own stream, ordered after the producer by an event, and `work.wait()` makes the 
 wait on its completion event: no host sync. On gloo it runs on gloo's worker threads.
 Hierarchical: the two-stage exchange of moe.comm (`AllToAllPlan.run`) runs on one worker
 thread per dispatcher; a single FIFO thread keeps the order of collectives the same on every
-rank. On CUDA that thread runs on a dedicated stream with events (MOE_OVERLAP_CUDA_STREAM=1;
-off by default and not run on a GPU yet); without it a CUDA hierarchical exchange runs at
+rank. On CUDA that thread runs on a dedicated stream with events
+(ExchangeConfig.overlap_cuda_stream; off by default and not run on a GPU yet); without it a CUDA hierarchical exchange runs at
 launch, in order, and simply does not overlap. Reviewed without a GPU: the side stream waits
 for x's producer (event recorded at submit), x is recorded on the side stream and y on the
 consumer's, the consumer waits by event, and the host waits only for the worker thread to
@@ -26,22 +26,23 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from moe import settings
 from moe.comm.alltoall import AllToAllPlan
+from moe.comm.exchange_config import ExchangeConfig, overlap_cuda_stream
 
 Landing = Callable[[], torch.Tensor]
 
 
 class Worker:
     """One background thread (created on first use) that runs hierarchical exchanges in the
-    order they were submitted."""
+    order they were submitted; `exchange_config` says whether a CUDA one runs on a side stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, exchange_config: ExchangeConfig | None = None) -> None:
+        self.exchange_config = exchange_config
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None
 
     def submit(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
-        if x_ND.is_cuda and not settings.current().overlap_cuda_stream:
+        if x_ND.is_cuda and not overlap_cuda_stream(self.exchange_config):
             y_ND = plan.run(x_ND)  # guarded: no side stream, no overlap
             return lambda: y_ND
         if self._pool is None:

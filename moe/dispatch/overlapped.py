@@ -44,18 +44,15 @@ import torch
 import torch.distributed as dist
 
 from moe.comm.alltoall import cost_model
+from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.exchange_plan import ExpertExchange
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn, register_dispatcher, rows_only
 from moe.dispatch.expert_parallel import KEPT_ROWS, ExpertParallelDispatcher, receive_order
-from moe.dispatch.overlap_degree import (
-    MAX_DEGREE,
-    ExpertClock,
-    ForwardTimes,
-    choose_degree,
-    validate_overlap,
-)
+from moe.dispatch.overlap_clock import ExpertClock, ForwardTimes
+from moe.dispatch.overlap_degree import MAX_DEGREE, choose_degree
 from moe.dispatch.overlap_exchange import Landing, Worker, start_exchange
+from moe.dispatch.overlap_option import validate_overlap
 from moe.dispatch.permute import (
     DispatchPlan,
     gather_tokens,
@@ -86,13 +83,16 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         ranks_per_node: int | None = None,
         backend: str = "auto",
         degree: int | str = "auto",
+        exchange_config: ExchangeConfig | None = None,
     ):
-        super().__init__(group, num_local_experts, algorithm, ranks_per_node, backend)
+        super().__init__(
+            group, num_local_experts, algorithm, ranks_per_node, backend, exchange_config
+        )
         if validate_overlap(degree) is None:
             raise ValueError("degree must be an int >= 1 or 'auto', got None")
         self.degree = degree
         self.clock = ExpertClock()
-        self.worker = Worker()
+        self.worker = Worker(self.exchange_config)
         self.last_degree = 1
         self.calls = 0
         self.times = ForwardTimes()  # this layer's forward, plain and pipelined
@@ -121,7 +121,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             return max(1, min(int(self.degree), L))
         expert_s = max(int(e[1]) for e in extras) * 1e-12 * sum(rows) / len(rows)
         n = choose_degree(
-            cost_model(dist.get_backend(self.group)),
+            cost_model(dist.get_backend(self.group), self.exchange_config),
             counts.max_rank_bytes,
             topo.num_nodes,
             topo.ranks_per_node,
@@ -153,7 +153,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.calls += 1
         L = self.num_local
         self._check_plan(plan)  # before any collective
-        topo = get_topology(self.group, self.ranks_per_node)
+        topo = get_topology(self.group, self.ranks_per_node, self.exchange_config)
         counts = self._plan_counts(x_TD, plan)
         n = self._choose(counts, topo)
         self.last_degree = n

@@ -1,7 +1,8 @@
 """Routers, registered by name, and their losses."""
 
 from moe.gating import expert_choice, gshard, noisy, prototype, topk  # noqa: F401  (registers)
-from moe.gating.base import ROUTERS, Router, Routing, register_router
+from moe.gating.base import Router, Routing
+from moe.names import ROUTERS, register_router
 from moe.gating.balance import (
     BalanceTracker,
     GlobalBalance,

@@ -3,8 +3,9 @@
 import torch
 
 from moe.capacity import capacity_factor_for, expert_capacity
-from moe.gating.base import Router, Routing, register_router
+from moe.gating.base import Router, Routing
 from moe.gating.losses import router_loss
+from moe.names import register_router
 
 
 @register_router("expert_choice")

@@ -4,8 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.gating.base import Router, Routing, register_router, router_matmul
+from moe.gating.base import Router, Routing, router_matmul
 from moe.gating.losses import cv_squared, router_loss
+from moe.names import register_router
 
 
 @register_router("noisy_topk")

@@ -2,8 +2,9 @@
 
 import torch
 
-from moe.gating.base import Router, Routing, register_router
+from moe.gating.base import Router, Routing
 from moe.gating.losses import load_balance_loss, router_loss
+from moe.names import register_router
 
 
 @register_router("prototype")

@@ -3,8 +3,9 @@ aux-loss-free balancing by a per-expert bias (DeepSeek-V3)."""
 
 import torch
 
-from moe.gating.base import Router, Routing, register_router, router_matmul
+from moe.gating.base import Router, Routing, router_matmul
 from moe.gating.losses import load_balance_loss, router_loss
+from moe.names import register_router
 
 
 def scores_from_logits(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ import importlib
 from moe.kernels.activations import ACTIVATIONS, apply_activation
 from moe.kernels.combine import combine
 from moe.kernels.expert_mlp import BACKENDS, expert_mlp, resolve_backend
+from moe.kernels.kernel_config import KernelConfig, kernel_config, set_kernel_config
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
 
 # Triton entry points load on first use: importing moe never imports triton or builds kernels.
@@ -17,13 +18,16 @@ _LAZY = {
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "KernelConfig",
     "apply_activation",
     "combine",
     "combine_triton",
     "expert_mlp",
     "expert_mlp_triton",
     "grouped_mm_torch",
+    "kernel_config",
     "resolve_backend",
+    "set_kernel_config",
     "tile_schedule",
 ]
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from moe.memory.offload import Entry, HostPipeline, host_empty
 from moe.memory.precision import LOW_PRECISION, LossScaler
+from moe.shards import local_all
 
 OFFLOAD_MODES = (None, "optimizer", "all")
 
@@ -102,7 +103,7 @@ class GroupedApply(torch.optim.Optimizer):
         self._entries = [self._make_entry(i, n, p) for i, (n, p) in enumerate(zip(names, tensors))]
         self._by_id = {id(e.param): e for e in self._entries}
         # Balance what this rank holds: a DTensor's local shard (parallelize), else the tensor.
-        parts = partition_balanced([t.numel() for t in _local(tensors)], groups)
+        parts = partition_balanced([t.numel() for t in local_all(tensors)], groups)
         self._groups = [[self._entries[i] for i in part] for part in parts]
         kwargs = self._inner_kwargs(optimizer_class, optim_kwargs)
         self._inner = [self._make_inner([e.shadow for e in g], kwargs) for g in self._groups]
@@ -185,10 +186,6 @@ class GroupedApply(torch.optim.Optimizer):
     def index_of(self, param: torch.Tensor) -> int:
         return self._entry_of(param).index
 
-    def group_sizes(self) -> list[int]:
-        """Elements per apply group (size-balanced)."""
-        return [sum(e.param.numel() for e in g) for g in self._groups]
-
     # -- mixed precision -----------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss * scale with an fp16 loss scaler, else loss unchanged."""
@@ -250,12 +247,12 @@ class GroupedApply(torch.optim.Optimizer):
         direct = [e.param.grad for e in entries if e.shadow is e.param]
         mastered = [e for e in entries if e.shadow is not e.param]
         if direct and factor is not None:
-            torch._foreach_mul_(_local(direct), factor)
+            torch._foreach_mul_(local_all(direct), factor)
         if mastered:  # this group's fp32 gradient copies: the only ones alive at a time
             grads = [torch.empty_like(e.shadow) for e in mastered]
-            torch._foreach_copy_(_local(grads), _local([e.param.grad for e in mastered]))
+            torch._foreach_copy_(local_all(grads), local_all([e.param.grad for e in mastered]))
             if factor is not None:
-                torch._foreach_mul_(_local(grads), factor)
+                torch._foreach_mul_(local_all(grads), factor)
             for e, grad in zip(mastered, grads):
                 e.shadow.grad = grad
         self._inner[g].step()
@@ -263,7 +260,7 @@ class GroupedApply(torch.optim.Optimizer):
             for e in mastered:
                 e.shadow.grad = None
             params, shadows = [e.param for e in mastered], [e.shadow for e in mastered]
-            torch._foreach_copy_(_local(params), _local(shadows))
+            torch._foreach_copy_(local_all(params), local_all(shadows))
 
     def _pin_host_state(self) -> None:
         """Move lazily created host optimizer state into pinned memory once (CUDA only)."""
@@ -314,16 +311,6 @@ class GroupedApply(torch.optim.Optimizer):
         self._state_pinned = False
         self._pin_host_state()
 
-    @torch.no_grad()
-    def refresh_masters(self) -> None:
-        """Re-copy master weights / host copies from the parameters (after the parameters
-        were changed outside the optimizer; precision beyond the parameter dtype is lost)."""
-        for e in self._entries:
-            if e.master is not None:
-                e.master.copy_(e.param)
-            if e.shadow is not e.param and e.shadow is not e.master:
-                e.shadow.copy_(e.param)
-
     def state_dict(self) -> dict:
         return {
             "state": {e.index: s for e in self._entries if (s := self.state_of(e.index))},
@@ -363,12 +350,6 @@ class GroupedApply(torch.optim.Optimizer):
             saved = [saved[0]] * len(self.param_groups)
         for group, hyper in zip(self.param_groups, saved):
             group.update(hyper)
-
-
-def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's shards of DTensors (parallelize), plain tensors as they are: elementwise
-    work runs on local shards, and foreach cannot mix DTensors of different meshes."""
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def _hyper(group: dict) -> dict:

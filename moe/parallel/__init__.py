@@ -9,7 +9,8 @@ I/O in moe.checkpoint; their old paths here warn for one release.
 """
 
 from moe._moved import moved_names
-from moe.parallel.mesh import dense_parameters, expert_parameters, init_mesh, is_expert_parameter
+from moe.experts import dense_parameters, expert_parameters, is_expert_parameter
+from moe.parallel.mesh import init_mesh
 from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
 from moe.parallel.placement import Placement, plan_placement

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe.experts import dense_parameters, expert_parameters
 from moe.memory.grouped_apply import GroupedApply
-from moe.parallel.mesh import dense_parameters, expert_parameters
 from moe.parallel.replicas import extra_copies_power_sum
 
 

@@ -15,11 +15,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from moe import settings
 from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
+from moe.comm.exchange_config import ExchangeConfig, override
 from moe.comm.topology import local_world_ranks, ranks_per_node_set
-from moe.dispatch.overlap_degree import validate_overlap
+from moe.dispatch.overlap_option import validate_overlap
 from moe.layer import moe_layers
 from moe.replica_layout import check_spare_slots
 
@@ -30,34 +30,40 @@ def _describe(t) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def _ranks_per_node(ranks_per_node: int | None, ep: int) -> int | str:
+def _ranks_per_node(ranks_per_node: int | None, ep: int, exchange: ExchangeConfig) -> int | str:
     """The ranks per node the hierarchical exchange will use over the EP group, by
-    moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, LOCAL_WORLD_SIZE) but without
+    moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, exchange.ranks_per_node,
+    LOCAL_WORLD_SIZE) but without
     its host-name collective: "hostname" when that is what decides (it is the same on every
     rank by construction). Invalid values raise ValueError naming their source."""
-    by_hand = ranks_per_node_set(ranks_per_node, ep)
+    by_hand = ranks_per_node_set(ranks_per_node, ep, exchange)
     if by_hand is not None:
         return by_hand[0]
     local_world = local_world_ranks()
     return "hostname" if local_world is None else local_world
 
 
-def exchange_record(algorithm: str, ranks_per_node: int | None, ep: int) -> dict[str, Scalar]:
-    """What decides how the all-to-all runs: the algorithm; for a 2D exchange the ranks per
-    node and the pipeline chunking; for "auto" the threshold override and every value of the
-    cost model (a loaded profile is validated here, on the rank that reads it)."""
+def exchange_record(
+    algorithm: str, ranks_per_node: int | None, ep: int, exchange: ExchangeConfig | None = None
+) -> dict[str, Scalar]:
+    """What decides how the all-to-all runs: the algorithm and the ExchangeConfig; for a 2D
+    exchange the ranks per node and the pipeline chunking; for "auto" the threshold override
+    and every value of the cost model (a loaded profile is validated here, on the rank that
+    reads it)."""
     if algorithm not in alltoall.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {alltoall.ALGORITHMS}, got {algorithm!r}")
-    record: dict[str, Scalar] = {"algorithm": algorithm}
+    if exchange is not None and not isinstance(exchange, ExchangeConfig):
+        raise ValueError(f"exchange must be an ExchangeConfig, got {type(exchange).__name__}")
+    exchange = exchange or ExchangeConfig()
+    record: dict[str, Scalar] = {"algorithm": algorithm, **exchange.record()}
     if algorithm == "flat":
         return record
-    record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep)
-    now = settings.current()
-    record[alltoall.ENV_PIPELINE_MIN_BYTES] = now.a2a_pipeline_min_bytes
+    record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep, exchange)
+    record[alltoall.ENV_PIPELINE_MIN_BYTES] = override("pipeline_min_bytes")
     if algorithm == "auto":
         record["set_hierarchical_threshold"] = alltoall.threshold_override()
-        record[alltoall.ENV_HIERARCHICAL_MAX_BYTES] = now.a2a_hierarchical_max_bytes
-        model = alltoall.cost_model(dist.get_backend())
+        record[alltoall.ENV_HIERARCHICAL_MAX_BYTES] = override("hierarchical_max_bytes")
+        model = alltoall.cost_model(dist.get_backend(), exchange)
         if model is None:
             record["cost_model"] = None
         else:
@@ -78,7 +84,8 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
     mp_policy = mp_policy or MixedPrecisionPolicy(reduce_dtype=grad_dtype)
     record: dict[str, Scalar] = {"data_parallel": data_parallel}
     algorithm, ranks_per_node = s.pop("algorithm", "auto"), s.pop("ranks_per_node", None)
-    record.update(exchange_record(algorithm, ranks_per_node, mesh.size(1)))
+    exchange = s.pop("exchange", None)
+    record.update(exchange_record(algorithm, ranks_per_node, mesh.size(1), exchange))
     for f in fields(mp_policy):
         value = getattr(mp_policy, f.name)
         record[f"mp_policy.{f.name}"] = value if isinstance(value, bool) else str(value)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from moe.comm.exchange_config import ExchangeConfig
 from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
@@ -82,6 +83,7 @@ def parallelize(
     grad_dtype: torch.dtype | None = None,
     sync_params: bool = True,
     overlap: int | str | None = None,
+    exchange: ExchangeConfig | None = None,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
@@ -104,6 +106,8 @@ def parallelize(
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
     first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
+    exchange (moe.comm.ExchangeConfig; None: its defaults) is how the all-to-all runs: the
+    dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
     """
     settings = {
         "data_parallel": data_parallel,
@@ -116,6 +120,7 @@ def parallelize(
         "blocks": blocks,
         "sync_params": sync_params,
         "overlap": overlap,
+        "exchange": exchange,
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
@@ -139,9 +144,9 @@ def parallelize(
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
         ep_args = (mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend)
         layer.dispatcher = (
-            ExpertParallelDispatcher(*ep_args)
+            ExpertParallelDispatcher(*ep_args, exchange_config=exchange)
             if overlap is None
-            else OverlappedDispatcher(*ep_args, degree=overlap)
+            else OverlappedDispatcher(*ep_args, degree=overlap, exchange_config=exchange)
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         layer.mesh = mesh

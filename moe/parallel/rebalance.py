@@ -44,6 +44,7 @@ from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.placement import Placement, plan_placement
 from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
+from moe.shards import local
 
 
 @dataclass
@@ -60,10 +61,6 @@ class RebalanceReport:
         return sum(len(p.moved) for p in self.layers.values())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def ep_size(layer: MoELayer) -> int:
     """Expert-parallel ranks the layer's experts are spread over (1 in one process)."""
     return (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
@@ -77,11 +74,11 @@ def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
         state = optimizer.state_of(p)
     else:
         state = optimizer.state.get(p, {})
-    shape = _local(p).shape
+    shape = local(p).shape
     return [
         state[k]
         for k in sorted(state)
-        if isinstance(state[k], torch.Tensor) and _local(state[k]).shape == shape
+        if isinstance(state[k], torch.Tensor) and local(state[k]).shape == shape
     ]
 
 
@@ -89,10 +86,10 @@ def _moving_tensors(layer: MoELayer, optimizer) -> list[torch.Tensor]:
     """Local views of everything indexed by slot: parameters, optimizer state, gradients."""
     out = []
     for _, p in layer.experts.named_parameters(recurse=False):
-        out.append(_local(p))
-        out += [_local(s) for s in _optimizer_states(optimizer, p)]
+        out.append(local(p))
+        out += [local(s) for s in _optimizer_states(optimizer, p)]
         if p.grad is not None:
-            out.append(_local(p.grad))
+            out.append(local(p.grad))
     return out
 
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from moe.layer import MoELayer, moe_layers
 from moe.replica_layout import copies_of
+from moe.shards import local
 
 
 def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
@@ -44,10 +45,6 @@ def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
         if isinstance(p, Replicate) and mesh.size(d) > 1
     )
     return offset[0], shape[0], first
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -75,7 +72,7 @@ def sum_replica_grads(model: nn.Module) -> int:
                     f"{layer.name}: sum_replica_grads needs every expert gradient; call it "
                     "after backward (all ranks), before optimizer.step()"
                 )
-            grad = _local(p.grad)
+            grad = local(p.grad)
             jobs.append((grad, rows, at, contributes, len(index)))
             sizes.append(len(index) * grad[0].numel() if grad.shape[0] else 0)
     if not jobs:
@@ -118,7 +115,7 @@ def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor |
         for p in layer.experts.parameters():
             if p.grad is None:
                 continue
-            grad = _local(p.grad)
+            grad = local(p.grad)
             device = grad.device
             wide = torch.promote_types(wide, grad.dtype)
             if rows:

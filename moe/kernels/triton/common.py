@@ -13,6 +13,7 @@ import torch
 import triton
 
 from moe import settings
+from moe.kernels.kernel_config import kernel_config
 
 # Modules holding @triton.jit code, in dependency order (helpers before the kernels using them).
 KERNEL_MODULES = (
@@ -27,9 +28,9 @@ KERNEL_MODULES = (
 
 
 def autotune_pinned() -> bool:
-    """MOE_TRITON_AUTOTUNE=0 (the test suite sets it): no autotuning, one config per kernel
-    (moe.settings.Settings.triton_autotune)."""
-    return not settings.current().triton_autotune
+    """KernelConfig.autotune off (MOE_TRITON_AUTOTUNE=0, which the test suite sets): no
+    autotuning, one config per kernel."""
+    return not kernel_config().autotune
 
 
 def autotune_prune(prune=None):

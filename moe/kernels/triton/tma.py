@@ -5,14 +5,14 @@ Holds no @triton.jit code (not reloaded by `common.ensure_mode`)."""
 import torch
 import triton
 
-from moe import settings
+from moe.kernels.kernel_config import kernel_config
 from moe.kernels.triton.common import interpreting
 
 
 def tma_default(device: torch.device) -> bool:
-    """The TMA path is opt-in (MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
+    """The TMA path is opt-in (KernelConfig.tma; MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
     sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
-    if not settings.current().triton_tma:
+    if not kernel_config().tma:
         return False
     if device.type != "cuda":
         return interpreting()
