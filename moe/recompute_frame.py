@@ -6,7 +6,7 @@ Each checkpointed call gets one RecomputeFrame, entered around its forward and a
 recompute of it in backward. A value that a forward takes once (router replay's record index)
 is noted on the frame in the original forward and handed back, in the same order, to each
 recompute: whatever order backward runs the regions in, however many forwards ran before the
-backward, and whether or not some forward's output was dropped. MoEConfig.checkpoint and
+backward, and whether or not some forward's output was dropped. MoEConfig.recompute and
 moe.memory.recompute_blocks pass it; pass it to your own checkpointing too (Hugging Face:
 `model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn":
 moe.recompute_context})`). The frame stack is per thread (a CUDA backward recomputes on

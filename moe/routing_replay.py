@@ -13,7 +13,7 @@ error). Every forward counts once, in call order, whether or not its output reac
 backward (a dropped forward still takes its record, as recording recorded it). A forward
 autograd runs again in backward (activation checkpointing) is neither recorded nor counted:
 it replays the record its original forward took, whatever the order of forwards and
-backwards (moe.recompute_frame). MoEConfig.checkpoint and moe.memory.recompute_blocks do this
+backwards (moe.recompute_frame). MoEConfig.recompute and moe.memory.recompute_blocks do this
 themselves; your own torch.utils.checkpoint must pass use_reentrant=False,
 context_fn=moe.recompute_context, else the recompute is a RuntimeError (never a wrong record).
 
