@@ -50,6 +50,7 @@ ALTERNATIVES = {
     "shared_expert_gate": True,
     "recompute": True,
     "check_finite": True,
+    "spare_slots": 2,
 }
 
 

@@ -190,7 +190,8 @@ def _step(model, opt, step, rank, world, replicas, micro=1):
         loss.backward()
     if replicas:
         sum_replica_grads(model)
-    moe.parallel.clip_grad_norm_(model, 0.5, model._moe_mesh)  # active: the norm is larger
+    mesh = moe.moe_layers(model)[0][1].mesh
+    moe.parallel.clip_grad_norm_(model, 0.5, mesh)  # active: the norm is larger
     grads = _canonical(model, grads=True)
     opt.step()
     opt.zero_grad()

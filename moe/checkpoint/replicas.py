@@ -88,7 +88,7 @@ def to_slots(model: nn.Module, key: str, canonical: torch.Tensor, like: torch.Te
         like.shape, like.device_mesh, like.placements
     )
     rows = full[offset[0] : offset[0] + shape[0]].to(like.dtype).contiguous()
-    return DTensor.fromlocal(
+    return DTensor.from_local(
         rows,
         like.device_mesh,
         like.placements,
