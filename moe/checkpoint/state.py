@@ -92,7 +92,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
             else:
                 values.setdefault(fqn, {})[key] = _json_value(v, f"optim/{fqn}/{key}")
     replicas.to_canonical(model, tensors)
-    scaler = getattr(opt, "loss_scaler", None)
+    scaler = validate.loss_scaler_of(opt)
     objects["optimizer"] = {
         "class": validate.algorithm_name(opt),
         "state_values": values,
@@ -211,7 +211,7 @@ def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
         opt.load_param_states({opt.index_of(named[f]): s for f, s in state.items()})
         opt.load_hyperparameters([_restore_group(g, {}) for g in saved_groups])
         scaler = meta.get("loss_scaler")
-        if scaler and getattr(opt, "loss_scaler", None) is not None:
+        if scaler and opt.loss_scaler is not None:
             opt.loss_scaler.load_state_dict(scaler)
         return
     groups = get_optimizer_state_dict(model, opt)["param_groups"]

@@ -26,7 +26,12 @@ LEGACY_CLASS = "GroupedApply"  # what releases before issue 32 recorded for any 
 def algorithm_name(opt) -> str:
     """The optimizer's algorithm, saved as `class`: a GroupedApply's inner optimizer class
     (GroupedApply(AdamW) and AdamW hold the same state), else the optimizer's own class."""
-    return getattr(opt, "optimizer_class", type(opt)).__name__
+    return (opt.optimizer_class if isinstance(opt, GroupedApply) else type(opt)).__name__
+
+
+def loss_scaler_of(opt):
+    """The optimizer's dynamic loss scaler (GroupedApply's; None for a torch optimizer)."""
+    return opt.loss_scaler if isinstance(opt, GroupedApply) else None
 
 
 def _is_number(v) -> bool:
@@ -134,7 +139,7 @@ def check_optimizer(opt, objects: dict, named: dict, live_state: dict, problems:
         return
     _groups(opt, meta.get("param_groups", []), problems)
     _state_values(opt, meta.get("state_values", {}), named, live_state, problems)
-    if getattr(opt, "loss_scaler", None) is not None:
+    if loss_scaler_of(opt) is not None:
         _loss_scaler(meta.get("loss_scaler"), problems)
 
 
