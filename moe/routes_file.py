@@ -10,9 +10,8 @@ import os
 
 import torch
 
-from moe.untrusted import UntrustedFileError, open_regular, parse_json
+from moe.untrusted import UntrustedFileError, open_regular, safetensors_header
 
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 DTYPES = {"I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "F32": torch.float32,
           "F16": torch.float16, "BF16": torch.bfloat16}  # fmt: skip
 
@@ -26,15 +25,7 @@ def read_safetensors(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     where = f"routes file {str(path)!r}"
     with open_regular(path, error=RoutesFileError, what="routes file") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-            raise RoutesFileError(
-                f"{where}: header length {n} does not fit the file ({size} bytes)"
-            )
-        header = parse_json(f.read(n), where, error=RoutesFileError)
-        if not isinstance(header, dict):
-            raise RoutesFileError(f"{where}: the header is not a JSON object")
+        header, n = safetensors_header(f, where, error=RoutesFileError)
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise RoutesFileError(f"{where}: __metadata__ must map names to strings")

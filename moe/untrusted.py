@@ -249,3 +249,20 @@ def read_json(
     `max_bytes` bytes, nested at most `max_depth` deep, without duplicate keys."""
     data = read_bytes(path, max_bytes, root=root, error=error, what=what)
     return parse_json(data, _where(path, what), max_depth=max_depth, error=error)
+
+
+SAFETENSORS_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def safetensors_header(f, where: str, error=UntrustedFileError) -> tuple[dict, int]:
+    """(header, header bytes n) of an open safetensors file: its 8-byte length checked against
+    the file's size before the JSON is read; the tensor data starts at byte 8 + n."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 2 <= n <= min(SAFETENSORS_MAX_HEADER_BYTES, size - 8):
+        raise error(f"{where}: header length {n} does not fit the file ({size} bytes)")
+    header = parse_json(f.read(n), where, error=error)
+    if not isinstance(header, dict):
+        raise error(f"{where}: the header is not a JSON object")
+    return header, n

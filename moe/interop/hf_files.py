@@ -6,11 +6,10 @@ an HFCheckpointError naming the file; a key stored in two files is refused."""
 import math
 import os
 
-from moe.untrusted import containing_folder, open_regular, parse_json, read_json
+from moe.untrusted import containing_folder, open_regular, read_json, safetensors_header
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
@@ -61,15 +60,7 @@ def _header(file: str, directory: str) -> dict[str, tuple[tuple, str]]:
     where = f"safetensors file {file!r}"
     with open_regular(file, root=directory, error=HFCheckpointError, what="safetensors file") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-            raise HFCheckpointError(
-                f"{where}: header length {n} does not fit the file ({size} bytes)"
-            )
-        doc = parse_json(f.read(n), where, error=HFCheckpointError)
-    if not isinstance(doc, dict):
-        raise HFCheckpointError(f"{where}: the header is not a JSON object")
+        doc, n = safetensors_header(f, where, error=HFCheckpointError)
     out, data = {}, size - 8 - n
     for key, entry in doc.items():
         if key == "__metadata__":
