@@ -1,0 +1,80 @@
+"""Checkpoints, exports and errors of layers with expert replicas see canonical experts:
+GroupedApply state saved once per expert and loaded into every copy, check_experts_finite
+naming experts (not slots), to_hf / load_hf_checkpoint with spare slots."""
+
+import torch
+
+import moe
+from moe.checkpoint import load_checkpoint, save_checkpoint
+from moe.parallel import init_mesh, parallelize
+from moe.parallel.rebalance import rebalance_experts
+from tests.distributed import run_ranks
+from tests.test_replicas import TOL64, E, _batch, _canonical, _full, _pair, _step
+
+
+def _grouped(model):
+    return moe.memory.GroupedApply(
+        model.parameters(), torch.optim.AdamW, groups=2, lr=1e-2, weight_decay=0.1
+    )
+
+
+def _state(model, opt, grouped=True):
+    """Every expert parameter's AdamW moments, rows in canonical order (copies checked equal)."""
+    out = {}
+    for name, p in model.named_parameters():
+        layer = model.get_submodule(name.rsplit(".experts.", 1)[0]) if ".experts." in name else None
+        state = opt.state_of(p) if grouped else opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = _full(state[key])
+            if layer is not None and layer.config.spare_slots:
+                first = full[layer.slot_of_expert_E]
+                torch.testing.assert_close(full, first[layer.expert_of_slot_S], rtol=0, atol=0)
+                full = first
+            out[f"{name}/{key}"] = full
+    return out
+
+
+def _save_body(rank, world, path):
+    """ep = world with replicas and GroupedApply: 4 steps around a rebalance, then save."""
+    mesh = init_mesh(dp=1, ep=world)
+    model = parallelize(_pair(world)[1], mesh, "ddp")
+    opt = _grouped(model)
+    for s in (0, 1):
+        _step(model, opt, s, rank, world, True, mesh=mesh)
+    rebalance_experts(model, opt, min_gain=0.0)
+    assert any(m.expert_of_slot_S.tolist() != list(range(E)) + [0, 1] for m in model[1::2])
+    for s in (2, 3):
+        _step(model, opt, s, rank, world, True, mesh=mesh)
+    save_checkpoint(path, model, opt)
+    return _canonical(model), _state(model, opt)
+
+
+def test_grouped_apply_state_of_replicas_round_trips(tmp_path):
+    """Saved at ep = 2 with replicas (rebalanced) and GroupedApply; loaded in one process
+    without replicas (AdamW and GroupedApply) and with 3 spare slots (GroupedApply: every copy
+    filled): the weights and AdamW moments the saving run had, and the next step is the same
+    in all three."""
+    path = str(tmp_path / "ckpt")
+    saved_params, saved_state = run_ranks(_save_body, 2, path, timeout=120)[0]
+    after = None
+    for R, grouped in ((0, False), (0, True), (3, True)):
+        model = _pair(R, seed=5)[R > 0]
+        opt = (
+            _grouped(model)
+            if grouped
+            else torch.optim.AdamW(model.parameters(), 1e-2, weight_decay=0.1)
+        )
+        load_checkpoint(path, model, opt)
+        for name, value in _canonical(model).items():
+            torch.testing.assert_close(value, saved_params[name], rtol=0, atol=0, msg=name)
+        for key, value in _state(model, opt, grouped).items():
+            torch.testing.assert_close(value, saved_state[key], rtol=0, atol=0, msg=key)
+        _step(model, opt, 4, 0, 1, R > 0)
+        with torch.no_grad():
+            y = model(_batch(99)[0])
+        params = _canonical(model)
+        if after is None:
+            after = (y, params)
+        torch.testing.assert_close(y, after[0], **TOL64, msg=f"R={R}")
+        for name, value in params.items():
+            torch.testing.assert_close(value, after[1][name], **TOL64, msg=f"R={R} {name}")
