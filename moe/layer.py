@@ -148,7 +148,8 @@ class MoELayer(nn.Module):
 
         backend = self.experts.resolve_backend(x_TD)  # once per layer call, passed down
         check = self.name if self.config.check_finite else None
-        experts = LayerExperts(self.experts, backend, check_finite=check)
+        slot_map = self.expert_of_slot() if check else None  # errors name canonical experts
+        experts = LayerExperts(self.experts, backend, check_finite=check, expert_of_slot_S=slot_map)
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)
         y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared, backend=backend)
@@ -247,6 +248,12 @@ class MoELayer(nn.Module):
             self.aux_loss = self.aux_loss + term
         if algorithm is not None:  # expert-parallel: 1 when "auto" chose the hierarchical one
             self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
+
+    def expert_of_slot(self) -> torch.Tensor:
+        """[S] the canonical expert each expert slot holds (placement and replicas)."""
+        if self.config.spare_slots:
+            return self.expert_of_slot_S
+        return torch.argsort(self.slot_of_expert_E)
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""

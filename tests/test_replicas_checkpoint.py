@@ -2,6 +2,7 @@
 GroupedApply state saved once per expert and loaded into every copy, check_experts_finite
 naming experts (not slots), to_hf / load_hf_checkpoint with spare slots."""
 
+import pytest
 import torch
 
 import moe
@@ -9,7 +10,7 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from tests.distributed import run_ranks
-from tests.test_replicas import TOL64, E, _batch, _canonical, _full, _pair, _step
+from tests.test_replicas import TOL64, D, E, F, _batch, _canonical, _full, _pair, _step
 
 
 def _grouped(model):
@@ -78,3 +79,24 @@ def test_grouped_apply_state_of_replicas_round_trips(tmp_path):
         torch.testing.assert_close(y, after[0], **TOL64, msg=f"R={R}")
         for name, value in params.items():
             torch.testing.assert_close(value, after[1][name], **TOL64, msg=f"R={R} {name}")
+
+
+@pytest.mark.parametrize("spare", [0, 3])
+def test_check_finite_names_canonical_experts_not_slots(spare):
+    """A NaN planted in one copy (the spare slot, or a permuted slot after a rebalance) is
+    reported as the canonical expert that copy holds, with the slot beside it."""
+    torch.manual_seed(0)
+    layer = moe.MoELayer(D, F, E, top_k=2, spare_slots=spare, check_finite=True, name="ffn")
+    with torch.no_grad():  # a non-trivial layout: experts reversed, spare slots copy 7, 6, 5
+        order = list(range(E))[::-1]
+        layer.slot_of_expert_E.copy_(torch.tensor([order.index(e) for e in range(E)]))
+        if spare:
+            layer.expert_of_slot_S.copy_(torch.tensor(order + [7, 6, 5]))
+        slot = E + 1 if spare else 2  # holds expert 6 (spare: its second copy) / expert 5
+        layer.experts.w1[slot, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"ffn: .*expert\(s\) \[(6|5)\] \(slots?"):
+        layer(torch.randn(64, D))
+    try:
+        layer(torch.randn(64, D))
+    except FloatingPointError as e:
+        assert f"[{6 if spare else 5}]" in str(e) and f"[{slot}]" in str(e), str(e)
