@@ -100,3 +100,51 @@ def test_check_finite_names_canonical_experts_not_slots(spare):
         layer(torch.randn(64, D))
     except FloatingPointError as e:
         assert f"[{6 if spare else 5}]" in str(e) and f"[{slot}]" in str(e), str(e)
+
+
+def _relayout(model, shift: int) -> None:
+    """A non-trivial slot map in every converted layer: experts rotated by `shift`, the spare
+    slots copying the experts after them; weights moved with it (same function)."""
+    with torch.no_grad():
+        for layer in [m for m in model.modules() if isinstance(m, moe.interop.HFMoELayer)]:
+            E, R = layer.config.num_experts, layer.config.spare_slots
+            canon = [p[layer.slot_of_expert_E].clone() for p in layer.experts.parameters()]
+            order = [(e + shift) % E for e in range(E)]
+            eos = order + [(shift + E - 1 - i) % E for i in range(R)]
+            layer.expert_of_slot_S.copy_(torch.tensor(eos))
+            layer.slot_of_expert_E.copy_(torch.tensor([eos.index(e) for e in range(E)]))
+            for p, c in zip(layer.experts.parameters(), canon):
+                p.copy_(c[layer.expert_of_slot_S])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_export_and_load_with_spare_slots(family, tmp_path):
+    """transformers' real classes: converted with 2 spare slots and a rotated slot map, the
+    model computes the reference's logits; to_hf and save_hf_checkpoint write canonical
+    experts (transformers computes the same logits); load_hf_checkpoint into a model with
+    spare slots (another slot map) fills every copy."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf_checkpoint import converted_from_config, logits
+    from tests.test_hf_parity import fresh
+
+    reference = fresh(family)
+    ids = torch.randint(0, 97, (2, 9))
+    expected = logits(reference, ids)
+    model = moe.from_hf(fresh(family), spare_slots=2)
+    _relayout(model, 3)
+    torch.testing.assert_close(logits(model, ids), expected, rtol=1e-5, atol=1e-6)
+    moe.save_hf_checkpoint(model, str(tmp_path / "out"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    torch.testing.assert_close(logits(again, ids), expected, rtol=1e-5, atol=1e-6)
+    loaded = converted_from_config(family)  # other weights, rebuilt with spare slots
+    loaded = moe.from_hf(moe.to_hf(loaded), spare_slots=2)
+    _relayout(loaded, 5)
+    assert not torch.allclose(logits(loaded, ids), expected)
+    moe.load_hf_checkpoint(loaded, str(tmp_path / "out"))
+    torch.testing.assert_close(logits(loaded, ids), expected, rtol=1e-5, atol=1e-6)
+    for layer in [m for m in loaded.modules() if isinstance(m, moe.interop.HFMoELayer)]:
+        assert layer.expert_of_slot_S[0] == 5  # the live slot map is kept
+        for p in layer.experts.parameters():  # every copy holds its expert
+            torch.testing.assert_close(p, p[layer.slot_of_expert_E][layer.expert_of_slot_S])
+    exported = moe.to_hf(model)
+    torch.testing.assert_close(logits(exported, ids), expected, rtol=1e-5, atol=1e-6)
