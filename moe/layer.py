@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from moe import replica_guard
 from moe.backward_watch import BackwardWatch
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
@@ -117,6 +118,11 @@ class MoELayer(nn.Module):
                 for p in self.experts.parameters():
                     p[num_experts:] = p[list(copies[num_experts:])]
         self._backwards = BackwardWatch()
+        # replicas: a forward whose output takes a gradient leaves the copies' gradients to
+        # be summed (moe.parallel.sum_replica_grads); optimizer steps refuse until then
+        self.replica_grads_pending = False
+        if spare:
+            replica_guard.watch(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -134,7 +140,12 @@ class MoELayer(nn.Module):
             y_TD = self._forward_tokens(x_TD)
         if y_TD.requires_grad and not torch.compiler.is_compiling():
             y_TD = self._backwards.watch(y_TD)
+            self.replica_grads_pending = bool(self.config.spare_slots)
         return y_TD.view(x.shape)
+
+    def replica_grads_summed(self) -> None:
+        """moe.parallel.sum_replica_grads summed the copies' gradients: steps may run."""
+        self.replica_grads_pending = False
 
     def backward_pending(self) -> bool:
         """Whether a training forward's output still waits for its backward (its graph is

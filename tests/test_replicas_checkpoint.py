@@ -9,6 +9,7 @@ import moe
 from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
+from moe.parallel.replicas import sum_replica_grads
 from tests.distributed import run_ranks
 from tests.test_replicas import TOL64, D, E, F, _batch, _canonical, _full, _pair, _step
 
@@ -148,3 +149,39 @@ def test_hf_export_and_load_with_spare_slots(family, tmp_path):
             torch.testing.assert_close(p, p[layer.slot_of_expert_E][layer.expert_of_slot_S])
     exported = moe.to_hf(model)
     torch.testing.assert_close(logits(exported, ids), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_step_without_sum_replica_grads_is_refused(grouped):
+    """Forgetting sum_replica_grads: optimizer.step (torch's AdamW or GroupedApply) and
+    clip_grad_norm_ raise naming the layers, before anything changes; two micro-batches then
+    one sum step normally, equal to the model without replicas."""
+    from moe.replica_guard import ReplicaGradsNotSummed
+
+    ref, rep = _pair(3)
+    opts = [
+        _grouped(m) if grouped else torch.optim.AdamW(m.parameters(), 1e-2, weight_decay=0.1)
+        for m in (ref, rep)
+    ]
+    x = torch.randn(16, D, dtype=torch.float64)
+    for model in (ref, rep):
+        for xs in x.tensor_split(2):  # gradient accumulation
+            model(xs).square().sum().backward()
+    before = _canonical(rep)
+    step = f"{type(opts[1]).__name__}.step: the expert copies of moe, moe hold unsummed"
+    with pytest.raises(ReplicaGradsNotSummed, match=step):
+        opts[1].step()
+    with pytest.raises(ReplicaGradsNotSummed, match="clip_grad_norm_: .* of 1, 3 hold unsummed"):
+        moe.parallel.clip_grad_norm_(rep, 1.0)
+    for name, value in _canonical(rep).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+    sum_replica_grads(rep)
+    for model, opt in zip((ref, rep), opts):
+        moe.parallel.clip_grad_norm_(model, 0.1, optimizer=opt if grouped else None)
+        opt.step()  # ref (no spare slots) never needs the sum
+    after = _canonical(rep)
+    for name, value in _canonical(ref).items():
+        torch.testing.assert_close(after[name], value, **TOL64, msg=name)
+    with torch.no_grad():
+        rep(x)  # no gradient: nothing pending
+    opts[1].step()
