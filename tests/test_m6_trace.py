@@ -85,3 +85,11 @@ def test_rebalance_with_spare_slots_writes_records_to_the_trace(tmp_path):
         assert r["max_over_mean_after"] <= r["max_over_mean_before"] + 1e-9
     assert not (tmp_path / "rebalance.jsonl").exists()
     assert plot_trace.main([str(tmp_path / "routing_trace.jsonl"), str(tmp_path / "t.png")]) == 0
+    from bench.rebalance import m6_trace_loads  # the M6 rows of python -m bench.rebalance
+
+    loads = m6_trace_loads(str(tmp_path / "routing_trace.jsonl"), 2)
+    assert set(loads) == layers
+    for name, share in loads.items():
+        last = [r["routed_per_expert"] for r in records if r["layer"] == name and "kind" not in r]
+        want = [(a / sum(last[-2]) + b / sum(last[-1])) / 2 for a, b in zip(*last[-2:])]
+        assert share == pytest.approx(want)
