@@ -118,8 +118,8 @@ class MoELayer(nn.Module):
                 for p in self.experts.parameters():
                     p[num_experts:] = p[list(copies[num_experts:])]
         self._backwards = BackwardWatch()
-        # replicas: a forward whose output takes a gradient leaves the copies' gradients to
-        # be summed (moe.parallel.sum_replica_grads); optimizer steps refuse until then
+        # replicas: a backward through this layer leaves the copies' gradients to be summed
+        # (moe.parallel.sum_replica_grads); optimizer steps refuse until then
         self.replica_grads_pending = False
         if spare:
             replica_guard.watch(self)
@@ -139,9 +139,12 @@ class MoELayer(nn.Module):
         else:
             y_TD = self._forward_tokens(x_TD)
         if y_TD.requires_grad and not torch.compiler.is_compiling():
-            y_TD = self._backwards.watch(y_TD)
-            self.replica_grads_pending = bool(self.config.spare_slots)
+            marks = self._replica_grads_arrived if self.config.spare_slots else None
+            y_TD = self._backwards.watch(y_TD, marks)
         return y_TD.view(x.shape)
+
+    def _replica_grads_arrived(self) -> None:
+        self.replica_grads_pending = True  # a backward reached this layer: copies to sum
 
     def replica_grads_summed(self) -> None:
         """moe.parallel.sum_replica_grads summed the copies' gradients: steps may run."""

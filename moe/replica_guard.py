@@ -3,7 +3,7 @@
 A layer with spare slots (MoEConfig.spare_slots) holds copies of experts; after backward each
 copy's gradient holds only its share of the rows until moe.parallel.sum_replica_grads adds
 them up. A step without that sum would move the copies apart silently. So every such layer
-marks itself pending when a forward's output will take a gradient, sum_replica_grads clears
+marks itself pending when a backward reaches its output, sum_replica_grads clears
 the mark, and a global torch optimizer step pre-hook (registered once, the first time a
 layer with spare slots is built; torch.optim.optimizer.register_optimizer_step_pre_hook)
 raises before any optimizer - torch's or moe.memory.GroupedApply - steps parameters of a

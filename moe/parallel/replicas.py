@@ -20,9 +20,9 @@ Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each
 (extra_copies_power_sum takes the repeated copies out of the global norm).
 
 Forgetting the call is an error, not drift: a layer with spare slots is pending from a
-forward that takes a gradient until this call, and any optimizer's step (a global torch step
-pre-hook) or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed
-naming it, on every rank (every rank runs the same forwards), before anything changes.
+backward through it until this call, and any optimizer's step (a global torch step pre-hook)
+or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed naming
+it (moe/replica_guard.py), before anything changes.
 """
 
 import torch
