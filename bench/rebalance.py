@@ -2,7 +2,7 @@
 moe.parallel.plan_placement, then with replicas (moe.parallel.replica_placement.plan_replicas,
 --spare-slots per layer, default one per rank), and the MoE-layer step time that implies.
 
-    python -m bench.rebalance [--m6-state runs/x/checkpoint/step-N/state.json] [--write]
+    python -m bench.rebalance [--m6-trace runs/x/routing_trace.jsonl] [--write]
     [--spare-slots R]
 
 Replica columns: largest / mean after placement + R replicas, the lower bound for that R
@@ -13,9 +13,9 @@ every copy keeps its own state), and the bytes each rank sends per step to sum t
 gradients (one all-reduce of the replicated experts' bf16 gradients over the W ranks: a
 ring sends 2 (W - 1) / W of it).
 
-Loads: the per-expert load of a trained M6 run (history["load"] in a checkpoint's
-state.json: the share of rows per expert each step, averaged over the last --m6-steps
-steps), and Zipf-distributed synthetic loads (share of expert i ~ 1 / rank_i^s over a random
+Loads: the per-expert load of a trained M6 run (its routing trace's routed_per_expert,
+--m6-trace; or history["load"] in an older checkpoint's state.json, --m6-state: the share of
+rows per expert each step, averaged over the last --m6-steps steps), and Zipf-distributed synthetic loads (share of expert i ~ 1 / rank_i^s over a random
 order of the experts: hot experts land on ranks by chance) at E = 64 and 128 over W = 8 ranks.
 
 Step time of one MoE layer from the busiest rank (nothing overlapped): its expert GEMMs,
@@ -57,6 +57,23 @@ def m6_loads(path: str, last: int) -> dict[str, list[float]]:
     for name, per_step in history["load"].items():
         rows = per_step[-last:]
         out[name] = [sum(r[e] for r in rows) / len(rows) for e in range(len(rows[0]))]
+    return out
+
+
+def m6_trace_loads(path: str, last: int) -> dict[str, list[float]]:
+    """Per layer: each expert's share of the routed rows (routed_per_expert) of the last
+    `last` steps of an M6 run's routing trace, read through moe.routing_trace.read_trace."""
+    from moe.routing_trace import read_trace
+
+    steps: dict[str, list[list[int]]] = {}
+    for record in read_trace(path):
+        if "routed_per_expert" in record:
+            steps.setdefault(record["layer"], []).append(record["routed_per_expert"])
+    out = {}
+    for name, per_step in steps.items():
+        rows = per_step[-last:]
+        shares = [[c / max(1, sum(r)) for c in r] for r in rows]
+        out[name] = [sum(r[e] for r in shares) / len(shares) for e in range(len(shares[0]))]
     return out
 
 
@@ -123,6 +140,9 @@ def row(label, load, W, tokens_rows, d, F, n_mats, cpu_rate, R=0):
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m6-state", help="state.json of an M6 checkpoint (history of loads)")
+    ap.add_argument(
+        "--m6-trace", help="routing_trace.jsonl of an M6 run (per-step routed rows per expert)"
+    )
     ap.add_argument("--m6-steps", type=int, default=50, help="average the last n steps")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
@@ -154,8 +174,13 @@ def main(argv=None) -> str:
         + "---|" * (9 + 8 * bool(R))
     )
     lines = [head]
+    m6 = {}
     if args.m6_state:
-        for name, load in m6_loads(args.m6_state, args.m6_steps).items():
+        m6.update(m6_loads(args.m6_state, args.m6_steps))
+    if args.m6_trace:
+        m6.update(m6_trace_loads(args.m6_trace, args.m6_steps))
+    if m6:
+        for name, load in m6.items():
             lines.append(row(f"M6 {name}", load, W, rows, d, F, 2, cpu_rate, R))
     for E in (64, 128):
         for s in (0.6, 0.8, 1.0, 1.2):

@@ -16,14 +16,16 @@ class _Mark(torch.autograd.Function):
     """Identity; its backward records that the gradient arrived."""
 
     @staticmethod
-    def forward(ctx, y, done):
-        ctx.done = done
+    def forward(ctx, y, done, on_backward):
+        ctx.done, ctx.on_backward = done, on_backward
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.done[0] = True
-        return grad, None
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return grad, None, None
 
 
 class BackwardWatch:
@@ -32,11 +34,12 @@ class BackwardWatch:
     def __init__(self) -> None:
         self._watched: list[tuple[weakref.ref, list[bool]]] = []
 
-    def watch(self, y: torch.Tensor) -> torch.Tensor:
-        """`y` (requires grad), watched until its gradient is computed or its graph dies."""
+    def watch(self, y: torch.Tensor, on_backward=None) -> torch.Tensor:
+        """`y` (requires grad), watched until its gradient is computed or its graph dies;
+        `on_backward()` (optional) runs when the gradient arrives."""
         self._watched = [w for w in self._watched if self._alive(w)]
         done = [False]
-        out = _Mark.apply(y, done)
+        out = _Mark.apply(y, done, on_backward)
         self._watched.append((weakref.ref(out.grad_fn), done))
         return out
 

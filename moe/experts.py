@@ -149,6 +149,8 @@ class LayerExperts(ExpertFn):
     module: GroupedExperts
     backend: str
     check_finite: str | None = None
+    # with check_finite: the layer's slot -> canonical expert map, so errors name experts
+    expert_of_slot_S: torch.Tensor | None = None
     algorithm: str | None = None  # set by each call: ctx.algorithm
 
     @property
@@ -172,7 +174,9 @@ class LayerExperts(ExpertFn):
     def _seen(self, out_RD, offsets_L, ctx: DispatchContext) -> torch.Tensor:
         self.algorithm = ctx.algorithm
         if self.check_finite is not None:
-            check_experts_finite(self.check_finite, self.module, out_RD, offsets_L)
+            check_experts_finite(
+                self.check_finite, self.module, out_RD, offsets_L, self.expert_of_slot_S
+            )
         return out_RD
 
 
@@ -197,11 +201,17 @@ def is_expert_parameter(model: nn.Module, param: torch.Tensor) -> bool:
 
 
 def check_experts_finite(
-    layer_name: str, experts: GroupedExperts, out_RD: torch.Tensor, offsets_L: torch.Tensor
+    layer_name: str,
+    experts: GroupedExperts,
+    out_RD: torch.Tensor,
+    offsets_L: torch.Tensor,
+    expert_of_slot_S: torch.Tensor | None = None,
 ) -> None:
-    """Debug check (MoEConfig.check_finite): raise FloatingPointError naming the layer and the
-    global ids of experts whose weights or output rows hold NaN or Inf. Reads device values
-    (a host sync), so it is off by default."""
+    """Debug check (MoEConfig.check_finite): raise FloatingPointError naming the layer, the
+    canonical ids of experts whose weights or output rows hold NaN or Inf, and the global
+    slots that hold them (expert_of_slot_S: the layer's slot -> expert map under a placement
+    or replicas; None: slot = expert). Reads device values (a host sync), so it is off by
+    default."""
     bad_L = torch.zeros(experts.num_experts, dtype=torch.bool, device=out_RD.device)
     for _, p in experts.named_parameters(recurse=False):
         bad_L |= ~torch.isfinite(local(p.detach())).flatten(1).all(1)
@@ -210,7 +220,9 @@ def check_experts_finite(
     bad_R = ~torch.isfinite(out_RD.detach()).all(1) & (expert_R < experts.num_experts)
     bad_L |= torch.bincount(expert_R[bad_R], minlength=experts.num_experts + 1)[:-1] > 0
     if bool(bad_L.any()):
-        ids = (bad_L.nonzero().flatten() + experts.expert_offset).tolist()
+        slots = bad_L.nonzero().flatten() + experts.expert_offset
+        ids = slots if expert_of_slot_S is None else expert_of_slot_S.to(slots.device)[slots]
         raise FloatingPointError(
-            f"{layer_name}: NaN or Inf in the weights or outputs of expert(s) {ids}"
+            f"{layer_name}: NaN or Inf in the weights or outputs of expert(s) "
+            f"{sorted(set(ids.tolist()))} (slots {slots.tolist()})"
         )

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from moe import replica_guard
 from moe.backward_watch import BackwardWatch
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
@@ -117,6 +118,11 @@ class MoELayer(nn.Module):
                 for p in self.experts.parameters():
                     p[num_experts:] = p[list(copies[num_experts:])]
         self._backwards = BackwardWatch()
+        # replicas: a backward through this layer leaves the copies' gradients to be summed
+        # (moe.parallel.sum_replica_grads); optimizer steps refuse until then
+        self.replica_grads_pending = False
+        if spare:
+            replica_guard.watch(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -133,8 +139,16 @@ class MoELayer(nn.Module):
         else:
             y_TD = self._forward_tokens(x_TD)
         if y_TD.requires_grad and not torch.compiler.is_compiling():
-            y_TD = self._backwards.watch(y_TD)
+            marks = self._replica_grads_arrived if self.config.spare_slots else None
+            y_TD = self._backwards.watch(y_TD, marks)
         return y_TD.view(x.shape)
+
+    def _replica_grads_arrived(self) -> None:
+        self.replica_grads_pending = True  # a backward reached this layer: copies to sum
+
+    def replica_grads_summed(self) -> None:
+        """moe.parallel.sum_replica_grads summed the copies' gradients: steps may run."""
+        self.replica_grads_pending = False
 
     def backward_pending(self) -> bool:
         """Whether a training forward's output still waits for its backward (its graph is
@@ -148,7 +162,8 @@ class MoELayer(nn.Module):
 
         backend = self.experts.resolve_backend(x_TD)  # once per layer call, passed down
         check = self.name if self.config.check_finite else None
-        experts = LayerExperts(self.experts, backend, check_finite=check)
+        slot_map = self.expert_of_slot() if check else None  # errors name canonical experts
+        experts = LayerExperts(self.experts, backend, check_finite=check, expert_of_slot_S=slot_map)
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)
         y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared, backend=backend)
@@ -247,6 +262,12 @@ class MoELayer(nn.Module):
             self.aux_loss = self.aux_loss + term
         if algorithm is not None:  # expert-parallel: 1 when "auto" chose the hierarchical one
             self.stats["a2a_hierarchical"] = torch.tensor(int(algorithm == "hierarchical"))
+
+    def expert_of_slot(self) -> torch.Tensor:
+        """[S] the canonical expert each expert slot holds (placement and replicas)."""
+        if self.config.spare_slots:
+            return self.expert_of_slot_S
+        return torch.argsort(self.slot_of_expert_E)
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""

@@ -16,6 +16,10 @@ read once; rank 0 appends one line per step and layer:
      [...], "dropped": 3, "load_cv": 0.41, "max_over_mean": 1.9, "dead_experts": 0,
      "ep": 2, "rank_load": [...]}
 
+and, after each `record_rebalance(step, report)`, one rebalance record per layer
+({"kind": "rebalance", ...}: copies per expert, load before and after, slots moved, bytes
+sent; moe/trace_rebalance.py).
+
 tokens_per_expert: pairs each expert computed (after capacity drops); routed_per_expert: pairs
 the router sent it (before drops). The load metrics are those of routed_per_expert, as in
 layer.stats: load_cv = std / mean (population std), max_over_mean, dead_experts = experts with
@@ -36,6 +40,8 @@ from torch import nn
 from moe.comm.consistency import all_gather_records
 from moe.gating.balance import in_recomputation
 from moe.layer import moe_layers
+from moe.trace_rebalance import KIND as REBALANCE
+from moe.trace_rebalance import check_rebalance_line, rebalance_lines
 from moe.untrusted import MAX_DEPTH, json_depth, open_regular
 
 MAX_LINE_BYTES = 1 << 24  # a trace line: one step of one layer (E counts)
@@ -91,6 +97,7 @@ class RoutingTrace:
         ]
         self.steps_done = resume_from or 0  # default line numbers continue after it
         self.buffer: list[torch.Tensor] = []  # one packed row per step, on the device
+        self.pending: list[dict] = []  # rebalance records, written after the buffered steps
         self.step_ids: list[int] = []
         self.current: list[torch.Tensor | None] = [None] * len(self.layers)
         self.hooks = [
@@ -146,9 +153,18 @@ class RoutingTrace:
         if len(self.buffer) >= self.every:
             self.flush()
 
+    def record_rebalance(self, step: int, report) -> None:
+        """A moe.parallel.rebalance_experts call's per-layer summary (its RebalanceReport:
+        copies per expert, load before and after, slots moved, bytes sent; see
+        moe/trace_rebalance.py), written with the next flush after the steps buffered now.
+        Host data only: no collective, any rank may call it (the writer writes)."""
+        ep = dict(zip((name for name, _ in self.layers), self.ep))
+        self.pending += rebalance_lines(step, report, ep)
+
     def flush(self) -> None:
         """Reduce and write the buffered steps now (a collective: every rank calls it)."""
         if not self.buffer:
+            self._write_pending()
             return
         packed_SN = torch.stack(self.buffer)
         if self.distributed:
@@ -169,6 +185,13 @@ class RoutingTrace:
                     offset += 2 * E + 1
                     line = trace_line(step, name, kept, routed, dropped, ep, slot)
                     f.write(json.dumps(line) + "\n")
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        lines, self.pending = self.pending, []
+        if self.writer and lines:
+            with self.path.open("a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
 
     def close(self) -> None:
         """Write what is buffered and remove the hooks."""
@@ -248,7 +271,8 @@ def read_trace(path: str | Path) -> list[dict]:
             if not raw.strip():
                 continue
             record = _check_line(raw, where)
-            shape = (len(record["routed_per_expert"]), record["ep"])
+            E = len(record.get("routed_per_expert", record.get("copies_per_expert", ())))
+            shape = (E, record["ep"])
             if shape_of.setdefault(record["layer"], shape) != shape:
                 raise ValueError(
                     f"{where}: layer {record['layer']!r} has E={shape[0]}, ep={shape[1]} here and "
@@ -284,6 +308,10 @@ def _check_line(raw: bytes, where: str) -> dict:
     record = parse_json(raw, where)
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object")
+    if "kind" in record:  # routing lines have none; moe/trace_rebalance.py's records
+        if record["kind"] != REBALANCE:
+            raise ValueError(f"{where}: unknown record kind {record['kind']!r:.100}")
+        return check_rebalance_line(record, where, MAX_LAYER_NAME)
     for field, kind in FIELDS.items():
         value = record.get(field)
         ok = isinstance(value, (int, float) if kind is float else kind)

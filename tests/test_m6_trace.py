@@ -57,3 +57,39 @@ def test_a_fifo_as_the_trace_is_one_error_line_not_a_hang(tmp_path):
     assert done.stderr.startswith("error: routing trace") and "not a regular file" in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "checkpoint").exists()
+
+
+def _rebalancing_ranks(rank, world, run_dir):
+    argv = ["--experts", "8", "--rebalance-every", "2", "--spare-slots", "2", "--log-every", "2"]
+    argv += ["--steps", "4", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST]
+    return train.main(argv)
+
+
+def test_rebalance_with_spare_slots_writes_records_to_the_trace(tmp_path):
+    """2 gloo ranks, --rebalance-every 2 --spare-slots 2: each rebalance's per-layer summary
+    is in the routing trace (read back by read_trace, skipped by the plot tool), no
+    rebalance.jsonl."""
+    import moe
+    from moe.tools import plot_trace
+    from tests.distributed import run_ranks
+
+    assert run_ranks(_rebalancing_ranks, 2, str(tmp_path), timeout=180) == [0, 0]
+    records = moe.read_trace(tmp_path / "routing_trace.jsonl")
+    rebalances = [r for r in records if r.get("kind") == "rebalance"]
+    layers = {r["layer"] for r in records if "kind" not in r}
+    assert [r["step"] for r in rebalances] == [2] * len(layers) + [4] * len(layers)
+    assert {r["layer"] for r in rebalances} == layers
+    for r in rebalances:
+        assert r["ep"] == 2 and len(r["copies_per_expert"]) == 8
+        assert sum(r["copies_per_expert"]) == 10 and max(r["copies_per_expert"]) == 2
+        assert r["max_over_mean_after"] <= r["max_over_mean_before"] + 1e-9
+    assert not (tmp_path / "rebalance.jsonl").exists()
+    assert plot_trace.main([str(tmp_path / "routing_trace.jsonl"), str(tmp_path / "t.png")]) == 0
+    from bench.rebalance import m6_trace_loads  # the M6 rows of python -m bench.rebalance
+
+    loads = m6_trace_loads(str(tmp_path / "routing_trace.jsonl"), 2)
+    assert set(loads) == layers
+    for name, share in loads.items():
+        last = [r["routed_per_expert"] for r in records if r["layer"] == name and "kind" not in r]
+        want = [(a / sum(last[-2]) + b / sum(last[-1])) / 2 for a, b in zip(*last[-2:])]
+        assert share == pytest.approx(want)

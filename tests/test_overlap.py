@@ -243,7 +243,8 @@ def test_pipeline_order_forward_and_backward():
     results = run_ranks(_trace_body, 4, timeout=60)
     for rank, (_, message) in enumerate(results):
         assert message.endswith(
-            f"NaN or Inf in the weights or outputs of expert(s) [{2 * rank + 1}]"
+            f"NaN or Inf in the weights or outputs of expert(s) [{2 * rank + 1}] "
+            f"(slots [{2 * rank + 1}])"
         )
     traces = [t for t, _ in results]
     # forward: both dispatches start, the shared experts run (H), land chunk 0, experts 0 (X),

@@ -181,7 +181,7 @@ def _rows(rank, world, step, n):
     return slice(i * per, n if i == len(owners) - 1 else (i + 1) * per)
 
 
-def _step(model, opt, step, rank, world, replicas, micro=1):
+def _step(model, opt, step, rank, world, replicas, micro=1, mesh=None):
     x, y = _batch(step)
     rows = _rows(rank, world, step, x.shape[0])
     x, y = x[rows], y[rows]
@@ -190,7 +190,6 @@ def _step(model, opt, step, rank, world, replicas, micro=1):
         loss.backward()
     if replicas:
         sum_replica_grads(model)
-    mesh = moe.moe_layers(model)[0][1].mesh
     moe.parallel.clip_grad_norm_(model, 0.5, mesh)  # active: the norm is larger
     grads = _canonical(model, grads=True)
     opt.step()
@@ -216,7 +215,7 @@ def _run_body(rank, world, layouts, path=None):
                 )
             else:
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            grads = [_step(model, opt, s, rank, world, replicas, micro) for s in (0, 1)]
+            grads = [_step(model, opt, s, rank, world, replicas, micro, mesh) for s in (0, 1)]
             report = None
             if replicas:
                 with torch.no_grad():
@@ -224,7 +223,7 @@ def _run_body(rank, world, layouts, path=None):
                 report = rebalance_experts(model, opt, min_gain=0.0)
                 with torch.no_grad():
                     torch.testing.assert_close(model(probe), before, **TOL64)
-            grads += [_step(model, opt, s, rank, world, replicas, micro) for s in (2, 3)]
+            grads += [_step(model, opt, s, rank, world, replicas, micro, mesh) for s in (2, 3)]
             with torch.no_grad():
                 y = model(probe)
             if replicas and path is not None and layout == layouts[0]:
@@ -277,7 +276,7 @@ def _load_body(rank, world, path, spare):
         with torch.no_grad():
             y = model(_batch(99)[0])
         loaded = _canonical(model)
-        _step(model, opt, 4, rank, world, R > 0)
+        _step(model, opt, 4, rank, world, R > 0, mesh=mesh)
         with torch.no_grad():
             out.append((y, loaded, model(_batch(99)[0]), _canonical(model)))
     return out

@@ -242,6 +242,22 @@ def test_hostile_trace_lines_are_one_error_naming_the_line(tmp_path, capsys):
             r"bad\.jsonl:2: layer 'x' has E=4, ep=2 here and E=2, ep=2 above"
         ),
     }
+    rebalance = {"kind": "rebalance", "step": 1, "layer": "x", "ep": 2,
+                 "copies_per_expert": [2, 1], "max_over_mean_before": 1.5,
+                 "max_over_mean_after": 1.0, "slots_moved": 1, "call_bytes_sent": 10}  # fmt: skip
+    reb = json.dumps(rebalance)
+    cases.update({
+        reb.replace('"max_over_mean_after": 1.0', '"max_over_mean_after": NaN'): "not JSON",
+        json.dumps({**rebalance, "slots_moved": -1}): "'slots_moved' must not be negative",
+        json.dumps({**rebalance, "call_bytes_sent": 10**30}): "integer of 31 digits",
+        reb[:-1] + ', "step": 2}': r"key 'step' appears twice",
+        json.dumps({**rebalance, "copies_per_expert": [3, 1]}): "integers from 1 to ep=2",
+        json.dumps({**rebalance, "copies_per_expert": [1] * 4}): "layer 'x' has E=4",
+        json.dumps({**rebalance, "layer": "L" * (1 << 20)}): "layer name longer than 1024",
+        json.dumps({**rebalance, "extra": [0] * 5}): "unknown field 'extra'",
+        json.dumps({**rebalance, "kind": "other"}): "unknown record kind 'other'",
+        json.dumps({**rebalance, "ep": True}): "'ep' must be int",
+    })  # fmt: skip
     assert '"load_cv": 0.5' in text and '"step": 1,' in text
     path = tmp_path / "bad.jsonl"
     for line, message in cases.items():
@@ -253,8 +269,8 @@ def test_hostile_trace_lines_are_one_error_naming_the_line(tmp_path, capsys):
         assert err.startswith(f"error: {path}:2: ") and err.count("\n") == 1, err[:300]
     assert not (tmp_path / "x.png").exists()
     other = expected_line(1, "y", [1, 2, 3, 4], [1, 3, 0, 0], 1, 2)  # another layer's E: fine
-    path.write_text(text + "\n" + json.dumps(other) + "\n")
-    assert len(moe.read_trace(path)) == 2
+    path.write_text(text + "\n" + json.dumps(other) + "\n" + reb + "\n")
+    assert moe.read_trace(path)[2] == rebalance
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "damaged"])

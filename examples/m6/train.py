@@ -140,26 +140,11 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
     return metrics.row(global_targets)
 
 
-def rebalance(model, opt, step: int, path: Path | None) -> None:
+def rebalance(model, opt, step: int, trace) -> None:
     """Re-place experts (and their copies with --spare-slots): weights and optimizer state move
-    together. Rank 0 (path given) appends one summary line per layer to `path` (JSON lines
-    beside routing_trace.jsonl): largest / mean rank load before and after, the copies of each
-    expert, slots moved and the bytes rank 0 sent."""
-    report = moe.parallel.rebalance_experts(model, opt)
-    if path is None:
-        return
-    with path.open("a") as f:
-        for name, p in report.layers.items():
-            line = {
-                "step": step,
-                "layer": name,
-                "max_over_mean_before": p.max_before / p.mean if p.mean else 0.0,
-                "max_over_mean_after": p.max_after / p.mean if p.mean else 0.0,
-                "moved": len(p.moved),
-                "copies_per_expert": list(getattr(p, "copies", ())),
-                "bytes_sent_rank0": report.bytes_sent,
-            }
-            f.write(json.dumps(line) + "\n")
+    together. The per-layer summary (copies per expert, largest / mean rank load before and
+    after, slots moved, bytes sent) goes to the routing trace as rebalance records."""
+    trace.record_rebalance(step, moe.parallel.rebalance_experts(model, opt))
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -270,7 +255,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
             if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
-                rebalance(model, opt, step + 1, out / "rebalance.jsonl" if rank == 0 else None)
+                rebalance(model, opt, step + 1, trace)
             trace.step(step + 1)
             done += 1
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
@@ -346,6 +331,9 @@ class _NoTrace:
     """A dense model (--dense, --experts 0) has no expert load to trace."""
 
     def step(self, step: int) -> None:
+        pass
+
+    def record_rebalance(self, step: int, report) -> None:
         pass
 
     def close(self) -> None:

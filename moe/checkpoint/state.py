@@ -168,11 +168,17 @@ def targets(
                     out[k] = torch.empty_like(ref)
             elif math.prod(entry.shape) == 1 and len(entry.shape) == 0:
                 out[k] = torch.empty((), dtype=entry.dtype)
-            elif _check(k, entry, p.shape, entry.dtype, problems):
+            elif _check(
+                k,
+                entry,
+                (like := replicas.canonical_like(model, k, p)).shape,
+                entry.dtype,
+                problems,
+            ):  # GroupedApply state: replicas stored canonical
                 if not entry.dtype.is_floating_point:
                     problems.append(f"{k}: dtype {dtype_name(entry.dtype)} is not floating point")
                 else:
-                    out[k] = torch.empty_like(p, dtype=entry.dtype)
+                    out[k] = torch.empty_like(like, dtype=entry.dtype)
     return out
 
 

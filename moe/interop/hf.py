@@ -51,9 +51,10 @@ def _copy_in(layer: HFMoELayer, block: nn.Module) -> None:
     F = layer.config.d_ff
     gate_up_EXD, down_EDF = block.experts.gate_up_proj, block.experts.down_proj
     layer.router.weight.copy_(block.gate.weight)
-    layer.experts.w1.copy_(gate_up_EXD[:, :F].transpose(1, 2))
-    layer.experts.w3.copy_(gate_up_EXD[:, F:].transpose(1, 2))
-    layer.experts.w2.copy_(down_EDF.transpose(1, 2))
+    slot_S = layer.expert_of_slot()  # every slot takes its expert (spare slots: a copy)
+    layer.experts.w1.copy_(gate_up_EXD[:, :F].transpose(1, 2)[slot_S])
+    layer.experts.w3.copy_(gate_up_EXD[:, F:].transpose(1, 2)[slot_S])
+    layer.experts.w2.copy_(down_EDF.transpose(1, 2)[slot_S])
     bias = getattr(block.gate, "e_score_correction_bias", None)
     if bias is not None:
         layer.router.expert_bias.copy_(bias)
@@ -102,9 +103,11 @@ def _check_supported(model: nn.Module) -> None:
             )
 
 
-def from_hf(model: nn.Module) -> nn.Module:
+def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
     """Replace every sparse-MoE block of a transformers model with an HFMoELayer computing the
-    same function (weights copied). In place; returns the model."""
+    same function (weights copied). In place; returns the model. spare_slots: expert slots
+    beyond the experts per layer (MoEConfig.spare_slots: replicas placed by
+    moe.parallel.rebalance_experts), each starting as a copy of an expert."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
     _check_supported(model)
     blocks = hf_blocks(model)
@@ -123,6 +126,7 @@ def from_hf(model: nn.Module) -> nn.Module:
             name=path,
             device=ref.device,
             dtype=ref.dtype,
+            spare_slots=spare_slots,
             **family.options(config),
         )
         _copy_in(layer, block)

@@ -77,7 +77,8 @@ def _layer_pieces(path: str, layer: HFMoELayer, fused: bool) -> list[Piece]:
     family = FAMILIES[layer.hf_block_class.__name__]
     hub, c = family.hub_path(path), layer.config
     E, d, F = c.num_experts, c.d_model, c.d_ff
-    lo, hi = layer.experts.expert_offset, layer.experts.expert_offset + layer.experts.num_experts
+    lo, count = _expert_range(layer)
+    hi = lo + count
     pieces = [Piece(f"{path}.router.weight", f"{hub}.gate.weight", None, True, (E, d))]
     if c.score_func == "sigmoid":
         bias = f"{hub}.gate.e_score_correction_bias"
@@ -105,6 +106,23 @@ def _layer_pieces(path: str, layer: HFMoELayer, fused: bool) -> list[Piece]:
             key = f"{hub}.shared_expert_gate.weight"
             pieces.append(Piece(f"{path}.shared_experts.gate.weight", key, None, True, (1, d)))
     return pieces
+
+
+def _expert_range(layer: HFMoELayer) -> tuple[int, int]:
+    """(first, count) of the canonical experts this rank reads: its slots' range, or every
+    expert for a layer with spare slots (its slots hold any experts: all are read, then each
+    slot takes its expert's row)."""
+    if layer.config.spare_slots:
+        return 0, layer.config.num_experts
+    return layer.experts.expert_offset, layer.experts.num_experts
+
+
+def _in_slots(layer: HFMoELayer, rows: torch.Tensor) -> torch.Tensor:
+    """The rows read for `_expert_range` in this rank's slots (copies filled)."""
+    if not layer.config.spare_slots:
+        return rows
+    first, L = layer.experts.expert_offset, layer.experts.num_experts
+    return rows[layer.expert_of_slot_S[first : first + L].to(rows.device)]
 
 
 def _pieces(model: nn.Module, fused: bool) -> list[Piece]:
@@ -183,15 +201,9 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     _check(pieces, weight_map, headers, stored_in, path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
-    for name, layer in owners.items():
-        if layer.config.spare_slots:  # checked before anything is read
-            raise HFCheckpointError(
-                f"{path}: {name} has spare_slots={layer.config.spare_slots} (expert replicas); "
-                "load the Hugging Face checkpoint into the model built without spare slots, "
-                "save it with moe.checkpoint.save_checkpoint and load that"
-            )
     for layer in owners.values():  # every expert is read in canonical order
-        layer.slot_of_expert_E.copy_(torch.arange(layer.config.num_experts))
+        if not layer.config.spare_slots:  # replicas keep their layout: every copy is filled
+            layer.slot_of_expert_E.copy_(torch.arange(layer.config.num_experts))
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:
@@ -202,18 +214,19 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
                 if p.expert is None and p.fused is None:
                     _place(state[p.name], f.get_tensor(p.hub_key), p.name)
                     continue
-                experts = owners[p.name.rsplit(".experts.", 1)[0]].experts
-                value = _read(f, p, experts.expert_offset, experts.num_experts)
+                layer = owners[p.name.rsplit(".experts.", 1)[0]]
+                first, count = _expert_range(layer)
+                value = _read(f, p, first, count)
         except HFCheckpointError:
             raise
         except Exception as e:  # safetensors' own error types; the file changed under us
             raise HFCheckpointError(f"safetensors file {file!r}: {p.hub_key}: {e}") from e
         if p.fused is not None:
-            _place(state[p.name], value, p.name)
+            _place(state[p.name], _in_slots(layer, value), p.name)
             continue
         rows.append(value)
-        if p.expert == experts.expert_offset + experts.num_experts - 1:
-            _place(state[p.name], torch.stack(rows), p.name)
+        if p.expert == first + count - 1:
+            _place(state[p.name], _in_slots(layer, torch.stack(rows)), p.name)
             rows = []
     return model
 

@@ -16,8 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe.experts import dense_parameters, expert_parameters
+from moe.layer import moe_layers
 from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.replicas import extra_copies_power_sum
+from moe.replica_guard import check_summed
 
 
 def _power_sum(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
@@ -61,6 +63,7 @@ def clip_grad_norm_(
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    check_summed(moe_layers(model), "clip_grad_norm_")  # replicas
     norm_type = float(norm_type)
     grouped = isinstance(optimizer, GroupedApply)
     if grouped and optimizer.loss_scaler is not None:

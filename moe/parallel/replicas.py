@@ -18,6 +18,11 @@ each with its weights, gradient and optimizer state (AdamW in fp32: 16 bytes per
 with bf16 weights and fp32 masters). Bytes: the replicated experts' gradient rows, all-reduced.
 Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each expert once
 (extra_copies_power_sum takes the repeated copies out of the global norm).
+
+Forgetting the call is an error, not drift: a layer with spare slots is pending from a
+backward through it until this call, and any optimizer's step (a global torch step pre-hook)
+or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed naming
+it (moe/replica_guard.py), before anything changes.
 """
 
 import torch
@@ -76,6 +81,8 @@ def sum_replica_grads(model: nn.Module) -> int:
             jobs.append((grad, rows, at, contributes, len(index)))
             sizes.append(len(index) * grad[0].numel() if grad.shape[0] else 0)
     if not jobs:
+        for _, layer in moe_layers(model):
+            layer.replica_grads_summed()
         return 0
     split = dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters())
     device = jobs[0][0].device
@@ -97,6 +104,8 @@ def sum_replica_grads(model: nn.Module) -> int:
         if rows:
             idx = torch.tensor(rows, device=device)
             grad[idx] = view[torch.tensor(at, device=device)].to(grad.dtype)
+    for _, layer in moe_layers(model):
+        layer.replica_grads_summed()
     return buffer.numel() * buffer.element_size()
 
 

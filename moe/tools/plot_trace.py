@@ -69,7 +69,7 @@ def _binned(x_SE: np.ndarray, columns: int = 100) -> np.ndarray:
 
 def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> Path:
     """Draw the trace file `trace` into the PNG `out`; returns `out`."""
-    records = read_trace(trace)
+    records = [r for r in read_trace(trace) if "kind" not in r]  # routing lines
     if not records:
         raise ValueError(f"{trace}: the trace has no lines to plot")
     plt = _pyplot()
