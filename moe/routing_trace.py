@@ -41,7 +41,7 @@ from moe.comm.consistency import all_gather_records
 from moe.gating.balance import in_recomputation
 from moe.layer import moe_layers
 from moe.trace_rebalance import KIND as REBALANCE
-from moe.trace_rebalance import check_rebalance_line, rebalance_lines
+from moe.trace_rebalance import check_field_types, check_rebalance_line, rebalance_lines
 from moe.untrusted import MAX_DEPTH, json_depth, open_regular
 
 MAX_LINE_BYTES = 1 << 24  # a trace line: one step of one layer (E counts)
@@ -312,13 +312,7 @@ def _check_line(raw: bytes, where: str) -> dict:
         if record["kind"] != REBALANCE:
             raise ValueError(f"{where}: unknown record kind {record['kind']!r:.100}")
         return check_rebalance_line(record, where, MAX_LAYER_NAME)
-    for field, kind in FIELDS.items():
-        value = record.get(field)
-        ok = isinstance(value, (int, float) if kind is float else kind)
-        if not ok or isinstance(value, bool):
-            raise ValueError(
-                f"{where}: field {field!r} must be {kind.__name__}, got {value!r:.100}"
-            )
+    check_field_types(record, FIELDS, where)
     if len(record["layer"]) > MAX_LAYER_NAME:
         raise ValueError(f"{where}: layer name longer than {MAX_LAYER_NAME} characters")
     for field in ("tokens_per_expert", "routed_per_expert", "rank_load"):

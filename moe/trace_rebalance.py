@@ -51,20 +51,27 @@ def rebalance_lines(step: int, report, ep: dict[str, int]) -> list[dict]:
     return out
 
 
-def check_rebalance_line(record: dict, where: str, max_name: int) -> dict:
-    """A parsed rebalance record checked field by field (types, no negatives, no unknown
-    field, at least one copy of each expert, copies <= ep); a ValueError names `where`."""
-    unknown = sorted(set(record) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r:.100} in a rebalance record")
-    for field, kind in FIELDS.items():
+def check_field_types(record: dict, fields: dict, where: str) -> None:
+    """Each field of `fields` present in `record` with its type (float takes an int; bool is
+    no number); a ValueError names `where` and the field."""
+    for field, kind in fields.items():
         value = record.get(field)
         ok = isinstance(value, (int, float) if kind is float else kind)
         if not ok or isinstance(value, bool):
             raise ValueError(
                 f"{where}: field {field!r} must be {kind.__name__}, got {value!r:.100}"
             )
-        if kind in (int, float) and value < 0:
+
+
+def check_rebalance_line(record: dict, where: str, max_name: int) -> dict:
+    """A parsed rebalance record checked field by field (types, no negatives, no unknown
+    field, at least one copy of each expert, copies <= ep); a ValueError names `where`."""
+    unknown = sorted(set(record) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r:.100} in a rebalance record")
+    check_field_types(record, FIELDS, where)
+    for field, kind in FIELDS.items():
+        if kind in (int, float) and record[field] < 0:
             raise ValueError(f"{where}: field {field!r} must not be negative")
     if len(record["layer"]) > max_name:
         raise ValueError(f"{where}: layer name longer than {max_name} characters")
