@@ -69,7 +69,8 @@ def lpt_groups(load_E, num_ranks: int) -> list[list[int]]:
 
 def improve_by_swaps(load_E, groups: list[list[int]], max_rounds: int | None = None) -> None:
     """In place: swap one expert of the most loaded group with one of another group while
-    that lowers the larger of the two groups' loads (best swap first; ties by index)."""
+    that lowers the larger of the two groups' loads (best swap first; ties by index). An
+    expert never joins a group that already holds it (copies of one expert stay apart)."""
     totals = [sum(load_E[e] for e in g) for g in groups]
     for _ in range(max_rounds or 4 * len(load_E)):
         h = max(range(len(groups)), key=lambda r: (totals[r], -r))
@@ -83,7 +84,9 @@ def improve_by_swaps(load_E, groups: list[list[int]], max_rounds: int | None = N
                     if delta <= 0:
                         continue
                     worse = max(totals[h] - delta, totals[b] + delta)
-                    if worse < totals[h] and (best is None or worse < best[0]):
+                    if worse >= totals[h] or (best is not None and worse >= best[0]):
+                        continue
+                    if x not in groups[b] and y not in groups[h]:  # replicas: one copy a rank
                         best = (worse, b, i, j)
         if best is None:
             return

@@ -23,7 +23,7 @@ A replicated expert's pairs are split over its copies, so each copy carries load
 import heapq
 from dataclasses import dataclass
 
-from moe.parallel.placement import max_overlap_assignment
+from moe.parallel.placement import improve_by_swaps, max_overlap_assignment
 from moe.replica_layout import check_replica_placement, copies_of, primary_slots
 
 
@@ -118,32 +118,10 @@ def lpt_with_copies(load_E, copies, num_ranks: int) -> list[list[int]]:
 
 def improve_copies_by_swaps(load_E, copies, groups: list[list[int]]) -> None:
     """In place: swap one copy of the most loaded rank with one of another rank while that
-    lowers the larger of the two loads (best swap first; never two copies on one rank)."""
-    w = [load_E[e] / copies[e] for e in range(len(load_E))]
-    totals = [sum(w[e] for e in g) for g in groups]
-    for _ in range(4 * sum(copies)):
-        h = max(range(len(groups)), key=lambda r: (totals[r], -r))
-        best = None
-        for b in range(len(groups)):
-            if b == h:
-                continue
-            for i, x in enumerate(groups[h]):
-                if x in groups[b]:
-                    continue
-                for j, y in enumerate(groups[b]):
-                    delta = w[x] - w[y]
-                    if delta <= 0 or y in groups[h]:
-                        continue
-                    worse = max(totals[h] - delta, totals[b] + delta)
-                    if worse < totals[h] and (best is None or worse < best[0]):
-                        best = (worse, b, i, j)
-        if best is None:
-            return
-        _, b, i, j = best
-        x, y = groups[h][i], groups[b][j]
-        groups[h][i], groups[b][j] = y, x
-        totals[h] -= w[x] - w[y]
-        totals[b] += w[x] - w[y]
+    lowers the larger of the two loads (placement.improve_by_swaps over load per copy; never
+    two copies on one rank)."""
+    per_copy = [load_E[e] / copies[e] for e in range(len(load_E))]
+    improve_by_swaps(per_copy, groups, max_rounds=4 * sum(copies))
 
 
 def slots_for_groups(groups: list[list[int]], current: list[int]) -> tuple[int, ...]:
