@@ -11,7 +11,11 @@ from pathlib import Path
 from bench import gpu_decide
 
 PY = sys.executable
-POINTER_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py"]
+POINTER_TESTS = [
+    "tests/test_cuda.py",
+    "tests/test_triton_kernels.py",
+    "tests/test_cutlass_roles.py",
+]
 TMA_TESTS = ["tests/test_triton_hopper.py", "tests/test_triton_kernels.py"]
 REHEARSAL_SHAPE = "32/16/4/2/16"  # the smallest shape every candidate and role accepts
 M6_SECONDS = 45  # issue 35: the GPU preset for a fixed 45 s

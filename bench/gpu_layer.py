@@ -2,7 +2,8 @@
 by side in one run: a dense SwiGLU FFN of equal active FLOPs (width k*F), a torchtitan-style
 layer (bench/titan_style.py), DeepSpeed-MoE (capacity 1.0) and Tutel (capacity 0) when they
 import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd, and
-backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs).
+backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs)
+and with every GEMM role on CUTLASS ("moe triton CUTLASS roles": KernelConfig.cutlass_roles).
 
     python -m bench.gpu_layer                       # the four shapes, everything (target < 5 min
                                                     # on one H100, not yet measured; --max-minutes)
@@ -39,6 +40,7 @@ import moe
 from bench import gpu_profile
 from bench.gpu_roles import role_table
 from bench.titan_style import SwiGLU, TitanStyleMoE, expert_flops, parse_shapes
+from moe.kernels import KernelConfig, gemm_roles, set_kernel_config
 
 NO_CUDA_EXIT = 2
 # --smoke-cpu runs the Triton kernels in Triton's interpreter, whose time grows with T*k*d*F:
@@ -175,6 +177,9 @@ def candidates(s, args, dtype, state):
         "moe torch": (lambda: moe_layer(s, "torch", dtype), True),
         # the opt-in TMA path (MOE_TRITON_TMA=1 while this candidate runs)
         "moe triton TMA": (lambda: moe_layer(s, "triton", dtype), True),
+        # every GEMM role on torch._grouped_mm (KernelConfig.cutlass_roles while it runs): the
+        # layer-level check of what the role table would pick
+        "moe triton CUTLASS roles": (lambda: moe_layer(s, "triton", dtype), True),
     }
     if not args.no_compile:
         for name in ("moe triton", "moe torch"):
@@ -217,6 +222,7 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
     t0, ms = time.perf_counter(), None
     env_before = os.environ.get("MOE_TRITON_TMA")
     os.environ["MOE_TRITON_TMA"] = "1" if "TMA" in name else "0"
+    set_kernel_config(KernelConfig(cutlass_roles=gemm_roles.ROLES) if "CUTLASS" in name else None)
     try:
         module = build()
         if shares and "titan" not in name:  # titan-style loads it when built
@@ -275,6 +281,7 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
             os.environ.pop("MOE_TRITON_TMA", None)
         else:
             os.environ["MOE_TRITON_TMA"] = env_before
+        set_kernel_config(None)
         module = x = y = None  # noqa: F841
         gc.collect()
         _empty_cache()

@@ -89,8 +89,9 @@ def test_role_rule_moves_a_role_only_past_the_margin_at_every_shape_of_its_class
     assert len(changes) == 1 and changes[0].startswith("up at narrow: triton -> cutlass")
 
 
-def test_role_table_is_todays_behaviour_and_only_names_applied_backends():
-    """A 'cutlass' entry needs the dispatch to torch._grouped_mm in the Triton expert MLP first."""
+def test_role_table_covers_every_role_and_class_with_an_applied_backend():
+    """Every (role, shape class) has an entry the Triton expert MLP applies (tests/
+    test_cutlass_roles.py runs each role on either backend)."""
     assert set(gemm_roles.TABLE) == {
         (r, c) for r in gemm_roles.ROLES for c in gemm_roles.SHAPE_CLASSES
     }

@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import moe
 from bench import gpu_layer, gpu_roles, titan_style
+from moe.kernels import kernel_config
 
 
 def test_parse_shapes():
@@ -107,6 +108,23 @@ def test_smoke_runs_the_triton_candidate_in_the_interpreter(capsys, monkeypatch)
     fail = lambda s, backend, dtype: 1 / 0 if backend == "triton" else real(s, backend, dtype)  # noqa: E731
     monkeypatch.setattr(gpu_layer, "moe_layer", fail)
     assert gpu_layer.main(argv) == 1
+
+
+def test_smoke_runs_the_cutlass_roles_candidate(capsys, monkeypatch):
+    """ "moe triton CUTLASS roles" runs every GEMM role on torch._grouped_mm (the CPU's here) and
+    matches the fp32 reference; the kernel config is the default again afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # main() sets both; restored after the test
+    monkeypatch.setenv("MOE_TRITON_AUTOTUNE", "1")
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    argv = ["--smoke-cpu", "--shapes", "32/16/4/2/16", "--only", "moe triton CUTLASS roles",
+            "--no-roles", "--iters", "1", "--warmup", "0"]  # fmt: skip
+    assert gpu_layer.main(argv) == 0
+    (row,) = {r for r in capsys.readouterr().out.splitlines() if r.startswith("| 32/16")}
+    errs = [float(e) for e in [c.strip() for c in row.split("|")[3:-1]][3:6]]
+    assert max(errs) < 1e-5, row
+    assert calls, "no GEMM role ran on torch._grouped_mm"
+    assert kernel_config().cutlass_roles is None
 
 
 def test_smoke_refuses_shapes_too_big_for_the_interpreter(capsys):

@@ -32,9 +32,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moe.kernels.triton import activations as activations
 from moe.kernels.triton import gather_sum as gather_sum
 from moe.kernels.triton import grouped_mm as rows
 from moe.kernels.triton import grouped_mm_wgrad as wgrad
+from moe.kernels.triton import row_passes as row_passes
 from moe.kernels.triton import schedule as schedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -218,6 +220,7 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     yield from wgrad_variants(p, probe, M, D, E, F, first_only)
     if gelu:
         yield from misc_variants(p, M, D, T)
+        yield from row_variants(p, M, D, F)
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):
@@ -248,6 +251,23 @@ def misc_variants(p, M, D, T):
     sched = dict(offsets_ptr="*i32", out_ptr="*i32", E=512, M=M)
     consts = dict(BLOCK_M=128, E_POW2=1024)
     yield "schedule (E=512)", schedule._schedule_kernel, sched, consts, None, False, False
+
+
+def row_variants(p, M, D, F):
+    """The row passes beside the GEMMs: the activation recomputed, and the passes the roles on
+    CUTLASS need (moe/kernels/triton/cutlass_roles.py)."""
+    swiglu = dict(ACT=4, GATED=True, ROW_SCALE=True)
+    ar = dict(pre_ptr=p, scale_ptr="*fp32", out_ptr=p, live_ptr="*i32", M=M, F=F,
+              stride_pm=2 * F)  # fmt: skip
+    yield ("act_rows", activations._act_rows_kernel, ar, dict(swiglu, BLOCK_M=32, BLOCK_F=128),
+           None, False, False)  # fmt: skip
+    ab = dict(da_ptr=p, pre_ptr=p, scale_ptr="*fp32", dpre_ptr=p, ds_ptr="*fp32",
+              live_ptr="*i32", M=M, F=F, stride_da=F, stride_pre=2 * F)  # fmt: skip
+    yield ("act_bwd_rows", row_passes._act_bwd_rows_kernel, ab,
+           dict(swiglu, BLOCK_M=16, BLOCK_F=128), None, False, False)  # fmt: skip
+    zt = dict(y_ptr=p, live_ptr="*i32", M=M, N=D, stride_m=D)
+    consts = dict(BLOCK_M=32, BLOCK_N=128)
+    yield "zero_tail_rows", row_passes._zero_tail_kernel, zt, consts, None, False, False
 
 
 def failures(r: dict, is_gemm: bool, wants_tma: bool, arch: int) -> list[str]:

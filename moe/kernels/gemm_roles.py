@@ -11,15 +11,17 @@ CUTLASS_MARGIN at every measured shape of that class; to "triton" elsewhere.
 bench/gpu_decide.py computes the table from a check's measurements.
 
 Source of today's entries: NO GPU MEASUREMENT EXISTS YET for the current kernels (the check has
-not run; issue 35). Every entry is "triton", today's behaviour of backend="triton". The
-kernels apply only backends in APPLIED: a "cutlass" entry needs the dispatch to
-torch._grouped_mm wired into moe/kernels/triton/expert_mlp.py first (tests/test_gpu_check.py
-fails until then).
+not run; issue 35). Every entry is "triton", today's behaviour of backend="triton". The Triton
+expert MLP (moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
+(moe/kernels/triton/cutlass_roles.py) where that runs (bf16 on sm_90+; fp32/bf16/fp16 on CPU
+under TRITON_INTERPRET=1) and the role's epilogue holds no bias; on the Triton kernel otherwise.
+KernelConfig.cutlass_roles overrides the table for the whole process (the GPU check times a
+candidate table with it before it is written here).
 """
 
 ROLES = ("up", "down", "dact", "dx", "wgrad13", "wgrad2")
 BACKENDS = ("triton", "cutlass")
-APPLIED = ("triton",)  # backends the Triton expert MLP dispatches to today
+APPLIED = BACKENDS  # backends the Triton expert MLP dispatches to
 CUTLASS_MARGIN = 0.05  # issue 35: CUTLASS must be faster by more than 5%
 SOURCE = "no GPU measurement yet (issue 35): today's behaviour, Triton for every role"
 
@@ -45,3 +47,8 @@ def backend_for(role: str, d_model: int, d_ff: int) -> str:
     if role not in ROLES:
         raise ValueError(f"unknown GEMM role {role!r}; known: {', '.join(ROLES)}")
     return TABLE[(role, shape_class(d_model, d_ff))]
+
+
+def cutlass_roles(d_model: int, d_ff: int) -> tuple[str, ...]:
+    """The table's roles on CUTLASS for experts of width d_ff in a model of width d_model."""
+    return tuple(r for r in ROLES if backend_for(r, d_model, d_ff) == "cutlass")

@@ -68,27 +68,31 @@ def act_bwd(dy, h, g, ACT: tl.constexpr):
 
 @triton.jit
 def _act_rows_kernel(
-    pre_ptr, scale_ptr, out_ptr, M, F, stride_pm,
+    pre_ptr, scale_ptr, out_ptr, live_ptr, M, F, stride_pm,
     ACT: tl.constexpr, GATED: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     ok = (rows < M)[:, None] & (cols < F)[None, :]
+    live_ok = ok & (rows < tl.load(live_ptr).to(tl.int64))[:, None]  # tail rows: act(0) * 0
     ptrs = pre_ptr + rows[:, None] * stride_pm + cols[None, :]
-    h = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    h = tl.load(ptrs, mask=live_ok, other=0.0).to(tl.float32)
     g = h
     if GATED:
-        g = tl.load(ptrs + F, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(ptrs + F, mask=live_ok, other=0.0).to(tl.float32)
     y = act_fwd(h, g, ACT)
     if ROW_SCALE:
         y = y * tl.load(scale_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
+    y = tl.where(live_ok, y, 0.0)
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def act_rows(pre_MP, F: int, activation: str, row_scale_M=None):
+def act_rows(pre_MP, F: int, activation: str, row_scale_M, offsets_L):
     """a_MF = act(pre) (silu(h) * g for swiglu, pre = [h | g]), times row_scale_M[m] if given:
-    the activation recomputed from the saved pre-activation in one pass (read pre, write a)."""
+    the activation recomputed from the saved pre-activation in one pass (read pre, write a).
+    Rows at or past offsets_L[-1] (dropped pairs; unwritten by torch._grouped_mm) are not
+    read and come out zero."""
     import torch
 
     from moe.kernels.activations import GATED
@@ -102,7 +106,7 @@ def act_rows(pre_MP, F: int, activation: str, row_scale_M=None):
     grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
     scale = row_scale_M if row_scale_M is not None else torch.empty(0, device=pre_MP.device)
     _act_rows_kernel[grid](
-        pre_MP, scale, out, M, F, pre_MP.stride(0), ACT=ACT_CODES[activation],
+        pre_MP, scale, out, offsets_L[-1:], M, F, pre_MP.stride(0), ACT=ACT_CODES[activation],
         GATED=activation in GATED, ROW_SCALE=row_scale_M is not None, BLOCK_M=bm, BLOCK_F=bf,
     )  # fmt: skip
     return out

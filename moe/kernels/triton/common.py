@@ -24,6 +24,7 @@ KERNEL_MODULES = (
     "moe.kernels.triton.grouped_mm",
     "moe.kernels.triton.grouped_mm_wgrad",
     "moe.kernels.triton.gather_sum",
+    "moe.kernels.triton.row_passes",
 )
 
 

@@ -16,6 +16,9 @@ Backward, three custom ops so each buffer dies as soon as its last reader is don
               dout are alive, not pre or dpre)
 No host sync, no float atomics: deterministic, CUDA-graph capturable. The semantics are those of
 moe/kernels/expert_mlp.py (the contract every backend follows).
+Each GEMM role (up, down, dact, dx, wgrad13, wgrad2) runs on the Triton kernel or, where
+moe/kernels/gemm_roles.py names "cutlass" for it, on torch._grouped_mm (cutlass_roles.py);
+`cutlass` (comma-separated role names) carries that choice into the ops.
 """
 
 import torch
@@ -23,12 +26,15 @@ from torch import Tensor
 
 from moe.kernels.activations import GATED
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.kernel_config import kernel_config
 from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
+from moe.kernels.triton import cutlass_roles as cutlass_mm
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
 from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
 from moe.kernels.triton.grouped_mm_wgrad import busiest_first, ragged_reduce_mm
+from moe.kernels.triton.row_passes import zero_tail_rows
 
 
 def _act_code(activation: str) -> int:
@@ -63,6 +69,7 @@ def _fwd_op(
     activation: str,
     save: bool,
     sum_to_tokens: bool,
+    cutlass: str = "",
 ) -> tuple[Tensor, Tensor]:
     """(out, pre): out_RD[r] = row_weights_R[r] * MLP(x_ND[gather_ids_R[r]]) (tail rows zero),
     or with sum_to_tokens out_TD[t] = sum of the rows read from x row t; pre = h (or [h | g]
@@ -73,25 +80,42 @@ def _fwd_op(
     gated = activation in GATED
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
-    act = x_ND.new_empty(R, F)
-    pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
-    ragged_mm(
-        x_ND, w1_LDF, offsets_L, act, epilogue=EPI_ACT, act=code,
-        b2_EKN=w3_LDF if gated else None, bias_EN=b1_LF, idx_M=gather_ids_R,
-        pre=pre if save else None, save_pre=save, gated=gated, row_scale_M=row_weights_R,
-    )  # fmt: skip
-    out = x_ND.new_empty(R, D)
-    ragged_mm(act, w2_LFD, offsets_L, out, epilogue=EPI_PLAIN, bias_EN=b2_LD,
-              row_scale_M=row_weights_R)  # fmt: skip
+    w3 = w3_LDF if gated else None
+    if _on(cutlass, "up") and b1_LF is None and cutlass_mm.up_fits(x_ND, w1_LDF, w3):
+        act, pre = cutlass_mm.up(
+            x_ND, w1_LDF, w3, offsets_L, gather_ids_R, row_weights_R, activation, save
+        )
+    else:
+        act = x_ND.new_empty(R, F)
+        pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
+        ragged_mm(
+            x_ND, w1_LDF, offsets_L, act, epilogue=EPI_ACT, act=code, b2_EKN=w3, bias_EN=b1_LF,
+            idx_M=gather_ids_R, pre=pre if save else None, save_pre=save, gated=gated,
+            row_scale_M=row_weights_R,
+        )  # fmt: skip
+    summed = sum_to_tokens and gather_ids_R is not None
+    if _on(cutlass, "down") and b2_LD is None and cutlass_mm.fits(act, w2_LFD):
+        out = cutlass_mm.down(act, w2_LFD, offsets_L)
+        if not summed:  # the rows returned: tail rows zero (the sum reads live rows only)
+            zero_tail_rows(out, offsets_L)
+    else:
+        out = x_ND.new_empty(R, D)
+        ragged_mm(act, w2_LFD, offsets_L, out, epilogue=EPI_PLAIN, bias_EN=b2_LD,
+                  row_scale_M=row_weights_R)  # fmt: skip
     del act
-    if sum_to_tokens and gather_ids_R is not None:
+    if summed:
         out = rows_to_tokens(out, gather_ids_R, offsets_L[-1], x_ND.shape[0])
     return out, pre
 
 
+def _on(cutlass: str, role: str) -> bool:
+    """`role` is one of the comma-separated roles sent to CUTLASS."""
+    return role in cutlass.split(",")
+
+
 @_fwd_op.register_fake
 def _fwd_fake(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
-              activation, save, sum_to_tokens):  # fmt: skip
+              activation, save, sum_to_tokens, cutlass=""):  # fmt: skip
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
     pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
@@ -108,6 +132,7 @@ def _bwd_act_op(
     row_weights_R: Tensor | None,
     activation: str,
     need_w: bool,
+    cutlass: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dpre, a_RF, d_row_weights): the steps that read the pre-activation. a_RF = s * act(pre)
     (what GEMM2 read, for dW2 in the last step; empty unless need_w) is half of pre, so
@@ -119,29 +144,30 @@ def _bwd_act_op(
     R = d_out_RD.shape[0]
     empty = lambda: d_out_RD.new_empty(0)  # a fresh one per output: outputs must not alias
     scaled = row_weights_R is not None
-    a_RF = act_rows(pre, F, activation, row_weights_R) if need_w else empty()
-    dpre = pre.new_empty(R, _pre_width(F, activation))
-    rowdot = None
-    if scaled:
-        rowdot = torch.zeros((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
-    ragged_mm(
-        d_out_RD, w2_LFD.transpose(1, 2), offsets_L, dpre, epilogue=EPI_ACT_BWD,
-        act=_act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_R,
-        rowdot_NM=rowdot,
-    )  # fmt: skip
-    d_rw = empty()
-    if scaled:
-        d_rw = rowdot.sum(0)
-        if b2_LD is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM
-            dot_R1 = d_out_RD.new_empty(R, 1)
-            ragged_mm(d_out_RD, b2_LD.unsqueeze(2), offsets_L, dot_R1)
-            d_rw += dot_R1.squeeze(1).float()
-        d_rw = d_rw.to(row_weights_R.dtype)
-    return dpre, a_RF, d_rw
+    a_RF = act_rows(pre, F, activation, row_weights_R, offsets_L) if need_w else empty()
+    if _on(cutlass, "dact") and cutlass_mm.fits(d_out_RD, w2_LFD.transpose(1, 2)):
+        dpre, d_rw = cutlass_mm.dact(d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation)
+    else:
+        dpre = pre.new_empty(R, _pre_width(F, activation))
+        rowdot = None
+        if scaled:
+            rowdot = torch.zeros((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
+        ragged_mm(
+            d_out_RD, w2_LFD.transpose(1, 2), offsets_L, dpre, epilogue=EPI_ACT_BWD,
+            act=_act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_R,
+            rowdot_NM=rowdot,
+        )  # fmt: skip
+        d_rw = rowdot.sum(0) if scaled else None
+    if scaled and b2_LD is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM
+        dot_R1 = d_out_RD.new_empty(R, 1)
+        ragged_mm(d_out_RD, b2_LD.unsqueeze(2), offsets_L, dot_R1)
+        d_rw += dot_R1.squeeze(1).float()
+    return dpre, a_RF, d_rw.to(row_weights_R.dtype) if scaled else empty()
 
 
 @_bwd_act_op.register_fake
-def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w):
+def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w,
+                  cutlass=""):  # fmt: skip
     L, F, D = w2_LFD.shape
     empty = lambda: d_out_RD.new_empty(0)
     a_RF = pre.new_empty(pre.shape[0], F) if need_w else empty()
@@ -156,6 +182,7 @@ def _bwd_w2_op(
     offsets_L: Tensor,
     row_weights_R: Tensor | None,
     need_b2: bool,
+    cutlass: str = "",
 ) -> tuple[Tensor, Tensor]:
     """(dW2, db2): the last step, after dpre is released (db2 empty unless asked for)."""
     check_device(a_RF, d_out_RD, offsets_L, row_weights_R)
@@ -165,8 +192,12 @@ def _bwd_w2_op(
     db2_f = None
     if need_b2 and not scaled:
         db2_f = torch.empty(L, D, device=a_RF.device, dtype=torch.float32)
-    dw2 = a_RF.new_empty(L, F, D)
-    ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
+    R = a_RF.shape[0]
+    if _on(cutlass, "wgrad2") and db2_f is None and cutlass_mm.wgrad_fits(R, a_RF, d_out_RD):
+        dw2 = cutlass_mm.wgrad2(a_RF, d_out_RD, offsets_L)
+    else:
+        dw2 = a_RF.new_empty(L, F, D)
+        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
     if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
         db2_L1D = a_RF.new_empty(L, 1, D)
         s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
@@ -178,7 +209,7 @@ def _bwd_w2_op(
 
 
 @_bwd_w2_op.register_fake
-def _bwd_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, need_b2):
+def _bwd_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, need_b2, cutlass=""):
     L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
     db2 = d_out_RD.new_empty(L, D) if need_b2 else d_out_RD.new_empty(0)
     return a_RF.new_empty(L, F, D), db2
@@ -196,6 +227,7 @@ def _bwd_input_op(
     need_x: bool,
     need_w: bool,
     need_b1: bool,
+    cutlass: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty."""
     check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R)
@@ -205,16 +237,30 @@ def _bwd_input_op(
     empty = lambda: x_ND.new_empty(0)
     dx = empty()
     if need_x:  # first: the weight gradients are not alive yet while dx_RD is
-        dx_RD = x_ND.new_empty(R, D)
-        w3_t = w3_LDF.transpose(1, 2) if gated else None
-        ragged_mm(dpre, w1_LDF.transpose(1, 2), offsets_L, dx_RD, b2_EKN=w3_t, gated=gated)
+        if _on(cutlass, "dx") and cutlass_mm.dx_fits(dpre, w1_LDF, w3_LDF, gated):
+            dx_RD = cutlass_mm.dx(dpre, w1_LDF, w3_LDF if gated else None, offsets_L)
+            if gather_ids_R is None:
+                zero_tail_rows(dx_RD, offsets_L)  # returned as is: tail rows zero
+        else:
+            dx_RD = x_ND.new_empty(R, D)
+            w3_t = w3_LDF.transpose(1, 2) if gated else None
+            ragged_mm(dpre, w1_LDF.transpose(1, 2), offsets_L, dx_RD, b2_EKN=w3_t, gated=gated)
         if gather_ids_R is None:
             dx = dx_RD
         else:
             dx = rows_to_tokens(dx_RD, gather_ids_R, offsets_L[-1], x_ND.shape[0])
         del dx_RD
     dw1, dw3, db1 = empty(), empty(), empty()
-    if need_w:
+    parts = cutlass_mm.halves(dpre, F, gated)
+    if (
+        need_w
+        and _on(cutlass, "wgrad13")
+        and not need_b1
+        and cutlass_mm.wgrad_fits(R, x_ND, *parts)
+    ):
+        dw1, dw3 = cutlass_mm.wgrad13(x_ND, dpre, offsets_L, gather_ids_R, F, gated)
+        dw3 = dw3 if gated else empty()
+    elif need_w:
         db1_f = torch.empty(L, F, device=x_ND.device, dtype=torch.float32) if need_b1 else None
         order = busiest_first(offsets_L)
         dw1 = w1_LDF.new_empty(L, D, F)
@@ -229,7 +275,7 @@ def _bwd_input_op(
 
 @_bwd_input_op.register_fake
 def _bwd_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activation, need_x,
-                    need_w, need_b1):  # fmt: skip
+                    need_w, need_b1, cutlass=""):  # fmt: skip
     L, D, F = w1_LDF.shape
     empty = lambda: x_ND.new_empty(0)
     dx = x_ND.new_empty(x_ND.shape) if need_x else empty()
@@ -242,12 +288,13 @@ def _bwd_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activat
 
 def _setup_context(ctx, inputs, output):
     (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
-     activation, save, sum_to_tokens) = inputs  # fmt: skip
+     activation, save, sum_to_tokens, cutlass) = inputs  # fmt: skip
     # pre never gets a gradient; backward drops it as soon as the activation step has read it
     inputs = (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R, row_weights_R)
     save_for_backward_early_free(ctx, inputs, (output[1],))
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.saved_pre, ctx.sum_to_tokens = activation, save, sum_to_tokens
+    ctx.cutlass = cutlass
     ctx.has_b1, ctx.has_b2 = b1_LF is not None, b2_LD is not None
 
 
@@ -269,17 +316,19 @@ def _backward(ctx, dy, _d_pre):
     )
     del dy
     dpre, a_RF, d_rw = _bwd_act_op(
-        d_out_RD, offsets_L, w2, b2, pre, row_weights_R, ctx.activation, need_w
+        d_out_RD, offsets_L, w2, b2, pre, row_weights_R, ctx.activation, need_w, ctx.cutlass
     )
     del pre  # the pre-activation is released here, before the input step
     dx, dw1, dw3, db1 = _bwd_input_op(
         dpre, x_ND, offsets_L, w1, w3, gather_ids_R, ctx.activation, need_x, need_w,
-        ctx.has_b1 and need[5],
+        ctx.has_b1 and need[5], ctx.cutlass,
     )  # fmt: skip
     del dpre  # released before the last weight gradient exists: dW2 comes last
     dw2 = db2 = None
     if need_w:
-        dw2, db2 = _bwd_w2_op(a_RF, d_out_RD, offsets_L, row_weights_R, ctx.has_b2 and need[6])
+        dw2, db2 = _bwd_w2_op(
+            a_RF, d_out_RD, offsets_L, row_weights_R, ctx.has_b2 and need[6], ctx.cutlass
+        )
     del a_RF, d_out_RD
     gated = ctx.activation in GATED
     return (
@@ -292,6 +341,7 @@ def _backward(ctx, dy, _d_pre):
         db2 if need[6] else None,
         None,
         d_rw if need_rw else None,
+        None,
         None,
         None,
         None,
@@ -332,7 +382,7 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     if row_weights_R is not None and tuple(row_weights_R.shape) != (R,):
         raise ValueError(f"row_weights_R has shape {tuple(row_weights_R.shape)}, expected {(R,)}")
-    dtype = x_ND.dtype
+    dtype, D = x_ND.dtype, x_ND.shape[1]
     prep = lambda t: None if t is None else t.to(dtype).contiguous()  # no-ops in the usual case
     x_ND = x_ND.contiguous()
     w1, w2, w3, b1, b2 = (prep(t) for t in (w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD))
@@ -358,5 +408,6 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
         activation,
         save,
         rows.sum_to_tokens,
+        ",".join(kernel_config().roles_on_cutlass(D, w1.shape[2])),
     )
     return out_ND
