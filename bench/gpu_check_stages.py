@@ -181,7 +181,7 @@ def stage_b(check, limit: float):
         return ("passed" if ok else "failed"), "collected only (no CUDA here)"
     pointer = _pytest(check, "b", "pointer path", POINTER_TESTS, limit * 2 / 3, tma=False)
     tma = _pytest(check, "b", "TMA path", TMA_TESTS, limit / 3, tma=True)
-    check.tma_passed = tma
+    check.tma_passed, check.pointer_passed = tma, pointer
     ok = pointer and tma
     word = {True: "passed", False: "failed", None: "timed out"}
     return ("passed" if ok else "failed"), f"pointer {word[pointer]}, TMA {word[tma]}"
@@ -273,8 +273,10 @@ def decide(check) -> list[str]:
     records = getattr(check, "layer_records", [])
     tma, why = gpu_decide.tma_decision(records, getattr(check, "tma_passed", None))
     lines = [f"TMA default on sm_90: {'yes' if tma else 'no'} ({why})"]
-    table, changes = gpu_decide.role_decision(records)
+    table, changes = gpu_decide.role_decision(records, getattr(check, "pointer_passed", None))
     lines.append("GEMM roles (moe/kernels/gemm_roles.py): " + ("; ".join(changes) or "no change"))
+    layer = gpu_decide.cutlass_layer_rows(records)
+    lines.append("Layer with every role on CUTLASS: " + ("; ".join(layer) or "not measured"))
     keep, why = gpu_decide.m6_decision(*getattr(check, "m6", (None, None, None)))
     lines.append(f"M6 GPU preset batch and width: {'keep' if keep else 'review'} ({why})")
     if check.rehearse:

@@ -4,7 +4,10 @@
    fwd+bwd is faster than the pointer path's at TMA_MIN_SHAPES of the four shapes.
 2. GEMM roles: each role goes to CUTLASS (torch._grouped_mm) at a shape class where the role
    table shows CUTLASS faster by more than moe.kernels.gemm_roles.CUTLASS_MARGIN at every
-   measured shape of the class, to the Triton kernel elsewhere.
+   measured shape of the class, to the Triton kernel elsewhere; a move to CUTLASS also needs
+   stage b's pointer selection passed (it holds tests/test_cutlass_roles.py, every role on
+   CUTLASS against float64). The "moe triton CUTLASS roles" layer row, every role on CUTLASS,
+   is reported beside "moe triton" per shape as the layer-level check.
 3. M6: the GPU preset keeps its batch and width if it reaches M6_MIN_SPEEDUP x the 2-core CPU's
    tokens/s; otherwise the report names the bound: host syncs (more than M6_MAX_SYNCS per step),
    else kernel launches (the step is host-bound: bench/m6_step_ops counts its operators).
@@ -39,8 +42,11 @@ def tma_decision(records: list[dict], tma_tests_passed: bool | None) -> tuple[bo
     return len(faster) >= TMA_MIN_SHAPES, why + "; stage b passed"
 
 
-def role_decision(records: list[dict]) -> tuple[dict[tuple[str, str], str], list[str]]:
-    """(the (role, shape class) -> backend table the measurements give, one line per change)."""
+def role_decision(
+    records: list[dict], roles_tests_passed: bool | None = True
+) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """(the (role, shape class) -> backend table the measurements give, one line per change).
+    Without the CUDA tests of the CUTLASS roles passed, no role moves to CUTLASS."""
     ms = {}
     for r in records:
         if r["figure"] == "ms" and r["candidate"].startswith("role ") and r["value"] is not None:
@@ -55,14 +61,30 @@ def role_decision(records: list[dict]) -> tuple[dict[tuple[str, str], str], list
         if not both:
             continue
         wins = all(v["cutlass"] * (1 + gemm_roles.CUTLASS_MARGIN) < v["triton"] for v in both)
+        ratios = ", ".join(f"{s}: triton/cutlass {v['triton'] / v['cutlass']:.2f}"
+                           for s, v in by_shape.items() if "triton" in v and "cutlass" in v)  # fmt: skip
+        if wins and not roles_tests_passed:
+            state = "not run" if roles_tests_passed is None else "failed"
+            lines.append(f"{key[0]} at {key[1]}: CUTLASS faster ({ratios}) but the CUDA tests "
+                         f"of the CUTLASS roles (stage b) {state}: stays {table[key]}")  # fmt: skip
+            continue
         table[key] = "cutlass" if wins else "triton"
         if table[key] != gemm_roles.TABLE[key]:
-            ratios = ", ".join(f"{s}: triton/cutlass {v['triton'] / v['cutlass']:.2f}"
-                               for s, v in by_shape.items() if "triton" in v and "cutlass" in v)  # fmt: skip
             lines.append(
                 f"{key[0]} at {key[1]}: {gemm_roles.TABLE[key]} -> {table[key]} ({ratios})"
             )
     return table, lines
+
+
+def cutlass_layer_rows(records: list[dict]) -> list[str]:
+    """Per shape: fwd+bwd of the layer with every role on CUTLASS over "moe triton"'s."""
+    ms = _figures(records, "fwd_bwd_ms")
+    return [
+        f"{s}: every role on CUTLASS {ms[(s, 'moe triton CUTLASS roles')]:.2f} ms vs "
+        f"{ms[(s, 'moe triton')]:.2f} ms"
+        for s in sorted({s for s, _ in ms})
+        if (s, "moe triton") in ms and (s, "moe triton CUTLASS roles") in ms
+    ]
 
 
 def m6_decision(gpu_tok_s: float | None, cpu_tok_s: float | None, syncs_per_step: float | None):

@@ -8,6 +8,8 @@ with T alone and is overstated by the factor: an upper bound). Four layers side 
   titan   a torchtitan-style MoE written here: argsort permute, grouped GEMMs, scatter_add
   torch   moe.MoELayer(backend="torch")
   triton  moe.MoELayer(backend="triton")
+  cutlass moe.MoELayer(backend="triton") with every GEMM role on torch._grouped_mm
+          (KernelConfig.cutlass_roles; the row passes under the interpreter)
 Columns: bytes saved for backward (saved_tensors_hooks, plus tensors kept on autograd ctx
 objects; the input x and the parameters excluded), the peak of live bytes during one fwd+bwd
 (the profiler's allocator events: bytes added over the start, weight gradients included), the
@@ -39,7 +41,7 @@ SHAPES = {  # name: (T, d, E, k, F), the GPU benchmark's shapes
     "Qwen3-30B-A3B": (16384, 2048, 128, 8, 768),
     "DeepSeek-V3 slice": (8192, 7168, 64, 8, 2048),
 }
-KINDS = ("dense", "titan", "torch", "triton")
+KINDS = ("dense", "titan", "torch", "triton", "cutlass")
 GEMMS = {"mm", "bmm", "addmm", "matmul", "_grouped_mm", "baddbmm", "linear"}
 FREE = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "detach",
         "lift_fresh", "_to_copy_noop", "clone_noop"}  # fmt: skip
@@ -173,42 +175,49 @@ class ByteCounter(TorchDispatchMode):
 
 @contextmanager
 def count_triton_kernels(counter: ByteCounter):
-    """The Triton non-GEMM kernels (gather-sum, activation recompute) by their shapes."""
+    """The Triton non-GEMM kernels (gather-sum, activation recompute, the CUTLASS roles' row
+    passes) by their shapes; zero_tail_rows touches only the dropped rows (none here)."""
     try:
+        from moe.kernels.triton import cutlass_roles as cr
         from moe.kernels.triton import expert_mlp as tem
     except ImportError:
         yield
         return
-    names = ("rows_to_tokens", "act_rows", "ragged_mm", "ragged_reduce_mm")
-    saved = {n: getattr(tem, n) for n in names}
+    patched = [(tem, n) for n in ("rows_to_tokens", "act_rows", "ragged_mm", "ragged_reduce_mm",
+                                  "zero_tail_rows")]  # fmt: skip
+    patched += [(cr, n) for n in ("act_rows", "act_bwd_rows", "zero_tail_rows")]
+    saved = {(m, n): getattr(m, n) for m, n in patched}
     cost = {  # bytes the non-GEMM kernels move; the GEMMs count as GEMM
         "rows_to_tokens": lambda dx, ids, live, T: (
             _nbytes(dx) + T * dx.shape[1] * dx.element_size() + 3 * _nbytes(ids)
         ),
-        "act_rows": lambda pre, F_, act, scale=None: (
+        "act_rows": lambda pre, F_, act, scale, offsets: (
             _nbytes(pre) + pre.shape[0] * F_ * pre.element_size() + _nbytes(scale)
+        ),
+        "act_bwd_rows": lambda da, pre, act, scale, offsets: (  # read da, pre; write dpre, ds
+            _nbytes(da) + 2 * _nbytes(pre) + 2 * _nbytes(scale)
         ),
     }
 
-    def wrapped(name):
+    def wrapped(module, name):
         def run(*a, **kw):
             if name in cost:
                 counter.add(cost[name](*a, **kw))
             counter.paused += 1
             try:
-                return saved[name](*a, **kw)
+                return saved[(module, name)](*a, **kw)
             finally:
                 counter.paused -= 1
 
         return run
 
-    for n in names:
-        setattr(tem, n, wrapped(n))
+    for m, n in patched:
+        setattr(m, n, wrapped(m, n))
     try:
         yield
     finally:
-        for n in names:
-            setattr(tem, n, saved[n])
+        for m, n in patched:
+            setattr(m, n, saved[(m, n)])
 
 
 def label_backward_stages(out: torch.Tensor, counter: ByteCounter, stage: str, done: set):
@@ -317,13 +326,32 @@ def build(kind: str, T: int, d: int, E: int, k: int, F_: int, dtype, seed: int =
     elif kind == "titan":
         module = TitanStyleMoE(d, F_, E, k, dtype)
     else:
+        backend = "triton" if kind == "cutlass" else kind
         module = moe.MoELayer(d, F_, E, top_k=k, capacity_factor=None, activation="swiglu",
-                              backend=kind).to(dtype)  # fmt: skip
+                              backend=backend).to(dtype)  # fmt: skip
     return module, torch.randn(T, d, dtype=dtype, requires_grad=True)
+
+
+@contextmanager
+def gemm_roles_of(kind: str):
+    """The kernel config of `kind` while it runs: every GEMM role on CUTLASS for "cutlass", on
+    Triton otherwise (whatever moe/kernels/gemm_roles.py's table says)."""
+    from moe.kernels import KernelConfig, gemm_roles, set_kernel_config
+
+    set_kernel_config(KernelConfig(cutlass_roles=gemm_roles.ROLES if kind == "cutlass" else ()))
+    try:
+        yield
+    finally:
+        set_kernel_config(None)
 
 
 def measure(kind: str, shape, dtype) -> dict:
     """One kind at one (scaled) shape: saved, peak, grads, non-GEMM bytes per stage."""
+    with gemm_roles_of(kind):
+        return _measure(kind, shape, dtype)
+
+
+def _measure(kind: str, shape, dtype) -> dict:
     T, d, E, k, F_ = shape
     module, x = build(kind, T, d, E, k, F_, dtype)
     params = list(module.parameters())
@@ -343,7 +371,7 @@ def measure(kind: str, shape, dtype) -> dict:
     grads = sum(_nbytes(p.grad) for p in params if p.grad is not None)
     counter = ByteCounter()
     module.zero_grad(set_to_none=True)
-    ctx = stages(module, counter) if kind in ("torch", "triton") else _null()
+    ctx = stages(module, counter) if kind in ("torch", "triton", "cutlass") else _null()
     with ctx, count_triton_kernels(counter), counter:
         counter.stage = "fwd"
         y = module(x)
@@ -388,7 +416,8 @@ def main(argv=None) -> None:
     for name in args.shapes:
         T, d, E, k, F_ = SHAPES[name]
         for kind in args.kinds:
-            s = args.triton_scale if kind == "triton" and args.triton_scale else args.scale
+            interpreted = kind in ("triton", "cutlass")
+            s = args.triton_scale if interpreted and args.triton_scale else args.scale
             r = measure(kind, (T // s, d // s, E, k, F_ // s), dtype)
             f = s * s
             print(name, kind, {k: v for k, v in r.items() if k != "moved"}, flush=True)

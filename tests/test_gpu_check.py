@@ -83,6 +83,9 @@ def test_role_rule_moves_a_role_only_past_the_margin_at_every_shape_of_its_class
         role("Mixtral", "up TMA", "triton", 9.0), role("Mixtral", "up", "cutlass", 1.0, 4096, 14336),
     ]  # fmt: skip
     table, changes = gpu_decide.role_decision(recs)
+    for untested in (None, False):  # the CUDA tests of the CUTLASS roles did not pass
+        kept, why = gpu_decide.role_decision(recs, untested)
+        assert kept == gemm_roles.TABLE and "(stage b)" in why[0], why
     assert table[("up", "narrow")] == "cutlass"
     assert table[("down", "narrow")] == table[("dx", "narrow")] == "triton"
     assert table[("up", "wide-ffn")] == "triton"  # no Triton time for plain "up" there
@@ -112,6 +115,14 @@ def test_role_table_covers_every_role_and_class_with_an_applied_backend():
     assert gemm_roles.backend_for("dx", 2048, 1024) == "triton"
     with pytest.raises(ValueError, match="unknown GEMM role 'dw'"):
         gemm_roles.backend_for("dw", 2048, 1024)
+
+
+def test_cutlass_layer_rows_compare_with_moe_triton():
+    recs = [_rec("OLMoE", "moe triton", 14.5), _rec("OLMoE", "moe triton CUTLASS roles", 12.0),
+            _rec("Qwen3", "moe triton", 12.8)]  # fmt: skip
+    assert gpu_decide.cutlass_layer_rows(recs) == [
+        "OLMoE: every role on CUTLASS 12.00 ms vs 14.50 ms"
+    ]
 
 
 def test_m6_rule_names_the_bound():
