@@ -4,7 +4,9 @@
    fwd+bwd is faster than the pointer path's at TMA_MIN_SHAPES of the four shapes.
 2. GEMM roles: each role goes to CUTLASS (torch._grouped_mm) at a shape class where the role
    table shows CUTLASS faster by more than moe.kernels.gemm_roles.CUTLASS_MARGIN at every
-   measured shape of the class, to the Triton kernel elsewhere; a move to CUTLASS also needs
+   measured shape of the class, to the Triton kernel elsewhere. The CUTLASS figure is the role
+   as moe runs it there (GEMM + row passes, bench/gpu_roles.py's "cutlass"), not the GEMM
+   alone; a move to CUTLASS also needs
    stage b's pointer selection passed (it holds tests/test_cutlass_roles.py, every role on
    CUTLASS against float64). The "moe triton CUTLASS roles" layer row, every role on CUTLASS,
    is reported beside "moe triton" per shape as the layer-level check.

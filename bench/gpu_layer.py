@@ -403,9 +403,13 @@ def main(argv=None) -> int:
         lines += [
             "## GEMM roles alone: moe Triton vs CUTLASS (torch._grouped_mm)",
             "",
+            "CUTLASS as moe runs it: the GEMM plus the epilogue's work as row passes "
+            "(moe/kernels/triton/cutlass_roles.py; the decision rule's figure); GEMM alone: "
+            "on pre-permuted rows, no epilogue (a lower bound).",
+            "",
             "| shape | role | triton ms | triton TFLOP/s | CUTLASS ms | CUTLASS TFLOP/s | "
-            "% of CUTLASS |",
-            "|---|---|---|---|---|---|---|",
+            "% of CUTLASS | CUTLASS GEMM alone ms | GEMM alone TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|",
             *role_rows,
         ]
     lines.append(f"Total wall time: {time.perf_counter() - t_start:.0f} s.")

@@ -4,7 +4,11 @@ alone, moe's Triton kernel against CUTLASS (torch._grouped_mm) at the same shape
 Roles (M = T*k rows sorted by expert): up [M,d]x[d,2F] (gathered, SwiGLU epilogue), down
 [M,F]x[F,d], dact [M,d]x[d,F]^T (activation backward epilogue), dx [M,2F]x[2F,d],
 wgrad13 x^T dh / x^T dg ([d,M]x[M,2F] per expert), wgrad2 act^T dout ([F,M]x[M,d]).
-CUTLASS runs on the permuted rows (no gather, no epilogue): a lower bound on its layer cost.
+Two CUTLASS figures per role: "cutlass" is the role as moe runs it when moe/kernels/gemm_roles.py
+sends it there (moe/kernels/triton/cutlass_roles.py: the GEMM plus its epilogue's work as row
+passes: gather, activation, activation backward), which the decision rule compares with the
+Triton kernel; "cutlass-gemm" is the GEMM alone on the permuted rows (no gather, no epilogue),
+a lower bound.
 """
 
 import torch
@@ -128,9 +132,25 @@ def _cutlass_calls(t, E, d, F):
     }
 
 
+def _wired_calls(t, E, d, F):
+    """Each role as the Triton expert MLP runs it on CUTLASS (GEMM + row passes)."""
+    from moe.kernels.triton import cutlass_roles as cr
+
+    off, w1, w3, w2 = t["offsets"], t["w1"], t["w3"], t["w2"]
+    return {
+        "up": lambda: cr.up(t["x"], w1, w3, off, t["token"], None, "swiglu", True),
+        "down": lambda: cr.down(t["act"], w2, off),
+        "dact": lambda: cr.dact(t["dout"], w2, off, t["pre"], None, "swiglu"),
+        "dx": lambda: cr.dx(t["pre"], w1, w3, off),
+        "wgrad13": lambda: cr.wgrad13(t["x"], t["pre"], off, t["token"], F, True),
+        "wgrad2": lambda: cr.wgrad2(t["act"], t["dout"], off),
+    }
+
+
 def role_table(shape, time_fn, device, dtype=torch.bfloat16, records=None) -> list[str]:
-    """Markdown rows: role, ms and TFLOP/s of moe triton and CUTLASS, % of CUTLASS. With
-    `records` (a list), one dict per timing is appended: role, backend, ms (or the failure)."""
+    """Markdown rows: role, ms and TFLOP/s of moe triton, of the role on CUTLASS as moe runs it,
+    and of the CUTLASS GEMM alone; triton as % of the former. With `records` (a list), one dict
+    per timing is appended: role, backend, ms (or the failure)."""
     records = [] if records is None else records
     where = {"shape": shape.name, "T": shape.T, "d": shape.d, "E": shape.E, "k": shape.k,
              "F": shape.F}  # fmt: skip
@@ -143,12 +163,14 @@ def role_table(shape, time_fn, device, dtype=torch.bfloat16, records=None) -> li
     except Exception as e:  # noqa: BLE001 - the report says why
         records.append({**where, "candidate": "role all triton", "figure": "failed",
                         "value": f"{type(e).__name__}: {e}", "unit": ""})  # fmt: skip
-        return [f"| {s.name} | all | triton unavailable: {type(e).__name__}: {e} | | | | |"]
-    theirs = _cutlass_calls(t, s.E, s.d, s.F)
+        return [f"| {s.name} | all | triton unavailable: {type(e).__name__}: {e} | | | | | | |"]
+    wired, bare = _wired_calls(t, s.E, s.d, s.F), _cutlass_calls(t, s.E, s.d, s.F)
     for role in (*ROLES, *VARIANTS):
         fl = role_flops(role, M, s.d, s.F)
+        base = VARIANTS.get(role, role)
         cells = []
-        for backend, fn in (("triton", ours[role]), ("cutlass", theirs[VARIANTS.get(role, role)])):
+        for backend, fn in (("triton", ours[role]), ("cutlass", wired[base]),
+                            ("cutlass-gemm", bare[base])):  # fmt: skip
             rec = {**where, "candidate": f"role {role} {backend}", "unit": "ms"}
             try:
                 ms = time_fn(fn)
@@ -164,5 +186,7 @@ def role_table(shape, time_fn, device, dtype=torch.bfloat16, records=None) -> li
             if cells[0][0] is not None and cells[1][0] is not None
             else "–"
         )
-        rows.append(f"| {s.name} | {role} | {fmt(cells[0])} | {fmt(cells[1])} | {pct} |")
+        rows.append(
+            f"| {s.name} | {role} | {fmt(cells[0])} | {fmt(cells[1])} | {pct} | {fmt(cells[2])} |"
+        )
     return rows

@@ -6,8 +6,9 @@ input gradients; wgrad13 and wgrad2: the weight gradients (dW). Backends: "trito
 ragged-rows / ragged-reduction kernels) or "cutlass" (torch._grouped_mm).
 
 Decision rule (issue 35, written before any GPU run): a role goes to "cutlass" at a shape
-class where the GPU check's role table shows CUTLASS faster than the Triton kernel by more than
-CUTLASS_MARGIN at every measured shape of that class; to "triton" elsewhere.
+class where the GPU check's role table shows CUTLASS (the role as it runs there: GEMM plus the
+epilogue's row passes) faster than the Triton kernel by more than CUTLASS_MARGIN at every
+measured shape of that class; to "triton" elsewhere.
 bench/gpu_decide.py computes the table from a check's measurements.
 
 Source of today's entries: NO GPU MEASUREMENT EXISTS YET for the current kernels (the check has
