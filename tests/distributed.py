@@ -1,8 +1,7 @@
 """Spawned multi-rank test harness (gloo on CPU) that reports failures instead of hanging.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (multiprocessing "spawn"),
-each of which:
-  * sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size,
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each of which:
+  * takes the parent's current environment and working directory, sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size,
     MASTER_ADDR/MASTER_PORT), GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None
     unsets a variable), and uses one intra-op thread (the test machines have 2 cores);
   * calls ``dist.init_process_group("gloo", ...)`` on a free localhost port with a collective
@@ -16,7 +15,14 @@ traceback ("rank N timed out", "rank N was killed after rank M failed", ...).
 
 ``fn`` and ``args`` must be picklable: define ``fn`` at module level in an importable module
 (tests/ is a package, so ``tests.test_x._body`` works under pytest). Batch many checks into one
-call: starting a rank (interpreter + torch import) costs a few seconds of CPU.
+call: starting a rank and joining the process group still costs a fraction of a second.
+
+Ranks are forked from a multiprocessing "forkserver": one clean, single-threaded process per
+test session that imported torch, torch.distributed and moe once (``PRELOAD``), instead of a
+fresh interpreter importing them again for every rank of every call (several seconds of CPU
+each on the 2-core CI machine). A forked rank then imports only the test module; it sees the
+environment and working directory of the parent at the moment of the call, as a spawned one
+would.
 
 Example::
 
@@ -46,6 +52,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported once by the forkserver before it forks any rank (a module missing here is imported
+# by the rank itself, as before).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "moe",
+    "tests.distributed",
+]
+
+
+def _context() -> mp.context.BaseContext:
+    """The forkserver context, its server importing PRELOAD before its first fork."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -63,8 +88,13 @@ def _worker(
     env: dict[str, str | None],
     args: tuple,
     results: mp.Queue,
+    parent_env: dict[str, str],
+    cwd: str,
 ) -> None:
-    """Body of one spawned rank: init gloo, run fn, report ("ok", pickled) or ("error", text)."""
+    """Body of one rank: init gloo, run fn, report ("ok", pickled) or ("error", text)."""
+    os.chdir(cwd)
+    os.environ.clear()  # the parent's environment now, not the forkserver's at its start
+    os.environ.update(parent_env)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -118,13 +148,24 @@ def run_ranks(
     Raises AssertionError describing every rank that failed, died or timed out.
     """
     deadline = max(2 * timeout, timeout + 60.0) if deadline is None else deadline
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, dict(env or {}), args, results),
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                timeout,
+                dict(env or {}),
+                args,
+                results,
+                dict(os.environ),
+                os.getcwd(),
+            ),
             daemon=True,
         )
         for rank in range(world_size)
