@@ -1,8 +1,8 @@
 """Spawned multi-rank test harness (gloo on CPU) that reports failures instead of hanging.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each of which:
-  * takes the parent's current environment and working directory, sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size,
-    MASTER_ADDR/MASTER_PORT), GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None
+  * takes the parent's current environment and working directory, sets torchrun's variables
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size, MASTER_ADDR/MASTER_PORT), GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None
     unsets a variable), and uses one intra-op thread (the test machines have 2 cores);
   * calls ``dist.init_process_group("gloo", ...)`` on a free localhost port with a collective
     timeout of ``timeout`` seconds, so a collective missing a peer fails instead of waiting;
