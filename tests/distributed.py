@@ -1,9 +1,10 @@
-"""Spawned multi-rank test harness (gloo on CPU) that reports failures instead of hanging.
+"""Multi-rank test harness (gloo on CPU, forked ranks) that reports failures instead of hanging.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each of which:
   * takes the parent's current environment and working directory, sets torchrun's variables
-    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size, MASTER_ADDR/MASTER_PORT), GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None
-    unsets a variable), and uses one intra-op thread (the test machines have 2 cores);
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size, MASTER_ADDR/MASTER_PORT),
+    GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None unsets a variable), and uses
+    one intra-op thread (the test machines have 2 cores);
   * calls ``dist.init_process_group("gloo", ...)`` on a free localhost port with a collective
     timeout of ``timeout`` seconds, so a collective missing a peer fails instead of waiting;
   * runs ``fn(rank, world_size, *args)`` and sends back its (picklable) result, or the
@@ -13,16 +14,15 @@ The parent collects the results and returns them as a list indexed by rank. If a
 seconds to finish, every straggler is killed, and an AssertionError lists each failing rank's
 traceback ("rank N timed out", "rank N was killed after rank M failed", ...).
 
+Ranks are forked from a multiprocessing "forkserver": one process per test session that only
+imported torch, torch.distributed and moe (``PRELOAD``; it runs no torch op and starts no
+process group), instead of a fresh interpreter importing them again for every rank of every
+call (several seconds of CPU each on the 2-core CI machine). A forked rank imports only what
+``fn``'s module adds.
+
 ``fn`` and ``args`` must be picklable: define ``fn`` at module level in an importable module
 (tests/ is a package, so ``tests.test_x._body`` works under pytest). Batch many checks into one
-call: starting a rank and joining the process group still costs a fraction of a second.
-
-Ranks are forked from a multiprocessing "forkserver": one clean, single-threaded process per
-test session that imported torch, torch.distributed and moe once (``PRELOAD``), instead of a
-fresh interpreter importing them again for every rank of every call (several seconds of CPU
-each on the 2-core CI machine). A forked rank then imports only the test module; it sees the
-environment and working directory of the parent at the moment of the call, as a spawned one
-would.
+call: starting the ranks and their process group still costs a second or so.
 
 Example::
 
