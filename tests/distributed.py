@@ -61,6 +61,8 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "moe",
+    "pytest",  # every test module imports it
+    "safetensors",
     "tests.distributed",
 ]
 
