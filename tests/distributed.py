@@ -1,10 +1,10 @@
-"""Spawned multi-rank test harness (gloo on CPU) that reports failures instead of hanging.
+"""Multi-rank test harness (gloo on CPU, forked ranks) that reports failures instead of hanging.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (multiprocessing "spawn"),
-each of which:
-  * sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size,
-    MASTER_ADDR/MASTER_PORT), GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None
-    unsets a variable), and uses one intra-op thread (the test machines have 2 cores);
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each of which:
+  * takes the parent's current environment and working directory, sets torchrun's variables
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = world_size, MASTER_ADDR/MASTER_PORT),
+    GLOO_SOCKET_IFNAME=lo, then ``env`` on top (a value of None unsets a variable), and uses
+    one intra-op thread (the test machines have 2 cores);
   * calls ``dist.init_process_group("gloo", ...)`` on a free localhost port with a collective
     timeout of ``timeout`` seconds, so a collective missing a peer fails instead of waiting;
   * runs ``fn(rank, world_size, *args)`` and sends back its (picklable) result, or the
@@ -14,9 +14,15 @@ The parent collects the results and returns them as a list indexed by rank. If a
 seconds to finish, every straggler is killed, and an AssertionError lists each failing rank's
 traceback ("rank N timed out", "rank N was killed after rank M failed", ...).
 
+Ranks are forked from a multiprocessing "forkserver": one process per test session that only
+imported torch, torch.distributed and moe (``PRELOAD``; it runs no torch op and starts no
+process group), instead of a fresh interpreter importing them again for every rank of every
+call (several seconds of CPU each on the 2-core CI machine). A forked rank imports only what
+``fn``'s module adds.
+
 ``fn`` and ``args`` must be picklable: define ``fn`` at module level in an importable module
 (tests/ is a package, so ``tests.test_x._body`` works under pytest). Batch many checks into one
-call: starting a rank (interpreter + torch import) costs a few seconds of CPU.
+call: starting the ranks and their process group still costs a second or so.
 
 Example::
 
@@ -46,6 +52,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported once by the forkserver before it forks any rank (a module missing here is imported
+# by the rank itself, as before).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "moe",
+    "pytest",  # every test module imports it
+    "safetensors",
+    "tests.distributed",
+]
+
+
+def _context() -> mp.context.BaseContext:
+    """The forkserver context, its server importing PRELOAD before its first fork."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -63,8 +90,13 @@ def _worker(
     env: dict[str, str | None],
     args: tuple,
     results: mp.Queue,
+    parent_env: dict[str, str],
+    cwd: str,
 ) -> None:
-    """Body of one spawned rank: init gloo, run fn, report ("ok", pickled) or ("error", text)."""
+    """Body of one rank: init gloo, run fn, report ("ok", pickled) or ("error", text)."""
+    os.chdir(cwd)
+    os.environ.clear()  # the parent's environment now, not the forkserver's at its start
+    os.environ.update(parent_env)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -118,13 +150,24 @@ def run_ranks(
     Raises AssertionError describing every rank that failed, died or timed out.
     """
     deadline = max(2 * timeout, timeout + 60.0) if deadline is None else deadline
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, dict(env or {}), args, results),
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                timeout,
+                dict(env or {}),
+                args,
+                results,
+                dict(os.environ),
+                os.getcwd(),
+            ),
             daemon=True,
         )
         for rank in range(world_size)

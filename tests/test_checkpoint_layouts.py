@@ -3,6 +3,7 @@
 for bit, and training continues as it would have (bit-exactly at the same layout)."""
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moe.checkpoint import load_checkpoint, save_checkpoint
@@ -50,13 +51,22 @@ def _shard(rank, world):
     return slice(start, start + SIZES[rank])
 
 
+LOAD_LAYOUTS = {"dp=1 ep=4 ddp": (1, 4, "ddp"), "dp=2 ep=2 fsdp": (2, 2, "fsdp")}
+
+
 def _save_body(rank, world, path):
+    """Save at (dp=2, ep=2, fsdp) and train on; then, on the same 4 ranks (one start instead of
+    three), load into fresh models at each of LOAD_LAYOUTS."""
     model, opt = _setup((2, 2, "fsdp"), seed=0)
     _train(model, opt, (0, 1), _shard(rank, world), world)
     save_checkpoint(path, model, opt, extra={"step": 2})
     saved = _snapshot(model, opt)
     _train(model, opt, (2, 3), _shard(rank, world), world)
-    return saved, _snapshot(model, opt)
+    uninterrupted = _snapshot(model, opt)
+    del model, opt
+    dist.barrier()  # every rank has saved before any rank loads
+    runs = {name: _load_body(rank, world, path, layout) for name, layout in LOAD_LAYOUTS.items()}
+    return saved, uninterrupted, runs
 
 
 def _load_body(rank, world, path, layout):
@@ -69,12 +79,8 @@ def _load_body(rank, world, path, layout):
 
 def test_fsdp_checkpoint_loads_at_other_layouts_and_in_one_process(tmp_path):
     path = str(tmp_path / "ckpt")
-    saved, uninterrupted = run_ranks(_save_body, 4, path, timeout=90)[0]
-    runs = {
-        "dp=1 ep=4 ddp": run_ranks(_load_body, 4, path, (1, 4, "ddp"), timeout=90)[0],
-        "dp=2 ep=2 fsdp": run_ranks(_load_body, 4, path, (2, 2, "fsdp"), timeout=90)[0],
-        "one process": _load_body(0, 1, path, None),
-    }
+    saved, uninterrupted, runs = run_ranks(_save_body, 4, path, timeout=90)[0]
+    runs["one process"] = _load_body(0, 1, path, None)
     for name, (extra, loaded, continued) in runs.items():
         assert extra == {"step": 2}, name
         assert loaded.keys() == saved.keys(), name

@@ -63,7 +63,9 @@ def test_load_fused_layout(tmp_path):
     torch.testing.assert_close(logits(model, ids), logits(reference, ids), rtol=1e-5, atol=1e-6)
 
 
-def _ep_body(rank, world, directory, out_dir, data_parallel):
+def _ep_body(rank, world, directory, out_dir, modes):
+    """For each data-parallel mode in turn on the same 2 ranks (one start): the logits of the
+    expert-parallel model loaded from `directory`, and the experts whose tensors it read."""
     import safetensors
 
     opened = []
@@ -91,32 +93,49 @@ def _ep_body(rank, world, directory, out_dir, data_parallel):
             return self.inner.get_tensor(key)
 
     safetensors.safe_open = Counting
-    model = converted_from_config("mixtral")
-    parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
-    moe.load_hf_checkpoint(model, directory)
-    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(rank))
-    model.eval()
-    y = model(ids).logits
-    moe.save_hf_checkpoint(model, out_dir)
-    experts = sorted(
-        {int(k.split(".experts.")[1].split(".")[0]) for k in opened if ".experts." in k}
-    )
-    return y, experts
+    out = {}
+    for data_parallel in modes:
+        opened.clear()
+        model = converted_from_config("mixtral")
+        parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
+        moe.load_hf_checkpoint(model, directory)
+        ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(rank))
+        model.eval()
+        y = model(ids).logits
+        moe.save_hf_checkpoint(model, f"{out_dir}-{data_parallel}")
+        experts = sorted(
+            {int(k.split(".experts.")[1].split(".")[0]) for k in opened if ".experts." in k}
+        )
+        out[data_parallel] = (y, experts)
+    return out
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
-def test_expert_parallel_load_reads_only_local_experts(tmp_path, data_parallel):
+def test_expert_parallel_load_reads_only_local_experts(tmp_path):
+    """ddp and fsdp: each rank reads only its own experts, computes the reference logits, and
+    the saved folder loads in transformers."""
     reference = saved("mixtral", tmp_path / "hub")
     hub, out = str(tmp_path / "hub"), str(tmp_path / "out")
-    results = run_ranks(_ep_body, 2, hub, out, data_parallel, timeout=60)
+    modes = ["ddp", "fsdp"]
+    results = run_ranks(_ep_body, 2, hub, out, modes, timeout=60)
     E = reference.config.num_local_experts
-    assert results[0][1] == list(range(E // 2)) and results[1][1] == list(range(E // 2, E))
-    for rank, (y, _) in enumerate(results):
-        ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(rank))
-        torch.testing.assert_close(y, logits(reference, ids), rtol=1e-5, atol=1e-6)
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    ids = torch.randint(0, 97, (2, 9))
-    torch.testing.assert_close(logits(again, ids), logits(reference, ids), rtol=1e-5, atol=1e-6)
+    for mode in modes:
+        assert results[0][mode][1] == list(range(E // 2)), mode
+        assert results[1][mode][1] == list(range(E // 2, E)), mode
+        for rank, result in enumerate(results):
+            ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(rank))
+            want = logits(reference, ids)
+            torch.testing.assert_close(
+                result[mode][0], want, rtol=1e-5, atol=1e-6, msg=lambda m, mode=mode: f"{mode}: {m}"
+            )
+        again = transformers.AutoModelForCausalLM.from_pretrained(f"{out}-{mode}")
+        ids = torch.randint(0, 97, (2, 9))
+        torch.testing.assert_close(
+            logits(again, ids),
+            logits(reference, ids),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, mode=mode: f"{mode} saved: {m}",
+        )
 
 
 def test_errors_name_the_key_and_change_nothing(tmp_path):

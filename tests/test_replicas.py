@@ -329,29 +329,34 @@ def test_bad_spare_slots_and_layouts_are_refused_naming_layer_and_value():
     assert all(torch.equal(v, before[k]) for k, v in rep.state_dict().items())  # unchanged
 
 
-def _parallelize_body(rank, world, spare):
-    _, rep = _pair(spare)
-    try:
-        parallelize(rep, init_mesh(dp=1, ep=world), "ddp")
-        if rank == 1:  # a rank with another replica layout: refused everywhere, nothing moves
-            rep[1].expert_of_slot_S[[4, 8]] = rep[1].expert_of_slot_S[[8, 4]].clone()
-        rebalance_experts(rep, None, min_gain=0.0)
-    except ValueError as e:
-        return str(e)
-    return None
+def _parallelize_body(rank, world, cases):
+    """Each case on the same ranks (one start): the error each rank raised, or None."""
+    out = []
+    for spare, _ in cases:
+        _, rep = _pair(spare)
+        try:
+            parallelize(rep, init_mesh(dp=1, ep=world), "ddp")
+            if rank == 1:  # a rank with another replica layout: refused everywhere, nothing moves
+                rep[1].expert_of_slot_S[[4, 8]] = rep[1].expert_of_slot_S[[8, 4]].clone()
+            rebalance_experts(rep, None, min_gain=0.0)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append(None)
+    return out
 
 
-@pytest.mark.parametrize(
-    "spare, message",
-    [
-        (3, "spare_slots=3 is not a multiple of the EP size 2"),
-        (10, "spare_slots=10 needs more copies of an expert than there are EP ranks"),
-        (2, "ranks hold different expert placements"),
-    ],
-)
-def test_parallelize_refuses_bad_spare_slots_on_every_rank(spare, message):
-    results = run_ranks(_parallelize_body, 2, spare, timeout=30, deadline=90)
-    assert results[0] == results[1] and results[0] is not None and message in results[0]
+BAD_SPARE_SLOTS = [
+    (3, "spare_slots=3 is not a multiple of the EP size 2"),
+    (10, "spare_slots=10 needs more copies of an expert than there are EP ranks"),
+    (2, "ranks hold different expert placements"),
+]
+
+
+def test_parallelize_refuses_bad_spare_slots_on_every_rank():
+    results = run_ranks(_parallelize_body, 2, BAD_SPARE_SLOTS, timeout=30, deadline=90)
+    for (spare, message), first, second in zip(BAD_SPARE_SLOTS, *results, strict=True):
+        assert first == second and first is not None and message in first, (spare, message, first)
 
 
 def test_replica_forward_backward_read_nothing():
