@@ -201,7 +201,8 @@ def test_layer_with_every_role_on_cutlass_matches_reference(roles):
     dtype = DTYPES[0]
     layer = moe.MoELayer(16, 24, 4, top_k=2, backend="triton", activation="swiglu")
     layer = layer.to(DEVICE, dtype)
-    check_against_reference(layer, torch.randn(16, 16, device=DEVICE, dtype=dtype), **TOL[dtype])
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)  # as test_cuda
+    check_against_reference(layer, torch.randn(16, 16, device=DEVICE, dtype=dtype), **tol)
     assert len(calls) == sum(CALLS.values())
 
 
