@@ -159,12 +159,15 @@ def test_plain_activation_rows_returned(roles, activation):
     assert len(calls) == sum(CALLS_PLAIN.values())
 
 
-def test_biases_keep_their_roles_on_triton(roles):
-    """Fused bias epilogues stay on Triton: up (b1), down (b2), wgrad13 (db1), wgrad2 (db2); the
-    dact and dx roles still run on CUTLASS."""
+@pytest.mark.parametrize("weights", [False, True], ids=["no-weights", "combine-weights"])
+def test_biases_keep_their_roles_on_triton(roles, weights):
+    """Fused bias epilogues stay on Triton: up (b1), down (b2), wgrad13 (db1), wgrad2 (db2 fused,
+    without combine weights); dact (with b2's share of the combine weights' gradient) and dx
+    still run on CUTLASS, and with combine weights dW2 too (db2 is then a separate reduction)."""
     calls = roles(ROLES)
-    check(make([5, 0, 9, 2], 4, 16, 24, "swiglu", DTYPES[0], bias=True, weights=False), DTYPES[0])
-    assert len(calls) == CALLS["dact"] + CALLS["dx"]
+    dtype = DTYPES[0]
+    check(make([5, 0, 9, 2], 8, 16, 24, "swiglu", dtype, bias=True, weights=weights), dtype)
+    assert len(calls) == CALLS["dact"] + CALLS["dx"] + (CALLS["wgrad2"] if weights else 0)
 
 
 def test_unfit_operands_fall_back_to_triton(roles):

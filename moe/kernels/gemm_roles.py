@@ -16,8 +16,8 @@ not run; issue 35). Every entry is "triton", today's behaviour of backend="trito
 expert MLP (moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
 (moe/kernels/triton/cutlass_roles.py) where that runs (bf16 on sm_90+; fp32/bf16/fp16 on CPU
 under TRITON_INTERPRET=1) and the role's epilogue holds no bias; on the Triton kernel otherwise.
-KernelConfig.cutlass_roles overrides the table for the whole process (the GPU check times a
-candidate table with it before it is written here).
+KernelConfig.cutlass_roles overrides the table for the whole process (the GPU check's layer
+with every role on CUTLASS uses it).
 """
 
 ROLES = ("up", "down", "dact", "dx", "wgrad13", "wgrad2")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from moe import settings
 from moe.kernels import gemm_roles
 
+_FLAGS = ("autotune", "tma")  # KernelConfig's bool fields; each has an environment override
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -44,9 +46,6 @@ class KernelConfig:
         if self.cutlass_roles is not None:
             return self.cutlass_roles
         return gemm_roles.cutlass_roles(d_model, d_ff)
-
-
-_FLAGS = ("autotune", "tma")  # the bool fields; each has an environment override
 
 
 _config = KernelConfig()
