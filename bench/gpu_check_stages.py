@@ -273,7 +273,8 @@ def decide(check) -> list[str]:
     records = getattr(check, "layer_records", [])
     tma, why = gpu_decide.tma_decision(records, getattr(check, "tma_passed", None))
     lines = [f"TMA default on sm_90: {'yes' if tma else 'no'} ({why})"]
-    table, changes = gpu_decide.role_decision(records, getattr(check, "pointer_passed", None))
+    passed = getattr(check, "pointer_passed", None)
+    table, changes = gpu_decide.role_decision(records, passed, tma)
     lines.append("GEMM roles (moe/kernels/gemm_roles.py): " + ("; ".join(changes) or "no change"))
     layer = gpu_decide.cutlass_layer_rows(records)
     lines.append("Layer with every role on CUTLASS: " + ("; ".join(layer) or "not measured"))

@@ -6,10 +6,10 @@
    table shows CUTLASS faster by more than moe.kernels.gemm_roles.CUTLASS_MARGIN at every
    measured shape of the class, to the Triton kernel elsewhere. The CUTLASS figure is the role
    as moe runs it there (GEMM + row passes, bench/gpu_roles.py's "cutlass"), not the GEMM
-   alone; a move to CUTLASS also needs
-   stage b's pointer selection passed (it holds tests/test_cutlass_roles.py, every role on
-   CUTLASS against float64). The "moe triton CUTLASS roles" layer row, every role on CUTLASS,
-   is reported beside "moe triton" per shape as the layer-level check.
+   alone; the Triton figure is the TMA variant's when rule 1 makes TMA the default. A move to
+   CUTLASS also needs stage b's pointer selection passed (it holds tests/test_cutlass_roles.py,
+   every role on CUTLASS against float64). The "moe triton CUTLASS roles" layer row is
+   reported beside "moe triton" per shape as the layer-level check.
 3. M6: the GPU preset keeps its batch and width if it reaches M6_MIN_SPEEDUP x the 2-core CPU's
    tokens/s; otherwise the report names the bound: host syncs (more than M6_MAX_SYNCS per step),
    else kernel launches (the step is host-bound: bench/m6_step_ops counts its operators).
@@ -45,18 +45,25 @@ def tma_decision(records: list[dict], tma_tests_passed: bool | None) -> tuple[bo
 
 
 def role_decision(
-    records: list[dict], roles_tests_passed: bool | None = True
+    records: list[dict], roles_tests_passed: bool | None = True, tma: bool = False
 ) -> tuple[dict[tuple[str, str], str], list[str]]:
     """(the (role, shape class) -> backend table the measurements give, one line per change).
-    Without the CUDA tests of the CUTLASS roles passed, no role moves to CUTLASS."""
+    Without the CUDA tests of the CUTLASS roles passed, no role moves to CUTLASS. With `tma`
+    (the TMA default adopted) the Triton figure is the role's TMA variant where measured."""
     ms = {}
     for r in records:
         if r["figure"] == "ms" and r["candidate"].startswith("role ") and r["value"] is not None:
-            parts = r["candidate"].split(" ")  # "role up triton"; variants ("up TMA") skipped
+            parts = r["candidate"].split(" ")  # "role up triton", "role up TMA triton"
             role, backend = (parts[1], parts[2]) if len(parts) == 3 else (None, None)
+            if parts[2:] == ["TMA", "triton"]:
+                role, backend = parts[1], "triton TMA"
             if role in gemm_roles.ROLES:
                 cls = gemm_roles.shape_class(r["d"], r["F"])
                 ms.setdefault((role, cls), {}).setdefault(r["shape"], {})[backend] = r["value"]
+    for by_shape in ms.values():  # the Triton figure: the TMA variant's once TMA is the default
+        for v in by_shape.values():
+            if tma and "triton TMA" in v:
+                v["triton"] = v["triton TMA"]
     table, lines = dict(gemm_roles.TABLE), []
     for key, by_shape in sorted(ms.items()):
         both = [v for v in by_shape.values() if "triton" in v and "cutlass" in v]

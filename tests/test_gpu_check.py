@@ -92,6 +92,19 @@ def test_role_rule_moves_a_role_only_past_the_margin_at_every_shape_of_its_class
     assert len(changes) == 1 and changes[0].startswith("up at narrow: triton -> cutlass")
 
 
+def test_role_rule_compares_the_tma_variant_once_tma_is_the_default():
+    def role(name, backend, ms):
+        return _rec("OLMoE", f"role {name} {backend}", ms, figure="ms")
+
+    recs = [role("up", "triton", 1.0), role("up TMA", "triton", 1.2), role("up", "cutlass", 1.0),
+            role("wgrad2", "triton", 1.2), role("wgrad2", "cutlass", 1.0)]  # fmt: skip
+    pointer = gpu_decide.role_decision(recs, True, tma=False)[0]
+    with_tma = gpu_decide.role_decision(recs, True, tma=True)[0]
+    assert pointer[("up", "narrow")] == "triton" and with_tma[("up", "narrow")] == "cutlass"
+    # a role without a TMA variant keeps its own Triton figure
+    assert pointer[("wgrad2", "narrow")] == with_tma[("wgrad2", "narrow")] == "cutlass"
+
+
 def test_role_table_covers_every_role_and_class_with_an_applied_backend():
     """Every (role, shape class) has an entry the Triton expert MLP applies (tests/
     test_cutlass_roles.py runs each role on either backend)."""
