@@ -27,8 +27,12 @@ from moe.kernels.expert_rows import ExpertRows  # noqa: E402
 from tests import reference as ref  # noqa: E402
 
 ROLES = gemm_roles.ROLES
-DTYPES = [torch.bfloat16] if HAS_CUDA else [torch.float32, torch.bfloat16]
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+DTYPES = [torch.bfloat16] if HAS_CUDA else [torch.float32, torch.bfloat16, torch.float16]
+TOL = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+}
 # torch._grouped_mm calls per role, gated (two weights) and not
 CALLS = {"up": 2, "down": 1, "dact": 1, "dx": 2, "wgrad13": 2, "wgrad2": 1}
 CALLS_PLAIN = {**CALLS, "up": 1, "dx": 1, "wgrad13": 1}
@@ -238,3 +242,80 @@ def test_opcheck_with_cutlass_roles():
     args = (x, case["offsets"], w1, case["w2"], None, None, None, case["ids"], case["rw"],
             "gelu", True, True, ",".join(ROLES))  # fmt: skip
     torch.library.opcheck(torch.ops.moe.triton_expert_mlp.default, args)
+
+
+def test_recompute_and_gradient_accumulation_match_the_triton_roles(roles):
+    """MoELayer(recompute=True) over two accumulated micro-batches: every role on CUTLASS gives
+    the gradients of every role on Triton (itself tested against float64 above)."""
+    dtype = DTYPES[0]
+    torch.manual_seed(3)
+    xs = [torch.randn(16, 16, device=DEVICE, dtype=dtype) for _ in range(2)]
+    grads = {}
+    for which in (ROLES, ()):
+        calls = roles(which)
+        torch.manual_seed(0)
+        layer = moe.MoELayer(16, 24, 4, top_k=2, backend="triton", activation="swiglu",
+                             recompute=True).to(DEVICE, dtype)  # fmt: skip
+        for x in xs:
+            layer(x.clone().requires_grad_()).square().sum().backward()
+        grads[which] = {n: p.grad for n, p in layer.named_parameters()}
+        assert bool(calls) == bool(which), len(calls)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    for n, g in grads[()].items():
+        torch.testing.assert_close(grads[ROLES][n], g, **tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _ep_body(rank, world, cases):
+    """Each case trained on this rank's shard with every role on CUTLASS: the gathered
+    parameters and last step's gradients, this rank's losses and how many torch._grouped_mm
+    calls ran here."""
+    from moe.parallel import init_mesh, parallelize
+    from tests.test_parallel import _shard, build_model, global_batches, train
+
+    calls, real = [], torch._grouped_mm
+    torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    set_kernel_config(KernelConfig(cutlass_roles=ROLES))
+    out = {}
+    for name, sizes, parallel in cases:
+        calls.clear()
+        model = parallelize(build_model(backend="triton"), init_mesh(dp=1, ep=world), **parallel)
+        losses = train(model, global_batches(sizes), _shard(sizes, rank), world, sgd=True)
+        params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[name] = (params, grads, losses, len(calls))
+    return out
+
+
+EP_CASES = [
+    ("ep2_ddp", [8, 4], {"data_parallel": "ddp"}),
+    ("ep2_fsdp", [4, 8], {"data_parallel": "fsdp"}),
+    ("ep2_overlapped", [8, 8], {"overlap": 2}),
+]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="gloo ranks on CPU (the kernels in the interpreter)")
+def test_expert_parallel_training_with_every_role_on_cutlass_equals_one_process():
+    """EP over 2 ranks with ddp, fsdp and the overlapped dispatcher, every role on CUTLASS:
+    the losses of three SGD steps (summed over ranks / world: the global mean), the last
+    step's gradients and the parameters after it equal one process's (torch backend) on the
+    global batch."""
+    from tests.distributed import run_ranks
+    from tests.test_parallel import build_model, global_batches, train
+
+    results = run_ranks(_ep_body, 2, EP_CASES, timeout=300)
+    for name, sizes, _ in EP_CASES:
+        reference = build_model()
+        ref_losses = train(reference, global_batches(sizes), slice(None), 1, sgd=True)
+        losses = [sum(r[name][2][i] for r in results) / 2 for i in range(len(ref_losses))]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=f"{name} losses")
+        for rank in range(2):
+            params, grads, _, calls = results[rank][name]
+            assert calls > 0, f"{name} rank {rank}: no role ran on CUTLASS"
+            for n, p in reference.named_parameters():
+                for got, want, what in (
+                    (params[n], p.detach(), "param"),
+                    (grads[n], p.grad, "grad"),
+                ):
+                    where = f"{name} rank {rank} {what} {n}"
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
+                                               msg=lambda m, where=where: f"{where}: {m}")  # fmt: skip
