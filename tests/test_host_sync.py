@@ -138,15 +138,21 @@ def test_layer_forward_backward_read_nothing(router, capacity_factor):
     layer = moe.MoELayer(
         24, 40, 6, top_k=top_k, router=router, capacity_factor=capacity_factor, bias=True
     )
-    x = torch.randn(3, 7, 24, requires_grad=True)
+    calls = layer_step_reads(layer, after=lambda: moe.update_router_biases(layer))
+    assert calls == [], "\n".join(calls)
+
+
+def layer_step_reads(layer, after=lambda: None) -> list[str]:
+    """The host reads of one forward + backward of `layer` (and `after`) after a warm-up step."""
+    x = torch.randn(3, 7, layer.config.d_model, requires_grad=True)
     layer(x).sum().backward()  # warm-up
     with counting_host_reads() as reads:
         reads.active = True
         y = layer(x)
         (y.square().sum() + layer.aux_loss).backward()
-        moe.update_router_biases(layer)
+        after()
         reads.active = False
-    assert reads.calls == [], "\n".join(reads.calls)
+    return reads.calls
 
 
 def test_cpu_only_reads_have_a_device_branch():

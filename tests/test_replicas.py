@@ -361,15 +361,9 @@ def test_parallelize_refuses_bad_spare_slots_on_every_rank():
 
 def test_replica_forward_backward_read_nothing():
     """The replica split adds no host read to the layer's forward and backward."""
-    from tests.test_host_sync import counting_host_reads
+    from tests.test_host_sync import layer_step_reads
 
     torch.manual_seed(0)
     layer = moe.MoELayer(24, 40, 6, top_k=2, capacity_factor=1.25, bias=True, spare_slots=2)
-    x = torch.randn(3, 7, 24, requires_grad=True)
-    layer(x).sum().backward()  # warm-up
-    with counting_host_reads() as reads:
-        reads.active = True
-        y = layer(x)
-        (y.square().sum() + layer.aux_loss).backward()
-        reads.active = False
-    assert reads.calls == [], "\n".join(reads.calls)
+    calls = layer_step_reads(layer)
+    assert calls == [], "\n".join(calls)

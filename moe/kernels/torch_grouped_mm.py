@@ -13,24 +13,38 @@ CPU; bf16 on Hopper+); otherwise (float64, unaligned widths) per-expert matmuls 
 
 import torch
 
-_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
-def _aligned(t: torch.Tensor, *dims: int) -> bool:
-    """torch._grouped_mm needs 16-byte aligned strides."""
-    return all(t.shape[d] * t.element_size() % 16 == 0 for d in dims)
-
-
-def _use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not _HAS_GROUPED_MM or x.dtype not in _NATIVE_DTYPES:
+def _layout_ok(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's operand rule (aten GroupedMMUtils.h): 16-byte aligned data, one unit
+    stride in the last two dims and the other a multiple of 16 bytes."""
+    if t.data_ptr() % 16:
         return False
-    if not (_aligned(x, -1) and _aligned(w, -1, -2)):
+    align = 16 // t.element_size()
+    s, n = t.stride(), t.shape
+    if s[-1] == 1 and s[-2] >= max(1, n[-1]):
+        return s[-2] % align == 0
+    if s[-2] == 1 and s[-1] >= max(1, n[-2]):
+        return s[-1] % align == 0
+    return False
+
+
+def fits(*mats: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on these operands: its dtypes on the device (bf16 on sm_90+ on
+    CUDA, where it is CUTLASS), and every operand's layout."""
+    dev = mats[0].device
+    if not hasattr(torch, "_grouped_mm") or mats[0].dtype not in _DTYPES.get(dev.type, ()):
         return False
-    if x.device.type == "cpu":
-        return True
-    # CUDA's torch._grouped_mm needs bf16 and Hopper or newer.
-    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    return all(_layout_ok(m) for m in mats)
+
+
+def wgrad_fits(R: int, a_NK: torch.Tensor, *b_RN: torch.Tensor) -> bool:
+    """The weight-gradient form (a_rows^T @ b per expert, a_rows = R rows of a or gathered from
+    it) also needs the row count R 16-byte aligned."""
+    return R * a_NK.element_size() % 16 == 0 and fits(a_NK.t(), *b_RN)
 
 
 def zero_tail_rows(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -58,7 +72,7 @@ def mm_groups(
     """y[rows of e] = x[rows of e] @ w[e]; tail rows zero (with zero_tail=False they are left
     as torch._grouped_mm leaves them, for callers that never read them). Plain (no autograd):
     the body of moe::grouped_mm, also called inside moe::expert_mlp."""
-    if _use_native(x_MK, w_EKN):
+    if fits(x_MK, w_EKN):
         y = torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
         return zero_tail_rows(y, offsets_E) if zero_tail else y
     y = x_MK.new_zeros(x_MK.shape[0], w_EKN.shape[2])
@@ -85,7 +99,7 @@ def wgrad_groups(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_E: torch.Tenso
     """dw[e] = x[rows of e]^T @ dy[rows of e]: the ragged-reduction GEMM; empty groups give 0.
     Plain (no autograd): the body of moe::grouped_mm_wgrad."""
     num_groups = offsets_E.shape[0]
-    if _use_native(x_MK, dy_MN) and _aligned(x_MK, 0):
+    if wgrad_fits(x_MK.shape[0], x_MK, dy_MN):
         return torch._grouped_mm(x_MK.t(), dy_MN, offs=offsets_E)
     dw = x_MK.new_empty(num_groups, x_MK.shape[1], dy_MN.shape[1])
     for e, (s, t) in enumerate(_segments(offsets_E)):

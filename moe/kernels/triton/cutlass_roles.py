@@ -12,36 +12,20 @@ A role runs here only where torch._grouped_mm runs (`fits`) and its fused epilog
 import torch
 from torch import Tensor
 
+from moe.kernels import torch_grouped_mm
 from moe.kernels.activations import GATED
 from moe.kernels.triton.activations import act_rows
 from moe.kernels.triton.row_passes import act_bwd_rows, zero_tail_rows
 
-_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
-
-
-def _layout_ok(t: Tensor) -> bool:
-    """torch._grouped_mm's operand rule (aten GroupedMMUtils.h): 16-byte aligned data, one unit
-    stride in the last two dims and the other a multiple of 16 bytes."""
-    if t.data_ptr() % 16:
-        return False
-    align = 16 // t.element_size()
-    s, n = t.stride(), t.shape
-    if s[-1] == 1 and s[-2] >= max(1, n[-1]):
-        return s[-2] % align == 0
-    if s[-2] == 1 and s[-1] >= max(1, n[-2]):
-        return s[-1] % align == 0
-    return False
-
 
 def fits(*mats: Tensor) -> bool:
-    """torch._grouped_mm runs on these operands: its dtypes on the device (bf16 on sm_90+ on
-    CUDA, where it is CUTLASS), and every operand's layout."""
-    dev = mats[0].device
-    if not hasattr(torch, "_grouped_mm") or mats[0].dtype not in _DTYPES.get(dev.type, ()):
-        return False
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
-        return False
-    return all(m.numel() > 0 and _layout_ok(m) for m in mats)
+    """torch._grouped_mm runs on these non-empty operands (the torch backend's rule)."""
+    return all(m.numel() > 0 for m in mats) and torch_grouped_mm.fits(*mats)
+
+
+def wgrad_fits(R: int, a_NK: Tensor, *b_RN: Tensor) -> bool:
+    """The weight-gradient form on R > 0 rows (the torch backend's rule)."""
+    return R > 0 and torch_grouped_mm.wgrad_fits(R, a_NK, *b_RN)
 
 
 def _rows(x_ND: Tensor, gather_ids_R: Tensor | None) -> Tensor:
@@ -99,12 +83,6 @@ def dx(dpre: Tensor, w1_LDF: Tensor, w3_LDF: Tensor | None, offsets_L: Tensor) -
     if gated:
         dx_RD += torch._grouped_mm(parts[1], w3_LDF.transpose(1, 2), offs=offsets_L)
     return dx_RD
-
-
-def wgrad_fits(R: int, a_NK: Tensor, *b_RN: Tensor) -> bool:
-    """The weight-gradient form (a_rows^T @ b per expert, a_rows = R rows of a or gathered from
-    it) also needs the row count R 16-byte aligned."""
-    return R * a_NK.element_size() % 16 == 0 and fits(a_NK.t(), *b_RN)
 
 
 def wgrad13(x_ND, dpre, offsets_L, gather_ids_R, F, gated) -> tuple[Tensor, Tensor | None]:
