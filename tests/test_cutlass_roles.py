@@ -88,7 +88,7 @@ def run(case, dy=None):
     out = expert_mlp(
         leaves["x"], case["offsets"], leaves["w1"], leaves["w2"], leaves.get("w3"),
         leaves.get("b1"), leaves.get("b2"), activation=case["activation"], rows=rows,
-        backend="triton",
+        kernel="triton",
     )  # fmt: skip
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) if dy is None else dy
     grads = torch.autograd.grad(out, list(leaves.values()), dy.to(out))

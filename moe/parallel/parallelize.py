@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.comm.exchange_config import ExchangeConfig
-from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher
+from moe.dispatch import DISPATCHERS
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -69,6 +69,14 @@ def _divide_expert_grads(experts: nn.Module, ep: int, sum_only: bool) -> None:
         experts.set_all_reduce_hook(_DivideBy(ep))
 
 
+def dispatcher_name(dispatcher: str | None, overlap: int | str | None) -> str | None:
+    """The registered dispatcher parallelize installs: `dispatcher`, else "overlap" when
+    overlap is given, else "expert_parallel" (checked on every rank by check_config)."""
+    if dispatcher is not None:
+        return dispatcher
+    return "expert_parallel" if overlap is None else "overlap"
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -84,6 +92,7 @@ def parallelize(
     sync_params: bool = True,
     overlap: int | str | None = None,
     exchange: ExchangeConfig | None = None,
+    dispatcher: str | None = None,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
@@ -108,6 +117,10 @@ def parallelize(
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
     exchange (moe.comm.ExchangeConfig; None: its defaults) is how the all-to-all runs: the
     dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
+    dispatcher: the registered dispatcher to install (moe.dispatch.register_dispatcher; None:
+    "overlap" when overlap is given, else "expert_parallel"), built as
+    cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=) plus
+    degree=overlap when overlap is given.
     """
     settings = {
         "data_parallel": data_parallel,
@@ -121,6 +134,7 @@ def parallelize(
         "sync_params": sync_params,
         "overlap": overlap,
         "exchange": exchange,
+        "dispatcher": dispatcher_name(dispatcher, overlap),
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
@@ -142,11 +156,13 @@ def parallelize(
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        ep_args = (mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend)
-        layer.dispatcher = (
-            ExpertParallelDispatcher(*ep_args, exchange_config=exchange)
-            if overlap is None
-            else OverlappedDispatcher(*ep_args, degree=overlap, exchange_config=exchange)
+        layer.dispatcher = DISPATCHERS[settings["dispatcher"]](
+            mesh.get_group("ep"),
+            local,
+            algorithm=algorithm,
+            ranks_per_node=ranks_per_node,
+            exchange_config=exchange,
+            **({} if overlap is None else {"degree": overlap}),
         )
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         layer.mesh = mesh
