@@ -28,13 +28,13 @@ from moe.kernels.activations import GATED
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.kernel_config import kernel_config
 from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
+from moe.kernels.torch_grouped_mm import zero_tail_rows
 from moe.kernels.triton import cutlass_roles as cutlass_mm
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
 from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
 from moe.kernels.triton.grouped_mm_wgrad import busiest_first, ragged_reduce_mm
-from moe.kernels.triton.row_passes import zero_tail_rows
 
 
 def _act_code(activation: str) -> int:
