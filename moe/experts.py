@@ -116,8 +116,13 @@ class GroupedExperts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         """This rank's expert weights as plain tensors (the local shards of DTensors)."""
-        w1, w2, w3, b1, b2 = (local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
-        return ExpertWeights(w1, w2, w3, b1, b2)
+        return ExpertWeights(
+            w1_LDF=local(self.w1),
+            w2_LFD=local(self.w2),
+            w3_LDF=local(self.w3),
+            b1_LF=local(self.b1),
+            b2_LD=local(self.b2),
+        )
 
     def mlp(
         self,
