@@ -213,6 +213,28 @@ def test_layer_with_every_role_on_cutlass_matches_reference(roles):
     assert len(calls) == sum(CALLS.values())
 
 
+def test_triton_cutlass_kernel_is_triton_with_every_role_on_cutlass(roles):
+    """backend="triton_cutlass" (a registered kernel, its roles a setting of it) computes what
+    backend="triton" computes with KernelConfig(cutlass_roles=ROLES), bit for bit, and calls
+    CUTLASS for every role while KernelConfig itself says none."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, device=DEVICE, dtype=DTYPES[0])
+    results = []
+    for backend, which in (("triton", ROLES), ("triton_cutlass", ())):
+        calls = roles(which)
+        torch.manual_seed(1)
+        layer = moe.MoELayer(16, 24, 4, top_k=2, backend=backend, activation="swiglu")
+        layer = layer.to(DEVICE, DTYPES[0])
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        results.append([y, xi.grad, *(p.grad for p in layer.parameters())])
+        assert len(calls) == sum(CALLS.values()), backend
+    assert layer.experts.kernel.cutlass_roles == ROLES
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_table_and_config_pick_the_roles(monkeypatch):
     default = KernelConfig()
     assert default.roles_on_cutlass(4096, 14336) == ()  # today's table: every role on Triton
