@@ -215,11 +215,11 @@ class _Pipeline:
         dispatch's gradient)."""
         return start_exchange(x_RD, self.backs[c], self.worker)
 
-    def compute(self, c: int, recv_RD, experts: ExpertFn, like, weights, needs_grad):
+    def compute(self, c: int, recv_RD, experts: ExpertFn, weights, needs_grad):
         """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
         back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
-        (rows leaf, weight leaves [lo:hi], out_RD, lo). weights: like.tensors() (the
-        ExpertWeights `like`; none when like is None)."""
+        (rows leaf, weight leaves [lo:hi], out_RD, lo). weights: the layer's ExpertWeights
+        (None: experts without weights of their own)."""
         b0, b1 = self.bounds[c], self.bounds[c + 1]
         L = self.recv_WL.shape[1]
         device = recv_RD.device
@@ -230,17 +230,18 @@ class _Pipeline:
         order = None  # one expert: its rows are already expert-major
         if b1 - b0 > 1:
             order = receive_order(self.recv_WL[:, b0:b1], b0, recv_RD.shape[0])
+        lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
+        part = None if weights is None else weights.slice(lo, hi - lo)
         with torch.enable_grad() if any(needs_grad) else nullcontext():
             rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
-            lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
             leaves = tuple(
-                None if w is None else w.detach()[lo:hi].requires_grad_(g)
-                for w, g in zip(weights, needs_grad[1:])
+                None if w is None else w.detach().requires_grad_(g)
+                for w, g in zip(() if part is None else part.tensors(), needs_grad[1:])
             )
             x_RD = rows_RD if order is None else permute_rows(rows_RD, *order)
             start = self.clock.start(x_RD)
             # without weights (a plain function of the rows) `part` computes all experts
-            part = None if like is None else like.with_tensors(leaves)
+            part = None if part is None else part.with_tensors(leaves)
             out_RD = experts.part(x_RD, offsets_L, self.context, part, lo)
             self.clock.stop(start, x_RD.shape[0])
             if order is not None:
@@ -279,7 +280,7 @@ class _Experts(torch.autograd.Function):
         arriving, pipe.arriving = pipe.arriving, []
         returning = []
         for c, land in enumerate(arriving):
-            graph = pipe.compute(c, land(), experts, like, weights, needs_grad)
+            graph = pipe.compute(c, land(), experts, like, needs_grad)
             if any(needs_grad):
                 ctx.graphs.append(graph)
             returning.append(pipe.start_one(c, graph[2].detach()))
