@@ -5,6 +5,8 @@ outputs and gradients; the test dispatcher "allgather" (tests/allgather_dispatch
 chosen with parallelize(dispatcher=); ExpertWeights slices; a kernel that cannot take an input
 says so, naming the layer, the kernel and the reason, before any work."""
 
+import pathlib
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -125,6 +127,7 @@ def test_expert_weights_slice_and_flat_form():
 PARALLEL = {  # name -> (backend, parallelize keywords)
     "loop_plain": ("test_loop", {}),
     "loop_overlap": ("test_loop", {"overlap": 2}),
+    "loop_fsdp": ("test_loop", {"data_parallel": "fsdp"}),
     "allgather": ("torch", {"dispatcher": "allgather"}),
 }
 
@@ -153,6 +156,7 @@ def _ranks_body(rank, world):
             == {
                 "loop_plain": "ExpertParallelDispatcher",
                 "loop_overlap": "OverlappedDispatcher",
+                "loop_fsdp": "ExpertParallelDispatcher",
                 "allgather": "AllGatherDispatcher",
             }[name]
         )
@@ -175,3 +179,19 @@ def test_registered_kernel_and_dispatcher_under_parallelize_equal_one_process():
         for name, by_tensor in diffs.items():
             assert len(by_tensor) >= 5, by_tensor
             assert max(by_tensor.values()) < 1e-10, (name, by_tensor)
+
+
+def test_no_positional_weight_tuple_above_the_kernels():
+    """The expert weights travel as one ExpertWeights from the experts module to the kernel:
+    no (w1, w2, w3, ...) tuple is packed or unpacked on that path (the layer, the experts,
+    the dispatchers; the custom ops' signatures inside moe/kernels/ stay positional)."""
+    root = pathlib.Path(moe.__file__).parent
+    files = [root / "layer.py", root / "experts.py", *(root / "dispatch").glob("*.py")]
+    tuple_re = re.compile(r"\bw1\w*, w2\w*, w3")
+    found = [
+        f"{path.name}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if tuple_re.search(line)
+    ]
+    assert len(files) > 5 and not found, found
