@@ -2,7 +2,7 @@
 
 Every method computes the same swiglu expert MLP, out = (silu(x W1_e) * (x W3_e)) W2_e, over the
 T*k (token, expert) rows sorted by expert; forward, and forward + backward (all weights and x):
-  triton        moe.kernels expert_mlp(backend="triton"): gather on load, fused swiglu
+  triton        moe.kernels expert_mlp(kernel="triton"): gather on load, fused swiglu
   dense         one dense MLP over all T*k rows (cuBLAS, same FLOPs): the ceiling
   grouped_mm    torch._grouped_mm (where this torch has it and it runs on the device)
   loop          a Python loop of per-expert matmuls (host-side counts)
@@ -72,7 +72,7 @@ def mlp_triton(x, w1, w2, w3, ids, offsets, counts):
         w3,
         activation="swiglu",
         rows=ExpertRows(gather_ids_R=ids),
-        backend="triton",
+        kernel="triton",
     )
 
 

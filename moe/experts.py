@@ -9,8 +9,9 @@ from torch import nn
 
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.expert_mlp import FUSES_COMBINE, expert_mlp, resolve_backend
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.expert_weights import ExpertWeights
+from moe.kernels.registry import ExpertKernel, resolve_kernel
 from moe.shards import local
 
 
@@ -31,7 +32,7 @@ class GroupedExperts(nn.Module):
         d_ff: int,
         activation: str = "gelu",
         bias: bool = False,
-        backend: str = "auto",
+        backend: "str | ExpertKernel" = "auto",
         expert_offset: int = 0,
         num_global_experts: int | None = None,
         device=None,
@@ -41,6 +42,9 @@ class GroupedExperts(nn.Module):
         check_activation(activation)
         kw = {"device": device, "dtype": dtype}
         self.activation, self.backend = activation, backend
+        # the kernel `backend` names, resolved at the first call (kernel_for) and held here
+        self.kernel: ExpertKernel | None = None
+        self._kernel_device: str | None = None
         self.d_model, self.d_ff = d_model, d_ff
         self.expert_offset = expert_offset
         self.num_global_experts = num_global_experts or num_experts
@@ -73,16 +77,15 @@ class GroupedExperts(nn.Module):
                 if t is not None and t.device.type != "meta":
                     nn.init.uniform_(t, -bound, bound)
 
-    def resolve_backend(self, x: torch.Tensor) -> str:
-        """The kernel backend for input x ("auto" -> "triton" on CUDA with Triton, else
-        "torch"): the layer resolves it once per call and passes it to forward."""
-        return resolve_backend(self.backend, x)
-
-    def fuses_combine(self, backend: str) -> bool:
-        """Whether these experts, on `backend` (resolved), apply the combine themselves: gather
-        on load, scale by rows.row_weights_R and, with rows.sum_to_tokens, return y_TD. A
-        dispatcher hands them the combine only when they declare it (moe.dispatch)."""
-        return FUSES_COMBINE[backend]
+    def kernel_for(self, x: torch.Tensor) -> ExpertKernel:
+        """The kernel these experts run on x's device, resolved once from `backend` (a name,
+        "auto" or an ExpertKernel) and held in `self.kernel`: again only when a call comes on
+        another device type than the one it was resolved for (a layer moved to CUDA after its
+        first call). The layer calls this once per call and hands the object down."""
+        if self.kernel is None or self._kernel_device != x.device.type:
+            self.kernel = resolve_kernel(self.backend, x.device)
+            self._kernel_device = x.device.type
+        return self.kernel
 
     def forward(
         self,
@@ -90,46 +93,51 @@ class GroupedExperts(nn.Module):
         offsets_L: torch.Tensor | None,
         *,
         rows: ExpertRows = NO_ROWS_INFO,
-        backend: str | None = None,
+        kernel: ExpertKernel | None = None,
         compute: Callable | None = None,
     ) -> torch.Tensor:
         """Rows of each local expert (expert-major; int32 row ends offsets_L) -> their MLP
-        outputs out_RD (tail rows past offsets_L[-1]: exactly 0). The experts only compute.
+        outputs out_ND (out_RD, tail rows past offsets_L[-1] exactly 0; or y_TD). The experts
+        only compute.
 
         x_ND is the R rows, or the token rows x_TD when rows.gather_ids_R is set (gather on
         load); rows (ExpertRows, from DispatchContext.expert_rows()) also carries the combine
-        weights and sum_to_tokens (return y_TD). backend: resolved by the caller (once per
-        layer call), else this module's own setting.
+        weights and sum_to_tokens (return y_TD). kernel: resolved by the layer (once per
+        call; `kernel_for`), else resolved here.
         Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
         experts (autograd flows back into the DTensor, as in torchtitan).
-        compute: returns compute(x_ND, self.local_weights()) instead, for a dispatcher that
-        calls the experts in parts (`mlp` with those weights) within this one module call, so
-        FSDP2's hooks gather and reduce the weights once (LayerExperts.call_once).
+        compute: returns compute(x_ND, self.weights()) instead, for a dispatcher that calls
+        the experts in parts (`mlp` with slices of those weights) within this one module call,
+        so FSDP2's hooks gather and reduce the weights once (LayerExperts.call_once).
         """
         if compute is not None:
-            return compute(x_ND, self.local_weights())
-        return self.mlp(x_ND, offsets_L, self.local_weights(), rows=rows, backend=backend)
+            return compute(x_ND, self.weights())
+        return self.mlp(x_ND, offsets_L, self.weights(), rows=rows, kernel=kernel)
 
-    def local_weights(self) -> tuple[torch.Tensor | None, ...]:
-        """(w1, w2, w3, b1, b2) as this rank's plain tensors (None where absent)."""
-        return tuple(local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2))
+    def weights(self) -> ExpertWeights:
+        """This rank's expert weights as plain tensors (the local shards of DTensors)."""
+        return ExpertWeights(
+            w1_LDF=local(self.w1),
+            w2_LFD=local(self.w2),
+            w3_LDF=local(self.w3),
+            b1_LF=local(self.b1),
+            b2_LD=local(self.b2),
+        )
 
     def mlp(
         self,
         x_ND: torch.Tensor,
         offsets_L: torch.Tensor,
-        weights: tuple[torch.Tensor | None, ...],
+        weights: ExpertWeights,
         *,
         rows: ExpertRows = NO_ROWS_INFO,
-        backend: str | None = None,
+        kernel: ExpertKernel | None = None,
     ) -> torch.Tensor:
-        """The expert MLP with `weights` ((w1, w2, w3, b1, b2): local_weights(), or leaves
-        made from them); forward's contract otherwise."""
-        w1, w2, w3, b1, b2 = weights
-        return expert_mlp(
-            x_ND.to(w1.dtype), offsets_L, w1, w2, w3, b1, b2,
-            activation=self.activation, rows=rows, backend=backend or self.backend,
-        )  # fmt: skip
+        """The expert MLP with `weights` (weights(), a slice of it, or leaves made from it);
+        forward's contract otherwise."""
+        run = kernel or self.kernel_for(x_ND)
+        x_ND = x_ND.to(weights.dtype)
+        return run(x_ND, offsets_L, weights, activation=self.activation, rows=rows)
 
     def extra_repr(self) -> str:
         return (
@@ -142,12 +150,13 @@ class GroupedExperts(nn.Module):
 @dataclass(eq=False)
 class LayerExperts(ExpertFn):
     """The layer's GroupedExperts for one layer call, as every dispatcher calls them: on the
-    kernel backend the layer resolved for this call, each output checked when the layer's
-    MoEConfig.check_finite is on (`check_finite` = the layer's name, for the error), and the
-    all-to-all algorithm that brought the rows (ctx.algorithm) kept for the layer's stats."""
+    kernel the layer resolved (`kernel`, also the one whose combine the dispatchers use),
+    each output checked when the layer's MoEConfig.check_finite is on (`check_finite` = the
+    layer's name, for the error), and the all-to-all algorithm that brought the rows
+    (ctx.algorithm) kept for the layer's stats."""
 
     module: GroupedExperts
-    backend: str
+    kernel: ExpertKernel
     check_finite: str | None = None
     # with check_finite: the layer's slot -> canonical expert map, so errors name experts
     expert_of_slot_S: torch.Tensor | None = None
@@ -155,29 +164,32 @@ class LayerExperts(ExpertFn):
 
     @property
     def fuses_combine(self) -> bool:
-        # check_finite names experts from their output rows: keep the rows (no fused sum)
-        return self.module.fuses_combine(self.backend) and self.check_finite is None
+        """The one place the fuse is decided: the kernel can, and check_finite (which names
+        experts from their output rows) does not need the rows."""
+        return self.kernel.fuses_combine and self.check_finite is None
 
-    def __call__(self, x_RD, offsets_L, ctx: DispatchContext) -> torch.Tensor:
-        out_RD = self.module(x_RD, offsets_L, rows=ctx.expert_rows(), backend=self.backend)
-        return self._seen(out_RD, offsets_L, ctx)
+    def __call__(self, x_ND, offsets_L, ctx: DispatchContext) -> torch.Tensor:
+        out_ND = self.module(x_ND, offsets_L, rows=ctx.expert_rows(), kernel=self.kernel)
+        return self._seen(out_ND, offsets_L, ctx)
 
     def call_once(self, x: torch.Tensor, compute: Callable) -> torch.Tensor:
         return self.module(x, None, compute=compute)
 
-    def part(self, x_RD, offsets_L, ctx: DispatchContext, weights, first: int) -> torch.Tensor:
-        ends_L = offsets_L[first : first + weights[0].shape[0]]
+    def part(
+        self, x_RD, offsets_L, ctx: DispatchContext, weights: ExpertWeights, first: int
+    ) -> torch.Tensor:
+        ends_L = offsets_L[first : first + weights.num_experts]
         rows = ctx.expert_rows()
-        out_RD = self.module.mlp(x_RD, ends_L, weights, rows=rows, backend=self.backend)
+        out_RD = self.module.mlp(x_RD, ends_L, weights, rows=rows, kernel=self.kernel)
         return self._seen(out_RD, offsets_L, ctx)
 
-    def _seen(self, out_RD, offsets_L, ctx: DispatchContext) -> torch.Tensor:
+    def _seen(self, out_ND, offsets_L, ctx: DispatchContext) -> torch.Tensor:
         self.algorithm = ctx.algorithm
         if self.check_finite is not None:
             check_experts_finite(
-                self.check_finite, self.module, out_RD, offsets_L, self.expert_of_slot_S
+                self.check_finite, self.module, out_ND, offsets_L, self.expert_of_slot_S
             )
-        return out_RD
+        return out_ND
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

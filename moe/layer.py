@@ -19,6 +19,7 @@ from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
+from moe.kernels.registry import ExpertKernel
 from moe.recompute_frame import recompute_context
 from moe.replica_layout import check_replica_state, initial_expert_of_slot
 from moe.shared_experts import SharedExperts
@@ -95,8 +96,8 @@ class MoELayer(nn.Module):
             if c.num_shared_experts
             else None
         )
-        # check_finite names experts from their output rows: keep the rows (no fused sum)
-        self.dispatcher: Dispatcher = LocalDispatcher(fuse_combine=not c.check_finite)
+        # whether the experts fuse the combine: LayerExperts.fuses_combine (kernel, check_finite)
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
         # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)
@@ -157,21 +158,29 @@ class MoELayer(nn.Module):
 
     def _forward_tokens(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
+        kernel = self._kernel(x_TD)  # resolved once, checked before any work; handed down
         routing = self._route(x_TD)
         plan = self._plan(routing, len(x_TD))
-
-        backend = self.experts.resolve_backend(x_TD)  # once per layer call, passed down
         check = self.name if self.config.check_finite else None
         slot_map = self.expert_of_slot() if check else None  # errors name canonical experts
-        experts = LayerExperts(self.experts, backend, check_finite=check, expert_of_slot_S=slot_map)
+        experts = LayerExperts(self.experts, kernel, check_finite=check, expert_of_slot_S=slot_map)
         # dense: every token, never exchanged (an overlapping dispatcher runs it during one)
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x_TD)
-        y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared, backend=backend)
+        y_TD, shared_TD = self.dispatcher.run(x_TD, plan, experts, shared)
         y_TD = y_TD.to(x_TD.dtype)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD.to(x_TD.dtype)
         self._record(routing, plan, experts.algorithm)
         return y_TD
+
+    def _kernel(self, x_TD: torch.Tensor) -> ExpertKernel:
+        """The experts' kernel (GroupedExperts.kernel_for), refusing an input it cannot take
+        in one error naming this layer, the kernel and the reason."""
+        kernel = self.experts.kernel_for(x_TD)
+        reason = kernel.refuse(x_TD, self.experts.weights())
+        if reason is not None:
+            raise ValueError(f"{self.name}: kernel {kernel.name!r} cannot run this layer: {reason}")
+        return kernel
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
         """Router call; moe.replay_routing / moe.record_routing hook in here (routing_replay)."""

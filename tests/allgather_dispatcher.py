@@ -46,8 +46,9 @@ def _max_over_ranks(n: int, group) -> int:
 
 @register_dispatcher("allgather")
 class AllGatherDispatcher(Dispatcher):
-    def __init__(self, group, num_local_experts: int, backend: str = "torch"):
-        self.group, self.num_local, self.backend = group, num_local_experts, backend
+    def __init__(self, group, num_local_experts: int, **exchange):
+        """parallelize's signature; the all-to-all settings (algorithm=, ...) do not apply."""
+        self.group, self.num_local = group, num_local_experts
 
     def dispatch(self, x_TD, plan):
         rank, L = dist.get_rank(self.group), self.num_local
@@ -79,4 +80,4 @@ class AllGatherDispatcher(Dispatcher):
         out_MD = torch.cat(
             [out_MD, out_MD.new_zeros(ctx.plan.num_rows - ctx.kept, out_MD.shape[1])]
         )
-        return weighted_sum_rows(out_MD, ctx.plan, self.backend)
+        return weighted_sum_rows(out_MD, ctx.plan, ctx.kernel)

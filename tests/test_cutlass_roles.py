@@ -88,7 +88,7 @@ def run(case, dy=None):
     out = expert_mlp(
         leaves["x"], case["offsets"], leaves["w1"], leaves["w2"], leaves.get("w3"),
         leaves.get("b1"), leaves.get("b2"), activation=case["activation"], rows=rows,
-        backend="triton",
+        kernel="triton",
     )  # fmt: skip
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) if dy is None else dy
     grads = torch.autograd.grad(out, list(leaves.values()), dy.to(out))
@@ -211,6 +211,28 @@ def test_layer_with_every_role_on_cutlass_matches_reference(roles):
     tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)  # as test_cuda
     check_against_reference(layer, torch.randn(16, 16, device=DEVICE, dtype=dtype), **tol)
     assert len(calls) == sum(CALLS.values())
+
+
+def test_triton_cutlass_kernel_is_triton_with_every_role_on_cutlass(roles):
+    """backend="triton_cutlass" (a registered kernel, its roles a setting of it) computes what
+    backend="triton" computes with KernelConfig(cutlass_roles=ROLES), bit for bit, and calls
+    CUTLASS for every role while KernelConfig itself says none."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, device=DEVICE, dtype=DTYPES[0])
+    results = []
+    for backend, which in (("triton", ROLES), ("triton_cutlass", ())):
+        calls = roles(which)
+        torch.manual_seed(1)
+        layer = moe.MoELayer(16, 24, 4, top_k=2, backend=backend, activation="swiglu")
+        layer = layer.to(DEVICE, DTYPES[0])
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        results.append([y, xi.grad, *(p.grad for p in layer.parameters())])
+        assert len(calls) == sum(CALLS.values()), backend
+    assert layer.experts.kernel.cutlass_roles == ROLES
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 def test_table_and_config_pick_the_roles(monkeypatch):

@@ -74,7 +74,7 @@ def test_expert_mlp_matches_per_token_reference(activation, bias, dtype):
     token_ids = torch.randint(0, T, (M,))
     params, kw = expert_params(E, D, F, activation, bias, dtype)
     out = expert_mlp(x, offsets_of(counts), **kw, activation=activation,
-                     rows=ExpertRows(gather_ids_R=token_ids), backend="torch")  # fmt: skip
+                     rows=ExpertRows(gather_ids_R=token_ids), kernel="torch")  # fmt: skip
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *params.values()], dy)
     xr = x.detach().double().requires_grad_()
@@ -219,7 +219,7 @@ def test_fused_expert_mlp_matches_per_row_reference(
     params, kw = expert_params(E, D, F, activation, bias, dtype)
     rows_info = ExpertRows(gather_ids_R=ids, row_weights_R=rw, sum_to_tokens=sum_to_tokens)
     out = expert_mlp(x, offsets_of(counts), **kw, activation=activation, rows=rows_info,
-                     backend="torch")  # fmt: skip
+                     kernel="torch")  # fmt: skip
     leaves = [x, *params.values()] + ([rw] if rw is not None else [])
     dy = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, dy)

@@ -63,7 +63,7 @@ def test_expert_op_keeps_only_the_pre_activation(backend):
     def run():
         return expert_mlp(
             leaves["x"], offsets, leaves["w1"], leaves["w2"], leaves["w3"], None, None,
-            activation="swiglu", backend=backend,
+            activation="swiglu", kernel=backend,
             rows=ExpertRows(gather_ids_R=ids, row_weights_R=leaves["rw"], sum_to_tokens=True),
         )  # fmt: skip
 
@@ -206,7 +206,7 @@ def test_backward_twice_with_retain_graph(backend):
     w2 = torch.randn(2, 24, 16, generator=g, requires_grad=True)
     ids = torch.randint(0, 7, (12,), generator=g)
     offsets = torch.tensor([5, 10], dtype=torch.int32)
-    y = expert_mlp(x, offsets, w1, w2, rows=ExpertRows(gather_ids_R=ids), backend=backend)
+    y = expert_mlp(x, offsets, w1, w2, rows=ExpertRows(gather_ids_R=ids), kernel=backend)
     first = torch.autograd.grad(y.square().sum(), [x, w1, w2], retain_graph=True)
     second = torch.autograd.grad(y.square().sum(), [x, w1, w2])
     assert all(torch.equal(a, b) for a, b in zip(first, second))

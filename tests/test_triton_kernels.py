@@ -23,10 +23,10 @@ NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (no GPU on this
 pytest.importorskip("triton")
 
 from moe.kernels.activations import GATED, apply_activation  # noqa: E402
-from moe.kernels.combine import combine  # noqa: E402
 from moe.kernels.expert_mlp import expert_mlp, resolve_backend  # noqa: E402
 from moe.kernels.expert_rows import ExpertRows  # noqa: E402
 from moe.kernels.triton import common as triton_common  # noqa: E402
+from moe.kernels.triton.combine import combine_triton  # noqa: E402
 from moe.kernels.triton.gather_sum import rows_to_tokens  # noqa: E402
 from moe.kernels.triton.schedule import tile_schedule  # noqa: E402
 
@@ -73,7 +73,7 @@ def run_triton(case):
     out = expert_mlp(
         leaves["x"], case["offsets"], leaves["w1"], leaves["w2"], leaves.get("w3"),
         leaves.get("b1"), leaves.get("b2"), activation=case["activation"],
-        rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton",
+        rows=ExpertRows(gather_ids_R=case["ids"]), kernel="triton",
     )  # fmt: skip
     out.backward(case["dy"])
     return out.detach(), {k: v.grad for k, v in leaves.items()}
@@ -186,10 +186,10 @@ def test_expert_mlp_matches_torch_backend_no_grad():
     args = (case["x"], case["offsets"], case["w1"], case["w2"], None, case["b1"], case["b2"])
     with torch.no_grad():
         a = expert_mlp(
-            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton"
+            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), kernel="triton"
         )
         b = expert_mlp(
-            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="torch"
+            *args, activation="gelu", rows=ExpertRows(gather_ids_R=case["ids"]), kernel="torch"
         )
     assert_close(a, b, torch.float32, "out vs torch backend")
 
@@ -216,7 +216,7 @@ def test_combine(dtype):
     out, rows, w, dy = make_combine(T=13, K=3, D=24, dropped=0.3, dtype=dtype)
     o = out.clone().requires_grad_()
     wt = w.clone().requires_grad_()
-    y = combine(o, rows, wt, backend="triton")
+    y = combine_triton(o, rows, wt)
     y.backward(dy)
     # float64 per-token loop
     o64, w64 = out.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
@@ -234,7 +234,7 @@ def test_combine(dtype):
     assert torch.all(o.grad.cpu()[unused] == 0)
     # deterministic
     o2, w2 = out.clone().requires_grad_(), w.clone().requires_grad_()
-    y2 = combine(o2, rows, w2, backend="triton")
+    y2 = combine_triton(o2, rows, w2)
     y2.backward(dy)
     assert torch.equal(y, y2) and torch.equal(o.grad, o2.grad) and torch.equal(wt.grad, w2.grad)
 
@@ -242,7 +242,7 @@ def test_combine(dtype):
 def test_combine_k1_single_token():
     out, rows, w, dy = make_combine(T=1, K=1, D=5, dropped=0.0, dtype=torch.float32)
     o, wt = out.clone().requires_grad_(), w.clone().requires_grad_()
-    combine(o, rows, wt, backend="triton").backward(dy)
+    combine_triton(o, rows, wt).backward(dy)
     assert_close(o.grad[rows[0, 0]], w[0, 0] * dy[0], torch.float32, "d_out")
     assert_close(wt.grad[0, 0], (dy[0] * out[rows[0, 0]]).sum(), torch.float32, "d_w")
 
@@ -291,13 +291,13 @@ def test_backend_selection(monkeypatch):
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     with pytest.raises(ValueError, match="CUDA"):
         expert_mlp(
-            cpu["x"], cpu["offsets"], cpu["w1"], cpu["w2"], activation="relu", backend="triton"
+            cpu["x"], cpu["offsets"], cpu["w1"], cpu["w2"], activation="relu", kernel="triton"
         )
 
 
 def test_shape_errors():
     case = make_case([3, 2], 0, 8, 8, "swiglu", False, True)
-    args = dict(activation="swiglu", rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")
+    args = dict(activation="swiglu", rows=ExpertRows(gather_ids_R=case["ids"]), kernel="triton")
     with pytest.raises(ValueError, match="w2_LFD"):
         expert_mlp(case["x"], case["offsets"], case["w1"], case["w2"][:, :4], case["w3"], **args)
     with pytest.raises(ValueError, match="offsets_L"):
@@ -326,8 +326,8 @@ def test_torch_compile():
 
     def layer(x, w1, w2, w3, b1, b2, weights):
         out = expert_mlp(x, case["offsets"], w1, w2, w3, b1, b2, activation="swiglu",
-                         rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")  # fmt: skip
-        return combine(out, pair_rows, weights, backend="triton")
+                         rows=ExpertRows(gather_ids_R=case["ids"]), kernel="triton")  # fmt: skip
+        return combine_triton(out, pair_rows, weights)
 
     results = []
     for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
@@ -376,7 +376,7 @@ def test_cuda_graph_capture():
     )
     leaves = [case[k].clone().requires_grad_() for k in PARAMS]
     step = lambda: expert_mlp(leaves[0], case["offsets"], *leaves[1:], activation="swiglu",
-                              rows=ExpertRows(gather_ids_R=case["ids"]), backend="triton")  # fmt: skip
+                              rows=ExpertRows(gather_ids_R=case["ids"]), kernel="triton")  # fmt: skip
     side = torch.cuda.Stream()  # warm up (autotune, compile) on a side stream, as torch asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -408,10 +408,10 @@ def test_cuda_int64_offsets():
     w1 = torch.randn(2, D, F, device="cuda", dtype=torch.bfloat16) * D**-0.5
     w2 = torch.randn(2, F, D, device="cuda", dtype=torch.bfloat16) * F**-0.5
     got = expert_mlp(
-        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), backend="triton"
+        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), kernel="triton"
     )
     ref = expert_mlp(
-        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), backend="torch"
+        x, offsets, w1, w2, activation="relu", rows=ExpertRows(gather_ids_R=ids), kernel="torch"
     )
     assert_close(got, ref.float(), torch.bfloat16, "int64 offsets")
 

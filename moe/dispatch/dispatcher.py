@@ -2,22 +2,27 @@
 
 A dispatcher owns the path between the routing plan and the experts, and back:
 
-    x_RD, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # rows of this rank's experts
-    out_RD = experts(x_RD, offsets_L, ctx)  # an ExpertFn: the layer's LayerExperts
-    y_TD = dispatcher.combine(out_RD, ctx)  # weighted sum back to tokens (if not done above)
+    x_ND, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # what the experts read
+    out_ND = experts(x_ND, offsets_L, ctx)  # an ExpertFn: the layer's LayerExperts
+    y_TD = dispatcher.combine(out_ND, ctx)  # weighted sum back to tokens (if not done above)
 
-(With ctx.gather_ids_R set, the local dispatcher's "x_RD" is the token matrix x_TD and the
-experts gather on load; with ctx.sum_to_tokens their "out_RD" is y_TD.) The experts declare
-whether they can take the combine over (`experts.fuses_combine`); a dispatcher asks them
-rather than guessing from a backend.
+N names what is handed over: the R rows of this rank's experts (x_RD -> out_RD), or, when
+ctx.gather_ids_R is set, the token matrix itself (x_TD: the experts gather on load) and, when
+ctx.sum_to_tokens is set too, the token sum (out is y_TD: the experts did the combine).
+The experts declare whether they can take the combine over (`experts.fuses_combine`: the
+layer decides it once, LayerExperts); their kernel (`experts.kernel`, an ExpertKernel) is the
+one whose combine a dispatcher runs when they return rows.
 
-MoELayer calls `dispatcher.run(x_TD, plan, experts, shared, backend=...)`, whose default is
-exactly the three lines above (then the shared experts). A new strategy (another all-to-all, a
-node-aware exchange) is one subclass plus `@register_dispatcher("name")`; `parallelize` or a
-user installs it as `MoELayer.dispatcher`. A strategy that interleaves exchange and compute
-(the overlapped dispatcher) overrides `run` instead and calls the experts in parts
-(`ExpertFn.call_once` and `ExpertFn.part`). Every rank of a distributed dispatcher must call
-dispatch and combine (or run) once per forward, also with zero tokens, so collectives match.
+MoELayer calls `dispatcher.run(x_TD, plan, experts, shared)`, whose default is exactly the
+three lines above (then the shared experts). A new strategy (another all-to-all, a
+node-aware exchange) is one file: a subclass plus `@register_dispatcher("name")`, which
+`parallelize(..., dispatcher="name")` installs as `MoELayer.dispatcher`, constructing it as
+`cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=)` (+ `degree=`
+when `overlap=` is given; ExpertParallelDispatcher's signature, so subclassing it is enough).
+A strategy that interleaves exchange and compute (the overlapped dispatcher) overrides `run`
+instead and calls the experts in parts (`ExpertFn.call_once` and `ExpertFn.part`). Every rank
+of a distributed dispatcher must call dispatch and combine (or run) once per forward, also
+with zero tokens, so collectives match.
 """
 
 from abc import ABC, abstractmethod
@@ -28,6 +33,8 @@ import torch
 
 from moe.dispatch.permute import DispatchPlan
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.expert_weights import ExpertWeights
+from moe.kernels.registry import ExpertKernel
 
 DISPATCHERS: dict[str, type["Dispatcher"]] = {}
 
@@ -36,15 +43,20 @@ class ExpertFn(ABC):
     """The layer's experts as every dispatcher calls them (moe.experts.LayerExperts for a
     layer; `rows_only` wraps a plain function of the rows).
 
-    `experts(x_RD, offsets_L, ctx)` computes all L local experts on their rows (expert-major,
-    int32 row ends offsets_L) with ctx.expert_rows() (gather on load, combine weights, sum into
-    tokens). A dispatcher that calls the experts in parts (moe.dispatch.overlapped) runs
-    `call_once(x, compute)`: compute(x, weights) inside one call of the experts module, so
-    FSDP2 gathers and reduces the weights once, weights being the local expert tensors (w1, w2,
-    w3, b1, b2); compute then calls `part(x_RD, offsets_L, ctx, weights, first)` for each part:
-    weights are slices [first:first + n] of those tensors (or leaves made from them), the rows
-    belong to local experts in that range and offsets_L still covers all L experts.
+    `experts(x_ND, offsets_L, ctx)` computes all L local experts on their rows (expert-major,
+    int32 row ends offsets_L) with ctx.expert_rows() (gather on load: x_ND is x_TD; combine
+    weights; sum into tokens: the result is y_TD). A dispatcher that calls the experts in
+    parts (moe.dispatch.overlapped) runs `call_once(x, compute)`: compute(x, weights) inside
+    one call of the experts module, so FSDP2 gathers and reduces the weights once, weights
+    being the local ExpertWeights (None for experts without weights of their own); compute
+    then calls `part(x_RD, offsets_L, ctx, weights, first)` for each part: weights is
+    weights.slice(first, n) (or leaves made from it), the rows belong to local experts in that
+    range and offsets_L still covers all L experts.
+    `kernel`: the ExpertKernel the experts run on, whose `combine` a dispatcher uses for rows
+    it sums itself (None: the torch combine).
     """
+
+    kernel: ExpertKernel | None = None
 
     @property
     def fuses_combine(self) -> bool:
@@ -54,40 +66,40 @@ class ExpertFn(ABC):
 
     @abstractmethod
     def __call__(
-        self, x_RD: torch.Tensor, offsets_L: torch.Tensor, ctx: "DispatchContext"
+        self, x_ND: torch.Tensor, offsets_L: torch.Tensor, ctx: "DispatchContext"
     ) -> torch.Tensor:
         """All L local experts on their rows -> out_RD (or y_TD with ctx.sum_to_tokens)."""
 
     def call_once(self, x: torch.Tensor, compute: Callable) -> torch.Tensor:
-        """compute(x, weights) within one call of the experts module (no weights: ())."""
-        return compute(x, ())
+        """compute(x, weights) within one call of the experts module (no weights: None)."""
+        return compute(x, None)
 
     def part(
         self,
         x_RD: torch.Tensor,
         offsets_L: torch.Tensor,
         ctx: "DispatchContext",
-        weights: tuple,
+        weights: ExpertWeights | None,
         first: int,
     ) -> torch.Tensor:
-        """The local experts [first, first + len(weights[0])) with `weights` (from
-        call_once); without weights, all of them on these rows."""
+        """The local experts [first, first + weights.num_experts) with `weights` (a slice of
+        call_once's); without weights, all of them on these rows."""
         return self(x_RD, offsets_L, ctx)
 
 
 @dataclass(frozen=True)
 class _RowsOnly(ExpertFn):
-    """A plain function (x_RD, offsets_L, ctx) -> out_RD as an ExpertFn (no weights of its
-    own to hand over, no fused combine)."""
+    """A plain function (x_ND, offsets_L, ctx) -> out_ND as an ExpertFn (no weights of its
+    own to hand over, no fused combine, the torch combine)."""
 
     fn: Callable[..., torch.Tensor]
 
-    def __call__(self, x_RD, offsets_L, ctx):
-        return self.fn(x_RD, offsets_L, ctx)
+    def __call__(self, x_ND, offsets_L, ctx):
+        return self.fn(x_ND, offsets_L, ctx)
 
 
 def rows_only(experts: "ExpertFn | Callable[..., torch.Tensor]") -> ExpertFn:
-    """`experts` as an ExpertFn: itself, or a plain function of (x_RD, offsets_L, ctx)."""
+    """`experts` as an ExpertFn: itself, or a plain function of (x_ND, offsets_L, ctx)."""
     return experts if isinstance(experts, ExpertFn) else _RowsOnly(experts)
 
 
@@ -121,14 +133,14 @@ class DispatchContext:
     all_rows_kept (no dropped tail: the received rows of EP). ctx.gather_ids_R etc. read them.
     algorithm: the all-to-all algorithm that moved the rows between ranks ("flat" or
     "hierarchical", what "auto" chose), None on one device; the layer's stats report it.
-    backend: the kernel backend resolved once per layer call (Dispatcher.run sets it); the
-    combine's kernels use it. None: the dispatcher resolves its own setting.
+    kernel: the experts' kernel (Dispatcher.run sets it from `experts.kernel`), whose combine
+    sums the rows the experts return; None: the torch combine.
     """
 
     plan: DispatchPlan
     rows: ExpertRows = NO_ROWS_INFO
     algorithm: str | None = None
-    backend: str | None = None
+    kernel: ExpertKernel | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rows, ExpertRows):  # the fields before issue 33, positionally
@@ -171,13 +183,14 @@ class Dispatcher(ABC):
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchContext]:
-        """-> (x_RD, offsets_L, ctx): the R rows of this rank's L experts in expert-major
-        order, int32 cumulative row ends per local expert (rows past offsets_L[-1] must come
-        out zero), and the context combine needs."""
+        """-> (x_ND, offsets_L, ctx): the R rows of this rank's L experts in expert-major
+        order (or x_TD itself with ctx.gather_ids_R), int32 cumulative row ends per local
+        expert (rows past offsets_L[-1] must come out zero), and the context combine needs."""
 
     @abstractmethod
-    def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
-        """Expert outputs -> y_TD, each token the weighted sum of its experts' outputs."""
+    def combine(self, out_ND: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+        """Expert outputs (out_RD, or y_TD with ctx.sum_to_tokens) -> y_TD, each token the
+        weighted sum of its experts' outputs."""
 
     def run(
         self,
@@ -185,14 +198,11 @@ class Dispatcher(ABC):
         plan: DispatchPlan,
         experts: ExpertFn | Callable[..., torch.Tensor],
         shared: Callable[[], torch.Tensor] | None = None,
-        *,
-        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (y_TD, shared output or None): dispatch, experts, combine, then `shared()` (the
-        layer's dense work on every token). Overridden by strategies that overlap them.
-        backend: the kernel backend the layer resolved for this call (ctx.backend: the
-        combine's kernels use it); None: the dispatcher's own choice."""
-        x_RD, offsets_L, ctx = self.dispatch(x_TD, plan)
-        ctx.backend = backend
-        y_TD = self.combine(rows_only(experts)(x_RD, offsets_L, ctx), ctx)
+        layer's dense work on every token). Overridden by strategies that overlap them."""
+        experts = rows_only(experts)
+        x_ND, offsets_L, ctx = self.dispatch(x_TD, plan)
+        ctx.kernel = experts.kernel
+        y_TD = self.combine(experts(x_ND, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

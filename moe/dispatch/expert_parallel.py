@@ -1,6 +1,7 @@
 """Expert-parallel dispatch: send each kept row to the rank holding its expert (uneven
 all-to-all, flat or hierarchical), reorder to expert-major, and the reverse on combine."""
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,6 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
-from moe.kernels import resolve_backend
 from moe.kernels.expert_rows import ExpertRows
 
 KEPT_ROWS = ExpertRows(all_rows_kept=True)  # only kept rows travel: no dropped tail
@@ -58,9 +58,10 @@ class ExpertParallelDispatcher(Dispatcher):
         num_local_experts: int,
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
-        backend: str = "auto",
+        backend: str | None = None,
         exchange_config: ExchangeConfig | None = None,
     ):
+        warn_backend(backend)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if num_local_experts < 1:
@@ -68,7 +69,6 @@ class ExpertParallelDispatcher(Dispatcher):
         self.group, self.num_local = group, num_local_experts
         self.ep_size = dist.get_world_size(group)
         self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
-        self.backend = backend
         if exchange_config is not None and not isinstance(exchange_config, ExchangeConfig):
             raise ValueError(
                 f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
@@ -119,13 +119,21 @@ class ExpertParallelDispatcher(Dispatcher):
         return permute_rows(recv_RD, order_R, inverse_R), offsets_L, ctx
 
     def combine(self, out_RD: torch.Tensor, ctx: ExpertParallelContext) -> torch.Tensor:
+        """The rows back to their ranks, then the weighted sum on the experts' kernel's
+        combine (ctx.kernel; the torch one when dispatch / combine are called directly)."""
         back_RD = permute_rows(out_RD, ctx.inverse_R, ctx.order_R)
         out_kept_ND = exchange(back_RD.contiguous(), ctx.a2a.reverse())
         num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
         out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
-        return weighted_sum_rows(out_MD, ctx.plan, self._backend(ctx.backend, out_MD))
+        return weighted_sum_rows(out_MD, ctx.plan, ctx.kernel)
 
-    def _backend(self, backend: str | None, x: torch.Tensor) -> str:
-        """The combine's kernel backend: the layer's, resolved once per call, else this
-        dispatcher's own setting (dispatch / combine called directly)."""
-        return backend or resolve_backend(self.backend, x)
+
+def warn_backend(backend: str | None) -> None:
+    """The dispatchers' old `backend` argument: the combine now runs on the experts' kernel."""
+    if backend is not None:
+        warnings.warn(
+            "the expert-parallel dispatchers' backend argument is unused and deprecated: the "
+            "combine runs on the layer's kernel (MoEConfig.backend)",
+            DeprecationWarning,
+            stacklevel=3,
+        )

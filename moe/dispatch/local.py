@@ -26,7 +26,8 @@ class LocalDispatcher(Dispatcher):
     (ctx.sum_to_tokens): combine then has nothing left to do and no [R, D] output is kept.
 
     fuse_combine: what `dispatch` asks for when called on its own (outside `run`); `run`
-    asks the experts and fuses only if both agree. (The old first argument, a backend it never
+    fuses when the experts declare it (the layer's one decision, LayerExperts.fuses_combine),
+    unless this is False. (The old first argument, a backend it never
     used, is still accepted until 0.1 with a DeprecationWarning.)"""
 
     def __init__(self, *args, fuse_combine: bool = True, backend: str | None = None):
@@ -44,6 +45,8 @@ class LocalDispatcher(Dispatcher):
         self.fuse_combine = args[0] if args else fuse_combine
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
+        """-> (x_TD itself, offsets, ctx): the experts gather their rows from the tokens
+        (ctx.gather_ids_R) and, with sum_to_tokens, return y_TD."""
         if sum_to_tokens is None:
             sum_to_tokens = self.fuse_combine
         rows = ExpertRows(
@@ -54,16 +57,17 @@ class LocalDispatcher(Dispatcher):
         ctx = DispatchContext(plan, rows)
         return x_TD, plan.offsets_E, ctx
 
-    def combine(self, out_RD: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+    def combine(self, out_ND: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+        """out_ND: y_TD when the experts summed their rows (ctx.sum_to_tokens), else out_RD."""
         if ctx.sum_to_tokens:  # the experts already returned y_TD
-            return out_RD
+            return out_ND
         # weights applied: add each row into its token (no float atomics, see sum_rows)
-        return sum_rows(out_RD, ctx.gather_ids_R, ctx.plan.num_tokens)
+        return sum_rows(out_ND, ctx.gather_ids_R, ctx.plan.num_tokens)
 
-    def run(self, x_TD, plan, experts: ExpertFn, shared=None, *, backend=None):
+    def run(self, x_TD, plan, experts: ExpertFn, shared=None):
         experts = rows_only(experts)
-        sum_to_tokens = self.fuse_combine and experts.fuses_combine
-        x_TD_, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=sum_to_tokens)
-        ctx.backend = backend
-        y_TD = self.combine(experts(x_TD_, offsets_L, ctx), ctx)
+        sum_to_tokens = self.fuse_combine and experts.fuses_combine  # the experts decide
+        x_TD, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=sum_to_tokens)
+        ctx.kernel = experts.kernel
+        y_TD = self.combine(experts(x_TD, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

@@ -59,6 +59,7 @@ from moe.dispatch.permute import (
     permute_rows,
     weighted_sum_rows,
 )
+from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.saved_tensors import keep_graph
 
 # columns riding on the count exchange (the row totals always do): degree asked, expert ps
@@ -81,7 +82,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         num_local_experts: int,
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
-        backend: str = "auto",
+        backend: str | None = None,
         degree: int | str = "auto",
         exchange_config: ExchangeConfig | None = None,
     ):
@@ -147,7 +148,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         probe = self.calls % PROBE_EVERY == 0
         return (1 if faster == n else n) if probe else faster
 
-    def run(self, x_TD, plan, experts, shared=None, *, backend=None):
+    def run(self, x_TD, plan, experts, shared=None):
         experts = rows_only(experts)
         began = self.times.start(x_TD)
         self.calls += 1
@@ -172,20 +173,21 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
             counts.recv_counts_WL,
-            DispatchContext(plan_c, KEPT_ROWS, algorithm=counts.algorithm, backend=backend),
+            DispatchContext(plan_c, KEPT_ROWS, algorithm=counts.algorithm, kernel=experts.kernel),
             self,
         )
         token = _StartDispatch.apply(x_MD[:kept], pipe)
         shared_TD = None if shared is None else shared()  # while the first chunk travels
         dropped = plan.num_rows - kept
 
-        def compute(token, weights):
-            return _Experts.apply(token, pipe, experts, dropped, *weights)
+        def compute(token, weights: ExpertWeights | None):
+            tensors = () if weights is None else weights.tensors()
+            return _Experts.apply(token, pipe, experts, dropped, weights, *tensors)
 
         out_MD = experts.call_once(token, compute)  # one experts module call: FSDP2 gathers once
         if order is not None:
             out_MD = permute_rows(out_MD, order[1], order[0])
-        y_TD = weighted_sum_rows(out_MD, plan_c, self._backend(backend, out_MD))
+        y_TD = weighted_sum_rows(out_MD, plan_c, experts.kernel)
         self.times.stop(began, n > 1)
         return y_TD, shared_TD
 
@@ -216,7 +218,8 @@ class _Pipeline:
     def compute(self, c: int, recv_RD, experts: ExpertFn, weights, needs_grad):
         """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
         back, as the plain dispatcher), as an autograd graph of its own when `needs_grad`:
-        (rows leaf, weight leaves [lo:hi], out_RD, lo)."""
+        (rows leaf, weight leaves [lo:hi], out_RD, lo). weights: the layer's ExpertWeights
+        (None: experts without weights of their own)."""
         b0, b1 = self.bounds[c], self.bounds[c + 1]
         L = self.recv_WL.shape[1]
         device = recv_RD.device
@@ -227,17 +230,19 @@ class _Pipeline:
         order = None  # one expert: its rows are already expert-major
         if b1 - b0 > 1:
             order = receive_order(self.recv_WL[:, b0:b1], b0, recv_RD.shape[0])
+        lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
+        part = None if weights is None else weights.slice(lo, hi - lo)
         with torch.enable_grad() if any(needs_grad) else nullcontext():
             rows_RD = recv_RD.detach().requires_grad_(needs_grad[0])
-            lo, hi = (b0, b1) if b1 - b0 == 1 else (0, L)  # the weights this chunk uses
             leaves = tuple(
-                None if w is None else w.detach()[lo:hi].requires_grad_(g)
-                for w, g in zip(weights, needs_grad[1:])
+                None if w is None else w.detach().requires_grad_(g)
+                for w, g in zip(() if part is None else part.tensors(), needs_grad[1:])
             )
             x_RD = rows_RD if order is None else permute_rows(rows_RD, *order)
             start = self.clock.start(x_RD)
             # without weights (a plain function of the rows) `part` computes all experts
-            out_RD = experts.part(x_RD, offsets_L, self.context, leaves, lo)
+            part = None if part is None else part.with_tensors(leaves)
+            out_RD = experts.part(x_RD, offsets_L, self.context, part, lo)
             self.clock.stop(start, x_RD.shape[0])
             if order is not None:
                 out_RD = permute_rows(out_RD, order[1], order[0])
@@ -269,13 +274,13 @@ class _Experts(torch.autograd.Function):
     gradient), start its dispatch gradient."""
 
     @staticmethod
-    def forward(ctx, token, pipe: _Pipeline, experts: ExpertFn, dropped: int, *weights):
-        needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
+    def forward(ctx, token, pipe: _Pipeline, experts: ExpertFn, dropped: int, like, *weights):
+        needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
         ctx.pipe, ctx.graphs, ctx.weights, ctx.dropped = pipe, [], weights, dropped
         arriving, pipe.arriving = pipe.arriving, []
         returning = []
         for c, land in enumerate(arriving):
-            graph = pipe.compute(c, land(), experts, weights, needs_grad)
+            graph = pipe.compute(c, land(), experts, like, needs_grad)
             if any(needs_grad):
                 ctx.graphs.append(graph)
             returning.append(pipe.start_one(c, graph[2].detach()))
@@ -310,7 +315,7 @@ class _Experts(torch.autograd.Function):
         if not keep_graph():
             ctx.graphs = []
         pipe.arriving = arriving
-        return None, None, None, None, *grads
+        return None, None, None, None, None, *grads
 
 
 def chunk_order(

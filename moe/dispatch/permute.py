@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from moe.capacity import count_ids
-from moe.kernels.combine import combine, sum_rows
+from moe.kernels.combine import combine_torch, sum_rows
+from moe.kernels.registry import ExpertKernel
 
 
 @dataclass
@@ -146,12 +147,16 @@ def gather_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return _GatherTokens.apply(x_TD, plan.token_ids_M, plan.pair_rows_TK)
 
 
-def weighted_sum_rows(out_MD: torch.Tensor, plan: DispatchPlan, backend: str = "torch"):
+def weighted_sum_rows(
+    out_MD: torch.Tensor, plan: DispatchPlan, kernel: ExpertKernel | None = None
+) -> torch.Tensor:
     """The inverse of gather_tokens, weighted: y_TD[t] = sum of token t's rows times their
-    combine weights. Token choice uses the gather-sum kernel `moe.kernels.combine` over the
-    pair -> row map; expert choice (a token may have 0..E rows) adds rows into their tokens."""
+    combine weights. Token choice uses the gather-sum of the experts' kernel
+    (`kernel.combine`; None: the torch op) over the pair -> row map; expert choice (a token
+    may have 0..E rows) adds rows into their tokens."""
     if plan.pair_rows_TK is not None:
-        return combine(out_MD, plan.pair_rows_TK, plan.weights_TK, backend)
+        combine = combine_torch if kernel is None else kernel.combine
+        return combine(out_MD, plan.pair_rows_TK, plan.weights_TK)
     rows_MD = out_MD * plan.weights_M.to(out_MD.dtype).unsqueeze(1)
     return sum_rows(rows_MD, plan.token_ids_M, plan.num_tokens)
 

@@ -1,12 +1,17 @@
-"""Expert compute: the torch backend (CPU and fallback) and Triton grouped-GEMM kernels (CUDA)."""
+"""Expert compute: registered kernels (moe/kernels/registry.py): "torch" (CPU and fallback),
+"triton" and "triton_cutlass" (Triton grouped-GEMM kernels, CUDA)."""
 
 import importlib
 
 from moe.kernels.activations import ACTIVATIONS, apply_activation
 from moe.kernels.combine import combine
 from moe.kernels.expert_mlp import BACKENDS, expert_mlp, resolve_backend
+from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.kernel_config import KernelConfig, kernel_config, set_kernel_config
+from moe.kernels.registry import ExpertKernel, get_kernel, register_kernel, resolve_kernel
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
+from moe.kernels.torch_kernel import TorchKernel
+from moe.kernels.triton_kernel import TritonKernel
 
 # Triton entry points load on first use: importing moe never imports triton or builds kernels.
 _LAZY = {
@@ -18,15 +23,22 @@ _LAZY = {
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "ExpertKernel",
+    "ExpertWeights",
     "KernelConfig",
+    "TorchKernel",
+    "TritonKernel",
     "apply_activation",
     "combine",
     "combine_triton",
     "expert_mlp",
     "expert_mlp_triton",
+    "get_kernel",
     "grouped_mm_torch",
     "kernel_config",
+    "register_kernel",
     "resolve_backend",
+    "resolve_kernel",
     "set_kernel_config",
     "tile_schedule",
 ]

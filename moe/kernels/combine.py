@@ -1,8 +1,9 @@
 """The combine's one home: every sum of expert rows back into their tokens.
 
 - `combine` / `moe::combine`: the weighted gather-sum of each token's k expert outputs (no
-  scatter, no float atomics; the Triton variant is moe/kernels/triton/combine.py), used by the
-  dispatchers whose experts return rows (moe.dispatch.weighted_sum_rows).
+  scatter, no float atomics; the Triton variant is moe/kernels/triton/combine.py, each kernel's
+  `ExpertKernel.combine` picks one), used by the dispatchers whose experts return rows
+  (moe.dispatch.weighted_sum_rows).
 - `rows_into_tokens`: the plain sum of (already weighted) rows into their tokens, called inside
   both expert-MLP ops when the experts fuse the combine (ExpertRows.sum_to_tokens) and by the
   torch op's input gradient.
@@ -67,12 +68,7 @@ def combine_torch(out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: 
     return _combine_op(out_MD, pair_rows_TK, weights_TK)
 
 
-def combine(out_MD, pair_rows_TK, weights_TK, backend: str = "torch"):
-    if backend == "triton":
-        from moe.kernels.triton.combine import combine_triton
-
-        return combine_triton(out_MD, pair_rows_TK, weights_TK)
-    return combine_torch(out_MD, pair_rows_TK, weights_TK)
+combine = combine_torch  # a kernel's own combine: ExpertKernel.combine (moe/kernels/registry.py)
 
 
 def rows_into_tokens(

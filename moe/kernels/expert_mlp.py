@@ -1,12 +1,15 @@
-"""The whole expert MLP of all local experts: the one entry point GroupedExperts calls.
+"""The expert MLP of all local experts: the contract every kernel (moe/kernels/registry.py)
+implements, and `expert_mlp`, the functional form for tests and benchmarks (GroupedExperts
+calls its resolved kernel object directly).
 
-Contract (every backend; letters of docs/shapes.md, L = this rank's experts, R = their rows):
+Contract (every kernel; letters of docs/shapes.md, L = this rank's experts, R = their rows):
   x_ND          the expert input: the R rows themselves (N = R), or, when
                 rows.gather_ids_R is given, the token rows x_TD (N = T) with expert row r
                 x_TD[gather_ids_R[r]] (gathered while the kernels load it).
   offsets_L     int32 cumulative row ends per local expert, on the device; rows at or past
                 offsets_L[-1] are dropped pairs and come out exactly zero (no NaN, no garbage).
-  w1_LDF, w2_LFD, (w3_LDF for swiglu), optional biases b1_LF, b2_LD.
+  weights       ExpertWeights (moe/kernels/expert_weights.py): w1_LDF, w2_LFD, (w3_LDF for
+                swiglu), optional biases b1_LF, b2_LD, scales and a format tag.
   rows          ExpertRows (moe/kernels/expert_rows.py): what the dispatcher hands over about
                 the rows (gather ids, combine weights folded into the MLP, and whether to sum
                 the rows into their tokens).
@@ -17,43 +20,18 @@ Contract (every backend; letters of docs/shapes.md, L = this rank's experts, R =
 
 import torch
 
-from moe._moved import moved_names
 from moe.kernels import expert_rows as _rows
-from moe.kernels.activations import GATED, check_activation
+from moe.kernels.expert_weights import ExpertWeights
+from moe.kernels.registry import ExpertKernel, resolve_kernel
 from moe.names import BACKENDS
 
-FUSES_COMBINE = {"torch": True, "triton": True}  # backend -> applies ExpertRows' combine
-
-# moved to leaf modules (the backends import them; importing them from here was a cycle)
-__getattr__ = moved_names(
-    __name__,
-    {
-        "ExpertRows": "moe.kernels.expert_rows.ExpertRows",
-        "NO_ROWS_INFO": "moe.kernels.expert_rows.NO_ROWS_INFO",
-        "keep_graph": "moe.kernels.saved_tensors.keep_graph",
-        "save_for_backward_early_free": "moe.kernels.saved_tensors.save_for_backward_early_free",
-        "saved_early": "moe.kernels.saved_tensors.saved_early",
-    },
-)
-
-
-def triton_available(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda":
-        return False
-    try:
-        from moe.kernels.triton import expert_mlp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["BACKENDS", "expert_mlp", "resolve_backend"]
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """ "auto" -> "triton" on CUDA with Triton, else "torch"; a named backend is checked."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "auto":
-        return "triton" if triton_available(x) else "torch"
-    return backend
+    """The name of the kernel backend=`backend` runs for input x ("auto" -> "triton" on CUDA
+    with Triton, else "torch"); an unknown name is a ValueError."""
+    return resolve_kernel(backend, x.device).name
 
 
 def expert_mlp(
@@ -67,18 +45,10 @@ def expert_mlp(
     *,
     activation: str = "gelu",
     rows: _rows.ExpertRows = _rows.NO_ROWS_INFO,
-    backend: str = "auto",
+    kernel: "str | ExpertKernel" = "auto",
 ):
-    """Run every local expert's MLP over its rows; see the module docstring for the contract.
-    `backend` may be "auto" (resolved here) or one already resolved by the caller."""
-    check_activation(activation)
-    if activation in GATED and w3_LDF is None:
-        raise ValueError(f"activation={activation!r} needs w3")
-    weights = (w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD)
-    if resolve_backend(backend, x_ND) == "triton":
-        from moe.kernels.triton.expert_mlp import expert_mlp_triton
-
-        return expert_mlp_triton(x_ND, offsets_L, *weights, activation=activation, rows=rows)
-    from moe.kernels.torch_expert_mlp import expert_mlp_torch
-
-    return expert_mlp_torch(x_ND, offsets_L, *weights, activation=activation, rows=rows)
+    """Run every local expert's MLP over its rows on `kernel` (a registered name, "auto", or
+    an ExpertKernel); see the module docstring for the contract."""
+    weights = ExpertWeights(w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD)
+    run = resolve_kernel(kernel, x_ND.device)
+    return run(x_ND, offsets_L, weights, activation=activation, rows=rows)

@@ -48,13 +48,23 @@ def wgrad_fits(R: int, a_NK: torch.Tensor, *b_RN: torch.Tensor) -> bool:
 
 
 def zero_tail_rows(y: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Zero rows at or past offsets_E[-1] in place (dropped pairs at the buffer's tail)."""
+    """Zero rows at or past offsets_E[-1] in place (dropped pairs at the buffer's tail): the
+    one tail zeroing of every kernel. On CPU (also under Triton's interpreter) the tail slice
+    (reading a CPU tensor is no device sync). Elsewhere the tail length stays on the device:
+    Triton's tail pass where Triton is installed (it touches only the tail's blocks), else one
+    masked pass over the rows."""
     if offsets_E.numel() == 0:
         return y.zero_()
-    if y.device.type == "cpu":  # reading a CPU tensor is no device sync: only the tail rows
+    if y.device.type == "cpu":
         y[int(offsets_E[-1]) :].zero_()
         return y
-    # elsewhere the tail length is on the device: one masked pass (moe::expert_mlp skips it)
+    if y.device.type == "cuda" and y.dim() == 2 and y.stride(1) == 1:
+        try:
+            from moe.kernels.triton.row_passes import zero_tail_blocks
+        except ImportError:
+            pass
+        else:
+            return zero_tail_blocks(y, offsets_E)
     rows = torch.arange(y.shape[0], device=y.device)
     return y.masked_fill_((rows >= offsets_E[-1]).unsqueeze(1), 0)
 

@@ -8,6 +8,7 @@ failure on one rank is the same clear ValueError on every rank instead of a hang
 error or "Connection closed by peer".
 """
 
+import inspect
 from dataclasses import asdict, fields
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
 from moe.comm.exchange_config import ExchangeConfig, override
 from moe.comm.topology import local_world_ranks, ranks_per_node_set
+from moe.dispatch.dispatcher import DISPATCHERS
 from moe.dispatch.overlap_option import validate_overlap
 from moe.layer import moe_layers
 from moe.replica_layout import check_spare_slots
@@ -96,10 +98,22 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
         raise ValueError("blocks must be submodules of the model")
     record["blocks"] = ",".join(names[id(b)] for b in blocks)
     record["overlap"] = repr(validate_overlap(s.pop("overlap", None)))
+    record["dispatcher"] = _dispatcher(s.pop("dispatcher", None), record["overlap"])
     for name, value in s.items():  # reshard_after_forward, sync_params, ...
         plain = value is None or isinstance(value, (bool, int, float, str))
         record[name] = value if plain else repr(value)
     return record
+
+
+def _dispatcher(name: str | None, overlap: str) -> str | None:
+    """parallelize(dispatcher=): a registered dispatcher, one that takes overlap= if given."""
+    if name is None:
+        return None
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher={name!r} is not one of {sorted(DISPATCHERS)}")
+    if overlap != "None" and "degree" not in inspect.signature(DISPATCHERS[name]).parameters:
+        raise ValueError(f"dispatcher={name!r} takes no overlap degree, got overlap={overlap}")
+    return name
 
 
 def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> dict:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.comm.exchange_config import ExchangeConfig
-from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher
+from moe.dispatch import DISPATCHERS
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -69,6 +69,47 @@ def _divide_expert_grads(experts: nn.Module, ep: int, sum_only: bool) -> None:
         experts.set_all_reduce_hook(_DivideBy(ep))
 
 
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor, src=0)
+
+
+def _wrapper(settings: dict):
+    """(FSDP2's fully_shard or replicate, the keywords each call gets) for these settings."""
+    mp_policy = settings["mp_policy"] or MixedPrecisionPolicy(reduce_dtype=settings["grad_dtype"])
+    common = {
+        "mp_policy": mp_policy,
+        "offload_policy": settings["offload_policy"] or OffloadPolicy(),
+    }
+    if settings["data_parallel"] != "fsdp":
+        return replicate, common
+    return fully_shard, {**common, "reshard_after_forward": settings["reshard_after_forward"]}
+
+
+def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int):
+    """One layer's dispatcher: the registered class settings["dispatcher"] built as
+    cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=), plus
+    degree= when overlap= is given (ExpertParallelDispatcher's signature)."""
+    overlap = settings["overlap"]
+    return DISPATCHERS[settings["dispatcher"]](
+        group,
+        num_local,
+        algorithm=settings["algorithm"],
+        ranks_per_node=settings["ranks_per_node"],
+        exchange_config=settings["exchange"],
+        **({} if overlap is None else {"degree": overlap}),
+    )
+
+
+def dispatcher_name(dispatcher: str | None, overlap: int | str | None) -> str | None:
+    """The registered dispatcher parallelize installs: `dispatcher`, else "overlap" when
+    overlap is given, else "expert_parallel" (checked on every rank by check_config)."""
+    if dispatcher is not None:
+        return dispatcher
+    return "expert_parallel" if overlap is None else "overlap"
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -84,6 +125,7 @@ def parallelize(
     sync_params: bool = True,
     overlap: int | str | None = None,
     exchange: ExchangeConfig | None = None,
+    dispatcher: str | None = None,
 ) -> nn.Module:
     """Shard every MoELayer's experts over mesh["ep"] (global expert e lives on ep rank
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
@@ -108,6 +150,8 @@ def parallelize(
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
     exchange (moe.comm.ExchangeConfig; None: its defaults) is how the all-to-all runs: the
     dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
+    dispatcher: a registered dispatcher's name (moe.dispatch.register_dispatcher; None:
+    "overlap" with overlap=, else "expert_parallel"); how it is built: `_build_dispatcher`.
     """
     settings = {
         "data_parallel": data_parallel,
@@ -121,33 +165,20 @@ def parallelize(
         "sync_params": sync_params,
         "overlap": overlap,
         "exchange": exchange,
+        "dispatcher": dispatcher_name(dispatcher, overlap),
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
     check_config(model, mesh, settings)
     if sync_params:
-        with torch.no_grad():
-            for tensor in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(tensor, src=0)
-    if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy(reduce_dtype=grad_dtype)
-    common = {"mp_policy": mp_policy, "offload_policy": offload_policy or OffloadPolicy()}
-    if data_parallel == "fsdp":
-        wrap = fully_shard
-        common["reshard_after_forward"] = reshard_after_forward
-    else:
-        wrap = replicate
+        _broadcast_from_rank0(model)
+    wrap, common = _wrapper(settings)
     # Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide (FSDP2's own switch).
     sum_only = dist.get_backend() != "nccl"
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        ep_args = (mesh.get_group("ep"), local, algorithm, ranks_per_node, layer.config.backend)
-        layer.dispatcher = (
-            ExpertParallelDispatcher(*ep_args, exchange_config=exchange)
-            if overlap is None
-            else OverlappedDispatcher(*ep_args, degree=overlap, exchange_config=exchange)
-        )
+        layer.dispatcher = _build_dispatcher(settings, mesh.get_group("ep"), local)
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)

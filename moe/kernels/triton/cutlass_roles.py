@@ -3,7 +3,7 @@ moe/kernels/gemm_roles.py sends there: each computes what the Triton kernel of t
 computes, with the epilogue's work as separate passes (gather, activation, its backward, the tail
 rows' zeros). The Triton kernels and these read only rows below offsets_L[-1]; where a result's
 tail rows are part of the contract (the rows returned, dx without a gather) they are zeroed on
-the device (row_passes.zero_tail_rows). No host sync.
+the device (torch_grouped_mm.zero_tail_rows). No host sync.
 
 A role runs here only where torch._grouped_mm runs (`fits`) and its fused epilogue holds no bias
 (biases stay on the Triton kernels: no expert MLP of the benchmark shapes has one).
@@ -14,8 +14,9 @@ from torch import Tensor
 
 from moe.kernels import torch_grouped_mm
 from moe.kernels.activations import GATED
+from moe.kernels.torch_grouped_mm import zero_tail_rows
 from moe.kernels.triton.activations import act_rows
-from moe.kernels.triton.row_passes import act_bwd_rows, zero_tail_rows
+from moe.kernels.triton.row_passes import act_bwd_rows
 
 
 def fits(*mats: Tensor) -> bool:

@@ -28,13 +28,13 @@ from moe.kernels.activations import GATED
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.kernel_config import kernel_config
 from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
+from moe.kernels.torch_grouped_mm import zero_tail_rows
 from moe.kernels.triton import cutlass_roles as cutlass_mm
 from moe.kernels.triton.activations import ACT_CODES, act_rows
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.gather_sum import rows_to_tokens
 from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
 from moe.kernels.triton.grouped_mm_wgrad import busiest_first, ragged_reduce_mm
-from moe.kernels.triton.row_passes import zero_tail_rows
 
 
 def _act_code(activation: str) -> int:
@@ -368,7 +368,8 @@ def _check_shapes(x, offsets, w1, w2, w3, b1, b2, activation, gather_ids_R):
 
 
 def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, b2_LD=None, *,
-                      activation="gelu", rows: ExpertRows = NO_ROWS_INFO):  # fmt: skip
+                      activation="gelu", rows: ExpertRows = NO_ROWS_INFO,
+                      cutlass_roles: tuple[str, ...] | None = None):  # fmt: skip
     """The expert MLP of every local expert on the Triton kernels (see expert_mlp.py).
 
     Weights and biases are cast to x's dtype and made contiguous (no-ops in the usual case;
@@ -376,6 +377,8 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
     rows.row_weights_R (the combine weights) scale each row's activation before the second GEMM
     and get their gradient from the activation backward's epilogue; with rows.sum_to_tokens the
     output is y_TD, every row added into the token it was read from (a gather-sum, no atomics).
+    cutlass_roles: the GEMM roles run on CUTLASS (the kernel's setting, moe/kernels/
+    triton_kernel.py); None: KernelConfig.roles_on_cutlass at this geometry.
     """
     gather_ids_R, row_weights_R = rows.gather_ids_R, rows.row_weights_R
     _check_shapes(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, activation, gather_ids_R)
@@ -393,6 +396,8 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
         gather_ids_R = gather_ids_R.to(torch.int64).contiguous()
     if row_weights_R is not None:
         row_weights_R = row_weights_R.to(torch.float32).contiguous()
+    if cutlass_roles is None:
+        cutlass_roles = kernel_config().roles_on_cutlass(D, w1.shape[2])
     tracked = (x_ND, w1, w2, w3, b1, b2, row_weights_R)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)
     out_ND, _ = _fwd_op(
@@ -408,6 +413,6 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
         activation,
         save,
         rows.sum_to_tokens,
-        ",".join(kernel_config().roles_on_cutlass(D, w1.shape[2])),
+        ",".join(cutlass_roles),
     )
     return out_ND

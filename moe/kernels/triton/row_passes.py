@@ -4,9 +4,10 @@ the work the Triton GEMMs do in their epilogues, as one pass each over the rows.
   act_bwd_rows   the dact role's epilogue: dpre = act'(pre) * s * da and, with row weights s,
                  ds = <da, act(pre)> per row (one program per block of rows looping over the
                  columns in a fixed order: no atomics, deterministic);
-  zero_tail_rows rows at or past offsets[-1] (dropped pairs) set to zero, reading the row count
-                 on the device (no host sync) and touching only the tail: torch._grouped_mm
-                 leaves those rows unwritten, and the expert MLP's contract says zero.
+  zero_tail_blocks rows at or past offsets[-1] (dropped pairs) set to zero, reading the row
+                 count on the device (no host sync) and touching only the tail: torch._grouped_mm
+                 leaves those rows unwritten, and the expert MLP's contract says zero (the
+                 device path of the one zero_tail_rows, moe/kernels/torch_grouped_mm.py).
 Rows at or past offsets[-1] come out of act_bwd_rows as zeros too.
 """
 
@@ -93,8 +94,9 @@ def _zero_tail_kernel(y_ptr, live_ptr, M, N, stride_m, BLOCK_M: tl.constexpr,
             tl.store(ptrs, zero, mask=tail[:, None] & (cols < N)[None, :])
 
 
-def zero_tail_rows(y_MN: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
-    """Zero the rows of y at or past offsets_L[-1] in place; returns y."""
+def zero_tail_blocks(y_MN: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of y at or past offsets_L[-1] in place (only the tail's blocks); returns
+    y. Called by the one zero_tail_rows (moe/kernels/torch_grouped_mm.py) off the CPU."""
     M, N = y_MN.shape
     if M == 0 or N == 0:
         return y_MN

@@ -1,0 +1,127 @@
+"""The expert-kernel registry: each kernel is one registered object that declares what it takes.
+
+A kernel (torch, triton, triton with CUDA's CUTLASS grouped GEMM for its GEMM roles, later
+FP8 ...) is an `ExpertKernel`: its name, the device types, dtypes and weight formats it takes,
+whether it applies the combine itself (`fuses_combine`), its own settings as dataclass fields,
+and two entry points: `mlp` (the expert MLP of every local expert, the contract of
+moe/kernels/expert_mlp.py) and `combine` (the weighted gather-sum of each token's k rows).
+A new kernel is one file: a subclass and `register_kernel(MyKernel("name"))`; MoEConfig's
+`backend="name"` then selects it (moe.names.BACKENDS reads the registry).
+
+The layer resolves its kernel once (moe.experts.GroupedExperts.kernel_for) and hands the
+object down; nothing on the path carries a name.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from moe.kernels.activations import GATED, check_activation
+from moe.kernels.combine import combine_torch
+from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
+from moe.kernels.expert_weights import DENSE, ExpertWeights
+from moe.names import BACKENDS, KERNELS
+
+FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ExpertKernel(ABC):
+    """One way to compute the experts. devices / dtypes: the device types and weight dtypes it
+    takes (None: any); formats: ExpertWeights.format values it reads; fuses_combine: it can
+    gather on load, scale by the combine weights and sum rows into tokens (the ExpertRows
+    contract), so a dispatcher may hand it the combine."""
+
+    name: str
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = FLOATS
+    formats: tuple[str, ...] = (DENSE,)
+    fuses_combine: bool = True
+
+    def refuse(self, x: torch.Tensor, weights: ExpertWeights) -> str | None:
+        """Why this kernel cannot take input x with these weights, or None: checked by the
+        layer before any work (MoELayer names itself and the kernel in the error)."""
+        if self.devices is not None and x.device.type not in self.devices:
+            return f"it runs on {'/'.join(self.devices)} tensors, the input is on {x.device}"
+        if self.dtypes is not None and weights.dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"it takes {names} weights, these are {weights.dtype}"
+        if weights.format not in self.formats:
+            return f"it reads weight formats {self.formats}, these are {weights.format!r}"
+        return None
+
+    def __call__(
+        self,
+        x_ND: torch.Tensor,
+        offsets_L: torch.Tensor,
+        weights: ExpertWeights,
+        *,
+        activation: str = "gelu",
+        rows: ExpertRows = NO_ROWS_INFO,
+    ) -> torch.Tensor:
+        """The expert MLP (contract: moe/kernels/expert_mlp.py), its arguments checked."""
+        check_activation(activation)
+        if activation in GATED and weights.w3_LDF is None:
+            raise ValueError(f"activation={activation!r} needs w3")
+        return self.mlp(x_ND, offsets_L, weights, activation=activation, rows=rows)
+
+    @abstractmethod
+    def mlp(
+        self,
+        x_ND: torch.Tensor,
+        offsets_L: torch.Tensor,
+        weights: ExpertWeights,
+        *,
+        activation: str,
+        rows: ExpertRows,
+    ) -> torch.Tensor:
+        """Every local expert's MLP over its rows (moe/kernels/expert_mlp.py's contract)."""
+
+    def combine(
+        self, out_MD: torch.Tensor, pair_rows_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """y_TD[t] = sum_j weights_TK[t, j] * out_MD[pair_rows_TK[t, j]] (the dispatchers'
+        combine when the experts return rows); the torch op unless a kernel has its own."""
+        return combine_torch(out_MD, pair_rows_TK, weights_TK)
+
+    def auto_on(self, device: torch.device) -> bool:
+        """Whether backend="auto" picks this kernel on `device` (see resolve_kernel)."""
+        return False
+
+
+AUTO_ORDER = ("triton", "torch")  # backend="auto": the first whose auto_on(device) holds
+
+
+def register_kernel(kernel: ExpertKernel) -> ExpertKernel:
+    """Make `kernel` selectable as MoEConfig(backend=kernel.name); returns it."""
+    if not isinstance(kernel, ExpertKernel):
+        raise TypeError(f"register_kernel takes an ExpertKernel, got {type(kernel).__name__}")
+    if kernel.name == "auto":
+        raise ValueError('"auto" is not a kernel name: it picks one (resolve_kernel)')
+    old = KERNELS.get(kernel.name)
+    if old is not None and type(old) is not type(kernel):
+        raise ValueError(f"kernel {kernel.name!r} is already registered ({type(old).__name__})")
+    KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def get_kernel(name: str) -> ExpertKernel:
+    if name not in KERNELS:
+        raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
+    return KERNELS[name]
+
+
+def resolve_kernel(name: "str | ExpertKernel", device: torch.device) -> ExpertKernel:
+    """The kernel a layer with backend=`name` runs on `device`: "auto" -> the first of
+    AUTO_ORDER that is registered and auto_on(device) ("triton" on CUDA with Triton
+    installed, else "torch"); a name -> its kernel; a kernel object -> itself."""
+    if isinstance(name, ExpertKernel):
+        return name
+    if name != "auto":
+        return get_kernel(name)
+    for candidate in AUTO_ORDER:
+        kernel = KERNELS.get(candidate)
+        if kernel is not None and kernel.auto_on(device):
+            return kernel
+    return get_kernel("torch")
