@@ -36,9 +36,21 @@ def scale_of(amax: Tensor, pow2: bool = False, floor: float = AMAX_FLOOR) -> Ten
     return pow2_ceil(scale) if pow2 else scale
 
 
+def e4m3_cap(scale: Tensor) -> Tensor:
+    """The largest e4m3 value c with c * scale finite in float32: 448, or less for scales
+    above float32's max / 448 (a power-of-two scale of the largest float32 input: its e4m3
+    value would round up to 2^128)."""
+    lim = (torch.finfo(torch.float32).max / scale).clamp(max=E4M3_MAX)
+    c = lim.to(E4M3)
+    step = (c.float() > lim).to(torch.uint8)  # rounded up past the limit: one code down
+    return (c.view(torch.uint8) - step).view(E4M3).float()
+
+
 def to_e4m3(x: Tensor, scale: Tensor) -> Tensor:
-    """clamp(x / scale, +-448) as e4m3, in float32 (scale broadcasts against x)."""
-    return (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    """clamp(x / scale, +-cap) as e4m3 (cap = e4m3_cap(scale), 448 for every scale but the
+    largest), in float32; scale broadcasts against x."""
+    cap = e4m3_cap(scale)
+    return torch.clamp(x.float() / scale, -cap, cap).to(E4M3)
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
