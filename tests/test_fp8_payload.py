@@ -1,0 +1,120 @@
+"""FP8 dispatch payload (moe/fp8/payload.py): pack/unpack, the exchange on 2 gloo ranks equal
+to a local quantize/dequantize of the same rows (both directions, every scale format), the
+bytes the exchange hands to the collective counted by a spy, and the quality of FP8 dispatch
+alone on the layer-equivalent output."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe.comm.exchange_plan import plan_all_to_all
+from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch, pack_rows, unpack_rows
+from moe.fp8.payload import dequantize_payload, quantize_payload, scale_bytes
+from moe.fp8.quant import fake_quant_blocks
+from moe.kernels.expert_rows import ExpertRows
+from moe.kernels.torch_expert_mlp import expert_mlp_torch
+from tests.distributed import run_ranks
+from tests.fp8_reference import ref_blocks, sqnr
+
+FORMATS = ("fp32", "pow2", "ue8m0")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("D", [1, 130, 256])
+def test_pack_unpack_round_trip(fmt, D):
+    torch.manual_seed(D)
+    x = torch.randn(5, D, dtype=torch.bfloat16) * 10
+    q, s = quantize_payload(x, 128, fmt)
+    packed = pack_rows(q, s, fmt)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, D + scale_bytes(D, 128, fmt))
+    assert packed.is_contiguous()
+    q2, s2 = unpack_rows(packed, D, fmt)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    y = dequantize_payload(q2, s2, 128, torch.float32)
+    assert torch.equal(y, ref_blocks(x, 128, fmt != "fp32").float())
+
+
+class _ByteSpy:
+    """Wraps dist.all_to_all_single: bytes each call hands over for other ranks."""
+
+    def __init__(self, rank):
+        self.rank, self.sent, self.inner = rank, 0, dist.all_to_all_single
+
+    def __call__(self, output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+        rows = input_split_sizes or [input.shape[0] // dist.get_world_size()] * 2
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        self.sent += sum(n for i, n in enumerate(rows) if i != self.rank) * row_bytes
+        return self.inner(output, input, output_split_sizes, input_split_sizes, *a, **k)
+
+
+def _sent_bytes(rank, fn):
+    spy = _ByteSpy(rank)
+    dist.all_to_all_single = spy
+    try:
+        fn()
+    finally:
+        dist.all_to_all_single = spy.inner
+    return spy.sent
+
+
+def _exchange_body(rank, world_size):
+    torch.manual_seed(rank)
+    counts = [[2, 5], [0, 4]][rank]  # uneven, rank 1 sends nothing to rank 0
+    x = torch.randn(sum(counts), 300) * 5
+    plan = plan_all_to_all(x, counts)
+    back = plan.reverse()
+    ok = {}
+    for fmt in FORMATS:
+        cfg = FP8Config(dispatch=True, scale_format=fmt, grad_before_down_fp8=True)
+        fq = lambda t, p=fmt != "fp32": fake_quant_blocks(t, 128, p)  # noqa: E731
+        for grad_fp8 in (False, True):
+            xl = x.clone().requires_grad_()
+            y = fp8_dispatch(xl, plan, cfg, grad_fp8=grad_fp8)
+            g = torch.randn_like(y)
+            y.backward(g)
+            ok[fmt, "fwd"] = torch.equal(y, plan.run(fq(x)))
+            ok[fmt, "bwd", grad_fp8] = torch.equal(xl.grad, back.run(fq(g) if grad_fp8 else g))
+        yl = y.detach().requires_grad_()
+        z = fp8_combine(yl, back, cfg)  # combine: plain forward, FP8 gradient before down
+        gz = torch.randn_like(z)
+        z.backward(gz)
+        ok[fmt, "combine"] = torch.equal(z, back.run(y.detach())) and torch.equal(
+            yl.grad, plan.run(fq(gz))
+        )
+    plain = fp8_dispatch(x, plan, FP8Config())  # dispatch off: the rows as they are
+    ok["off"] = torch.equal(plain, plan.run(x))
+    # bytes at d = 7168, counted at the collective
+    xb = torch.randn(16, 7168, dtype=torch.bfloat16)
+    plan_b = plan_all_to_all(xb, [8, 8])
+    sent = {"bf16": _sent_bytes(rank, lambda: plan_b.run(xb))}
+    for fmt in FORMATS:
+        cfg = FP8Config(dispatch=True, scale_format=fmt)
+        sent[fmt] = _sent_bytes(rank, lambda c=cfg: fp8_dispatch(xb, plan_b, c))
+    return ok, sent
+
+
+def test_fp8_exchange_on_two_ranks_equals_local_quantization_and_counts_bytes():
+    for ok, sent in run_ranks(_exchange_body, 2, timeout=60):
+        assert all(ok.values()), [k for k, v in ok.items() if not v]
+        assert sent["bf16"] == 8 * 7168 * 2
+        assert sent["fp32"] == sent["pow2"] == 8 * (7168 + 4 * 56)
+        assert sent["fp32"] <= 0.52 * sent["bf16"] and sent["ue8m0"] == 8 * (7168 + 56)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quality_fp8_dispatch_alone(seed):
+    """Tokens quantized 1 x 128 before the experts, everything else float32: >= 27 dB on the
+    layer-equivalent output (expert MLPs, combine weights, sum into tokens; d = 512)."""
+    g = torch.Generator().manual_seed(seed)
+    T, D, F, L, K = 96, 512, 256, 4, 2
+    x = torch.randn(T, D, generator=g)
+    w1, w2 = torch.randn(L, D, F, generator=g) / D**0.5, torch.randn(L, F, D, generator=g) / F**0.5
+    w3 = torch.randn(L, D, F, generator=g) / D**0.5
+    rows = ExpertRows(
+        gather_ids_R=torch.randint(0, T, (T * K,), generator=g),
+        row_weights_R=torch.rand(T * K, generator=g),
+        sum_to_tokens=True,
+    )
+    offsets = torch.tensor([30, 90, 90, 192], dtype=torch.int32)
+    run = lambda t: expert_mlp_torch(t, offsets, w1, w2, w3, activation="swiglu", rows=rows)  # noqa: E731
+    assert sqnr(run(x), run(fake_quant_blocks(x))) >= 27
