@@ -55,7 +55,8 @@ def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
         )  # fmt: skip
         rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1)
         return y.masked_fill(rows >= offsets_E[-1], 0).to(out_dtype)
-    y = mm_groups(dequantize(q_MK, s_M1), dequantize(q_EKN, s_E1N), offsets_E)
+    w_EKN = dequantize(q_EKN, s_E1N).contiguous()  # dgrad passes a transposed view
+    y = mm_groups(dequantize(q_MK, s_M1), w_EKN, offsets_E)
     return y.to(out_dtype)
 
 
@@ -63,19 +64,23 @@ def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
 def _fwd_op(
     x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float, save_fp8: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(y_MN, q_MK e4m3, s_M1): y = rowwise-FP8 x @ per-column-FP8 w per group; x's quantized
-    form comes back for the backward to keep."""
+    """(y_MN, q_MK, s_M1): y = rowwise-FP8 x @ per-column-FP8 w per group; x's quantized form
+    (e4m3 bytes as uint8, and its row scales) comes back for the backward to keep."""
     q_MK, s_M1 = quantize_along(x_MK, -1, pow2, floor)
     q_EKN, s_E1N = quantize_along(w_EKN, 1, pow2, floor)
     y = scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, x_MK.dtype)
-    return y, q_MK, s_M1
+    return y, q_MK.view(torch.uint8), s_M1
 
 
 @_fwd_op.register_fake
 def _(x_MK, w_EKN, offsets_E, pow2, floor, save_fp8):
     M = x_MK.shape[0]
     y = x_MK.new_empty(M, w_EKN.shape[2])
-    return y, x_MK.new_empty(x_MK.shape, dtype=E4M3), x_MK.new_empty(M, 1, dtype=torch.float32)
+    return (
+        y,
+        x_MK.new_empty(x_MK.shape, dtype=torch.uint8),
+        x_MK.new_empty(M, 1, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moe::fp8_grouped_mm_dgrad", mutates_args=())
@@ -123,7 +128,10 @@ def _backward(ctx, dy_MN, _dq, _ds):
     if ctx.needs_input_grad[0]:
         dx = _dgrad_op(dy_MN, w_EKN, offsets_E, ctx.pow2, ctx.floor).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        x_MK = dequantize(*saved_x) if len(saved_x) == 2 else saved_x[0]
+        if len(saved_x) == 2:
+            x_MK = dequantize(saved_x[0].view(E4M3), saved_x[1])
+        else:
+            x_MK = saved_x[0]
         dw = _wgrad_op(x_MK, dy_MN, offsets_E, ctx.pow2, ctx.floor).to(w_EKN.dtype)
     return dx, dw, None, None, None, None
 

@@ -125,11 +125,13 @@ def quantize_groups(
     """One scale per column within each group's rows (the amax runs along the tokens of one
     expert): (q [M, K], scales [E, K]). Tail rows past offsets_E[-1] quantize to zero; an empty
     group's scales are the floor's."""
-    E, (M, K) = offsets_E.shape[0], x_MK.shape
+    E, M = offsets_E.shape[0], x_MK.shape[0]
     group_M = group_of_rows(offsets_E, M)
-    amax = x_MK.new_zeros(E + 1, K, dtype=torch.float32)
-    idx = group_M.long().unsqueeze(1).expand(M, K)
-    amax.scatter_reduce_(0, idx, x_MK.detach().abs().float(), "amax")
+    ends = torch.cat([offsets_E.long(), offsets_E.new_full((1,), M, dtype=torch.long)])
+    lengths = torch.diff(ends, prepend=ends.new_zeros(1))  # E groups, then the tail
+    amax = torch.segment_reduce(
+        x_MK.detach().abs().float(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0
+    )  # rows are sorted by group: a segment max, no scatter
     scales = scale_of(amax, pow2, floor)
     scales[E] = 1.0  # the tail rows' scale: the rows are zeroed below
     x_kept = x_MK.detach().float().masked_fill((group_M == E).unsqueeze(1), 0)
