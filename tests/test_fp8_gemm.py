@@ -191,3 +191,29 @@ def test_cuda_scaled_grouped_mm_equals_the_emulation():
     )
     for c, d in zip(cpu, dev):
         assert sqnr(c.float(), d.float().cpu()) >= 40
+
+
+def _saved(fn):
+    """(dtype, numel) of every tensor autograd keeps for the backward of fn()."""
+    kept = []
+
+    def pack(t):
+        kept.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return kept
+
+
+def test_backward_keeps_fp8_inputs():
+    """With save_fp8_inputs the grouped GEMM keeps x as 1 byte per element plus a float32
+    scale per row (and w, a parameter); without it, x itself."""
+    offsets = torch.tensor([5, 9], dtype=torch.int32)
+    x = torch.randn(9, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    fp8 = _saved(lambda: fp8_grouped_mm(x, w, offsets, save_fp8=True))
+    assert (torch.uint8, 9 * 64) in fp8 and (torch.float32, 9) in fp8
+    assert (torch.bfloat16, 9 * 64) not in fp8
+    plain = _saved(lambda: fp8_grouped_mm(x, w, offsets, save_fp8=False))
+    assert (torch.bfloat16, 9 * 64) in plain and (torch.uint8, 9 * 64) not in plain
