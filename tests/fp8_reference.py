@@ -42,37 +42,62 @@ def ref_blocks(x: torch.Tensor, block: int, pow2: bool) -> torch.Tensor:
     return out
 
 
+def ref_weight_blocks(w_KN: torch.Tensor, block: int, pow2: bool) -> torch.Tensor:
+    """block x block scales over a 2D weight."""
+    out = torch.empty(w_KN.shape, dtype=torch.float64)
+    for i in range(0, w_KN.shape[0], block):
+        for j in range(0, w_KN.shape[1], block):
+            blk = w_KN[i : i + block, j : j + block]
+            out[i : i + block, j : j + block] = ref_quant(blk, pow2)
+    return out
+
+
+def ref_row_tiles(x_nK: torch.Tensor, tile: int, pow2: bool) -> torch.Tensor:
+    """One scale per column within each tile of `tile` rows (of one expert's rows)."""
+    parts = [ref_rows(x_nK[i : i + tile].t(), pow2).t() for i in range(0, x_nK.shape[0], tile)]
+    return torch.cat(parts) if parts else x_nK.detach().double()
+
+
 class RefFP8Gemm(torch.autograd.Function):
-    """One expert's y = x @ w in the rowwise FP8 recipe, float64 products; backward: dx from
-    rowwise dy and w scaled per row, dw from x and dy scaled per column over these rows."""
+    """One expert's y = x @ w with FP8 operands, float64 products. rowwise: x per row, w per
+    column; dx from rowwise dy and w per row; dw from x and dy per column over these rows.
+    blockwise: x and dy 1 x 128, w 128 x 128 (both GEMMs), dw from 128-row tiles."""
 
     @staticmethod
-    def forward(ctx, x_nK, w_KN, pow2, save_fp8):
-        xq = ref_rows(x_nK, pow2)
-        wq = ref_rows(w_KN.t(), pow2).t()
+    def forward(ctx, x_nK, w_KN, pow2, save_fp8, recipe="rowwise"):
+        if recipe == "blockwise":
+            xq, wq = ref_blocks(x_nK, 128, pow2), ref_weight_blocks(w_KN, 128, pow2)
+        else:
+            xq, wq = ref_rows(x_nK, pow2), ref_rows(w_KN.t(), pow2).t()
         ctx.save_for_backward(xq if save_fp8 else x_nK, w_KN)
-        ctx.pow2 = pow2
+        ctx.pow2, ctx.recipe = pow2, recipe
         return xq @ wq
 
     @staticmethod
     def backward(ctx, dy_nN):
         x_nK, w_KN = ctx.saved_tensors
         p = ctx.pow2
+        if ctx.recipe == "blockwise":
+            dx = ref_blocks(dy_nN, 128, p) @ ref_weight_blocks(w_KN, 128, p).t()
+            dw = ref_row_tiles(x_nK, 128, p).t() @ ref_row_tiles(dy_nN, 128, p)
+            return dx, dw, None, None, None
         dx = ref_rows(dy_nN, p) @ ref_rows(w_KN, p).t()
         dw = ref_rows(x_nK.t(), p) @ ref_rows(dy_nN.t(), p).t()
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def ref_grouped(x_MK, w_EKN, offsets, pow2=True, save_fp8=True):
+def ref_grouped(x_MK, w_EKN, offsets, pow2=True, save_fp8=True, recipe="rowwise"):
     """Grouped FP8 GEMM by a loop over experts; rows past offsets[-1] zero."""
     ends = [int(o) for o in offsets]
-    out = [RefFP8Gemm.apply(x_MK[s:t], w_EKN[e], pow2, save_fp8)
+    out = [RefFP8Gemm.apply(x_MK[s:t], w_EKN[e], pow2, save_fp8, recipe)
            for e, (s, t) in enumerate(zip([0] + ends[:-1], ends))]  # fmt: skip
     tail = x_MK.new_zeros(x_MK.shape[0] - ends[-1], w_EKN.shape[2], dtype=torch.float64)
     return torch.cat(out + [tail])
 
 
-def ref_fp8_mlp(x_TD, offsets, w1, w2, w3, b1, b2, ids, rw, pow2=True, save_fp8=True):
+def ref_fp8_mlp(
+    x_TD, offsets, w1, w2, w3, b1, b2, ids, rw, pow2=True, save_fp8=True, recipe="rowwise"
+):
     """SwiGLU expert MLP with every GEMM FP8, rows summed into their tokens (float64)."""
     y = torch.zeros(x_TD.shape[0], w2.shape[2], dtype=torch.float64)
     ends = [int(o) for o in offsets]
@@ -80,10 +105,10 @@ def ref_fp8_mlp(x_TD, offsets, w1, w2, w3, b1, b2, ids, rw, pow2=True, save_fp8=
         if t == s:
             continue
         xr = x_TD.double()[ids[s:t]]
-        h = RefFP8Gemm.apply(xr, w1[e].double(), pow2, save_fp8) + b1[e].double()
-        g = RefFP8Gemm.apply(xr, w3[e].double(), pow2, save_fp8)
+        h = RefFP8Gemm.apply(xr, w1[e].double(), pow2, save_fp8, recipe) + b1[e].double()
+        g = RefFP8Gemm.apply(xr, w3[e].double(), pow2, save_fp8, recipe)
         a = F.silu(h) * g * rw[s:t].double().unsqueeze(1)
-        out = RefFP8Gemm.apply(a, w2[e].double(), pow2, save_fp8)
+        out = RefFP8Gemm.apply(a, w2[e].double(), pow2, save_fp8, recipe)
         out = out + b2[e].double() * rw[s:t].double().unsqueeze(1)
         y = y.index_add(0, ids[s:t], out)
     return y

@@ -22,8 +22,9 @@ class FP8Config:
         in e4m3 with the scales of `recipe`.
     recipe: the expert GEMMs' scaling. "rowwise" (torchao's): activations one scale per row,
         weights one per output column, weight gradients scaled along the tokens of each expert.
-        "blockwise" (DeepSeek-V3's 1 x 128 activations, 128 x 128 weights) is accepted here
-        for the exchange format but not yet by the FP8 expert GEMMs, which refuse it.
+        "blockwise" (DeepSeek-V3's): activations and gradients one scale per 1 x 128 block,
+        weights per 128 x 128 block, weight gradients per 128-token tile of each expert
+        (emulated on every device: torch._scaled_grouped_mm takes only the rowwise form).
     scale_format: the dispatch scales. "fp32": amax / 448; "pow2": that rounded up to a power
         of two (still sent as fp32); "ue8m0": a power of two sent as its 1-byte biased exponent
         (4x fewer scale bytes on the wire).

@@ -1,5 +1,6 @@
-"""The whole expert MLP with every GEMM in FP8 (FP8Config.recipe "rowwise"): up, gate, down and
-their input- and weight-gradient GEMMs are moe::fp8_grouped_mm calls (moe/fp8/grouped_mm.py).
+"""The whole expert MLP with every GEMM in FP8 (FP8Config.recipe "rowwise" or "blockwise"): up,
+gate, down and their input- and weight-gradient GEMMs are moe::fp8_grouped_mm calls
+(moe/fp8/grouped_mm.py).
 
 Same contract as moe.kernels.torch_expert_mlp.expert_mlp_torch (see moe/kernels/expert_mlp.py):
 x_ND is the R rows or, with rows.gather_ids_R, the token rows; offsets_L int32 cumulative row
@@ -9,8 +10,8 @@ it was read from. Returns x's dtype; the weights (masters) stay in their dtype a
 gradients in it. Experts without rows get zero weight gradients.
 
 What the backward keeps (with FP8Config.save_fp8_inputs): the gathered rows x_RD as e4m3 plus a
-row scale (R * (D + 4) bytes instead of R * D * 2 or 4), the activation as e4m3 plus a row scale
-(R * (F + 4) bytes), and, for the activation's own backward, its pre-activations h_RF (and
+row scale (R * (D + 4) bytes instead of R * D * 2 or 4; blockwise: 4 bytes per 128 elements),
+the activation as e4m3 plus its scales (R * (F + 4) bytes), and, for the activation's own backward, its pre-activations h_RF (and
 g_RF for swiglu) in x's dtype, as autograd keeps them. It is a composition of custom ops and
 plain differentiable torch ops (gather, bias, activation, combine weight, index_add), so
 autograd and torch.compile see each piece; the combine into tokens uses index_add (on CUDA an
@@ -38,11 +39,6 @@ def _row_bias(b_LX: Tensor, group_R: Tensor) -> Tensor:
 def check_fp8_experts(x_ND: Tensor, w1_LDF: Tensor, config: FP8Config, activation: str) -> None:
     """One clear error before any work for what the FP8 experts cannot take."""
     check_activation(activation)
-    if config.recipe != "rowwise":
-        raise ValueError(
-            f"FP8 experts: recipe={config.recipe!r} is not implemented for the expert GEMMs "
-            "(only 'rowwise'); use FP8Config(recipe='rowwise')"
-        )
     allowed = (torch.float32, torch.bfloat16, torch.float16)
     for name, t in (("x", x_ND), ("w1", w1_LDF)):
         if t.dtype not in allowed:
@@ -70,7 +66,10 @@ def fp8_expert_mlp(
         raise ValueError(f"activation={activation!r} needs w3")
     offsets_L = offsets_L.to(torch.int32)
     gemm = dict(
-        pow2=config.pow2_gemm_scales, floor=config.amax_floor, save_fp8=config.save_fp8_inputs
+        pow2=config.pow2_gemm_scales,
+        floor=config.amax_floor,
+        save_fp8=config.save_fp8_inputs,
+        recipe=config.recipe,
     )
     ids_R = rows.gather_ids_R
     x_RD = x_ND if ids_R is None else x_ND.index_select(0, ids_R)

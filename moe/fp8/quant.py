@@ -82,7 +82,7 @@ def quantize_blocks(
     D = x.shape[-1]
     xb = _blocks_last(x.detach().float(), block)
     scales = scale_of(xb.abs().amax(dim=-1), pow2, floor)
-    q = to_e4m3(xb, scales.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :D]
+    q = to_e4m3(xb, scales.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :D].contiguous()
     return q, scales
 
 
@@ -142,6 +142,43 @@ def dequantize_groups(q_MK: Tensor, scales_EK: Tensor, offsets_E: Tensor) -> Ten
     """Inverse of quantize_groups in float32 (tail rows zero)."""
     s = torch.cat([scales_EK, scales_EK.new_zeros(1, scales_EK.shape[1])])
     return q_MK.float() * s.index_select(0, group_of_rows(offsets_E, q_MK.shape[0]).long())
+
+
+def row_tiles(offsets_E: Tensor, M: int, tile: int) -> tuple[Tensor, int]:
+    """(segment of each row, S): rows cut into tiles of `tile` rows within each group (the
+    last tile of a group partial); tail rows past offsets_E[-1] form segment S - 1. Segments
+    follow the row order; S is a bound known without reading the offsets."""
+    E = offsets_E.shape[0]
+    group_M = group_of_rows(offsets_E, M).long()
+    ends = offsets_E.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + tile - 1) // tile
+    S = M // tile + E + 2
+    first = torch.cat([torch.cumsum(tiles, 0) - tiles, ends.new_zeros(1)])
+    local = (
+        torch.arange(M, device=offsets_E.device) - torch.cat([starts, ends.new_zeros(1)])[group_M]
+    )
+    seg_M = torch.where(group_M == E, S - 1, first[group_M] + local // tile)
+    return seg_M, S
+
+
+def quantize_row_tiles(
+    x_MK: Tensor, offsets_E: Tensor, tile: int = 128, pow2: bool = False, floor: float = AMAX_FLOOR
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One scale per column within each tile of `tile` rows of one group (the amax runs
+    along up to `tile` tokens of one expert): (q [M, K], scales [S, K], segment of each row).
+    Tail rows quantize to zero."""
+    M = x_MK.shape[0]
+    seg_M, S = row_tiles(offsets_E, M, tile)
+    lengths = torch.zeros(S, dtype=torch.long, device=x_MK.device)
+    lengths.scatter_add_(0, seg_M, torch.ones_like(seg_M))
+    amax = torch.segment_reduce(
+        x_MK.detach().abs().float(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0
+    )
+    scales = scale_of(amax, pow2, floor)
+    scales[S - 1] = 1.0  # the tail rows' scale: the rows are zeroed below
+    x_kept = x_MK.detach().float().masked_fill((seg_M == S - 1).unsqueeze(1), 0)
+    return to_e4m3(x_kept, scales.index_select(0, seg_M)), scales, seg_M
 
 
 def scales_to_ue8m0(scales: Tensor) -> Tensor:
