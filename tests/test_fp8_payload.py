@@ -1,7 +1,7 @@
 """FP8 dispatch payload (moe/fp8/payload.py): pack/unpack, the exchange on 2 gloo ranks equal
 to a local quantize/dequantize of the same rows (both directions, every scale format), the
-bytes the exchange hands to the collective counted by a spy, and the quality of FP8 dispatch
-alone on the layer-equivalent output."""
+bytes the exchange hands to the collective counted by a spy, FP8Config agreement across ranks,
+and the quality of FP8 dispatch alone on the layer-equivalent output."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from moe.comm.exchange_plan import plan_all_to_all
 from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch, pack_rows, unpack_rows
+from moe.fp8.config import agree_across_ranks
 from moe.fp8.payload import dequantize_payload, quantize_payload, scale_bytes
 from moe.fp8.quant import fake_quant_blocks
 from moe.kernels.expert_rows import ExpertRows
@@ -59,6 +60,13 @@ def _sent_bytes(rank, fn):
 
 def _exchange_body(rank, world_size):
     torch.manual_seed(rank)
+    mine = FP8Config(dispatch=True, scale_format=["fp32", "ue8m0"][rank])
+    try:
+        agree_across_ranks(mine)
+        disagreement = None
+    except ValueError as e:
+        disagreement = str(e)
+    agree_across_ranks(FP8Config(dispatch=True))  # equal configs pass
     counts = [[2, 5], [0, 4]][rank]  # uneven, rank 1 sends nothing to rank 0
     x = torch.randn(sum(counts), 300) * 5
     plan = plan_all_to_all(x, counts)
@@ -90,11 +98,14 @@ def _exchange_body(rank, world_size):
     for fmt in FORMATS:
         cfg = FP8Config(dispatch=True, scale_format=fmt)
         sent[fmt] = _sent_bytes(rank, lambda c=cfg: fp8_dispatch(xb, plan_b, c))
-    return ok, sent
+    return ok, sent, disagreement
 
 
 def test_fp8_exchange_on_two_ranks_equals_local_quantization_and_counts_bytes():
-    for ok, sent in run_ranks(_exchange_body, 2, timeout=60):
+    for ok, sent, disagreement in run_ranks(_exchange_body, 2, timeout=60):
+        assert disagreement == (
+            "FP8Config.scale_format differs across ranks: rank 0 has fp32, rank 1 has ue8m0"
+        )
         assert all(ok.values()), [k for k, v in ok.items() if not v]
         assert sent["bf16"] == 2 * 7168 * 2
         assert sent["fp32"] == sent["pow2"] == 2 * (7168 + 4 * 56)

@@ -7,6 +7,8 @@ ValueError naming the field.
 
 from dataclasses import dataclass, fields
 
+from moe.comm.consistency import check_same_across_ranks
+
 RECIPES = ("rowwise", "blockwise")
 DISPATCH_SCALE_FORMATS = ("fp32", "pow2", "ue8m0")
 GEMM_SCALE_FORMATS = ("fp32", "pow2")
@@ -70,6 +72,14 @@ class FP8Config:
     @property
     def pow2_gemm_scales(self) -> bool:
         return self.gemm_scale_format == "pow2"
+
+
+def agree_across_ranks(config: FP8Config, group=None) -> None:
+    """The same FP8Config on every rank of `group` (a collective: every rank calls it, before
+    the first exchange), or the same ValueError on every rank naming the first field that
+    differs, e.g. "FP8Config.scale_format differs across ranks: rank 0 has fp32, ..."."""
+    values = {f"FP8Config.{f.name}": getattr(config, f.name) for f in fields(config)}
+    check_same_across_ranks(values, group)
 
 
 def _choice(name: str, value, options: tuple[str, ...]) -> None:
