@@ -95,6 +95,10 @@ def _exchange_body(rank, world_size):
     xb = torch.randn(4, 7168, dtype=torch.bfloat16)
     plan_b = plan_all_to_all(xb, [2, 2])
     sent = {"bf16": _sent_bytes(rank, lambda: plan_b.run(xb))}
+    xl = xb.clone().requires_grad_()  # bf16 in, bf16 out, bf16 gradient home
+    y = fp8_dispatch(xl, plan_b, FP8Config(dispatch=True))
+    y.backward(torch.ones_like(y))
+    ok["bf16"] = y.dtype == xl.grad.dtype == torch.bfloat16 and bool((xl.grad == 1).all())
     for fmt in FORMATS:
         cfg = FP8Config(dispatch=True, scale_format=fmt)
         sent[fmt] = _sent_bytes(rank, lambda c=cfg: fp8_dispatch(xb, plan_b, c))
