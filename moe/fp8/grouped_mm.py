@@ -16,7 +16,9 @@ Compute: the emulation (any device) dequantizes the e4m3 operands to float32 and
 float32 grouped GEMM (moe.kernels.torch_grouped_mm), i.e. it computes exactly the products of
 the quantized operands, accumulated in float32. On CUDA sm_90+ with torch._scaled_grouped_mm
 and 16-byte aligned widths the forward and dgrad GEMMs run on it (e4m3 tensor cores; untested
-here: no GPU); the wgrad GEMM is emulated everywhere.
+here: no GPU; its output is bf16, then cast to x's dtype); the wgrad GEMM is emulated everywhere
+(on CUDA below sm_90 the float32 grouped GEMM falls back to per-expert matmuls, which read
+the offsets on the host).
 
 save_fp8: the backward keeps x as e4m3 plus its row scales (M*K + 4*M bytes) instead of x
 itself (2 or 4 bytes per element); the wgrad then re-quantizes the dequantized x per expert
