@@ -57,9 +57,8 @@ def test_grouped_mm_equals_the_float64_reference(K, N, pow2, save_fp8):
     assert (got[2][0] == 0).all() and (got[2][2] == 0).all()
 
 
-@pytest.mark.parametrize("pow2", [True, False])
-def test_blockwise_grouped_mm_equals_the_float64_reference(pow2):
-    """Partial 1 x 128 and 128 x 128 blocks (K = 130, N = 140), an expert of 130 rows (two
+def test_blockwise_grouped_mm_equals_the_float64_reference(pow2=False):
+    """fp32 scales (the pow2 form is the MLP test's). Partial 1 x 128 and 128 x 128 blocks (K = 130, N = 140), an expert of 130 rows (two
     token tiles, the second partial), empty experts, dropped tail rows."""
     torch.manual_seed(7)
     offsets = torch.tensor([0, 130, 130, 160], dtype=torch.int32)
