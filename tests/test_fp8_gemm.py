@@ -79,6 +79,11 @@ def test_grouped_mm_keeps_dtypes_and_refuses_bad_shapes():
     y = fp8_grouped_mm(x, w, offsets)
     y.sum().backward()
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    for recipe in ("rowwise", "blockwise"):  # no rows at all
+        x0 = torch.randn(0, 32, requires_grad=True)
+        y0 = fp8_grouped_mm(x0, w, torch.zeros(2, dtype=torch.int32), recipe=recipe)
+        y0.sum().backward()
+        assert y0.shape == (0, 16) and x0.grad.shape == (0, 32)
     with pytest.raises(ValueError, match="equal K"):
         fp8_grouped_mm(x, w.transpose(1, 2), offsets)
     with pytest.raises(ValueError, match="offsets_E must be"):

@@ -116,6 +116,22 @@ def test_quantizers_equal_the_naive_loops_at_awkward_sizes(D, pow2):
     assert torch.equal(got[:3], want.float()) and (got[3:] == 0).all()
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_no_rows(pow2):
+    """A rank with nothing to send quantizes an empty [0, D] buffer."""
+    x = torch.randn(0, 300)
+    q, s = Q.quantize_blocks(x, 128, pow2)
+    assert q.shape == (0, 300) and s.shape == (0, 3)
+    assert Q.dequantize_blocks(q, s, 128).shape == (0, 300)
+    q, s = Q.quantize_along(x, -1, pow2)
+    assert q.shape == (0, 300) and s.shape == (0, 1)
+    offsets = torch.zeros(2, dtype=torch.int32)
+    q, s = Q.quantize_groups(x, offsets, pow2)
+    assert q.shape == (0, 300) and s.shape == (2, 300)
+    q, s, seg = Q.quantize_row_tiles(x, offsets, 128, pow2)
+    assert q.shape == (0, 300) and seg.shape == (0,)
+
+
 def test_ue8m0_and_pow2_scales():
     s = torch.tensor([2.0**-22, 0.5, 1.0, 2.0**119])
     assert torch.equal(Q.ue8m0_to_scales(Q.scales_to_ue8m0(s)), s)

@@ -82,7 +82,7 @@ def quantize_blocks(
     D = x.shape[-1]
     xb = _blocks_last(x.detach().float(), block)
     scales = scale_of(xb.abs().amax(dim=-1), pow2, floor)
-    q = to_e4m3(xb, scales.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :D].contiguous()
+    q = to_e4m3(xb, scales.unsqueeze(-1)).flatten(-2)[..., :D].contiguous()
     return q, scales
 
 
