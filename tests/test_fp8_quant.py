@@ -150,3 +150,16 @@ def test_fake_quant_is_straight_through():
         assert y.dtype == torch.bfloat16 and not torch.equal(y, x)
         y.backward(g)
         assert torch.equal(x.grad, g)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_requantizing_dispatched_rows_changes_no_value(pow2):
+    """Rows dequantized on arrival and quantized again with the same 1 x 128 blocks (the
+    blockwise experts' input quantization) keep their values: no second rounding between FP8
+    dispatch and the blockwise FP8 GEMM. (With pow2 scales a block whose largest e4m3 value
+    rounded down to 224 comes back with half the scale and twice the codes: same values.)"""
+    torch.manual_seed(1)
+    x = torch.randn(16, 300) * torch.randn(16, 1).exp() * torch.randn(1, 300).exp()
+    once = Q.dequantize_blocks(*Q.quantize_blocks(x, 128, pow2), 128)
+    twice = Q.dequantize_blocks(*Q.quantize_blocks(once, 128, pow2), 128)
+    assert torch.equal(twice, once) and not torch.equal(once, x)
