@@ -1,14 +1,14 @@
 """FP8 dispatch payload (moe/fp8/payload.py): pack/unpack, the exchange on 2 gloo ranks equal
 to a local quantize/dequantize of the same rows (both directions, every scale format), the
 bytes the exchange hands to the collective counted by a spy, FP8Config agreement across ranks,
-and the quality of FP8 dispatch alone on the layer-equivalent output."""
+FP8 dispatch + FP8 experts on 2 ranks against one process, and the quality of FP8 dispatch alone on the layer-equivalent output."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe.comm.exchange_plan import plan_all_to_all
-from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch, pack_rows, unpack_rows
+from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch, fp8_expert_mlp, pack_rows, unpack_rows
 from moe.fp8.config import agree_across_ranks
 from moe.fp8.payload import dequantize_payload, quantize_payload, scale_bytes
 from moe.fp8.quant import fake_quant_blocks
@@ -102,11 +102,68 @@ def _exchange_body(rank, world_size):
     for fmt in FORMATS:
         cfg = FP8Config(dispatch=True, scale_format=fmt)
         sent[fmt] = _sent_bytes(rank, lambda c=cfg: fp8_dispatch(xb, plan_b, c))
-    return ok, sent, disagreement
+    return ok, sent, disagreement, _ep_body(rank, world_size)
+
+
+class _Local:
+    """The one-process exchange: rows stay where they are."""
+
+    def run(self, x):
+        return x.clone()
+
+    def reverse(self):
+        return self
+
+
+def _ep_step(x_TD, expert_T, weights, plan, cfg):
+    """Top-1 MoE step with one expert per rank: FP8 dispatch -> FP8 experts -> combine (FP8
+    gradient before the down-projection) -> token rows in their original order."""
+    order = torch.argsort(expert_T, stable=True)
+    rows = fp8_dispatch(x_TD[order], plan, cfg)
+    offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
+    if plan.__class__ is _Local:  # one process: every expert, its rows in source order
+        offsets = torch.cumsum(torch.bincount(expert_T, minlength=2), 0).to(torch.int32)
+    out = fp8_expert_mlp(rows, offsets, *weights, activation="swiglu", config=cfg)
+    back = fp8_combine(out, plan.reverse(), cfg)
+    return torch.empty_like(back).index_copy(0, order, back)
+
+
+def _ep_body(rank, world_size):
+    """FP8 dispatch + FP8 experts on 2 ranks (expert r on rank r) equal one process applying
+    the same quantization to the global batch: outputs, input and weight gradients."""
+    g = torch.Generator().manual_seed(0)  # the same global batch and experts on every rank
+    T, D, F = 6, 200, 48
+    x_WTD = torch.randn(2, T, D, generator=g)
+    expert_WT = torch.randint(0, 2, (2, T), generator=g)
+    w = [torch.randn(2, D, F, generator=g), torch.randn(2, F, D, generator=g) / 7]
+    w.insert(2, torch.randn(2, D, F, generator=g))
+    dy_WTD = torch.randn(2, T, D, generator=g)
+    cfg = FP8Config(dispatch=True, experts=True, grad_before_down_fp8=True)
+
+    def step(x_TD, expert_T, weights, plan, dy):
+        leaves = [t.clone().requires_grad_() for t in (x_TD, *weights)]
+        y = _ep_step(leaves[0], expert_T, leaves[1:], plan, cfg)
+        y.backward(dy)
+        return [y] + [t.grad for t in leaves]
+
+    # global order of the one-process rows: by expert, then source rank, like the exchange
+    x_all, e_all, dy_all = x_WTD.flatten(0, 1), expert_WT.flatten(), dy_WTD.flatten(0, 1)
+    ref = step(x_all, e_all, w, _Local(), dy_all)
+    counts = torch.bincount(expert_WT[rank], minlength=2)
+    plan = plan_all_to_all(x_WTD[rank], counts)
+    got = step(x_WTD[rank], expert_WT[rank], [t[rank : rank + 1] for t in w], plan, dy_WTD[rank])
+    mine = slice(rank * T, (rank + 1) * T)
+    pairs = [(got[0], ref[0][mine]), (got[1], ref[1][mine])]
+    pairs += [(gw[0], rw[rank]) for gw, rw in zip(got[2:], ref[2:])]
+    return [
+        float((a - b).abs().max() / b.abs().max())
+        for a, b in ((a.detach(), b.detach()) for a, b in pairs)
+    ]
 
 
 def test_fp8_exchange_on_two_ranks_equals_local_quantization_and_counts_bytes():
-    for ok, sent, disagreement in run_ranks(_exchange_body, 2, timeout=60):
+    for ok, sent, disagreement, ep_errors in run_ranks(_exchange_body, 2, timeout=60):
+        assert max(ep_errors) <= 1e-6, ep_errors  # y, dx, dw1, dw2, dw3 against one process
         assert disagreement == (
             "FP8Config.scale_format differs across ranks: rank 0 has fp32, rank 1 has ue8m0"
         )
