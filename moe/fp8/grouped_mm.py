@@ -1,0 +1,192 @@
+"""FP8 ragged grouped GEMM, rowwise recipe (torchao's), as torch.library custom ops with fake
+and autograd registrations: `moe::fp8_grouped_mm` (forward), `moe::fp8_grouped_mm_dgrad` and
+`moe::fp8_grouped_mm_wgrad` (its backward GEMMs).
+
+y[rows of e] = x[rows of e] @ w[e], with every GEMM's operands e4m3 and scaled along the
+contraction (scales: float32, power-of-two when pow2):
+- forward  y = x @ w:      x one scale per row, w one scale per output column (per e, n);
+- dgrad   dx = dy @ w^T:   dy one scale per row, w one scale per (e, k) row;
+- wgrad   dw = x^T @ dy:   x and dy one scale per column within each expert's rows (the amax
+  runs along that expert's tokens).
+recipe "blockwise" (DeepSeek-V3's 1 x 128 / 128 x 128 blocks, moe/fp8/blockwise.py) is the
+other scaling, emulated on every device. Rows past offsets[-1] (dropped pairs) come out zero and get zero gradients; experts without
+rows get zero weight gradients. Outputs are in the input's dtype (x for y and dx, w for dw).
+
+Compute: the emulation (any device) dequantizes the e4m3 operands to float32 and runs the
+float32 grouped GEMM (moe.kernels.torch_grouped_mm), i.e. it computes exactly the products of
+the quantized operands, accumulated in float32. On CUDA sm_90+ with torch._scaled_grouped_mm
+and 16-byte aligned widths the forward and dgrad GEMMs run on it (e4m3 tensor cores; untested
+here: no GPU; its output is bf16, then cast to x's dtype); the wgrad GEMM is emulated everywhere
+(on CUDA below sm_90 the float32 grouped GEMM falls back to per-expert matmuls, which read
+the offsets on the host).
+
+save_fp8: the backward keeps x as e4m3 plus its row scales (M*K + 4*M bytes) instead of x
+itself (2 or 4 bytes per element); the wgrad then re-quantizes the dequantized x per expert
+column (a second rounding the float64 reference reproduces). w is a parameter: kept as is.
+"""
+
+import torch
+from torch import Tensor
+
+from moe.fp8 import blockwise
+from moe.fp8.config import RECIPES
+from moe.fp8.quant import (
+    AMAX_FLOOR,
+    E4M3,
+    dequantize,
+    dequantize_groups,
+    quantize_along,
+    quantize_groups,
+)
+from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
+
+
+def _scaled_gemm_ok(a: Tensor, w: Tensor) -> bool:
+    """torch._scaled_grouped_mm can take a [M, K] e4m3 x [E, K, N] e4m3 product here."""
+    if a.device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    if torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    return a.shape[1] % 16 == 0 and w.shape[2] % 16 == 0
+
+
+def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
+    """sum_k q[m, k] s[m] * q[e, k, n] s[e, n] per group; tail rows zero; in out_dtype."""
+    if _scaled_gemm_ok(q_MK, q_EKN):
+        b_EKN = q_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major, as required
+        y = torch._scaled_grouped_mm(
+            q_MK.contiguous(), b_EKN, s_M1.reshape(-1), s_E1N.reshape(q_EKN.shape[0], -1),
+            offs=offsets_E, out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1)
+        return y.masked_fill(rows >= offsets_E[-1], 0).to(out_dtype)
+    w_EKN = dequantize(q_EKN, s_E1N).contiguous()  # dgrad passes a transposed view
+    y = mm_groups(dequantize(q_MK, s_M1), w_EKN, offsets_E)
+    return y.to(out_dtype)
+
+
+@torch.library.custom_op("moe::fp8_grouped_mm", mutates_args=())
+def _fwd_op(
+    x_MK: Tensor,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    pow2: bool,
+    floor: float,
+    save_fp8: bool,
+    recipe: str = "rowwise",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y_MN, q_MK, s_MB): y = FP8 x @ FP8 w per group in the recipe's scaling; x's quantized
+    form (e4m3 bytes as uint8, and its row or 1 x 128 block scales) comes back for the
+    backward to keep."""
+    if recipe == "blockwise":
+        y, q_MK, s_MB = blockwise.forward(x_MK, w_EKN, offsets_E, pow2, floor)
+        return y.to(x_MK.dtype), q_MK, s_MB
+    q_MK, s_M1 = quantize_along(x_MK, -1, pow2, floor)
+    q_EKN, s_E1N = quantize_along(w_EKN, 1, pow2, floor)
+    y = scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, x_MK.dtype)
+    return y, q_MK.view(torch.uint8), s_M1
+
+
+@_fwd_op.register_fake
+def _(x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe="rowwise"):
+    (M, K), N = x_MK.shape, w_EKN.shape[2]
+    nb = -(-K // blockwise.BLOCK) if recipe == "blockwise" else 1
+    return (
+        x_MK.new_empty(M, N),
+        x_MK.new_empty(x_MK.shape, dtype=torch.uint8),
+        x_MK.new_empty(M, nb, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("moe::fp8_grouped_mm_dgrad", mutates_args=())
+def _dgrad_op(
+    dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float, recipe: str
+) -> Tensor:
+    """dx = FP8 dy @ FP8 w^T per group (rowwise: dy per row, w per (e, k)); tail rows zero."""
+    if recipe == "blockwise":
+        return blockwise.dgrad(dy_MN, w_EKN, offsets_E, pow2, floor).to(dy_MN.dtype)
+    q_MN, s_M1 = quantize_along(dy_MN, -1, pow2, floor)
+    q_EKN, s_EK1 = quantize_along(w_EKN, 2, pow2, floor)
+    w_t = (q_EKN.transpose(1, 2), s_EK1.transpose(1, 2))  # [E, N, K] and [E, 1, K]
+    return scaled_mm_groups(q_MN, s_M1, *w_t, offsets_E, dy_MN.dtype)
+
+
+@_dgrad_op.register_fake
+def _(dy_MN, w_EKN, offsets_E, pow2, floor, recipe):
+    return dy_MN.new_empty(dy_MN.shape[0], w_EKN.shape[1])
+
+
+@torch.library.custom_op("moe::fp8_grouped_mm_wgrad", mutates_args=())
+def _wgrad_op(
+    x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, pow2: bool, floor: float, recipe: str
+) -> Tensor:
+    """dw[e] = x^T dy over e's rows, both scaled per column within e's rows (blockwise: within
+    each 128-row tile of them); float32."""
+    if recipe == "blockwise":
+        return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor)
+    x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
+    dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
+    return wgrad_groups(x_q, dy_q, offsets_E)
+
+
+@_wgrad_op.register_fake
+def _(x_MK, dy_MN, offsets_E, pow2, floor, recipe):
+    return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe = inputs
+    ctx.gemm, ctx.x_dtype = (pow2, floor, recipe), x_MK.dtype
+    saved_x = (output[1], output[2]) if save_fp8 else (x_MK,)
+    ctx.save_for_backward(w_EKN, offsets_E, *saved_x)
+
+
+def _backward(ctx, dy_MN, _dq, _ds):
+    if torch.is_grad_enabled():
+        raise NotImplementedError("moe::fp8_grouped_mm has no double backward")
+    w_EKN, offsets_E, *saved_x = ctx.saved_tensors
+    dx = dw = None
+    if dy_MN is None:
+        return None, None, None, None, None, None, None
+    dy_MN = dy_MN.contiguous()
+    if ctx.needs_input_grad[0]:
+        dx = _dgrad_op(dy_MN, w_EKN, offsets_E, *ctx.gemm).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        x_MK = saved_x[0]
+        if len(saved_x) == 2 and ctx.gemm[2] == "blockwise":
+            x_MK = blockwise.saved_x(*saved_x)
+        elif len(saved_x) == 2:
+            x_MK = dequantize(saved_x[0].view(E4M3), saved_x[1])
+        dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm).to(w_EKN.dtype)
+    return dx, dw, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fp8_grouped_mm(
+    x_MK: Tensor,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    *,
+    pow2: bool = True,
+    floor: float = AMAX_FLOOR,
+    save_fp8: bool = True,
+    recipe: str = "rowwise",
+) -> Tensor:
+    """Ragged grouped GEMM in FP8 (recipe "rowwise" or "blockwise", see the module docstring);
+    differentiable in x and w. offsets_E: int32 cumulative row ends on x's device."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
+    if x_MK.dim() != 2 or w_EKN.dim() != 3 or x_MK.shape[1] != w_EKN.shape[1]:
+        raise ValueError(
+            f"fp8_grouped_mm needs x_MK [M, K] and w_EKN [E, K, N] with equal K, got "
+            f"{tuple(x_MK.shape)} and {tuple(w_EKN.shape)}"
+        )
+    if offsets_E.shape != (w_EKN.shape[0],):
+        raise ValueError(f"offsets_E must be [{w_EKN.shape[0]}], got {tuple(offsets_E.shape)}")
+    y, _, _ = _fwd_op(
+        x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32), pow2, float(floor),
+        save_fp8, recipe,
+    )  # fmt: skip
+    return y
