@@ -106,7 +106,8 @@ def parallelize(
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
     first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
-    exchange (moe.comm.ExchangeConfig; None: its defaults) is how the all-to-all runs: the
+    exchange (moe.comm.ExchangeConfig; None: ExchangeConfig() built now, its environment
+    overrides read once and agreed across ranks) is how the all-to-all runs: the
     dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
     """
     settings = {
@@ -124,7 +125,7 @@ def parallelize(
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
-    check_config(model, mesh, settings)
+    exchange = check_config(model, mesh, settings)  # environment overrides read once, agreed
     if sync_params:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
