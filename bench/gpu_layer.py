@@ -329,7 +329,6 @@ def main(argv=None) -> int:
         # every config many times (minutes per kernel); set before any kernel module loads
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["MOE_TRITON_AUTOTUNE"] = "0"
-        set_kernel_config(None)  # the kernels' config is built again, from these, when asked
     PROFILES.clear()
     RECORDS.clear()
     JSON_PATH[:] = [args.json] if args.json else []

@@ -106,9 +106,8 @@ def parallelize(
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
     first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
-    exchange (moe.comm.ExchangeConfig; None: ExchangeConfig() built now, its environment
-    overrides read once and agreed across ranks) is how the all-to-all runs: the
-    dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
+    exchange (moe.comm.ExchangeConfig; None: ExchangeConfig() from the environment, read now)
+    is how the all-to-all runs: the dispatchers hold it and pass it to every exchange.
     """
     settings = {
         "data_parallel": data_parallel,
