@@ -22,7 +22,7 @@ METRICS = {
     "max_over_mean": "max / mean\nload",
     "dead_experts": "dead experts",
 }
-MAX_LAYERS = 12  # layer panels drawn at most (a 1000-layer trace: 12 panels, not 1000)
+MAX_LAYERS = 8  # layer panels drawn at most (a 1000-layer trace: 8 panels, not 1000)
 
 
 def _pyplot():
