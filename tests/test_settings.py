@@ -133,7 +133,8 @@ def test_code_values_are_checked_and_every_variable_is_documented():
 def _after_parallelize_body(rank, world):
     """Rank 3 changes MOE_RANKS_PER_NODE and MOE_A2A_PIPELINE_MIN_BYTES after parallelize:
     every rank still runs the exchange it agreed on (it hung, or aborted rank 3, before).
-    Then a garbage variable on one rank: the same error, naming it, on every rank."""
+    Then a garbage variable on one rank, and a kernel setting on one rank: the same error,
+    naming it, on every rank."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), moe.MoELayer(8, 16, 4, top_k=2, backend="torch"))
     model = moe.parallel.parallelize(
@@ -155,19 +156,32 @@ def _after_parallelize_body(rank, world):
     os.environ["MOE_RANKS_PER_NODE"] = "2"
     if rank == 1:
         os.environ["MOE_A2A_PIPELINE_MIN_BYTES"] = "abc"
-    try:
-        fresh = nn.Sequential(moe.MoELayer(8, 16, 4, top_k=2, backend="torch"))
-        moe.parallel.parallelize(fresh, moe.parallel.init_mesh(dp=1, ep=4))
-        out["garbage"] = "no error"
-    except ValueError as e:
-        out["garbage"] = str(e)
+    out["garbage"] = _parallelize_error()
+    os.environ.pop("MOE_A2A_PIPELINE_MIN_BYTES", None)
+    set_kernel_config(None)  # the kernels' config is built again at the next parallelize
+    if rank == 2:
+        os.environ["MOE_TRITON_TMA"] = "on"
+    out["kernel"] = _parallelize_error()
     dist.barrier()  # still in step
     return out
 
 
+def _parallelize_error() -> str:
+    try:
+        fresh = nn.Sequential(moe.MoELayer(8, 16, 4, top_k=2, backend="torch"))
+        moe.parallel.parallelize(fresh, moe.parallel.init_mesh(dp=1, ep=4))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_a_variable_changed_on_one_rank_after_parallelize_changes_nothing():
-    env = {"MOE_RANKS_PER_NODE": "2", "MOE_A2A_PIPELINE_MIN_BYTES": None}  # 2 nodes x 2 ranks
+    env = {"MOE_RANKS_PER_NODE": "2", "MOE_A2A_PIPELINE_MIN_BYTES": None, "MOE_TRITON_TMA": None}
     for out in run_ranks(_after_parallelize_body, 4, timeout=60, env=env):
         assert out["same"]
         assert "setup failed on 1 rank(s): rank 1" in out["garbage"]
         assert "MOE_A2A_PIPELINE_MIN_BYTES='abc' is not an integer" in out["garbage"]
+        assert (
+            "kernel.tma differs across ranks: ranks 0-1, 3 have False, rank 2 has True"
+            in (out["kernel"])
+        )

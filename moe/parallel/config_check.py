@@ -2,8 +2,9 @@
 the same parallel settings.
 
 One record per rank (every MoEConfig field of every MoE layer, every parameter's dtype and
-shape, the mesh, the layer count, the settings of parallelize() and what the all-to-all reads
-from the environment, or this rank's own setup error) is all-gathered once, so a mismatch or a
+shape, the mesh, the layer count, the settings of parallelize(), its ExchangeConfig and the
+process's KernelConfig with what they read from the environment, or this rank's own setup
+error) is all-gathered once, so a mismatch or a
 failure on one rank is the same clear ValueError on every rank instead of a hang, a gloo size
 error or "Connection closed by peer".
 """
@@ -20,6 +21,7 @@ from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
 from moe.comm.exchange_config import ExchangeConfig, resolved
 from moe.comm.topology import ranks_per_node_setting
 from moe.dispatch.overlap_option import validate_overlap
+from moe.kernels.kernel_config import kernel_config
 from moe.layer import moe_layers
 from moe.replica_layout import check_spare_slots
 
@@ -82,6 +84,8 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
     for f in fields(mp_policy):
         value = getattr(mp_policy, f.name)
         record[f"mp_policy.{f.name}"] = value if isinstance(value, bool) else str(value)
+    kernels = kernel_config()  # built from the environment now if no kernel has run yet
+    record.update({f"kernel.{f.name}": repr(getattr(kernels, f.name)) for f in fields(kernels)})
     record["offload_policy"] = type(s.pop("offload_policy", None)).__name__
     blocks = s.pop("blocks", None) or []
     names = {id(m): n for n, m in model.named_modules()}
