@@ -130,15 +130,15 @@ def test_code_values_are_checked_and_every_variable_is_documented():
     assert set(settings.ENV) == set(settings.KIND)
 
 
-def _after_parallelize_body(rank, world):
-    """Rank 3 changes MOE_RANKS_PER_NODE and MOE_A2A_PIPELINE_MIN_BYTES after parallelize:
-    every rank still runs the exchange it agreed on (it hung, or aborted rank 3, before).
-    Then a garbage variable on one rank, and a kernel setting on one rank: the same error,
-    naming it, on every rank."""
+def _same_step_after_a_change(rank: int, overlap: int | None) -> bool:
+    """One step before and one after rank 3 changes the exchange's variables: equal outputs
+    and gradients, and the exchange still 2 nodes x 2 ranks on every rank."""
+    os.environ["MOE_RANKS_PER_NODE"] = "2"  # 2 nodes x 2 ranks, on every rank
+    os.environ.pop("MOE_A2A_PIPELINE_MIN_BYTES", None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), moe.MoELayer(8, 16, 4, top_k=2, backend="torch"))
     model = moe.parallel.parallelize(
-        model, moe.parallel.init_mesh(dp=1, ep=4), algorithm="hierarchical"
+        model, moe.parallel.init_mesh(dp=1, ep=4), algorithm="hierarchical", overlap=overlap
     )
     x = torch.randn(40, 8, generator=torch.Generator().manual_seed(rank))
     before = model(x)
@@ -150,8 +150,20 @@ def _after_parallelize_body(rank, world):
     model.zero_grad()
     after = model(x)
     after.square().mean().backward()
-    out = {"same": torch.equal(before, after) and all(
-        torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))}  # fmt: skip
+    config = model[1].dispatcher.exchange_config
+    return (
+        torch.equal(before, after)
+        and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        and (config.ranks_per_node, config.pipeline_min_bytes) == (2, 2 << 20)
+    )
+
+
+def _after_parallelize_body(rank, world):
+    """Rank 3 changes MOE_RANKS_PER_NODE and MOE_A2A_PIPELINE_MIN_BYTES after parallelize
+    (plain and overlapped dispatcher): every rank still runs the exchange it agreed on (it
+    hung, or aborted rank 3, before). Then a garbage variable on one rank, and a kernel setting
+    on one rank: the same error, naming it, on every rank."""
+    out = {"same": [_same_step_after_a_change(rank, overlap) for overlap in (None, 2)]}
     os.environ.pop("MOE_A2A_PIPELINE_MIN_BYTES", None)
     os.environ["MOE_RANKS_PER_NODE"] = "2"
     if rank == 1:
@@ -178,7 +190,7 @@ def _parallelize_error() -> str:
 def test_a_variable_changed_on_one_rank_after_parallelize_changes_nothing():
     env = {"MOE_RANKS_PER_NODE": "2", "MOE_A2A_PIPELINE_MIN_BYTES": None, "MOE_TRITON_TMA": None}
     for out in run_ranks(_after_parallelize_body, 4, timeout=60, env=env):
-        assert out["same"]
+        assert out["same"] == [True, True]
         assert "setup failed on 1 rank(s): rank 1" in out["garbage"]
         assert "MOE_A2A_PIPELINE_MIN_BYTES='abc' is not an integer" in out["garbage"]
         assert (
