@@ -239,3 +239,22 @@ def test_gpu_carry_never_deletes_a_folder_it_did_not_make(tmp_path, dest):
     assert (tmp_path / "a-file").read_text() == "a user's file"
     assert (tutel / "setup.py").read_text() == "# setup" and (tutel / "tutel").is_dir()
     assert not (tutel / "carry").exists()
+
+
+def test_gpu_carry_replaces_only_its_own_files(tmp_path):
+    """A missing FOLDER is made and marked; a second run into it replaces its wheels/ and tutel/
+    and keeps a file the user put there (PYTHON=true: no download, the plumbing only)."""
+    tutel = tmp_path / "tutel-src"
+    (tutel / "tutel").mkdir(parents=True)
+    (tutel / "setup.py").write_text("# setup")
+    folder = tmp_path / "carry"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_carry.sh"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "true"}
+    argv = ["bash", str(script), str(tutel), str(folder)]
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=60).returncode == 0
+    assert (folder / ".made-by-gpu-carry").is_file() and (folder / "tutel" / "setup.py").is_file()
+    (folder / "notes.txt").write_text("a user's file")
+    (folder / "tutel" / "stale.txt").write_text("from an earlier run")
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=60).returncode == 0
+    assert (folder / "notes.txt").read_text() == "a user's file"
+    assert not (folder / "tutel" / "stale.txt").exists() and (folder / "wheels").is_dir()
