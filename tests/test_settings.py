@@ -63,7 +63,7 @@ def test_defaults_then_code_beats_environment_beats_default(clean_env, tmp_path)
         ranks_per_node_setting(2, 8, code)  # two values given in code: refused, not guessed
 
 
-def test_a_variable_changed_after_the_config_was_built_changes_nothing(clean_env):
+def test_a_variable_changed_after_the_config_was_built_changes_nothing(clean_env, tmp_path):
     """Read once, at construction (parallelize builds the config when given none)."""
     config = ExchangeConfig()
     clean_env.setenv("MOE_A2A_PIPELINE_MIN_BYTES", "1")
@@ -72,6 +72,14 @@ def test_a_variable_changed_after_the_config_was_built_changes_nothing(clean_env
     assert pipeline_chunks(BIG, 2, config) == 4 and not overlap_cuda_stream(config)
     assert ranks_per_node_setting(None, 8, config) is None
     assert ExchangeConfig().pipeline_min_bytes == 1  # a new config reads it
+    profile = tmp_path / "p.json"
+    save_profile(NVLINK_IB, profile)
+    config = ExchangeConfig(cost_profile=str(profile))
+    assert cost_model("gloo", config) == NVLINK_IB
+    profile.write_text("not a profile")  # the file is read once per config too
+    assert cost_model("gloo", config) == NVLINK_IB
+    with pytest.raises(ValueError, match="cost profile"):
+        cost_model("gloo", ExchangeConfig(cost_profile=str(profile)))
     set_kernel_config(None)
     clean_env.setenv("MOE_TRITON_TMA", "on")
     clean_env.setenv("MOE_TRITON_AUTOTUNE", "0")

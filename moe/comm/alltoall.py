@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
+from moe.comm.cost_model import NVLINK_IB, CostModel
 from moe.comm.exchange_config import ExchangeConfig, env_var, resolved
 from moe.comm.topology import Topology, get_subgroups
 
@@ -69,9 +69,9 @@ def cost_model(
     outweighed the saved messages at every size (bench/results/*alltoall*)."""
     if _model_override is not None:
         return _model_override
-    path = resolved(exchange_config).cost_profile
-    if path:
-        return load_profile(path)
+    profile = resolved(exchange_config).profile()  # read once per config
+    if profile is not None:
+        return profile
     return NVLINK_IB if backend == "nccl" else None
 
 

@@ -11,6 +11,7 @@ changes nothing. `set_hierarchical_threshold`, `set_cost_model` (process-wide, i
 from dataclasses import dataclass, field, fields
 
 from moe import settings
+from moe.comm.cost_model import CostModel, load_profile
 
 DEFAULT_PIPELINE_MIN_BYTES = 2 << 20
 # fields whose default is a value (the others default to None: the cost model decides, or
@@ -42,6 +43,7 @@ class ExchangeConfig:
     # torchrun's LOCAL_WORLD_SIZE when the config was built (detection's first source)
     local_world_size: str | None = field(default=None, init=False, repr=False, compare=False)
     from_env: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    profile_model: CostModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check()  # the values given in code
@@ -53,6 +55,14 @@ class ExchangeConfig:
                 from_env += [name] if value is not None else []
         object.__setattr__(self, "from_env", tuple(from_env))
         object.__setattr__(self, "local_world_size", settings.local_world_size())
+
+    def profile(self) -> CostModel | None:
+        """The cost model in cost_profile (None without one), read from the file once per
+        config, the first time it is asked for (parallelize asks while the ranks agree), so a
+        file changed later changes nothing; a failed read is raised again at the next ask."""
+        if self.cost_profile and self.profile_model is None:
+            object.__setattr__(self, "profile_model", load_profile(self.cost_profile))
+        return self.profile_model
 
     def source(self, name: str) -> str:
         """Where field `name` came from: "code", "env" (its variable) or "default"."""
