@@ -117,10 +117,9 @@ def ranks_per_node_setting(
             )
         return value, "argument"
     if field is not None:
-        name = ENV_RANKS_PER_NODE if source == "env" else "ExchangeConfig.ranks_per_node"
-        return validate_ranks_per_node(
-            field, group_size, name
-        ), "config" if source == "code" else "env"
+        by = "env" if source == "env" else "config"
+        name = ENV_RANKS_PER_NODE if by == "env" else "ExchangeConfig.ranks_per_node"
+        return validate_ranks_per_node(field, group_size, name), by
     if config.local_world_size is None:
         return None
     world, text = dist.get_world_size(), config.local_world_size
