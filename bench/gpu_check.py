@@ -104,6 +104,9 @@ class Check:
         if self.rehearse:
             bad += [s for s in self.stages if s["status"] == "skipped"]
         print(f"report: {self.out / 'gpu-check.md'}")
+        if all(s["status"] == "skipped" for s in self.stages):
+            print("error: every stage was skipped: nothing was checked", file=sys.stderr)
+            return 1
         for p in self.problems:
             print(f"problem: {p}", file=sys.stderr)
         return 1 if bad or self.problems else 0
@@ -168,11 +171,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.budget is None:
         args.budget = REHEARSAL_BUDGET_S if args.rehearse else DEFAULT_BUDGET_S
-    if not (0 < args.budget < 3600):
-        p.error(f"--budget must be in (0, 3600) seconds, got {args.budget}")
+    first = STAGES[0][3] if args.rehearse else STAGES[0][2]
+    if not (first <= args.budget < 3600):
+        p.error(f"--budget must be in [{first}, 3600) seconds (stage a alone needs {first} s), "
+                f"got {args.budget:g}")  # fmt: skip
     out = Path(args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-check."))
-    out.mkdir(parents=True, exist_ok=True)
+    problem = report_folder_problem(out)
+    if problem:
+        p.error(f"--out {out}: {problem}")
     return Check(out, args.budget, args.rehearse, Path(args.carry)).main()
+
+
+def report_folder_problem(out: Path) -> str | None:
+    """Why the report cannot be written into the folder `out` (made if missing), or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / "gpu-check.json"
+        probe.write_text("{}")
+    except OSError as e:
+        return f"cannot write the report there ({e.strerror or type(e).__name__})"
+    return None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 by side in one run: a dense SwiGLU FFN of equal active FLOPs (width k*F), a torchtitan-style
 layer (bench/titan_style.py), DeepSpeed-MoE (capacity 1.0) and Tutel (capacity 0) when they
 import, and moe.MoELayer with backend="triton" and "torch", eager and torch.compile'd, and
-backend="triton" with the opt-in TMA path ("moe triton TMA": MOE_TRITON_TMA=1 while it runs)
+backend="triton" with the opt-in TMA path ("moe triton TMA": KernelConfig(tma=True) while it runs)
 and with every GEMM role on CUTLASS ("moe triton CUTLASS roles": KernelConfig.cutlass_roles).
 
     python -m bench.gpu_layer                       # the four shapes, everything (target < 5 min
@@ -175,7 +175,7 @@ def candidates(s, args, dtype, state):
         "titan-style": (lambda: titan(s, dtype, state), True),
         "moe triton": (lambda: moe_layer(s, "triton", dtype), True),
         "moe torch": (lambda: moe_layer(s, "torch", dtype), True),
-        # the opt-in TMA path (MOE_TRITON_TMA=1 while this candidate runs)
+        # the opt-in TMA path (KernelConfig(tma=True) while this candidate runs)
         "moe triton TMA": (lambda: moe_layer(s, "triton", dtype), True),
         # every GEMM role on torch._grouped_mm (KernelConfig.cutlass_roles while it runs): the
         # layer-level check of what the role table would pick
@@ -220,9 +220,8 @@ def reference(s, x_TD, dy_TD, state):
 def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
     _empty_cache()
     t0, ms = time.perf_counter(), None
-    env_before = os.environ.get("MOE_TRITON_TMA")
-    os.environ["MOE_TRITON_TMA"] = "1" if "TMA" in name else "0"
-    set_kernel_config(KernelConfig(cutlass_roles=gemm_roles.ROLES) if "CUTLASS" in name else None)
+    roles = gemm_roles.ROLES if "CUTLASS" in name else None
+    set_kernel_config(KernelConfig(tma="TMA" in name, cutlass_roles=roles))  # for this candidate
     try:
         module = build()
         if shares and "titan" not in name:  # titan-style loads it when built
@@ -277,10 +276,6 @@ def run_candidate(name, build, shares, s, x_TD, dy_TD, state, ref, args):
         record(s, name, "failed", f"{type(e).__name__}: {msg}", "")
         row = f"| {s.name} | {name} | failed: {type(e).__name__}: {msg} | | | | | |"
     finally:
-        if env_before is None:
-            os.environ.pop("MOE_TRITON_TMA", None)
-        else:
-            os.environ["MOE_TRITON_TMA"] = env_before
         set_kernel_config(None)
         module = x = y = None  # noqa: F841
         gc.collect()

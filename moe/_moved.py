@@ -1,10 +1,13 @@
-"""Old public paths kept for one release: a package's `__getattr__` that warns and forwards.
+"""Old public paths kept until a stated version: a package's `__getattr__` that warns and
+forwards.
 
     __getattr__ = moved_names(__name__, {"plan": "moe.memory.plan_memory"})
 
 makes `moe.memory.plan` (attribute access or `from moe.memory import plan`) return
-`moe.memory.plan_memory` with a DeprecationWarning naming the new path. The README lists each
-public name's one path; CHANGELOG.md lists the moves.
+`moe.memory.plan_memory` with a DeprecationWarning naming the new path. Policy: an alias names
+the version that removes it, and is removed when that version is reached (the "until 0.1"
+aliases went in 0.1.0). The README lists each public name's one path; CHANGELOG.md lists the
+moves and the removals.
 """
 
 import importlib

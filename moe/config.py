@@ -3,7 +3,6 @@
 import math
 import types
 import typing
-import warnings
 from dataclasses import dataclass, fields, replace
 
 from moe.names import (
@@ -32,30 +31,8 @@ FLOAT_MAX = {
 }
 
 
-# Renamed fields, old name -> new: the old keyword still works, with a DeprecationWarning,
-# until 0.1 (MoEConfig(checkpoint=True) is MoEConfig(recompute=True)).
-RENAMED = {"checkpoint": "recompute"}
-
-
-class _RenamedKeywords(type):
-    """Accepts the old names of renamed fields as keywords (warning) before __init__ runs."""
-
-    def __call__(cls, *args, **kwargs):
-        for old, new in RENAMED.items():
-            if old in kwargs:
-                warnings.warn(
-                    f"MoEConfig({old}=) is deprecated; use {new}= (the same setting)",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                if new in kwargs:
-                    raise ValueError(f"give {new}= or its old name {old}=, not both")
-                kwargs[new] = kwargs.pop(old)
-        return super().__call__(*args, **kwargs)
-
-
 @dataclass(frozen=True)
-class MoEConfig(metaclass=_RenamedKeywords):
+class MoEConfig:
     """Options of one MoE layer. Bad values raise ValueError naming the field.
 
     Capacity per expert is ceil(capacity_factor * top_k * T / E), at least `min_capacity`
@@ -96,11 +73,6 @@ class MoEConfig(metaclass=_RenamedKeywords):
     recompute: bool = False  # recompute the layer in backward (activation checkpointing)
     check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
     spare_slots: int = 0  # R extra expert slots holding copies of hot experts (replicas.py)
-
-    @property
-    def checkpoint(self) -> bool:
-        """The old name of `recompute` (readable until 0.1)."""
-        return self.recompute
 
     def __post_init__(self):
         for f in fields(self):
@@ -164,14 +136,6 @@ class MoEConfig(metaclass=_RenamedKeywords):
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
-
-
-def renamed_fields(config: dict) -> dict:
-    """A saved config (swap settings file) with the old field names replaced by the new ones,
-    so files written before a rename still load for one release."""
-    return {
-        RENAMED.get(k, k) if RENAMED.get(k, k) not in config else k: v for k, v in config.items()
-    }
 
 
 def _check_upper_bound(name: str, value) -> None:

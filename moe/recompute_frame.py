@@ -34,8 +34,20 @@ class RecomputeFrame:
         self.recomputing = False
 
     def _enter(self, recomputing: bool) -> None:
+        if recomputing:
+            self._refuse_stale_keys()
         self.recomputing, self.read = recomputing, {}
         _stack().append(self)
+
+    def _refuse_stale_keys(self) -> None:
+        """Before a recompute: a key whose `stale_reason()` says it can no longer hand its
+        values back (a replay block left since the forward) stops the backward with that
+        reason, before the recompute computes anything different from its forward."""
+        for key in self.notes:
+            reason = getattr(key, "stale_reason", None)
+            message = reason() if callable(reason) else None
+            if message:
+                raise RuntimeError(message)
 
     def _exit(self) -> None:
         _stack().remove(self)

@@ -212,9 +212,21 @@ class _Replay:
     def __init__(self, name: str, records: list[RouteRecord], weights: bool):
         self.name, self.records, self.weights = name, records, weights
         self.next = 0
+        self.left = False  # set when the replay_routing block is left
 
     def __repr__(self) -> str:
         return f"router replay of {self.name}"
+
+    def stale_reason(self) -> str | None:
+        """Asked by moe.recompute_frame before a recompute of a forward this replay routed:
+        after the block was left the layer would route afresh, not replay."""
+        if not self.left:
+            return None
+        return (
+            f"{self.name}: backward recomputes a forward that ran inside moe.replay_routing, "
+            "but the block has been left, so the recompute cannot replay its routes: run "
+            "backward inside the replay_routing block (or without recompute)"
+        )
 
     def _take_next(self) -> int:
         index = self.next
@@ -305,6 +317,8 @@ def replay_routing(model: nn.Module, routes: Routes, weights: bool = False) -> I
     finally:
         for (_, layer), replay in zip(layers, previous):
             layer.route_replay = replay
+        for replay in replays:
+            replay.left = True
 
 
 def _prepared(layers: list[tuple[str, MoELayer]], routes: Routes, weights: bool) -> list[_Replay]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from moe.config import MoEConfig, renamed_fields
+from moe.config import MoEConfig
 from moe.convert import build_layer, install
 from moe.ffn_match import ConversionError, match_ffn
 from moe.layer import MoELayer, moe_layers
@@ -69,7 +69,6 @@ def read_moe_settings(directory: str | Path) -> list[dict]:
         config = entry["config"]
         if not isinstance(config, dict):
             raise ValueError(f"{where}.config must be an object")
-        entry["config"] = config = renamed_fields(config)  # files from before a rename
         if set(config) != fields:
             missing, unknown = sorted(fields - set(config)), sorted(set(config) - fields)
             raise ValueError(f"{where}.config: missing fields {missing}, unknown fields {unknown}")

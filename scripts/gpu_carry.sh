@@ -6,7 +6,9 @@
 #   CPython 3.12 manylinux (the GPU machine's Python), from the package index;
 # - tutel/: a source snapshot of the local Tutel checkout PATH/TO/TUTEL (Tutel is not on the
 #   package index; its CUDA extension is built on the GPU machine, in the background).
-# Under 40 MiB in all (checked). On the GPU machine scripts/gpu_check.sh installs them:
+# Under 40 MiB in all (checked). FOLDER must be missing, empty, or made by this script (it holds
+# .made-by-gpu-carry); the script replaces only its own wheels/ and tutel/ there, never a
+# folder it did not make. On the GPU machine scripts/gpu_check.sh installs them:
 #   pip install --no-index --no-deps --target DIR FOLDER/wheels/*.whl   (seconds)
 #   pip install --no-build-isolation --no-deps --target DIR FOLDER/tutel (about 70 s)
 set -euo pipefail
@@ -23,7 +25,24 @@ LIMIT_MIB=40
 # torch, numpy and packaging excepted (the GPU machine has them).
 DEPS="hjson pydantic pydantic_core annotated_types typing_inspection typing_extensions
 py-cpuinfo msgpack psutil ninja einops tqdm"
-rm -rf "$DEST"
+MARK=.made-by-gpu-carry
+if [ -e "$DEST" ] && [ ! -d "$DEST" ]; then
+    echo "error: $DEST is not a folder: refusing to write there" >&2
+    exit 2
+fi
+if [ -d "$DEST" ] && [ ! -f "$DEST/$MARK" ] && [ -n "$(ls -A "$DEST")" ]; then
+    echo "error: $DEST is not empty and was not made by $0: refusing to write there" >&2
+    exit 2
+fi
+case "$(realpath -m "$DEST")/" in
+"$(realpath "$TUTEL")"/*)
+    echo "error: $DEST is inside the Tutel checkout $TUTEL: refusing to write there" >&2
+    exit 2
+    ;;
+esac
+mkdir -p "$DEST"
+touch "$DEST/$MARK"
+rm -rf "${DEST:?}/wheels" "${DEST:?}/tutel"  # this script's own, from an earlier run
 mkdir -p "$DEST/wheels"
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps deepspeed -w "$DEST/wheels"
 # shellcheck disable=SC2086

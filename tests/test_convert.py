@@ -133,7 +133,7 @@ README_PUBLIC_NAMES = {
                     "set_kernel_config", "kernel_config"],
 }  # fmt: skip
 
-# Old paths (CHANGELOG.md, "One public path per name"): they warn, naming the new path.
+# Old paths (CHANGELOG.md, "One public path per name"), removed in 0.1.0, and their new paths.
 MOVED = {
     "moe.parallel.GroupedApply": "moe.memory.GroupedApply",
     "moe.parallel.LossScaler": "moe.memory.LossScaler",
@@ -184,14 +184,21 @@ def test_readme_public_names_are_its_table_and_resolve_after_import_moe():
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))
-def test_old_paths_warn_and_name_the_new_one(old, new):
+def test_old_paths_are_removed(old, new):
+    """The aliases said "until 0.1"; the version is 0.1.0, so they are gone (issue 39 item 6):
+    the old path is an AttributeError (or its module is gone), the new one resolves."""
     import importlib
 
     owner, _, name = old.rpartition(".")
     new_owner, _, new_name = new.rpartition(".")
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        value = getattr(importlib.import_module(owner), name)
-    assert value is getattr(importlib.import_module(new_owner), new_name)
+    assert getattr(importlib.import_module(new_owner), new_name) is not None
+    try:
+        module = importlib.import_module(owner)
+    except ModuleNotFoundError:
+        assert owner == "moe.dispatch.capacity"
+        return
+    with pytest.raises(AttributeError):
+        getattr(module, name)
 
 
 def test_only_documented_re_exports_across_packages():
@@ -208,9 +215,6 @@ def test_only_documented_re_exports_across_packages():
             others = [q for q in packages if q != path and (home + ".").startswith(q + ".")]
             if f"{path}.{name}" != "moe.dispatch.all_to_all":
                 assert not others, (path, name, home)
-    for old in MOVED:
-        owner, _, name = old.rpartition(".")
-        assert name not in vars(importlib.import_module(owner)), old  # only through the warning
 
 
 def test_settings_with_two_entries_for_one_module_are_refused_by_every_reader(tmp_path):
@@ -237,27 +241,24 @@ def test_settings_with_two_entries_for_one_module_are_refused_by_every_reader(tm
         moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)
 
 
-def test_recompute_is_the_field_and_checkpoint_its_deprecated_name(tmp_path):
-    """MoEConfig.checkpoint meant recompute (issue 33): `recompute` is the field; the old
-    keyword warns and sets it, the old attribute reads it, old settings files still load."""
+def test_recompute_is_the_field_and_its_old_name_is_gone(tmp_path):
+    """MoEConfig.checkpoint meant recompute (issue 33); its alias said "until 0.1" and is
+    removed: the old keyword is a TypeError, the old attribute gone, a settings file with the
+    old name a ValueError naming it (issue 39 item 6)."""
     import json
 
     assert "recompute" in moe.MoEConfig.field_names()
     assert "checkpoint" not in moe.MoEConfig.field_names()
-    with pytest.warns(DeprecationWarning, match="use recompute="):
-        old = moe.MoEConfig(16, 40, 4, checkpoint=True)
-    assert old == moe.MoEConfig(16, 40, 4, recompute=True) and old.checkpoint
-    with pytest.warns(DeprecationWarning, match="use recompute="):
-        layer = moe.MoELayer(16, 40, 4, checkpoint=True)
-    assert layer.config.recompute
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        moe.MoEConfig(16, 40, 4, checkpoint=True, recompute=True)
+    with pytest.raises(TypeError, match="checkpoint"):
+        moe.MoEConfig(16, 40, 4, checkpoint=True)
+    assert not hasattr(moe.MoEConfig(16, 40, 4, recompute=True), "checkpoint")
     model = moe.swap_ffn(tiny_transformer(), num_experts=4, top_k=2, recompute=True)
     path = moe.save_moe_settings(model, tmp_path)
     doc = json.loads(path.read_text())
     for entry in doc["layers"]:  # as a file written before the rename
         entry["config"]["checkpoint"] = entry["config"].pop("recompute")
     path.write_text(json.dumps(doc))
-    moe.check_moe_settings(model, tmp_path)
-    fresh = moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)
-    assert all(layer.config.recompute for _, layer in moe.moe_layers(fresh))
+    with pytest.raises(
+        ValueError, match=r"missing fields \['recompute'\], unknown fields \['checkpoint'\]"
+    ):
+        moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)

@@ -138,8 +138,14 @@ def test_autotune_is_pinned_in_tests(monkeypatch):
     (kept,) = prune([big, small], fp32, EPILOGUE=grouped_mm.EPI_ACT)
     assert kept.kwargs == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
     assert [c.kwargs for c in autotune_prune()([big, small], fp32)] == [big.kwargs]
-    monkeypatch.setenv("MOE_TRITON_AUTOTUNE", "1")
-    assert len(prune([big, small], fp32, EPILOGUE=grouped_mm.EPI_PLAIN)) == 2
+    from moe.kernels import KernelConfig, kernel_config, set_kernel_config
+
+    assert kernel_config().autotune is False
+    set_kernel_config(KernelConfig(autotune=True))  # in code: the variable was read once
+    try:
+        assert len(prune([big, small], fp32, EPILOGUE=grouped_mm.EPI_PLAIN)) == 2
+    finally:
+        set_kernel_config(None)
 
 
 @needs_cuda

@@ -194,13 +194,13 @@ def test_expert_choice_through_parallelize_equals_single_device_per_shard():
     assert results == [[True, True]] * 2
 
 
-def test_local_dispatcher_old_backend_argument_warns_and_is_unused():
-    """LocalDispatcher(backend, fuse_combine): the backend it never used, deprecated for 0.1."""
-    with pytest.warns(DeprecationWarning, match="backend argument is unused"):
-        old = LocalDispatcher("torch", False)
-    assert old.fuse_combine is False and not hasattr(old, "backend")
-    with pytest.warns(DeprecationWarning):
-        assert build_dispatcher("local", backend="triton").fuse_combine is True
+def test_local_dispatcher_takes_only_fuse_combine():
+    """The backend argument it never used said "removed in 0.1" and is gone (issue 39 item 6)."""
+    with pytest.raises(TypeError):
+        LocalDispatcher("torch", False)
+    assert LocalDispatcher(False).fuse_combine is False
+    with pytest.raises(TypeError):
+        build_dispatcher("local", backend="triton")
 
 
 def test_dispatch_context_holds_the_expert_rows():

@@ -3,6 +3,8 @@ the report is written when a stage fails), the decision rules of issue 35 on syn
 the GEMM-role table, and the M6 example's --max-seconds / --count-syncs."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +192,69 @@ def test_gpu_machine_installs_only_the_carried_wheels_it_lacks():
               "w/py_cpuinfo-9.0.0-py3-none-any.whl", "w/no_such_module_xyz-1.0-py3-none-any.whl"]  # fmt: skip
     kept = gpu_check_stages._missing(wheels)
     assert kept[0] == wheels[0] and wheels[1] not in kept and wheels[3] in kept
+
+
+def test_a_budget_that_fits_no_stage_is_refused(tmp_path, capsys):
+    """--budget 44 (stage a needs 45 s) is one clear error, not exit 0 with every stage skipped
+    (issue 41 item 9); a Check whose every stage was skipped exits 1 too."""
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--budget", "44", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--budget must be in [45, 3600)" in capsys.readouterr().err
+    assert gpu_check.Check(tmp_path, 10, rehearse=False, carry=tmp_path).main() == 1
+    assert "every stage was skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "proc"])
+def test_an_out_folder_that_cannot_hold_the_report_is_one_error_line(tmp_path, capsys, where):
+    """--out at a file, under a file or at /proc/x: one error line naming --out, no traceback."""
+    (tmp_path / "f").write_text("a user's file")
+    out = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "x", "proc": "/proc/x"}[where]
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(out), "--budget", "420"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: --out {out}: cannot write the report" in err
+    assert "Traceback" not in err and (tmp_path / "f").read_text() == "a user's file"
+
+
+@pytest.mark.parametrize("dest", ["user_folder", "tutel", "inside_tutel", "file"])
+def test_gpu_carry_never_deletes_a_folder_it_did_not_make(tmp_path, dest):
+    """scripts/gpu_carry.sh TUTEL FOLDER refuses a non-empty FOLDER it did not make (a user's
+    folder, the Tutel checkout itself), one inside the checkout, or a file, before any
+    download, and leaves it as it was (issue 41 item 6)."""
+    tutel = tmp_path / "tutel-src"
+    (tutel / "tutel").mkdir(parents=True)
+    (tutel / "setup.py").write_text("# setup")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    (tmp_path / "a-file").write_text("a user's file")
+    folder = {"user_folder": tmp_path / "mine", "tutel": tutel,
+              "inside_tutel": tutel / "carry", "file": tmp_path / "a-file"}[dest]  # fmt: skip
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_carry.sh"
+    run = subprocess.run(
+        ["bash", str(script), str(tutel), str(folder)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and run.stderr.startswith(f"error: {folder} ")
+    assert "refusing to write there" in run.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's file"
+    assert (tmp_path / "a-file").read_text() == "a user's file"
+    assert (tutel / "setup.py").read_text() == "# setup" and (tutel / "tutel").is_dir()
+    assert not (tutel / "carry").exists()
+
+
+def test_gpu_carry_replaces_only_its_own_files(tmp_path):
+    """A missing FOLDER is made and marked; a second run into it replaces its wheels/ and tutel/
+    and keeps a file the user put there (PYTHON=true: no download, the plumbing only)."""
+    tutel = tmp_path / "tutel-src"
+    (tutel / "tutel").mkdir(parents=True)
+    (tutel / "setup.py").write_text("# setup")
+    folder = tmp_path / "carry"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_carry.sh"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "true"}
+    argv = ["bash", str(script), str(tutel), str(folder)]
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=60).returncode == 0
+    assert (folder / ".made-by-gpu-carry").is_file() and (folder / "tutel" / "setup.py").is_file()
+    (folder / "notes.txt").write_text("a user's file")
+    (folder / "tutel" / "stale.txt").write_text("from an earlier run")
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=60).returncode == 0
+    assert (folder / "notes.txt").read_text() == "a user's file"
+    assert not (folder / "tutel" / "stale.txt").exists() and (folder / "wheels").is_dir()

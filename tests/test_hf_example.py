@@ -24,6 +24,9 @@ def test_finetune_example(tmp_path):
         (["--out", "{file}"], "exists and is not a directory"),
         (["--out", "{file}/sub/dir"], "exists and is not a directory"),
         (["--model", "{missing}"], "not a directory"),
+        (["--lr", "inf"], "error: --lr must be a finite number > 0, got inf"),  # issue 41 item 14
+        (["--lr", "nan"], "error: --lr must be a finite number > 0, got nan"),
+        (["--lr", "-0.1"], "error: --lr must be a finite number > 0, got -0.1"),
     ],
 )
 def test_bad_flags_fail_before_any_work(argv, message, tmp_path, capsys, monkeypatch):

@@ -25,7 +25,7 @@ ALLOWED = {
     "moe.capacity": set(),
     "moe.untrusted": set(),
     "moe.config": {"moe.names"},
-    "moe.gating": {"moe.names", "moe.capacity", "moe._moved"},  # _moved: old paths' warning
+    "moe.gating": {"moe.names", "moe.capacity"},
 }
 # Arrows that must not exist even where the rest of a unit's imports is free to change.
 FORBIDDEN = {
@@ -199,72 +199,6 @@ def test_environment_is_read_in_one_module():
         str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "os.environ" in p.read_text()
     )
     assert readers == ["moe/settings.py"]
-
-
-def test_configs_hold_the_settings_and_the_environment_overrides_them(monkeypatch, tmp_path):
-    """Every setting is a field of ExchangeConfig or KernelConfig (issue 33); its variable in
-    moe/settings.py overrides the field, read when used; the defaults are the old ones."""
-    from moe import settings
-    from moe.comm import NVLINK_IB, ExchangeConfig, save_profile
-    from moe.comm.alltoall import cost_model, hierarchical_threshold, pipeline_chunks
-    from moe.comm.exchange_config import overlap_cuda_stream
-    from moe.comm.topology import ranks_per_node_set
-    from moe.kernels import KernelConfig, kernel_config, set_kernel_config
-
-    for name in settings.ENV.values():
-        monkeypatch.delenv(name, raising=False)
-    assert kernel_config() == KernelConfig(autotune=True, tma=False)
-    set_kernel_config(KernelConfig(autotune=False, tma=True))
-    try:
-        assert kernel_config() == KernelConfig(autotune=False, tma=True)
-        monkeypatch.setenv("MOE_TRITON_AUTOTUNE", "1")
-        monkeypatch.setenv("MOE_TRITON_TMA", "0")
-        assert kernel_config() == KernelConfig(autotune=True, tma=False)
-        monkeypatch.setenv("MOE_TRITON_AUTOTUNE", "Off")
-        monkeypatch.setenv("MOE_TRITON_TMA", "yes")  # only "1" turns an opt-in on (as before)
-        assert kernel_config() == KernelConfig(autotune=False, tma=False)
-    finally:
-        set_kernel_config(None)
-    with pytest.raises(ValueError, match="KernelConfig.tma must be a bool"):
-        KernelConfig(tma=1)
-
-    big = 64 << 20
-    profile = tmp_path / "p.json"
-    save_profile(NVLINK_IB, profile)
-    config = ExchangeConfig(
-        hierarchical_max_bytes=5,
-        pipeline_min_bytes=0,
-        cost_profile=str(profile),
-        ranks_per_node=4,
-        overlap_cuda_stream=True,
-    )
-    assert pipeline_chunks(big, 2) == pipeline_chunks(big, 2, ExchangeConfig()) == 4
-    assert pipeline_chunks(big, 2, config) == 1
-    assert hierarchical_threshold(None, "gloo") == 0
-    assert hierarchical_threshold(None, "gloo", config) == 5
-    assert cost_model("gloo") is None and cost_model("gloo", config) == NVLINK_IB
-    assert ranks_per_node_set(None, 8) is None
-    assert ranks_per_node_set(None, 8, config) == (4, "config")
-    assert ranks_per_node_set(2, 8, config) == (2, "argument")
-    assert not overlap_cuda_stream(None) and overlap_cuda_stream(config)
-    for name, raw in [
-        ("MOE_A2A_PIPELINE_MIN_BYTES", str(2 << 20)),
-        ("MOE_A2A_HIERARCHICAL_MAX_BYTES", "7"),
-        ("MOE_RANKS_PER_NODE", "2"),
-        ("MOE_OVERLAP_CUDA_STREAM", "0"),
-        ("MOE_A2A_COST_PROFILE", str(tmp_path / "missing.json")),
-    ]:
-        monkeypatch.setenv(name, raw)
-    assert pipeline_chunks(big, 2, config) == 4
-    assert hierarchical_threshold(None, "gloo", config) == 7
-    assert ranks_per_node_set(None, 8, config) == (2, "env")
-    assert not overlap_cuda_stream(config)
-    with pytest.raises((ValueError, OSError)):
-        cost_model("gloo", config)  # the variable's (missing) profile, not the field's
-    with pytest.raises(ValueError, match="ExchangeConfig.pipeline_min_bytes"):
-        ExchangeConfig(pipeline_min_bytes=-1)
-    readme = (ROOT / "README.md").read_text()
-    assert all(f"| `{name}` | `{key}` |" in readme for key, name in settings.ENV.items())
 
 
 def test_local_shard_helper_is_written_once_and_the_clocks_stop_alike():

@@ -146,6 +146,24 @@ def test_checkpoint_without_the_context_is_an_error(reentrant):
             y.sum().backward()
 
 
+@pytest.mark.parametrize("recompute", ["layer", "blocks", "nested"])
+def test_backward_after_leaving_the_replay_block_is_the_librarys_error(recompute):
+    """Forward inside replay_routing, backward after the block with recompute on: the
+    library's RuntimeError naming the layer, not torch's CheckpointError (issue 41 item 12);
+    the same backward inside the block still works."""
+    routes, xs = routes_and_inputs()
+    net = perturbed(build(recompute))
+    with moe.replay_routing(net, routes):
+        loss = net(xs[0]).square().mean()
+    with pytest.raises(
+        RuntimeError, match=r"blocks\.\d\.moe: backward recomputes .* has been left"
+    ):
+        loss.backward()
+    with moe.replay_routing(net, routes):
+        net(xs[0]).square().mean().backward()
+    assert all(p.grad is not None for p in net.blocks[0].moe.parameters())
+
+
 def test_recording_under_recompute_records_each_forward_once():
     net = build("blocks")
     xs = routes_and_inputs()[1]

@@ -166,6 +166,24 @@ def test_plot_tool_writes_a_png(tmp_path, capsys):
     assert plots.plot_expert_load(tmp_path / "none.jsonl", tmp_path / "no.png") is None
 
 
+def test_plot_of_a_thousand_layers_is_bounded_and_writes_the_path_it_prints(tmp_path, capsys):
+    """1000 layers x 1 step: at most plot_trace.MAX_LAYERS panels, a figure a few thousand
+    pixels tall (was 880 x 176,660 px); an output path without a suffix is written as given
+    and printed (was <path>.png written, <path> printed) (issue 41 item 14)."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    path = tmp_path / "trace.jsonl"
+    lines = [expected_line(1, f"layers.{i}.mlp", [3, 1], [4, 1], 1, 2) for i in range(1000)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "load"  # no suffix
+    assert plot_trace.main([str(path), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "load.png").exists()
+    width, height = Image.open(out).size
+    assert width <= 1000 and height <= 6000, (width, height)
+
+
 def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):
     good = expected_line(1, "x", [1, 2], [1, 3], 1, 2)
     cases = {

@@ -3,6 +3,8 @@
 and the opt-in tensor-descriptor (TMA) path of the rows kernel. Helpers and the interpreter
 switch are test_triton_kernels.py's."""
 
+import sys
+
 import pytest
 import torch
 
@@ -62,11 +64,14 @@ TMA_CASES = {
 
 @pytest.mark.parametrize("name", list(TMA_CASES))
 def test_expert_mlp_tma_path(name, monkeypatch):
-    """MOE_TRITON_TMA=1: weight (and contiguous activation) tiles through tensor descriptors
-    (the sm_90 path, run here by the interpreter); outputs and every gradient vs float64."""
+    """KernelConfig(tma=True) (or MOE_TRITON_TMA=1 when the config is built): weight (and
+    contiguous activation) tiles through tensor descriptors (the sm_90 path, run here by the
+    interpreter); outputs and every gradient vs float64."""
+    from moe.kernels import KernelConfig
     from moe.kernels.triton import grouped_mm
 
-    monkeypatch.setenv("MOE_TRITON_TMA", "1")
+    # the process's kernel config, in code (the variable is read once); restored after the test
+    monkeypatch.setattr(sys.modules["moe.kernels.kernel_config"], "_config", KernelConfig(tma=True))
     taken = []
     real = grouped_mm.tma_ok
     monkeypatch.setattr(grouped_mm, "tma_ok", lambda *a: taken.append(real(*a)) or taken[-1])

@@ -15,6 +15,7 @@ turns it off); the loss is read back once per --log-every steps, not every step.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,8 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true")
     add_device_args(p)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch < 1 or args.seq_len < 2 or not args.lr > 0:
-        p.error("--steps, --batch must be >= 1, --seq-len >= 2 and --lr > 0")
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 2:
+        p.error("--steps, --batch must be >= 1 and --seq-len >= 2")
+    if not (math.isfinite(args.lr) and args.lr > 0):  # inf trained, then died at step 2
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.log_every < 1:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
     problem = _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1"))) or _path_problem(args)

@@ -1,11 +1,8 @@
 """Communication between ranks: the uneven all-to-all (flat, hierarchical 2D), topology
 detection, and the cross-rank consistency check.
 
-The one-call all-to-all's public path is `moe.dispatch.all_to_all`; `moe.comm.all_to_all`
-warns for one release.
+The one-call all-to-all's public path is `moe.dispatch.all_to_all`.
 """
-
-from moe._moved import moved_names
 
 from moe.comm.alltoall import (
     AllToAllPlan,
@@ -26,5 +23,3 @@ from moe.comm.consistency import (
     same_error_on_every_rank,
 )
 from moe.comm.topology import Topology, get_topology
-
-__getattr__ = moved_names(__name__, {"all_to_all": "moe.dispatch.all_to_all"})

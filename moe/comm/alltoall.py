@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile
-from moe.comm.exchange_config import DEFAULT_PIPELINE_MIN_BYTES, ExchangeConfig, env_var, override
+from moe.comm.cost_model import NVLINK_IB, CostModel
+from moe.comm.exchange_config import ExchangeConfig, env_var, resolved
 from moe.comm.topology import Topology, get_subgroups
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
@@ -62,16 +62,16 @@ def set_cost_model(model: CostModel | None) -> None:
 def cost_model(
     backend: str = "nccl", exchange_config: ExchangeConfig | None = None
 ) -> CostModel | None:
-    """The model "auto" uses: set_cost_model, then the JSON profile named by the env variable
-    MOE_A2A_COST_PROFILE, then exchange_config.cost_profile, then NVLINK_IB for NCCL. None
-    (always flat) for other backends
+    """The model "auto" uses: set_cost_model, then the JSON profile
+    exchange_config.cost_profile (given in code, else MOE_A2A_COST_PROFILE when the config was
+    built), then NVLINK_IB for NCCL. None (always flat) for other backends
     without a profile: on the emulated two-tier gloo network the per-collective overhead
     outweighed the saved messages at every size (bench/results/*alltoall*)."""
     if _model_override is not None:
         return _model_override
-    path = override("cost_profile") or (exchange_config.cost_profile if exchange_config else None)
-    if path:
-        return load_profile(path)
+    profile = resolved(exchange_config).profile()  # read once per config
+    if profile is not None:
+        return profile
     return NVLINK_IB if backend == "nccl" else None
 
 
@@ -92,18 +92,13 @@ def hierarchical_threshold(
     backend: str = "nccl",
     exchange_config: ExchangeConfig | None = None,
 ) -> int:
-    """Current "auto" threshold (bytes per rank): set_hierarchical_threshold, then the env
-    variable MOE_A2A_HIERARCHICAL_MAX_BYTES, then exchange_config.hierarchical_max_bytes, then
-    default_hierarchical_threshold."""
+    """Current "auto" threshold (bytes per rank): set_hierarchical_threshold, then
+    exchange_config.hierarchical_max_bytes (given in code, else MOE_A2A_HIERARCHICAL_MAX_BYTES
+    when the config was built), then default_hierarchical_threshold."""
     if _threshold_override is not None:
         return _threshold_override
-    env = override("hierarchical_max_bytes")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise ValueError(f"{ENV_HIERARCHICAL_MAX_BYTES}={env!r} is not an integer") from None
-    if exchange_config is not None and exchange_config.hierarchical_max_bytes is not None:
+    exchange_config = resolved(exchange_config)
+    if exchange_config.hierarchical_max_bytes is not None:
         return exchange_config.hierarchical_max_bytes
     return 0 if topo is None else default_hierarchical_threshold(topo, backend, exchange_config)
 
@@ -113,14 +108,10 @@ def pipeline_chunks(
 ) -> int:
     """Pipeline depth of the 2D path: cut the exchange into chunks only while every network
     message of a chunk (about S / (N * chunks) bytes) stays at least
-    exchange_config.pipeline_min_bytes (MOE_A2A_PIPELINE_MIN_BYTES overrides it; default 2 MiB,
-    bandwidth-bound), at most 4 chunks. Each chunk costs one more pair of
-    collectives, so small buffers and many nodes get 1 chunk; 0 in the variable disables it."""
-    env = override("pipeline_min_bytes")
-    configured = (
-        exchange_config.pipeline_min_bytes if exchange_config else DEFAULT_PIPELINE_MIN_BYTES
-    )
-    min_bytes = configured if not env else int(env)
+    exchange_config.pipeline_min_bytes (given in code, else MOE_A2A_PIPELINE_MIN_BYTES when the
+    config was built; default 2 MiB, bandwidth-bound), at most 4 chunks. Each chunk costs one
+    more pair of collectives, so small buffers and many nodes get 1 chunk; 0 disables it."""
+    min_bytes = resolved(exchange_config).pipeline_min_bytes
     if min_bytes <= 0:
         return 1
     return max(1, min(MAX_PIPELINE_CHUNKS, max_rank_bytes // (num_nodes * min_bytes)))

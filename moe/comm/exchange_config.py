@@ -1,42 +1,79 @@
 """ExchangeConfig: how the expert-parallel all-to-all runs, the declared home of its settings.
 
 `moe.parallel.parallelize(..., exchange=ExchangeConfig(...))` hands it to the dispatchers,
-which pass it to every exchange they plan. The environment variables of moe/settings.py
-override its fields (read when the setting is used); `set_hierarchical_threshold`,
-`set_cost_model` and a `ranks_per_node=` argument take precedence over both.
+which pass it to every exchange they plan (given none, parallelize builds `ExchangeConfig()`).
+A field left unset (None) takes its environment variable (moe/settings.py), else its default,
+when the config is built: code > environment > default, and a variable changed after that
+changes nothing. `set_hierarchical_threshold`, `set_cost_model` (process-wide, in code) and a
+`ranks_per_node=` argument take precedence over the fields they name.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from moe import settings
+from moe.comm.cost_model import CostModel, load_profile
 
 DEFAULT_PIPELINE_MIN_BYTES = 2 << 20
+# fields whose default is a value (the others default to None: the cost model decides, or
+# detection)
+_DEFAULTS = {"pipeline_min_bytes": DEFAULT_PIPELINE_MIN_BYTES, "overlap_cuda_stream": False}
 
 
 @dataclass(frozen=True)
 class ExchangeConfig:
-    """hierarchical_max_bytes: the per-rank buffer (bytes) up to which "auto" picks the
-        hierarchical all-to-all (None: the cost model's crossover).
-        Override: MOE_A2A_HIERARCHICAL_MAX_BYTES.
+    """Each field: None (the default) means not given, so MOE_... (read now), else the default.
+    hierarchical_max_bytes: the per-rank buffer (bytes) up to which "auto" picks the
+        hierarchical all-to-all (default None: the cost model's crossover).
+        Environment: MOE_A2A_HIERARCHICAL_MAX_BYTES.
     pipeline_min_bytes: the smallest network message of a pipelined 2D exchange chunk (bytes;
-        0 disables the pipelining). Override: MOE_A2A_PIPELINE_MIN_BYTES.
+        0 disables the pipelining; default 2 MiB). Environment: MOE_A2A_PIPELINE_MIN_BYTES.
     cost_profile: a JSON link profile (bench.alltoall --suite) for the cost model of "auto"
-        (None: NVLINK_IB on NCCL, none on gloo). Override: MOE_A2A_COST_PROFILE.
-    ranks_per_node: ranks per node of the hierarchical all-to-all (None: LOCAL_WORLD_SIZE,
-        else host names). Override: MOE_RANKS_PER_NODE.
+        (default None: NVLINK_IB on NCCL, none on gloo). Environment: MOE_A2A_COST_PROFILE.
+    ranks_per_node: ranks per node of the hierarchical all-to-all (default None:
+        LOCAL_WORLD_SIZE, else host names). Environment: MOE_RANKS_PER_NODE.
     overlap_cuda_stream: the overlapped dispatcher runs hierarchical exchanges on a side CUDA
-        stream (not yet run on a GPU; False: inline). Override: MOE_OVERLAP_CUDA_STREAM=1."""
+        stream (not yet run on a GPU; default False: inline). Environment:
+        MOE_OVERLAP_CUDA_STREAM."""
 
     hierarchical_max_bytes: int | None = None
-    pipeline_min_bytes: int = DEFAULT_PIPELINE_MIN_BYTES
+    pipeline_min_bytes: int | None = None
     cost_profile: str | None = None
     ranks_per_node: int | None = None
-    overlap_cuda_stream: bool = False
+    overlap_cuda_stream: bool | None = None
+    # torchrun's LOCAL_WORLD_SIZE when the config was built (detection's first source)
+    local_world_size: str | None = field(default=None, init=False, repr=False, compare=False)
+    from_env: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    profile_model: CostModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        self._check()  # the values given in code
+        from_env = []
+        for name in SETTINGS:
+            if getattr(self, name) is None:
+                value = settings.read(f"ExchangeConfig.{name}")
+                object.__setattr__(self, name, _DEFAULTS.get(name) if value is None else value)
+                from_env += [name] if value is not None else []
+        object.__setattr__(self, "from_env", tuple(from_env))
+        object.__setattr__(self, "local_world_size", settings.local_world_size())
+
+    def profile(self) -> CostModel | None:
+        """The cost model in cost_profile (None without one), read from the file once per
+        config, the first time it is asked for (parallelize asks while the ranks agree), so a
+        file changed later changes nothing; a failed read is raised again at the next ask."""
+        if self.cost_profile and self.profile_model is None:
+            object.__setattr__(self, "profile_model", load_profile(self.cost_profile))
+        return self.profile_model
+
+    def source(self, name: str) -> str:
+        """Where field `name` came from: "code", "env" (its variable) or "default"."""
+        if name in self.from_env:
+            return "env"
+        return "default" if getattr(self, name) == _DEFAULTS.get(name) else "code"
+
+    def _check(self) -> None:
         for name in ("hierarchical_max_bytes", "pipeline_min_bytes", "ranks_per_node"):
             value = getattr(self, name)
-            if value is None and name != "pipeline_min_bytes":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"ExchangeConfig.{name} must be an int >= 0, got {value!r}")
@@ -46,7 +83,7 @@ class ExchangeConfig:
             raise ValueError(
                 f"ExchangeConfig.cost_profile must be a path, got {self.cost_profile!r}"
             )
-        if not isinstance(self.overlap_cuda_stream, bool):
+        if self.overlap_cuda_stream is not None and not isinstance(self.overlap_cuda_stream, bool):
             raise ValueError(
                 "ExchangeConfig.overlap_cuda_stream must be a bool, "
                 f"got {self.overlap_cuda_stream!r}"
@@ -56,13 +93,11 @@ class ExchangeConfig:
         """The fields as plain values, for the ranks' agreement check; not the profile's path
         (ranks may read one profile from different paths: its values are compared instead)."""
         return {
-            f"exchange.{f.name}": getattr(self, f.name)
-            for f in fields(self)
-            if f.name != "cost_profile"
+            f"exchange.{name}": getattr(self, name) for name in SETTINGS if name != "cost_profile"
         }
 
 
-DEFAULT = ExchangeConfig()
+SETTINGS = tuple(f.name for f in fields(ExchangeConfig) if f.init)  # the settings' fields
 
 
 def env_var(name: str) -> str:
@@ -70,12 +105,13 @@ def env_var(name: str) -> str:
     return settings.ENV[f"ExchangeConfig.{name}"]
 
 
-def override(name: str) -> str | None:
-    """The text of the variable overriding ExchangeConfig.<name>, read now (None: unset)."""
-    return settings.override(f"ExchangeConfig.{name}")
+def resolved(config: "ExchangeConfig | None") -> ExchangeConfig:
+    """`config`, or without one (a direct moe.comm call) an ExchangeConfig() built now."""
+    if config is not None and not isinstance(config, ExchangeConfig):
+        raise ValueError(f"exchange must be an ExchangeConfig, got {type(config).__name__}")
+    return config if config is not None else ExchangeConfig()
 
 
 def overlap_cuda_stream(config: ExchangeConfig | None) -> bool:
-    """ExchangeConfig.overlap_cuda_stream, unless MOE_OVERLAP_CUDA_STREAM overrides it."""
-    value = settings.flag_override("ExchangeConfig.overlap_cuda_stream")
-    return (config or DEFAULT).overlap_cuda_stream if value is None else value
+    """ExchangeConfig.overlap_cuda_stream of `config` (None: of ExchangeConfig())."""
+    return bool(resolved(config).overlap_cuda_stream)

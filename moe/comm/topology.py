@@ -1,11 +1,14 @@
 """Node topology of a process group: ranks per node, and the cached 2D subgroups.
 
-The hierarchical all-to-all needs to know which ranks share a node. Sources, first match wins:
-  1. an explicit ``ranks_per_node`` argument (config),
-  2. the environment variable ``MOE_RANKS_PER_NODE`` (lets one machine emulate N nodes x G ranks),
-  3. ``ExchangeConfig.ranks_per_node`` (the field that variable overrides),
-  4. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
-  5. gathering host names over the group (one small collective, done once and cached).
+The hierarchical all-to-all needs to know which ranks share a node. One function,
+`ranks_per_node_setting`, decides it for every caller (parallelize's agreement check, the
+dispatchers, a direct exchange); first match wins:
+  1. the setting given in code: a ``ranks_per_node=`` argument or ``ExchangeConfig.ranks_per_node``
+     (both given and different: a ValueError),
+  2. ``MOE_RANKS_PER_NODE`` (lets one machine emulate N nodes x G ranks), read when the
+     ExchangeConfig was built (parallelize builds one when given none),
+  3. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
+  4. gathering host names over the group (one small collective, done once and cached).
 Ranks are assumed node-major inside the group (group rank r sits on node r // ranks_per_node),
 which is how torchrun numbers them. A detected layout that is not node-major with equal node
 sizes is treated as one node (so "auto" picks the flat path); results stay correct either way.
@@ -21,8 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe import settings
-from moe.comm.exchange_config import ExchangeConfig, env_var, override
+from moe.comm.exchange_config import ExchangeConfig, env_var, resolved
 
 ENV_RANKS_PER_NODE = env_var("ranks_per_node")
 
@@ -97,37 +99,40 @@ def ranks_per_node_from_layout(node_ids: list[object]) -> int | None:
     return sizes.pop()
 
 
-def ranks_per_node_set(
+def ranks_per_node_setting(
     ranks_per_node: int | None, group_size: int, exchange_config: ExchangeConfig | None = None
 ) -> tuple[int, str] | None:
-    """The ranks per node given by hand, validated, and where it came from: the argument
-    ("argument"), else MOE_RANKS_PER_NODE ("env"), else exchange_config.ranks_per_node ("config");
-    None when none is set (detect it)."""
+    """The ranks per node of the group, validated, and where it came from: "argument",
+    "config" (ExchangeConfig.ranks_per_node given in code), "env" (MOE_RANKS_PER_NODE, read
+    when the config was built) or "LOCAL_WORLD_SIZE" (also read then); None when host names
+    must decide (a collective). An argument and a config field given in code that differ: a
+    ValueError."""
+    config = resolved(exchange_config)
+    field, source = config.ranks_per_node, config.source("ranks_per_node")
     if ranks_per_node is not None:
-        return validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node"), "argument"
-    env_value = override("ranks_per_node")
-    if env_value:
-        return validate_ranks_per_node(env_value, group_size, ENV_RANKS_PER_NODE), "env"
-    if exchange_config is not None and exchange_config.ranks_per_node is not None:
-        name = "ExchangeConfig.ranks_per_node"
-        return validate_ranks_per_node(exchange_config.ranks_per_node, group_size, name), "config"
-    return None
-
-
-def local_world_ranks() -> int | None:
-    """torchrun's LOCAL_WORLD_SIZE, validated against the world size; None when unset (then
-    host names decide, a collective)."""
-    local_world = settings.local_world_size()
-    if not local_world:
+        value = validate_ranks_per_node(ranks_per_node, group_size, "ranks_per_node")
+        if source == "code" and field != value:
+            raise ValueError(
+                f"ranks_per_node={value} and ExchangeConfig.ranks_per_node={field} differ: give one"
+            )
+        return value, "argument"
+    if field is not None:
+        by = "env" if source == "env" else "config"
+        name = ENV_RANKS_PER_NODE if by == "env" else "ExchangeConfig.ranks_per_node"
+        return validate_ranks_per_node(field, group_size, name), by
+    if config.local_world_size is None:
         return None
-    return validate_ranks_per_node(local_world, dist.get_world_size(), "LOCAL_WORLD_SIZE")
+    world, text = dist.get_world_size(), config.local_world_size
+    return validate_ranks_per_node(text, world, "LOCAL_WORLD_SIZE"), "LOCAL_WORLD_SIZE"
 
 
-def _detect(group: dist.ProcessGroup | None, global_ranks: list[int]) -> tuple[int, str]:
-    """ranks_per_node from LOCAL_WORLD_SIZE or host names, without any override."""
-    lws = local_world_ranks()
-    if lws is not None:
-        node_ids: list[object] = [g // lws for g in global_ranks]
+def _detect(
+    group: dist.ProcessGroup | None, global_ranks: list[int], local_world: int | None
+) -> tuple[int, str]:
+    """ranks_per_node from LOCAL_WORLD_SIZE (given) or host names, for a layout of the
+    group's ranks (a subgroup of the world may not be node-major)."""
+    if local_world is not None:
+        node_ids: list[object] = [g // local_world for g in global_ranks]
         source = "LOCAL_WORLD_SIZE"
     else:
         hosts: list[object] = [None] * len(global_ranks)
@@ -158,19 +163,19 @@ def get_topology(
     group_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     global_ranks = group_ranks(group)
+    setting = ranks_per_node_setting(ranks_per_node, group_size, exchange_config)
     key = (
         id(dist.group.WORLD),  # a re-initialised default group invalidates the cache
         tuple(global_ranks),
-        ranks_per_node,
-        override("ranks_per_node"),
-        None if exchange_config is None else exchange_config.ranks_per_node,
-        settings.local_world_size(),
+        setting,
     )
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
         return cached
-    by_hand = ranks_per_node_set(ranks_per_node, group_size, exchange_config)
-    value, source = by_hand or _detect(group, global_ranks)
+    if setting is None or setting[1] == "LOCAL_WORLD_SIZE":
+        value, source = _detect(group, global_ranks, setting and setting[0])
+    else:
+        value, source = setting
     topo = Topology(group_size=group_size, ranks_per_node=value, rank=rank, source=source)
     _TOPOLOGY_CACHE[key] = topo
     return topo

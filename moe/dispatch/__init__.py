@@ -2,10 +2,9 @@
 move rows to the experts and back (one class per strategy, registered by name).
 
 The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` is its one public path (the
-one re-export here). The other moe.comm names re-exported here until 0.1 warn for one release.
+one re-export here).
 """
 
-from moe._moved import moved_names
 from moe.comm.exchange_plan import all_to_all
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import (
@@ -30,16 +29,3 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
-
-_COMM = (
-    "AllToAllPlan",
-    "Topology",
-    "check_same_across_ranks",
-    "exchange",
-    "exchange_counts",
-    "gather_count_matrix",
-    "get_topology",
-    "plan_all_to_all",
-    "set_hierarchical_threshold",
-)
-__getattr__ = moved_names(__name__, {name: f"moe.comm.{name}" for name in _COMM})

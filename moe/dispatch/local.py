@@ -1,7 +1,5 @@
 """Single-device dispatch: gather each pair's token into expert-sorted rows, and back."""
 
-import warnings
-
 import torch
 
 from moe.dispatch.dispatcher import (
@@ -27,22 +25,10 @@ class LocalDispatcher(Dispatcher):
 
     fuse_combine: what `dispatch` asks for when called on its own (outside `run`); `run`
     fuses when the experts declare it (the layer's one decision, LayerExperts.fuses_combine),
-    unless this is False. (The old first argument, a backend it never
-    used, is still accepted until 0.1 with a DeprecationWarning.)"""
+    unless this is False."""
 
-    def __init__(self, *args, fuse_combine: bool = True, backend: str | None = None):
-        if args and isinstance(args[0], str):  # the old form LocalDispatcher(backend, fuse)
-            backend, args = args[0], args[1:]
-        if backend is not None:
-            warnings.warn(
-                "LocalDispatcher's backend argument is unused and deprecated (removed in 0.1): "
-                "call LocalDispatcher(fuse_combine)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        if len(args) > 1:
-            raise TypeError(f"LocalDispatcher takes one argument, fuse_combine; got {args}")
-        self.fuse_combine = args[0] if args else fuse_combine
+    def __init__(self, fuse_combine: bool = True):
+        self.fuse_combine = fuse_combine
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
         """-> (x_TD itself, offsets, ctx): the experts gather their rows from the tokens

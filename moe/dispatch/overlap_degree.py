@@ -4,23 +4,10 @@ experts and the forward are moe/dispatch/overlap_clock.py)."""
 
 from __future__ import annotations
 
-from moe._moved import moved_names
 from moe.comm.cost_model import CostModel
 
 MAX_DEGREE = 8
 CHUNK_OVERHEAD_S = 1e-4  # host cost of one more chunk per pass (launches, small ops), assumed
-
-# moved out of this module (issue 33); the old paths warn until 0.1
-__getattr__ = moved_names(
-    __name__,
-    {
-        "validate_overlap": "moe.dispatch.overlap_option.validate_overlap",
-        **{
-            n: f"moe.dispatch.overlap_clock.{n}"
-            for n in ("Stopwatch", "ExpertClock", "ForwardTimes", "RECENT", "EXPLORE")
-        },
-    },
-)
 
 
 def pipelined_time(x: float, e: float, n: int) -> float:

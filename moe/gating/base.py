@@ -6,14 +6,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe._moved import moved_names
-
-# ROUTERS / register_router: public at moe.gating, defined in moe.names (below config); the
-# old path here warns until 0.1.
-__getattr__ = moved_names(
-    __name__, {"ROUTERS": "moe.gating.ROUTERS", "register_router": "moe.gating.register_router"}
-)
-
 ROUTER_CHUNK_BYTES = 4 << 20  # float32 rows of x upcast at a time by the router matmul
 
 

@@ -5,7 +5,6 @@ Public names (one path each, the README's): GroupedApply, LossScaler, recompute_
 plan_memory, MemoryPlan.
 """
 
-from moe._moved import moved_names
 from moe.memory.grouped_apply import GroupedApply
 from moe.memory.planner import MemoryPlan, PlannerModel, plan_memory
 from moe.memory.precision import LossScaler
@@ -19,10 +18,3 @@ __all__ = [
     "plan_memory",
     "recompute_blocks",
 ]
-
-# renamed in 0.2 (the memory plan is not a DispatchPlan / AllToAllPlan; recompute is not a
-# saved checkpoint); the old names warn for one release
-__getattr__ = moved_names(
-    __name__,
-    {"plan": "moe.memory.plan_memory", "auto_checkpoint": "moe.memory.recompute_blocks"},
-)

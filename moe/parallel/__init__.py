@@ -5,10 +5,9 @@ Public names (one path each, the README's): init_mesh, parallelize, clip_grad_no
 rebalance_experts, RebalanceReport, plan_placement, Placement, plan_replicas,
 ReplicaPlacement, sum_replica_grads, expert_parameters,
 dense_parameters, is_expert_parameter. The memory features live in moe.memory and checkpoint
-I/O in moe.checkpoint; their old paths here warn for one release.
+I/O in moe.checkpoint.
 """
 
-from moe._moved import moved_names
 from moe.experts import dense_parameters, expert_parameters, is_expert_parameter
 from moe.parallel.mesh import init_mesh
 from moe.parallel.parallelize import parallelize
@@ -33,17 +32,3 @@ __all__ = [
     "rebalance_experts",
     "sum_replica_grads",
 ]
-
-# re-exports of moe.memory and moe.checkpoint until 0.1; removed in the next release
-__getattr__ = moved_names(
-    __name__,
-    {
-        "GroupedApply": "moe.memory.GroupedApply",
-        "LossScaler": "moe.memory.LossScaler",
-        "MemoryPlan": "moe.memory.MemoryPlan",
-        "plan": "moe.memory.plan_memory",
-        "auto_checkpoint": "moe.memory.recompute_blocks",
-        "save_checkpoint": "moe.checkpoint.save_checkpoint",
-        "load_checkpoint": "moe.checkpoint.load_checkpoint",
-    },
-)

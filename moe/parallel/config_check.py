@@ -2,8 +2,9 @@
 the same parallel settings.
 
 One record per rank (every MoEConfig field of every MoE layer, every parameter's dtype and
-shape, the mesh, the layer count, the settings of parallelize() and what the all-to-all reads
-from the environment, or this rank's own setup error) is all-gathered once, so a mismatch or a
+shape, the mesh, the layer count, the settings of parallelize(), its ExchangeConfig and the
+process's KernelConfig with what they read from the environment, or this rank's own setup
+error) is all-gathered once, so a mismatch or a
 failure on one rank is the same clear ValueError on every rank instead of a hang, a gloo size
 error or "Connection closed by peer".
 """
@@ -18,10 +19,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from moe.comm import alltoall
 from moe.comm.consistency import Scalar, all_gather_records, describe_mismatch
-from moe.comm.exchange_config import ExchangeConfig, override
-from moe.comm.topology import local_world_ranks, ranks_per_node_set
+from moe.comm.exchange_config import ExchangeConfig, resolved
+from moe.comm.topology import ranks_per_node_setting
 from moe.dispatch.dispatcher import DISPATCHERS
 from moe.dispatch.overlap_option import validate_overlap
+from moe.kernels.kernel_config import kernel_config
 from moe.layer import moe_layers
 from moe.replica_layout import check_spare_slots
 
@@ -33,38 +35,31 @@ def _describe(t) -> str:
 
 
 def _ranks_per_node(ranks_per_node: int | None, ep: int, exchange: ExchangeConfig) -> int | str:
-    """The ranks per node the hierarchical exchange will use over the EP group, by
-    moe.comm.topology's precedence (argument, MOE_RANKS_PER_NODE, exchange.ranks_per_node,
-    LOCAL_WORLD_SIZE) but without
-    its host-name collective: "hostname" when that is what decides (it is the same on every
-    rank by construction). Invalid values raise ValueError naming their source."""
-    by_hand = ranks_per_node_set(ranks_per_node, ep, exchange)
-    if by_hand is not None:
-        return by_hand[0]
-    local_world = local_world_ranks()
-    return "hostname" if local_world is None else local_world
+    """The ranks per node the hierarchical exchange will use over the EP group, by the one
+    function of moe.comm.topology but without its host-name collective: "hostname" when that
+    is what decides (it is the same on every rank by construction). Invalid values raise
+    ValueError naming their source."""
+    setting = ranks_per_node_setting(ranks_per_node, ep, exchange)
+    return "hostname" if setting is None else setting[0]
 
 
 def exchange_record(
     algorithm: str, ranks_per_node: int | None, ep: int, exchange: ExchangeConfig | None = None
 ) -> dict[str, Scalar]:
-    """What decides how the all-to-all runs: the algorithm and the ExchangeConfig; for a 2D
-    exchange the ranks per node and the pipeline chunking; for "auto" the threshold override
+    """What decides how the all-to-all runs: the algorithm and the ExchangeConfig (its
+    environment overrides were read when it was built: parallelize builds the one its
+    dispatchers use); for a 2D exchange the ranks per node; for "auto" the threshold override
     and every value of the cost model (a loaded profile is validated here, on the rank that
     reads it)."""
     if algorithm not in alltoall.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {alltoall.ALGORITHMS}, got {algorithm!r}")
-    if exchange is not None and not isinstance(exchange, ExchangeConfig):
-        raise ValueError(f"exchange must be an ExchangeConfig, got {type(exchange).__name__}")
-    exchange = exchange or ExchangeConfig()
+    exchange = resolved(exchange)  # a bad environment override: a ValueError naming it
     record: dict[str, Scalar] = {"algorithm": algorithm, **exchange.record()}
     if algorithm == "flat":
         return record
     record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep, exchange)
-    record[alltoall.ENV_PIPELINE_MIN_BYTES] = override("pipeline_min_bytes")
     if algorithm == "auto":
         record["set_hierarchical_threshold"] = alltoall.threshold_override()
-        record[alltoall.ENV_HIERARCHICAL_MAX_BYTES] = override("hierarchical_max_bytes")
         model = alltoall.cost_model(dist.get_backend(), exchange)
         if model is None:
             record["cost_model"] = None
@@ -91,6 +86,8 @@ def settings_record(model: nn.Module, mesh: DeviceMesh, settings: dict) -> dict[
     for f in fields(mp_policy):
         value = getattr(mp_policy, f.name)
         record[f"mp_policy.{f.name}"] = value if isinstance(value, bool) else str(value)
+    kernels = kernel_config()  # built from the environment now if no kernel has run yet
+    record.update({f"kernel.{f.name}": repr(getattr(kernels, f.name)) for f in fields(kernels)})
     record["offload_policy"] = type(s.pop("offload_policy", None)).__name__
     blocks = s.pop("blocks", None) or []
     names = {id(m): n for n, m in model.named_modules()}
@@ -148,12 +145,18 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
     return record
 
 
-def check_config(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> None:
+def check_config(
+    model: nn.Module, mesh: DeviceMesh, settings: dict | None = None
+) -> ExchangeConfig | None:
     """Raise the same ValueError on every rank if any rank failed to describe its model or
     settings, or the ranks disagree; the message names the field (a setting, layer.option, an
     environment variable or the tensor) and the ranks. `settings`: parallelize()'s arguments
-    (data_parallel, algorithm, ranks_per_node, mp_policy, grad_dtype, ...)."""
+    (data_parallel, algorithm, ranks_per_node, mp_policy, grad_dtype, ...). Returns the
+    ExchangeConfig that was agreed on (settings["exchange"], or one built from the environment
+    now): the dispatchers must use this one, so no variable is read again."""
+    settings = dict(settings or {})
     try:
+        settings["exchange"] = resolved(settings.get("exchange"))
         record = {"setup_error": None, **config_record(model, mesh, settings)}
     except Exception as e:  # still join the exchange, so every rank learns of this error
         record = {"setup_error": f"{type(e).__name__}: {e}"}
@@ -165,3 +168,4 @@ def check_config(model: nn.Module, mesh: DeviceMesh, settings: dict | None = Non
     message = describe_mismatch(records)
     if message is not None:
         raise ValueError(f"parallelize: the ranks differ in their model or settings: {message}")
+    return settings["exchange"]

@@ -3,17 +3,6 @@
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moe._moved import moved_names
-
-# the parameter split: public at moe.parallel, defined in moe.experts; old path warns until 0.1
-__getattr__ = moved_names(
-    __name__,
-    {
-        n: f"moe.parallel.{n}"
-        for n in ("dense_parameters", "expert_parameters", "is_expert_parameter")
-    },
-)
-
 
 def init_mesh(dp: int | None = None, ep: int = 1, device_type: str | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("dp", "ep") over the default process group.

@@ -148,8 +148,8 @@ def parallelize(
     MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
     first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
     installs the OverlappedDispatcher, which hides the exchange behind the experts.
-    exchange (moe.comm.ExchangeConfig; None: its defaults) is how the all-to-all runs: the
-    dispatchers hold it (`dispatcher.exchange`) and pass it to every exchange.
+    exchange (moe.comm.ExchangeConfig; None: ExchangeConfig() from the environment, read now)
+    is how the all-to-all runs: the dispatchers hold it and pass it to every exchange.
     dispatcher: a registered dispatcher's name (moe.dispatch.register_dispatcher; None:
     "overlap" with overlap=, else "expert_parallel"); how it is built: `_build_dispatcher`.
     """
@@ -169,7 +169,8 @@ def parallelize(
     }
     # Validates the settings too: a bad value on one rank is the same error on every rank,
     # raised before any exchange.
-    check_config(model, mesh, settings)
+    # environment overrides read once, agreed: the dispatchers get exactly this ExchangeConfig
+    settings["exchange"] = check_config(model, mesh, settings)
     if sync_params:
         _broadcast_from_rank0(model)
     wrap, common = _wrapper(settings)

@@ -5,7 +5,8 @@
 Per MoE layer a heatmap of experts (rows) x steps (columns), the share of the layer's routed
 pairs each expert got (uniform = 1/E; a dark row is an expert the router starves); then the
 share of each EP rank (E experts in ep contiguous blocks; drawn when ep > 1) and the load
-metrics over steps.
+metrics over steps. A trace of many layers draws at most MAX_LAYERS of them (evenly spread,
+first and last included, named in the title), so the figure stays a few thousand pixels tall.
 Needs matplotlib (the `examples` or `bench` extra): without it, a clear error says so.
 """
 
@@ -21,6 +22,7 @@ METRICS = {
     "max_over_mean": "max / mean\nload",
     "dead_experts": "dead experts",
 }
+MAX_LAYERS = 8  # layer panels drawn at most (a 1000-layer trace: 8 panels, not 1000)
 
 
 def _pyplot():
@@ -67,13 +69,26 @@ def _binned(x_SE: np.ndarray, columns: int = 100) -> np.ndarray:
     return x_SE.reshape(-1, window, x_SE.shape[1]).mean(1)
 
 
+def shown_layers(layers: dict[str, dict]) -> dict[str, dict]:
+    """At most MAX_LAYERS of the layers, evenly spread in file order (first and last kept)."""
+    if len(layers) <= MAX_LAYERS:
+        return layers
+    names = list(layers)
+    keep = np.linspace(0, len(names) - 1, MAX_LAYERS).round().astype(int)
+    return {names[i]: layers[names[i]] for i in keep}
+
+
 def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> Path:
-    """Draw the trace file `trace` into the PNG `out`; returns `out`."""
+    """Draw the trace file `trace` into the PNG `out` (exactly that path, suffix or not);
+    returns `out`."""
     records = [r for r in read_trace(trace) if "kind" not in r]  # routing lines
     if not records:
         raise ValueError(f"{trace}: the trace has no lines to plot")
     plt = _pyplot()
-    layers = by_layer(records)
+    all_layers = by_layer(records)
+    layers = shown_layers(all_layers)
+    if len(layers) < len(all_layers):
+        title = f"{title or 'expert load'} ({len(layers)} of {len(all_layers)} layers shown)"
     per_layer = 2 if any(d["rank_load"].shape[1] > 1 for d in layers.values()) else 1
     rows = per_layer * len(layers) + len(METRICS)
     fig, axes = plt.subplots(rows, 1, figsize=(8, 1.2 + 1.6 * rows), squeeze=False)
@@ -111,7 +126,7 @@ def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> 
     fig.suptitle(title or "expert load per MoE layer (uniform = 1/E), rank loads, metrics")
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, format="png")  # no suffix: still this path, not <out>.png
     plt.close(fig)
     return out
 
