@@ -7,14 +7,12 @@ says so, naming the layer, the kernel and the reason, before any work."""
 
 import pathlib
 import re
-import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 import moe
-from moe.dispatch import ExpertParallelDispatcher
 from moe.kernels import ExpertKernel, ExpertWeights, register_kernel
 from moe.kernels.activations import GATED, apply_activation
 from moe.kernels.torch_kernel import TORCH
@@ -162,10 +160,6 @@ def _ranks_body(rank, world):
         )
         got = _grads(model, x_all[mine].clone().requires_grad_())
         diffs[name] = {k: float((got[k] - want[k]).abs().max()) for k in want}
-    with warnings.catch_warnings(record=True) as caught:  # the old argument: unused, warned
-        warnings.simplefilter("always")
-        ExpertParallelDispatcher(dist.group.WORLD, 2, "flat", None, "triton")
-    errors.append(str(caught[0].message) if caught else "no warning")
     dist.barrier()
     return errors, diffs, len(LOOP.calls)
 
@@ -174,7 +168,6 @@ def test_registered_kernel_and_dispatcher_under_parallelize_equal_one_process():
     for errors, diffs, loop_calls in run_ranks(_ranks_body, 2, timeout=180):
         assert "dispatcher='nope' is not one of" in errors[0]
         assert "dispatcher='allgather' takes no overlap degree" in errors[1]
-        assert "backend argument is unused and deprecated" in errors[2]
         assert loop_calls >= 2  # the registered kernel ran (plain and overlapped)
         for name, by_tensor in diffs.items():
             assert len(by_tensor) >= 5, by_tensor

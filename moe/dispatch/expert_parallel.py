@@ -1,7 +1,6 @@
 """Expert-parallel dispatch: send each kept row to the rank holding its expert (uneven
 all-to-all, flat or hierarchical), reorder to expert-major, and the reverse on combine."""
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +57,8 @@ class ExpertParallelDispatcher(Dispatcher):
         num_local_experts: int,
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
-        backend: str | None = None,
         exchange_config: ExchangeConfig | None = None,
     ):
-        warn_backend(backend)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if num_local_experts < 1:
@@ -126,14 +123,3 @@ class ExpertParallelDispatcher(Dispatcher):
         num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
         out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
         return weighted_sum_rows(out_MD, ctx.plan, ctx.kernel)
-
-
-def warn_backend(backend: str | None) -> None:
-    """The dispatchers' old `backend` argument: the combine now runs on the experts' kernel."""
-    if backend is not None:
-        warnings.warn(
-            "the expert-parallel dispatchers' backend argument is unused and deprecated: the "
-            "combine runs on the layer's kernel (MoEConfig.backend)",
-            DeprecationWarning,
-            stacklevel=3,
-        )

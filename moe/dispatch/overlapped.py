@@ -82,13 +82,10 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         num_local_experts: int,
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
-        backend: str | None = None,
         degree: int | str = "auto",
         exchange_config: ExchangeConfig | None = None,
     ):
-        super().__init__(
-            group, num_local_experts, algorithm, ranks_per_node, backend, exchange_config
-        )
+        super().__init__(group, num_local_experts, algorithm, ranks_per_node, exchange_config)
         if validate_overlap(degree) is None:
             raise ValueError("degree must be an int >= 1 or 'auto', got None")
         self.degree = degree
