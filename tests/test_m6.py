@@ -1,6 +1,8 @@
 """The M6 example: the tiny config trains, resumes exactly, matches across ranks, and the
 large configs' meta-device parameter counts equal their stated sizes."""
 
+import contextlib
+import io
 import json
 import warnings
 
@@ -48,8 +50,13 @@ def test_resume_continues_with_the_same_losses(uninterrupted, tmp_path):
 
 
 def _two_ranks(rank, world_size, run_dir, data_parallel):
-    """The run's losses and every warning it raised (a user sees each one per rank)."""
+    """The run's losses and every warning it raised (a user sees each one per rank); first
+    a bad --spare-slots for 2 ranks: exit status and stderr."""
     argv = ["--steps", "8", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST]
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        status = train.main([*argv, "--spare-slots", "16"])
+    assert status == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert err.getvalue().startswith("error: --spare-slots 16: at most 8 for 8 experts on --ep 2")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = train.run([*argv, "--data-parallel", data_parallel])["losses"]

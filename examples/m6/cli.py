@@ -234,6 +234,13 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(
             f"--spare-slots must be a non-negative multiple of --ep {ep}, got {args.spare_slots}"
         )
+    most = cfg.num_experts * (ep - 1) if ep > 1 else cfg.num_experts
+    if cfg.is_moe and args.spare_slots > most:
+        rule = f"{cfg.num_experts} experts x (--ep {ep} - 1)" if ep > 1 else "one copy each"
+        raise UsageError(
+            f"--spare-slots {args.spare_slots}: at most {most} for {cfg.num_experts} experts "
+            f"on --ep {ep} ({rule}: no two copies of an expert on one rank)"
+        )
     if args.spare_slots and not cfg.is_moe:
         raise UsageError(
             f"--spare-slots {args.spare_slots} needs an MoE model; {cfg.name} is dense"
