@@ -29,10 +29,11 @@ GPU = "needs a GPU (run by tests/test_cuda.py and scripts/gpu_check.sh on GPU ma
 SKIP = {
     "bash scripts/quickstart.sh": "installs packages (the network); its M6 run is run below",
     "bash .ci/run": "is CI itself",
+    "python3 -m venv .venv && . .venv/bin/activate": "a new environment (quickstart.sh's)",
+    'pip install -e ".[examples]"': "installs packages (CI installs these extras)",
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": "the network",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "the network",
     'pip install -e ".[examples,hf,test]"': "installs packages (CI installs these extras)",
-    'pip install -e ".[examples]"': "installs packages (CI installs these extras)",
     'pip install -e ".[hf]"': "installs packages (CI installs these extras)",
     "python examples/m6/train.py --config m6-tiny-gpu": GPU,
     "torchrun --nproc-per-node 8 examples/m6/train.py --ep 8": GPU + " (8 GPUs, NCCL)",

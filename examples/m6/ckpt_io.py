@@ -129,6 +129,9 @@ def check_state(state, step: int) -> None:
     for key in HISTORY_LISTS[1:6]:
         if len(history[key]) != len(history["step"]):
             raise bad(f"history.{key}", f"must have one entry per step ({len(history['step'])})")
+    resumed = history.get("resume_step", [])
+    if not isinstance(resumed, list) or not all(_number(v) for v in resumed):
+        raise bad("history.resume_step", "must be a list of numbers")
     if not isinstance(history.get("title"), str):
         raise bad("history.title", "must be a string")
     if "rng" in state:
@@ -188,7 +191,9 @@ def resume(root: Path, model, opt, cfg: M6Config, data, args, say) -> tuple[dict
     if start >= args.steps:
         raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
     say(f"resuming from step {start} ({path})")
-    return state["history"], start
+    history = state["history"]
+    history["resume_step"] = [*history.get("resume_step", []), start]  # marked in loss.png
+    return history, start
 
 
 def config_differences(saved: dict, live: dict) -> str:
