@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dense", action="store_true", help="dense baseline at equal active FLOPs")
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
-    g.add_argument("--steps", type=int, default=500)
+    g.add_argument(
+        "--steps", type=int, default=500, help="training steps in all (the schedule's length)"
+    )
     g.add_argument(
         "--global-batch",
         type=int,
@@ -80,11 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{TRAIN_DEFAULTS['m6-tiny-gpu']['global_batch']} for m6-tiny-gpu)",
     )
     g.add_argument("--micro-batch", type=int, help="examples per forward per rank (default: all)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument(
+        "--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 10%%"
+    )
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights, data order and split")
     add_device_args(g)
     g.add_argument(
         "--threads",
@@ -112,14 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="count the host syncs of the training steps (CUDA: torch.cuda.set_sync_debug_mode)",
     )
     g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
-    g.add_argument("--eval-batch", type=int, default=256)
+    g.add_argument("--eval-batch", type=int, default=256, help="examples per held-out forward")
     g.add_argument(
         "--log-every",
         type=int,
         default=10,
         help="read the metrics back every n steps: the only host sync of training",
     )
-    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-plots", action="store_true", help="write no PNGs at the end")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     g = p.add_argument_group("parallelism (under torchrun)")
     g.add_argument("--dp", type=int, help="data-parallel size (default world / ep)")
@@ -142,7 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--groups", type=int, default=1, help="optimizer apply groups (Whale num_apply_group)"
     )
-    g.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
+    g.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "all"),
+        default="none",
+        help="optimizer state (optimizer), also the fp32 masters (all) in host memory "
+        "(moe.memory.GroupedApply; any layout)",
+    )
     g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
     g.add_argument(
         "--rebalance-every",
@@ -163,8 +173,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
     )
-    g.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
-    g.add_argument("--micro-batch-tokens", type=int)
+    g.add_argument(
+        "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="planned parameter dtype"
+    )
+    g.add_argument(
+        "--micro-batch-tokens", type=int, help="planned tokens per device per micro-batch"
+    )
     return p.parse_args(argv)
 
 
