@@ -96,3 +96,37 @@ def test_offload_under_ep_x_dp_equals_no_offload(tmp_path):
                 assert out[mode, offload, "bytes"] == 0, (rank, mode, offload)
             assert out[mode, None, "bytes"] > 0
             assert out[mode, "reload"] <= 1e-12, (rank, mode, out[mode, "reload"])
+
+
+def _rebalance_body(rank, world):
+    """ep = 2 with rebalance_experts after each step (experts and their state move between
+    ranks): offloaded runs equal the run without offload."""
+    from moe.memory import GroupedApply
+    from moe.parallel import init_mesh, parallelize, rebalance_experts
+
+    out = {}
+    for mode in ("ddp", "fsdp"):
+        params, moved = {}, {}
+        for offload in OFFLOADS:
+            model = parallelize(build_model().double(), init_mesh(dp=1, ep=2), mode)
+            opt = GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, offload, lr=1e-2)
+            moved[offload] = 0
+            for step in range(4):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(16, D, generator=g, dtype=torch.float64)[rank * 8 : rank * 8 + 8]
+                x = x * (1 + step)
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                moved[offload] += rebalance_experts(model, opt, min_gain=0.0).moved_experts
+            params[offload] = [p.full_tensor() for p in model.parameters()]
+        for offload in OFFLOADS[1:]:
+            err = max((a - b).abs().max().item() for a, b in zip(params[offload], params[None]))
+            out[mode, offload] = (err, moved[offload])
+    return out
+
+
+def test_offload_with_rebalance_equals_no_offload():
+    for out in run_ranks(_rebalance_body, 2, timeout=300):
+        for key, (err, moved) in out.items():
+            assert moved > 0 and err <= 1e-12, (key, err, moved)

@@ -100,6 +100,10 @@ class HostPipeline:
         self._d2h_done: list = [None] * len(groups)
         self._h2d_done: list = [None, None]
         self._fetched: list[list[Entry]] = [[] for _ in groups]
+        # "all" with an fp32 host copy as the only weights: a parameter changed in place since
+        # the copy was made or last written back (rebalance_experts moving expert rows, a
+        # load_state_dict) is fetched again; the version counter tells, at no cost
+        self._written = {id(e): _version(e) for entries in groups for e in entries}
 
     @property
     def staging_bytes(self) -> int:
@@ -150,6 +154,12 @@ class HostPipeline:
                 sources = local_all(sources)
                 shadows = [e.shadow for e in entries]
                 torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
+            else:
+                changed = [e for e in entries if self._changed(e)]
+                if changed:
+                    sources = local_all([e.param for e in changed])
+                    shadows = [e.shadow for e in changed]
+                    torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
         self._d2h_done[g] = self._record(self.d2h)
 
     def _attach(self, g: int, slot: int, factor: float | None) -> None:
@@ -194,3 +204,14 @@ class HostPipeline:
                 params = local_all([e.param for e in mastered])
                 torch._foreach_copy_(params, local_all([e.master for e in mastered]))
         self._h2d_done[slot] = self._record(self.h2d)
+        for e in entries:
+            self._written[id(e)] = _version(e)
+
+    def _changed(self, e: Entry) -> bool:
+        """Whether `e`'s parameter changed in place since its host copy was last written
+        (only an fp32 host copy without a separate master is refreshed from it)."""
+        return e.master is None and _version(e) != self._written.get(id(e))
+
+
+def _version(e: Entry) -> int:
+    return local(e.param)._version
