@@ -97,6 +97,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU intra-op threads (0: torch's default); the tiny model's matrices "
         "are too small for more threads to pay, they only contend",
     )
+    _output_args(p)
+    _parallel_args(p)
+    g = p.add_argument_group("memory plan (meta device, no allocation)")
+    g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
+    g.add_argument("--world-size", type=int, help="devices of the planned cluster")
+    g.add_argument(
+        "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
+    )
+    g.add_argument(
+        "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="planned parameter dtype"
+    )
+    g.add_argument(
+        "--micro-batch-tokens", type=int, help="planned tokens per device per micro-batch"
+    )
+    return p.parse_args(argv)
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the run directory, checkpoints, evaluation and logging."""
     g = p.add_argument_group("outputs")
     g.add_argument("--run-dir", help="default runs/<config>")
     g.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
@@ -125,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--no-plots", action="store_true", help="write no PNGs at the end")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    """The flags of expert x data parallelism and of the memory features."""
     g = p.add_argument_group("parallelism (under torchrun)")
     g.add_argument("--dp", type=int, help="data-parallel size (default world / ep)")
     g.add_argument("--ep", type=int, help="expert-parallel size (default 1)")
@@ -167,19 +190,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="expert slots per MoE layer for copies of hot experts, placed by "
         "--rebalance-every (a multiple of --ep; 0: none)",
     )
-    g = p.add_argument_group("memory plan (meta device, no allocation)")
-    g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
-    g.add_argument("--world-size", type=int, help="devices of the planned cluster")
-    g.add_argument(
-        "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
-    )
-    g.add_argument(
-        "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="planned parameter dtype"
-    )
-    g.add_argument(
-        "--micro-batch-tokens", type=int, help="planned tokens per device per micro-batch"
-    )
-    return p.parse_args(argv)
 
 
 def resolve_config(args) -> M6Config:
@@ -248,13 +258,7 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(
             f"--spare-slots must be a non-negative multiple of --ep {ep}, got {args.spare_slots}"
         )
-    most = cfg.num_experts * (ep - 1) if ep > 1 else cfg.num_experts
-    if cfg.is_moe and args.spare_slots > most:
-        rule = f"{cfg.num_experts} experts x (--ep {ep} - 1)" if ep > 1 else "one copy each"
-        raise UsageError(
-            f"--spare-slots {args.spare_slots}: at most {most} for {cfg.num_experts} experts "
-            f"on --ep {ep} ({rule}: no two copies of an expert on one rank)"
-        )
+    check_spare_slots(args.spare_slots, cfg, ep)
     if args.spare_slots and not cfg.is_moe:
         raise UsageError(
             f"--spare-slots {args.spare_slots} needs an MoE model; {cfg.name} is dense"
@@ -305,6 +309,18 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         if not complete_steps(run_dir(args, cfg) / "checkpoint"):
             raise UsageError(f"--resume: no checkpoint in {run_dir(args, cfg) / 'checkpoint'}")
     probe_run_dir(run_dir(args, cfg))
+
+
+def check_spare_slots(spare: int, cfg: M6Config, ep: int) -> None:
+    """Copies of an expert live on different EP ranks: at most E x (ep - 1) spare slots (one
+    copy of each expert in one process), checked before any tensor is allocated."""
+    most = cfg.num_experts * (ep - 1) if ep > 1 else cfg.num_experts
+    if cfg.is_moe and spare > most:
+        rule = f"{cfg.num_experts} experts x (--ep {ep} - 1)" if ep > 1 else "one copy each"
+        raise UsageError(
+            f"--spare-slots {spare}: at most {most} for {cfg.num_experts} experts "
+            f"on --ep {ep} ({rule}: no two copies of an expert on one rank)"
+        )
 
 
 def probe_run_dir(path: Path) -> None:
