@@ -44,7 +44,7 @@ from pathlib import Path
 from bench.a2a.model import GPU_CLUSTER
 from bench.a2a.netem import netns_available, run_emulated
 from bench.a2a.report import projection_table, write_report
-from bench.a2a.runner import run_local, sweep_sizes, worker_main
+from bench.a2a.runner import default_ranks_per_node, run_local, sweep_sizes, worker_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,34 +54,71 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--ranks-per-node",
         type=int,
         default=None,
-        help="2D layout for the hierarchical path (default: LOCAL_WORLD_SIZE, or 4 "
-        "for spawned ranks)",
+        help="2D layout for the hierarchical path (default: LOCAL_WORLD_SIZE across nodes; "
+        "all ranks on one host: 2 emulated nodes of W/2 ranks when W is even and >= 4)",
     )
-    p.add_argument("--min-bytes", type=int, default=1 << 10)
-    p.add_argument("--max-bytes", type=int, default=1 << 26)
-    p.add_argument("--factor", type=int, default=2)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--min-bytes", type=int, default=1 << 10, help="smallest per-rank send buffer (bytes)"
+    )
+    p.add_argument(
+        "--max-bytes", type=int, default=1 << 26, help="largest per-rank send buffer (bytes)"
+    )
+    p.add_argument(
+        "--factor", type=int, default=2, help="size step: each size is the previous times this"
+    )
+    p.add_argument(
+        "--iters", type=int, default=20, help="timed iterations per size and algorithm (at most)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds the iterations are split into, interleaved across algorithms",
+    )
     p.add_argument("--budget", type=float, default=4.0, help="target seconds per size")
     p.add_argument("--emulated-budget", type=float, default=20.0, help="same, emulated runs")
-    p.add_argument("--uneven", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--uneven",
+        action="store_true",
+        help="random uneven splits (size = the largest per-rank buffer)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the uneven splits")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
-    p.add_argument("--wall-limit", type=float, default=1800.0)
+    p.add_argument(
+        "--wall-limit", type=float, default=1800.0, help="seconds before a run is stopped"
+    )
     p.add_argument("--backend", default=None, help="force gloo under torchrun with CUDA")
     p.add_argument("--emulate", default=None, help="NxL: emulated two-tier network (root)")
-    p.add_argument("--rate-mbit", type=int, default=1000)
-    p.add_argument("--burst-kb", type=int, default=32)
-    p.add_argument("--latency-ms", type=float, default=50.0)
-    p.add_argument("--emulated-max-bytes", type=int, default=1 << 26)
+    p.add_argument(
+        "--rate-mbit",
+        type=int,
+        default=1000,
+        help="emulated node link rate (tbf), Mbit/s per direction",
+    )
+    p.add_argument("--burst-kb", type=int, default=32, help="tbf burst (KiB)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=50.0,
+        help="tbf queue bound (ms; not a propagation delay)",
+    )
+    p.add_argument(
+        "--emulated-max-bytes", type=int, default=1 << 26, help="largest size in emulated runs"
+    )
     p.add_argument(
         "--suite",
         action="store_true",
         help="loopback even+uneven and emulated 2x4 even+uneven, then the model",
     )
     p.add_argument("--report", default=None, help="write a markdown report here")
-    p.add_argument("--json", default=None)
-    p.add_argument("--model-only", action="store_true")
+    p.add_argument(
+        "--json", default=None, help="also write the rows of a run (rank 0) to this JSON file"
+    )
+    p.add_argument(
+        "--model-only",
+        action="store_true",
+        help="print the alpha-beta projection for 8x8 GPUs and exit",
+    )
     p.add_argument("--from-json", default=None, help="rewrite --report from a saved run")
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -137,7 +174,7 @@ def main(argv=None) -> int:
     _with_signals_as_exit()
     runs: list[tuple[str, dict]] = []
     cfg = base_cfg(a)
-    cfg["ranks_per_node"] = a.ranks_per_node or 4
+    cfg["ranks_per_node"] = a.ranks_per_node or default_ranks_per_node(a.nproc)
     if a.suite:
         for uneven in (False, True):
             tag = "uneven" if uneven else "even"

@@ -5,6 +5,7 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from moe import replica_guard
@@ -142,7 +143,10 @@ class MoELayer(nn.Module):
         if y_TD.requires_grad and not torch.compiler.is_compiling():
             marks = self._replica_grads_arrived if self.config.spare_slots else None
             y_TD = self._backwards.watch(y_TD, marks)
-        return y_TD.view(x.shape)
+        # FSDP2 (parallelize) hooks its pre-backward all-gather onto the output, which an
+        # in-place op on a view would drop: there, one T x D copy instead of a view
+        fsdp = isinstance(self, FSDPModule) and y_TD.requires_grad
+        return y_TD.view(x.shape).clone() if fsdp else y_TD.view(x.shape)
 
     def _replica_grads_arrived(self) -> None:
         self.replica_grads_pending = True  # a backward reached this layer: copies to sum

@@ -69,6 +69,7 @@ def _fresh_model_and_opt():
         (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
         (["--ep", "0"], "--ep must be >= 1, got 0"),
         (["--device", "tpu"], "--device 'tpu' is unknown"),
+        (["--spare-slots", "2147483647"], "--spare-slots 2147483647: at most 8 for 8 experts"),
     ],
 )
 def test_bad_arguments_are_one_error_line_before_any_work(argv, message, tmp_path, capsys):

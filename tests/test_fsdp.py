@@ -200,10 +200,11 @@ def _compose_body(rank, world):
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-5, msg=n)
         out.append(float(norms[0]))
-    try:  # host-offloaded optimizer state on DTensors: FSDP2's CPUOffloadPolicy instead
-        GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, "optimizer")
-    except ValueError as e:
-        out.append(str(e))
+    # host-offloaded optimizer state on DTensors: each rank's shard (tests/test_offload_parallel)
+    offloaded = GroupedApply(model.named_parameters(), torch.optim.AdamW, 2, "optimizer")
+    out.append(
+        all(s.device.type == "cpu" for i in offloaded._inner for s in i.param_groups[0]["params"])
+    )
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = parallelize(
         build_model(),
@@ -223,7 +224,7 @@ def _compose_body(rank, world):
 def test_fsdp_composes_with_grouped_apply_clip_checkpointing_and_compile():
     results = run_ranks(_compose_body, 4, timeout=300)
     assert all(r == results[0] for r in results)
-    assert "CPUOffloadPolicy" in results[0][1] and results[0][2] is True
+    assert results[0][1] is True and results[0][2] is True
 
 
 def _dies_body(rank, world):

@@ -195,3 +195,23 @@ def test_other_optimizer_and_errors():
         GroupedApply([{"params": list(model.parameters())}], torch.optim.AdamW)
     with pytest.raises(NotImplementedError):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+
+
+def test_offload_all_takes_parameters_changed_in_place():
+    """offload="all": the host copy holds the weights between steps; a parameter changed in
+    place (a load_state_dict, rebalance_experts moving rows) is fetched again at the step."""
+    model, ref = small_model(), small_model()
+    opt = GroupedApply(model.parameters(), torch.optim.AdamW, 2, "all", **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        if step == 1:
+            state = {
+                k: v * 0.5 if v.is_floating_point() else v for k, v in ref.state_dict().items()
+            }
+            model.load_state_dict(state)
+            ref.load_state_dict(state)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            set_grads(list(m.parameters()), step)
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,10 @@
 """The M6 example: the tiny config trains, resumes exactly, matches across ranks, and the
 large configs' meta-device parameter counts equal their stated sizes."""
 
+import contextlib
+import io
 import json
+import warnings
 
 import pytest
 import torch
@@ -47,15 +50,26 @@ def test_resume_continues_with_the_same_losses(uninterrupted, tmp_path):
 
 
 def _two_ranks(rank, world_size, run_dir, data_parallel):
+    """The run's losses and every warning it raised (a user sees each one per rank); first
+    a bad --spare-slots for 2 ranks: exit status and stderr."""
     argv = ["--steps", "8", "--run-dir", run_dir, "--dp", "1", "--ep", "2", *FAST]
-    return train.run([*argv, "--data-parallel", data_parallel])["losses"]
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        status = train.main([*argv, "--spare-slots", "16"])
+    assert status == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert err.getvalue().startswith("error: --spare-slots 16: at most 8 for 8 experts on --ep 2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train.run([*argv, "--data-parallel", data_parallel])["losses"]
+    return losses, [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_single_process(tmp_path, data_parallel):
     # The same routing groups on one process: the global batch as two micro-batches.
     single = _run(tmp_path / "single", "--micro-batch", "16", steps=8)["losses"]
-    ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), data_parallel, timeout=120)
+    results = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), data_parallel, timeout=120)
+    assert [w for _, caught in results for w in caught] == []  # FSDP2's view, deprecations
+    ranks = [losses for losses, _ in results]
     assert ranks[0] == ranks[1]
     assert ranks[0] == pytest.approx(single, abs=1e-5, rel=1e-5)
 

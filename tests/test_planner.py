@@ -148,6 +148,8 @@ def test_plan_validates():
         plan_memory(TinyConfig(num_experts=4), world_size=8, dp=1, ep=8)
     with pytest.raises(ValueError, match="offload"):
         plan_memory(TinyConfig(), world_size=1, dp=1, ep=1, offload="gpu")
+    with pytest.raises(TypeError, match="is not a moe.memory.PlannerModel: it has no n_layers"):
+        plan_memory(object(), world_size=1, dp=1, ep=1)  # e.g. a transformers LlamaConfig
 
 
 def measured_activation_bytes(model: nn.Module, tokens_BS: torch.Tensor) -> int:

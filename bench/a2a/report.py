@@ -13,20 +13,53 @@ from pathlib import Path
 import torch
 
 from bench.a2a.model import GPU_CLUSTER, fit_model, model_check, projection_table
-from bench.a2a.tables import TABLE_ALGOS, algo_table, comparison_table
+from bench.a2a.tables import TABLE_ALGOS, algo_table, compares_hier, comparison_table
 from moe.comm.cost_model import CostModel, save_profile
 
 PROJECTION_SIZES = [1 << (10 + 2 * i) for i in range(9)]  # 1 KiB .. 64 MiB, x4
 
-LIMITS = """## What this machine cannot show
 
-- No per-message latency: netem is unavailable, so the emulated network shapes bandwidth (tbf)
-  but adds no propagation delay. Real networks charge microseconds per message, which is what
-  the hierarchical path saves; here that saving is mostly invisible.
-- 8 ranks oversubscribe 2 CPU cores (shared with other jobs during this run), so small-message
-  times measure process scheduling more than communication.
-- gloo over TCP is not NCCL over NVLink / InfiniBand: absolute numbers say nothing about GPUs.
-"""
+def limits_section(results: dict[str, dict]) -> str:
+    """What this run cannot show, from its own ranks and this machine's cores."""
+    cores = os.cpu_count() or 1
+    worlds = sorted({res["meta"]["world_size"] for res in results.values()})
+    most = max(worlds, default=0)
+    share = (
+        f"- {most} ranks on {cores} CPU cores: oversubscribed, so small-message times measure "
+        "process scheduling more than communication."
+        if most > cores
+        else f"- {most} ranks on {cores} CPU cores: one core per rank at most."
+    )
+    return "\n".join([
+        "## What this machine cannot show",
+        "",
+        "- No per-message latency: netem is unavailable, so the emulated network shapes "
+        "bandwidth (tbf) but adds no propagation delay. Real networks charge microseconds per "
+        "message, which is what the hierarchical path saves; here that saving is mostly invisible.",
+        share,
+        "- gloo over TCP is not NCCL over NVLink / InfiniBand: absolute numbers say nothing "
+        "about GPUs.",
+        "",
+    ])  # fmt: skip
+
+
+def machine_line(results: dict[str, dict]) -> str:
+    """Cores, ranks and the load average seen at the end of the run (other jobs show there)."""
+    cores = os.cpu_count() or 1
+    worlds = ", ".join(str(w) for w in sorted({r["meta"]["world_size"] for r in results.values()}))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    over = (
+        " (more ranks than cores)"
+        if any(r["meta"]["world_size"] > cores for r in results.values())
+        else ""
+    )
+    busy = max(r["meta"]["world_size"] for r in results.values()) if results else 0
+    shared = " (above the rank count: other jobs shared the machine)" if load > busy else ""
+    return (
+        f"Machine: {cores}-core CPU, torch {torch.__version__}, gloo over TCP, {worlds} ranks"
+        f"{over}, every rank 1 intra-op thread; 1-minute load average {load:.1f} when the "
+        f"report was written{shared}."
+    )
 
 
 def targets_section(results: dict[str, dict], model: CostModel | None) -> list[str]:
@@ -98,21 +131,23 @@ def write_report(path: Path, results: dict[str, dict], cfgs: dict[str, dict], ar
         "",
         f"Command: `{argv}`",
         "",
-        f"Machine: {os.cpu_count()}-core CPU VM, torch {torch.__version__}, gloo over TCP;\n"
-        "every rank uses 1 intra-op thread. The machine was shared with other jobs (tests of\n"
-        "other work) during the run, and 8 ranks oversubscribe the cores, so small-message times\n"
-        "are dominated by process scheduling; rerun on a quiet machine with the same command.",
+        machine_line(results),
         "",
     ]
     for name, res in results.items():
         meta, cfg = res["meta"], cfgs[name]
-        W = meta["world_size"]
+        W, L = meta["world_size"], meta["ranks_per_node"]
+        one_node = (
+            " One node: the hierarchical exchange is the flat one, so its ratios are n/a."
+            if not compares_hier(W, L)
+            else ""
+        )
         lines += [
             f"## {name}",
             "",
-            f"{W} ranks, 2D layout {W // meta['ranks_per_node']}x{meta['ranks_per_node']}, "
+            f"{W} ranks, 2D layout {W // L}x{L}, "
             f"{'uneven' if meta['uneven'] else 'even'} splits, float32, "
-            f"sizes {cfg['min_bytes']}..{cfg['max_bytes']} B x{cfg['factor']}.",
+            f"sizes {cfg['min_bytes']}..{cfg['max_bytes']} B x{cfg['factor']}.{one_node}",
             "",
         ]
         if "emulate" in name:
@@ -129,10 +164,11 @@ def write_report(path: Path, results: dict[str, dict], cfgs: dict[str, dict], ar
             ]
         for algo, what in TABLE_ALGOS.items():
             lines += [f"### {algo}: {what}", "", algo_table(res["rows"], W, algo), ""]
-        lines += ["### comparison (busbw ratios)", "", comparison_table(res["rows"], W), ""]
+        lines += ["### comparison (busbw ratios)", "", comparison_table(res["rows"], W, L), ""]
     model = None
-    if "emulated 2x4, even" in results and "loopback 8 ranks, even" in results:
-        emu, loop = results["emulated 2x4, even"], results["loopback 8 ranks, even"]
+    loops = [n for n in results if n.startswith("loopback") and n.endswith(", even")]
+    if "emulated 2x4, even" in results and loops:
+        emu, loop = results["emulated 2x4, even"], results[loops[0]]
         model = fit_model(loop, emu)
         profile = path.with_name(path.stem + "-profile.json")
         save_profile(model, profile, meta={"from": path.name, "machine": "2-core CPU, gloo"})
@@ -160,7 +196,7 @@ def write_report(path: Path, results: dict[str, dict], cfgs: dict[str, dict], ar
             )
         lines += [""]
     lines += [
-        LIMITS,
+        limits_section(results),
         "## Projection (not a measurement): 8 nodes x 8 GPUs",
         "",
         "PROJECTION from `moe.comm.cost_model.NVLINK_IB` (NVLink 450 GB/s per GPU per direction,",

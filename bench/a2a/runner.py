@@ -21,6 +21,12 @@ from moe.comm.exchange_plan import all_to_all, plan_all_to_all
 ALGOS = ("raw", "flat", "hier", "flat*", "hier*", "raw+cnt")
 
 
+def default_ranks_per_node(W: int) -> int:
+    """Ranks per (emulated) node when all ranks share one host: 2 nodes when W is even and
+    >= 4, so the hierarchical column compares something; else one node."""
+    return W // 2 if W >= 4 and W % 2 == 0 else W
+
+
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     sizes, s = [], min_bytes
     while s <= max_bytes:
@@ -133,13 +139,15 @@ def worker_main(cfg: dict) -> None:
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     W, rank = dist.get_world_size(), dist.get_rank()
-    L = cfg["ranks_per_node"] or int(os.environ.get("LOCAL_WORLD_SIZE", W))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", W))
+    L = cfg["ranks_per_node"] or (local if local < W else default_ranks_per_node(W))
     cfg = {**cfg, "ranks_per_node": L}
     rows = []
     if rank == 0:
+        emulated = " (emulated: all ranks on one host)" if local >= W and W // L > 1 else ""
         print(
-            f"# {W} ranks, {dist.get_backend()} on {device.type}, 2D layout {W // L}x{L}, "
-            f"{'uneven' if cfg['uneven'] else 'even'} splits, float32",
+            f"# {W} ranks, {dist.get_backend()} on {device.type}, 2D layout {W // L}x{L}"
+            f"{emulated}, {'uneven' if cfg['uneven'] else 'even'} splits, float32",
             flush=True,
         )
     sizes = sweep_sizes(cfg["min_bytes"], cfg["max_bytes"], cfg["factor"])
@@ -151,11 +159,11 @@ def worker_main(cfg: dict) -> None:
             bar.update(1)
             bar.set_postfix_str(f"{size} B")
         elif rank == 0:  # piped output: one line per finished size
-            print(console_line(row, W), flush=True)
+            print(console_line(row, W, L), flush=True)
     if bar is not None:
         bar.close()
     if rank == 0:
-        print(console_tables(rows, W), flush=True)
+        print(console_tables(rows, W, L), flush=True)
     if rank == 0 and cfg.get("json"):
         meta = {
             "world_size": W,

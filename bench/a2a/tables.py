@@ -16,6 +16,19 @@ TABLE_ALGOS = {
     "hier*": "moe hierarchical, reused plan (tokens only)",
 }
 
+# What the console lines and the PNG show, in this order (the same numbers in both).
+PLOTTED = ("raw", "flat", "hier", "flat*", "hier*")
+
+
+def fmt_bw(gbps: float) -> str:
+    """GB/s with 4 significant digits: small sizes never print as 0.000."""
+    return f"{gbps:.4g}"
+
+
+def compares_hier(W: int, L: int) -> bool:
+    """The hierarchical exchange differs from the flat one only across 2 or more nodes."""
+    return W // L >= 2
+
 
 def busbw(size: int, time_us: float, W: int) -> tuple[float, float]:
     """(algbw, busbw) in GB/s."""
@@ -43,27 +56,29 @@ def algo_table(rows: list[dict], W: int, algo: str, markdown: bool = True) -> st
                 str(row["count"]),
                 "float",
                 f"{t:.1f}",
-                f"{a:.4f}",
-                f"{b:.4f}",
+                fmt_bw(a),
+                fmt_bw(b),
             ]
             + ([wrong_cell(row, algo)] if checked else [])
         )
     return _render(head, body, markdown)
 
 
-def comparison_table(rows: list[dict], W: int, markdown: bool = True) -> str:
-    """Busbw ratios per size: flat/raw and hierarchical/flat, full call and reused plan."""
+def comparison_table(rows: list[dict], W: int, L: int, markdown: bool = True) -> str:
+    """Busbw ratios per size: flat/raw and hierarchical/flat, full call and reused plan;
+    the hierarchical ratios are n/a on one node (W // L = 1: the same exchange as flat)."""
     head = ["size (B)", "flat/raw", "hier/flat", "flat*/raw", "hier*/flat*"]
     body = []
     for row in rows:
         t = row["time_us"]
+        hier = compares_hier(W, L)
         body.append(
             [
                 str(row["size"]),
                 f"{t['raw'] / t['flat']:.2f}",
-                f"{t['flat'] / t['hier']:.2f}",
+                f"{t['flat'] / t['hier']:.2f}" if hier else "n/a (1 node)",
                 f"{t['raw'] / t['flat*']:.2f}",
-                f"{t['flat*'] / t['hier*']:.2f}",
+                f"{t['flat*'] / t['hier*']:.2f}" if hier else "n/a (1 node)",
             ]
         )
     return _render(head, body, markdown)
@@ -82,17 +97,18 @@ def _render(head: list[str], body: list[list[str]], markdown: bool) -> str:
     return "\n".join(lines)
 
 
-def console_line(row: dict, W: int) -> str:
-    """One finished size: busbw of raw / flat / hier (aligned, under 100 columns)."""
+def console_line(row: dict, W: int, L: int) -> str:
+    """One finished size: busbw (GB/s) of every column the PNG draws, and hier/flat."""
     t = row["time_us"]
-    cells = " ".join(f"{a}={busbw(row['size'], t[a], W)[1]:8.3f}" for a in ("raw", "flat", "hier"))
-    return f"{row['size']:>10d} B  busbw GB/s  {cells}  hier/flat={t['flat'] / t['hier']:5.2f}"
+    cells = " ".join(f"{a}={fmt_bw(busbw(row['size'], t[a], W)[1]):>9}" for a in PLOTTED)
+    ratio = f"hier/flat={t['flat'] / t['hier']:.2f}" if compares_hier(W, L) else "hier n/a (1 node)"
+    return f"{row['size']:>10d} B busbw GB/s {cells} {ratio}"
 
 
-def console_tables(rows: list[dict], W: int) -> str:
+def console_tables(rows: list[dict], W: int, L: int) -> str:
     """The report's tables, aligned as plain text."""
     parts = []
     for algo, what in TABLE_ALGOS.items():
         parts += [f"# {algo}: {what}", algo_table(rows, W, algo, markdown=False), ""]
-    parts += ["# comparison (busbw ratios)", comparison_table(rows, W, markdown=False)]
+    parts += ["# comparison (busbw ratios)", comparison_table(rows, W, L, markdown=False)]
     return "\n".join(parts)

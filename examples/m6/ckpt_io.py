@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 import moe.checkpoint
+from examples.m6.cli import UsageError
+from examples.m6.config import M6Config
 from examples.m6.setup import unwrap
 from moe.checkpoint import CheckpointError, CheckpointNotFoundError
 
@@ -61,6 +63,21 @@ def _has_checkpoint(path: Path) -> bool:
 def complete_steps(root: Path) -> list[tuple[int, Path]]:
     """Published steps under `root`, newest first (folders of killed saves are not listed)."""
     return [(step, path) for step, path in _step_folders(root) if _has_checkpoint(path)]
+
+
+def set_aside(root: Path) -> tuple[int, Path] | None:
+    """A fresh run into a run directory holding another run's checkpoints: move that run's
+    `root` to `<root>.old-K` (K the least unused) so the runs never mix and nothing is
+    deleted; returns (its newest step, the new path), or None when `root` holds no step.
+    Rank 0 only (the caller orders the other ranks after it)."""
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    k = 1
+    while (aside := root.with_name(f"{root.name}.old-{k}")).exists():
+        k += 1
+    root.rename(aside)
+    return steps[0][0], aside
 
 
 def save_step(root: Path, model, opt, state: dict) -> Path:
@@ -112,6 +129,9 @@ def check_state(state, step: int) -> None:
     for key in HISTORY_LISTS[1:6]:
         if len(history[key]) != len(history["step"]):
             raise bad(f"history.{key}", f"must have one entry per step ({len(history['step'])})")
+    resumed = history.get("resume_step", [])
+    if not isinstance(resumed, list) or not all(_number(v) for v in resumed):
+        raise bad("history.resume_step", "must be a list of numbers")
     if not isinstance(history.get("title"), str):
         raise bad("history.title", "must be a string")
     if "rng" in state:
@@ -149,3 +169,52 @@ def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
         return state, path, problems
     detail = "; ".join(problems) if problems else "no complete step"
     raise FileNotFoundError(f"no loadable checkpoint under {root}: {detail}")
+
+
+def resume(root: Path, model, opt, cfg: M6Config, data, args, say) -> tuple[dict, int]:
+    """Load the newest loadable step under `root`: (history, step); says which step."""
+    try:
+        state, path, problems = load_latest(root, model, opt)
+    except FileNotFoundError as e:
+        raise UsageError(f"--resume: {e}") from None
+    for problem in problems:
+        say(f"warning: skipped checkpoint {problem}")
+    differ = config_differences(state["config"], cfg.to_dict())
+    if differ:
+        raise UsageError(
+            f"--resume: {path} was trained with other settings: {differ}; pass the same "
+            "settings to continue it, or another --run-dir for a new run"
+        )
+    if state["vocab"] != data.vocab.words:
+        raise UsageError(f"--resume: {path} was trained on another vocabulary (another --data)")
+    start = state["step"]
+    if start >= args.steps:
+        raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
+    say(f"resuming from step {start} ({path})")
+    history = state["history"]
+    history["resume_step"] = [*history.get("resume_step", []), start]  # marked in loss.png
+    return history, start
+
+
+def config_differences(saved: dict, live: dict) -> str:
+    """'spare_slots: checkpoint 2, now 4; ...' for each model setting that differs."""
+    keys = sorted(set(saved) | set(live))
+    return "; ".join(
+        f"{k}: checkpoint {saved.get(k)!r}, now {live.get(k)!r}"
+        for k in keys
+        if saved.get(k) != live.get(k)
+    )
+
+
+def start_fresh(root: Path, rank: int, world: int, say) -> None:
+    """A fresh run never mixes with an earlier run's checkpoints in the same --run-dir:
+    rank 0 moves them aside (nothing is deleted); every rank waits for it."""
+    moved = set_aside(root) if rank == 0 else None
+    if world > 1:
+        dist.barrier()
+    if moved is not None:
+        step, aside = moved
+        say(
+            f"note: {root} held an earlier run's checkpoints (newest step {step}): moved to "
+            f"{aside}; a fresh run starts at step 0 (--resume continues a run)"
+        )

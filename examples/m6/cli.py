@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dense", action="store_true", help="dense baseline at equal active FLOPs")
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
-    g.add_argument("--steps", type=int, default=500)
+    g.add_argument(
+        "--steps", type=int, default=500, help="training steps in all (the schedule's length)"
+    )
     g.add_argument(
         "--global-batch",
         type=int,
@@ -80,11 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{TRAIN_DEFAULTS['m6-tiny-gpu']['global_batch']} for m6-tiny-gpu)",
     )
     g.add_argument("--micro-batch", type=int, help="examples per forward per rank (default: all)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument(
+        "--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 10%%"
+    )
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights, data order and split")
     add_device_args(g)
     g.add_argument(
         "--threads",
@@ -93,6 +97,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU intra-op threads (0: torch's default); the tiny model's matrices "
         "are too small for more threads to pay, they only contend",
     )
+    _output_args(p)
+    _parallel_args(p)
+    g = p.add_argument_group("memory plan (meta device, no allocation)")
+    g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
+    g.add_argument("--world-size", type=int, help="devices of the planned cluster")
+    g.add_argument(
+        "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
+    )
+    g.add_argument(
+        "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="planned parameter dtype"
+    )
+    g.add_argument(
+        "--micro-batch-tokens", type=int, help="planned tokens per device per micro-batch"
+    )
+    return p.parse_args(argv)
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the run directory, checkpoints, evaluation and logging."""
     g = p.add_argument_group("outputs")
     g.add_argument("--run-dir", help="default runs/<config>")
     g.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
@@ -112,15 +135,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="count the host syncs of the training steps (CUDA: torch.cuda.set_sync_debug_mode)",
     )
     g.add_argument("--eval-every", type=int, help="held-out loss every n steps (default steps/10)")
-    g.add_argument("--eval-batch", type=int, default=256)
+    g.add_argument("--eval-batch", type=int, default=256, help="examples per held-out forward")
     g.add_argument(
         "--log-every",
         type=int,
         default=10,
         help="read the metrics back every n steps: the only host sync of training",
     )
-    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-plots", action="store_true", help="write no PNGs at the end")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    """The flags of expert x data parallelism and of the memory features."""
     g = p.add_argument_group("parallelism (under torchrun)")
     g.add_argument("--dp", type=int, help="data-parallel size (default world / ep)")
     g.add_argument("--ep", type=int, help="expert-parallel size (default 1)")
@@ -142,7 +169,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--groups", type=int, default=1, help="optimizer apply groups (Whale num_apply_group)"
     )
-    g.add_argument("--offload", choices=("none", "optimizer", "all"), default="none")
+    g.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "all"),
+        default="none",
+        help="optimizer state (optimizer), also the fp32 masters (all) in host memory "
+        "(moe.memory.GroupedApply; any layout)",
+    )
     g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
     g.add_argument(
         "--rebalance-every",
@@ -157,15 +190,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="expert slots per MoE layer for copies of hot experts, placed by "
         "--rebalance-every (a multiple of --ep; 0: none)",
     )
-    g = p.add_argument_group("memory plan (meta device, no allocation)")
-    g.add_argument("--plan", action="store_true", help="print parameter counts and the memory plan")
-    g.add_argument("--world-size", type=int, help="devices of the planned cluster")
-    g.add_argument(
-        "--device-memory-gb", type=float, help="per device, in GiB (a '32 GB' V100 has 32 GiB)"
-    )
-    g.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
-    g.add_argument("--micro-batch-tokens", type=int)
-    return p.parse_args(argv)
 
 
 def resolve_config(args) -> M6Config:
@@ -234,6 +258,7 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(
             f"--spare-slots must be a non-negative multiple of --ep {ep}, got {args.spare_slots}"
         )
+    check_spare_slots(args.spare_slots, cfg, ep)
     if args.spare_slots and not cfg.is_moe:
         raise UsageError(
             f"--spare-slots {args.spare_slots} needs an MoE model; {cfg.name} is dense"
@@ -284,6 +309,18 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         if not complete_steps(run_dir(args, cfg) / "checkpoint"):
             raise UsageError(f"--resume: no checkpoint in {run_dir(args, cfg) / 'checkpoint'}")
     probe_run_dir(run_dir(args, cfg))
+
+
+def check_spare_slots(spare: int, cfg: M6Config, ep: int) -> None:
+    """Copies of an expert live on different EP ranks: at most E x (ep - 1) spare slots (one
+    copy of each expert in one process), checked before any tensor is allocated."""
+    most = cfg.num_experts * (ep - 1) if ep > 1 else cfg.num_experts
+    if cfg.is_moe and spare > most:
+        rule = f"{cfg.num_experts} experts x (--ep {ep} - 1)" if ep > 1 else "one copy each"
+        raise UsageError(
+            f"--spare-slots {spare}: at most {most} for {cfg.num_experts} experts "
+            f"on --ep {ep} ({rule}: no two copies of an expert on one rank)"
+        )
 
 
 def probe_run_dir(path: Path) -> None:

@@ -50,9 +50,17 @@ def make_plots(history, data, summary, out: Path) -> list[str]:
     samples = summary["samples"]
     if samples:
         images = data.images_NCHW[[s["image"] for s in samples]]
-        titles = [("ok: " if s["correct"] else "WRONG: ") + s["generated"] for s in samples]
+        titles = [sample_title(s) for s in samples]
         paths.append(plots.plot_samples(images, titles, out / "samples.png"))
     return [str(p) for p in paths if p is not None]
+
+
+def sample_title(s: dict) -> str:
+    """'ok: <generated>', or 'WRONG: <generated>' with the true caption (and label) below."""
+    if s["correct"]:
+        return f"ok: {s['generated']!r}"
+    label = f" [{s['label']}]" if s.get("label") else ""
+    return f"WRONG: {s['generated']!r}\ntrue{label}: {s['reference']!r}"
 
 
 def print_summary(s: dict, say) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
-from examples.m6.ckpt_io import load_latest, save_step  # noqa: E402
+from examples.m6.ckpt_io import resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     UsageError,
     check_args,
@@ -218,17 +218,9 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     opt = make_optimizer(model, args)
     history, start = new_history(cfg), 0
     if args.resume:
-        try:
-            state, path, problems = load_latest(out / "checkpoint", model, opt)
-        except FileNotFoundError as e:
-            raise UsageError(f"--resume: {e}") from None
-        for problem in problems:
-            say(f"warning: skipped checkpoint {problem}")
-        if state["config"] != cfg.to_dict() or state["vocab"] != data.vocab.words:
-            raise UsageError(f"--resume: {path} holds a different config or vocabulary")
-        history, start = state["history"], state["step"]
-        if start >= args.steps:
-            raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
+        history, start = resume(out / "checkpoint", model, opt, cfg, data, args, say)
+    else:
+        start_fresh(out / "checkpoint", rank, world, say)
     rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
     # read back at the metrics' log interval, so it adds no host sync of its own

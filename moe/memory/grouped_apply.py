@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from moe.memory.offload import Entry, HostPipeline, host_empty
 from moe.memory.precision import LOW_PRECISION, LossScaler
-from moe.shards import local_all
+from moe.shards import local, local_all
 
 OFFLOAD_MODES = (None, "optimizer", "all")
 
@@ -87,11 +87,6 @@ class GroupedApply(torch.optim.Optimizer):
         if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         names, tensors = _split_named(params)
-        if offload is not None and any(isinstance(p, DTensor) for p in tensors):
-            raise ValueError(
-                f"offload={offload!r} with DTensor parameters (parallelize) is not supported: "
-                "use parallelize(..., offload_policy=CPUOffloadPolicy())"
-            )
         dtypes = {p.dtype for p in tensors}
         if master_weights is None:
             master_weights = bool(dtypes & set(LOW_PRECISION))
@@ -132,8 +127,9 @@ class GroupedApply(torch.optim.Optimizer):
             if self.offload is None:
                 shadow = param.detach().to(torch.float32, copy=True) if low else param
                 return Entry(index, name, param, shadow, shadow if low else None)
-            pin = param.device.type == "cuda"
-            shadow = host_empty(param.shape, shadow_dtype, pin).copy_(param.detach())
+            # A DTensor parameter (parallelize, ddp or fsdp): the host keeps this rank's shard.
+            pin, shard = param.device.type == "cuda", local(param.detach())
+            shadow = host_empty(shard.shape, shadow_dtype, pin).copy_(shard)
             if self.offload == "all":
                 return Entry(index, name, param, shadow, shadow if low else None)
             master = param.detach().to(torch.float32, copy=True) if low else None
@@ -285,6 +281,8 @@ class GroupedApply(torch.optim.Optimizer):
         state = dict(self._inner_of(entry).state.get(entry.shadow, {}))
         if entry.master is not None:
             state["master"] = entry.master
+        if self.offload is not None and isinstance(entry.param, DTensor):
+            state = {k: as_dtensor_like(v, entry.param) for k, v in state.items()}
         return state
 
     @torch.no_grad()
@@ -296,13 +294,17 @@ class GroupedApply(torch.optim.Optimizer):
             inner_state = {}
             for j, e in enumerate(entries):
                 state = dict(states.get(e.index, {}))
+                if self.offload is not None:  # host state holds this rank's shard
+                    state = {
+                        k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                    }
                 master = state.pop("master", None)
                 if e.master is not None and master is not None:
-                    e.master.copy_(master)
+                    local(e.master).copy_(master)
                 elif e.master is not None:
-                    e.master.copy_(e.param)
+                    local(e.master).copy_(local(e.param))
                 if e.shadow is not e.param and e.shadow is not e.master:
-                    e.shadow.copy_(e.master if e.master is not None else e.param)
+                    e.shadow.copy_(local(e.master if e.master is not None else e.param))
                 if state:
                     inner_state[j] = state
             groups = inner.state_dict()["param_groups"]
@@ -350,6 +352,24 @@ class GroupedApply(torch.optim.Optimizer):
             saved = [saved[0]] * len(self.param_groups)
         for group, hyper in zip(self.param_groups, saved):
             group.update(hyper)
+
+
+def as_dtensor_like(value, param: DTensor):
+    """A host tensor of `param`'s local shape as a DTensor laid out like `param` (sharing
+    its storage), so checkpoints and the rebalancer see offloaded state as they see any
+    DTensor state; anything else (the 0-dim step count) as it is."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    if value.dim() == 0 or value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def _hyper(group: dict) -> dict:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.shards import local, local_all
+
 
 @dataclass
 class Entry:
@@ -69,7 +71,7 @@ def _group_sizes(groups: list[list[Entry]], pick: Callable[[Entry], torch.dtype 
         for e in entries:
             dt = pick(e)
             if dt is not None:
-                per[dt] = per.get(dt, 0) + e.param.numel()
+                per[dt] = per.get(dt, 0) + local(e.param).numel()
         for dt, n in per.items():
             sizes[dt] = max(sizes.get(dt, 0), n)
     return sizes
@@ -98,6 +100,10 @@ class HostPipeline:
         self._d2h_done: list = [None] * len(groups)
         self._h2d_done: list = [None, None]
         self._fetched: list[list[Entry]] = [[] for _ in groups]
+        # "all" with an fp32 host copy as the only weights: a parameter changed in place since
+        # the copy was made or last written back (rebalance_experts moving expert rows, a
+        # load_state_dict) is fetched again; the version counter tells, at no cost
+        self._written = {id(e): _version(e) for entries in groups for e in entries}
 
     @property
     def staging_bytes(self) -> int:
@@ -141,17 +147,24 @@ class HostPipeline:
         if not entries:
             return
         with self._stream(self.d2h):
-            grads = [e.param.grad for e in entries]
+            grads = local_all([e.param.grad for e in entries])
             torch._foreach_copy_(self.grads.views(slot, grads), grads, non_blocking=self.cuda)
             if self.mode == "optimizer":
                 sources = [e.master if e.master is not None else e.param for e in entries]
+                sources = local_all(sources)
                 shadows = [e.shadow for e in entries]
                 torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
+            else:
+                changed = [e for e in entries if self._changed(e)]
+                if changed:
+                    sources = local_all([e.param for e in changed])
+                    shadows = [e.shadow for e in changed]
+                    torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
         self._d2h_done[g] = self._record(self.d2h)
 
     def _attach(self, g: int, slot: int, factor: float | None) -> None:
         entries = self._fetched[g]
-        staged = self.grads.views(slot, [e.param.grad for e in entries])
+        staged = self.grads.views(slot, local_all([e.param.grad for e in entries]))
         convert = [i for i, e in enumerate(entries) if e.shadow.dtype != staged[i].dtype]
         if convert:
             converted = [torch.empty_like(entries[i].shadow) for i in convert]
@@ -171,16 +184,16 @@ class HostPipeline:
             return
         shadows = [e.shadow for e in entries]
         if self.mode == "optimizer":
-            targets = [e.master if e.master is not None else e.param for e in entries]
+            targets = local_all([e.master if e.master is not None else e.param for e in entries])
             sources = shadows
         else:
-            targets = [e.param for e in entries]
+            targets = local_all([e.param for e in entries])
             cast = [i for i, e in enumerate(entries) if e.shadow.dtype != e.param.dtype]
             sources = list(shadows)
             if cast:
                 if self._h2d_done[slot] is not None:  # the upload that last read this slot
                     self._h2d_done[slot].synchronize()
-                buffers = self.casts.views(slot, [entries[i].param for i in cast])
+                buffers = self.casts.views(slot, local_all([entries[i].param for i in cast]))
                 torch._foreach_copy_(buffers, [shadows[i] for i in cast])  # cast on the host
                 for i, b in zip(cast, buffers):
                     sources[i] = b
@@ -188,5 +201,17 @@ class HostPipeline:
             torch._foreach_copy_(targets, sources, non_blocking=self.cuda)
             mastered = [e for e in entries if self.mode == "optimizer" and e.master is not None]
             if mastered:  # device fp32 master -> low-precision parameter, on the device
-                torch._foreach_copy_([e.param for e in mastered], [e.master for e in mastered])
+                params = local_all([e.param for e in mastered])
+                torch._foreach_copy_(params, local_all([e.master for e in mastered]))
         self._h2d_done[slot] = self._record(self.h2d)
+        for e in entries:
+            self._written[id(e)] = _version(e)
+
+    def _changed(self, e: Entry) -> bool:
+        """Whether `e`'s parameter changed in place since its host copy was last written
+        (only an fp32 host copy without a separate master is refreshed from it)."""
+        return e.master is None and _version(e) != self._written.get(id(e))
+
+
+def _version(e: Entry) -> int:
+    return local(e.param)._version

@@ -291,6 +291,12 @@ def plan_memory(
     micro_batch_tokens: tokens per device per micro-batch (default one sequence). See the
     module docstring for every formula and its assumptions.
     """
+    missing = [a for a in (*PlannerModel.__annotations__, "build") if not hasattr(model_config, a)]
+    if missing:  # e.g. a transformers config: other attribute names, no build()
+        raise TypeError(
+            f"plan_memory: a {type(model_config).__name__} is not a moe.memory.PlannerModel: "
+            f"it has no {', '.join(missing)} (wrap it in a config object that has them)"
+        )
     if dp * ep != world_size:
         raise ValueError(f"dp={dp} x ep={ep} does not equal world_size={world_size}")
     if offload not in (None, "optimizer", "all"):

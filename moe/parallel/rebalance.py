@@ -311,7 +311,8 @@ def rebalance_experts(
     multi = [i for i, w in enumerate(sizes) if w > 1]
     mine = torch.tensor([v for r in ranges for v in r], dtype=torch.long, device=device)
     everyone = mine.new_empty(dist.get_world_size() * mine.numel())
-    dist.all_gather_into_tensor(everyone, mine)
+    # torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single (absent in 2.11)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, mine)
     table = everyone.view(dist.get_world_size(), -1).tolist()
     jobs = []
     for i in changed:

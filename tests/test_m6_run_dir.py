@@ -1,0 +1,52 @@
+"""The M6 example's run directory: a fresh run into a folder holding another run's checkpoints
+moves them aside (never mixes, never deletes), --resume says the step it continues from, and
+a resume with other settings names the setting that differs."""
+
+import pytest
+
+from examples.m6 import train
+from examples.m6.ckpt_io import complete_steps
+
+FAST = ["--no-plots", "--eval-every", "1000", "--global-batch", "32", "--steps", "5"]
+
+
+def test_fresh_run_sets_old_checkpoints_aside_and_resume_names_its_step(tmp_path, capsys):
+    run = ["--run-dir", str(tmp_path), *FAST]
+    train.run([*run, "--stop-after", "4", "--quiet"])  # the older, longer run
+    assert [s for s, _ in complete_steps(tmp_path / "checkpoint")] == [4]
+    train.run([*run, "--stop-after", "2"])  # a fresh run into the same folder
+    out = capsys.readouterr().out
+    assert "held an earlier run's checkpoints (newest step 4)" in out, out
+    assert [s for s, _ in complete_steps(tmp_path / "checkpoint")] == [2]
+    assert [s for s, _ in complete_steps(tmp_path / "checkpoint.old-1")] == [4]  # kept
+    resumed = train.run([*run, "--resume", "--stop-after", "3"])
+    assert "resuming from step 2 " in capsys.readouterr().out
+    assert resumed["steps_this_run"] == 1  # from the fresh run's step 2, not the old step 4
+    with pytest.raises(train.UsageError, match=r"spare_slots: checkpoint 0, now 2") as e:
+        train.run([*run, "--resume", "--spare-slots", "2", "--quiet"])
+    assert "\n" not in str(e.value)
+
+
+def test_loss_plot_names_every_line_and_marks_the_resume(tmp_path, monkeypatch):
+    from examples.m6 import plots
+
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)
+    history = {"step": [1, 2, 3, 4], "loss": [4.0, 3.0, 2.5, 2.0], "aux": [0.03, 0.02] * 2,
+               "drop": [0.3, 0.2, 0.1, 0.0], "eval_step": [4], "eval_loss": [2.2],
+               "resume_step": [2], "title": "t"}  # fmt: skip
+    plots.plot_loss(history, tmp_path / "loss.png")
+    top, lower = figures[0].axes[:2]
+    for ax, names in ((top, {"train loss", "held-out loss"}), (lower, {"aux (balance) loss"})):
+        labels = {t.get_text() for t in ax.get_legend().get_texts()}
+        assert names | {"resumed at step 2"} <= labels, labels
+    assert any(t.get_text().startswith("dropped") for t in lower.get_legend().get_texts())
+
+
+def test_a_wrong_sample_shows_the_true_caption():
+    from examples.m6.report import sample_title
+
+    wrong = {"correct": False, "generated": "a photo of the digit one", "label": "nine",
+             "reference": "a photo of the digit nine"}  # fmt: skip
+    assert sample_title(wrong).splitlines()[1] == "true [nine]: 'a photo of the digit nine'"
+    assert sample_title({**wrong, "correct": True}) == "ok: 'a photo of the digit one'"
