@@ -184,6 +184,52 @@ def test_plot_of_a_thousand_layers_is_bounded_and_writes_the_path_it_prints(tmp_
     assert width <= 1000 and height <= 6000, (width, height)
 
 
+def test_plot_panels_line_up_share_one_colour_scale_and_name_every_line(tmp_path):
+    """ep = 2 with every step's rank loads equal (as the prototype router gives): the heatmaps
+    span the same x extent as the panels below (one colorbar for all), share ONE vmax that
+    clips no layer, the EP ranks' lines differ in style and marker with the later drawn on top,
+    and every line is named in its panel's legend (issue 42 item 6)."""
+    pytest.importorskip("matplotlib")
+    g = torch.Generator().manual_seed(42)
+    lines = []
+    for step in range(1, 8):
+        for name, E, hot in (("a", 4, 1), ("b", 6, 30)):  # b's busiest expert: a larger share
+            half = torch.randint(1, 9, (E // 2,), generator=g)
+            half[step % (E // 2)] += hot
+            routed = torch.cat([half, half.roll(step)]).tolist()  # equal rank loads
+            lines.append(expected_line(step, name, routed, routed, 0, 2))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    layers = plot_trace.by_layer(moe.read_trace(path))
+    assert all((d["rank_load"][:, 0] == d["rank_load"][:, 1]).all() for d in layers.values())
+    fig = plot_trace.figure(layers, "t")
+    fig.canvas.draw()  # the layout engine places the axes
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 2
+    vmax = {im.norm.vmax for im in images}
+    assert vmax == {plot_trace.shared_vmax(layers)}
+    assert vmax.pop() >= max(float(im.get_array().max()) for im in images)
+    panels = [ax for ax in fig.axes if ax.get_images() or ax.get_lines()]
+    assert len(fig.axes) == len(panels) + 1 == 2 * 2 + 3 + 1  # one colorbar in all
+    extents = {(round(ax.get_position().x0, 6), round(ax.get_position().x1, 6)) for ax in panels}
+    assert len(extents) == 1, extents  # heatmaps and panels below span the same x range
+    assert len({ax.get_xlim() for ax in panels}) == 1
+    for ax in panels[1:4:2]:  # the rank-share panels
+        ranks = [ln for ln in ax.get_lines() if ln.get_label().startswith("EP rank")]
+        assert len(ranks) == 2 and ranks[1].get_zorder() > ranks[0].get_zorder()
+        styles = {(ln.get_linestyle(), ln.get_marker(), ln.get_linewidth()) for ln in ranks}
+        assert len(styles) == 2
+        assert "equal at every step" in ax.get_legend().get_title().get_text()
+    assert "share of" in fig.axes[-1].get_xlabel() + fig.axes[-1].get_ylabel()  # colorbar
+    for ax in (ax for ax in panels if ax.get_lines()):  # every line named in a legend
+        names = [ln.get_label() for ln in ax.get_lines()]
+        assert not any(n.startswith("_") for n in names), names
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == names
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):
     good = expected_line(1, "x", [1, 2], [1, 3], 1, 2)
     cases = {

@@ -5,8 +5,10 @@
 Per MoE layer a heatmap of experts (rows) x steps (columns), the share of the layer's routed
 pairs each expert got (uniform = 1/E; a dark row is an expert the router starves); then the
 share of each EP rank (E experts in ep contiguous blocks; drawn when ep > 1) and the load
-metrics over steps. A trace of many layers draws at most MAX_LAYERS of them (evenly spread,
-first and last included, named in the title), so the figure stays a few thousand pixels tall.
+metrics over steps. All panels share the step axis and one colour scale (one colorbar) serves
+every heatmap; EP ranks' lines differ in style and marker, so coinciding ones stay visible.
+A trace of many layers draws at most MAX_LAYERS of them (evenly spread, first and last
+included, named in the title), so the figure stays a few thousand pixels tall.
 Needs matplotlib (the `examples` or `bench` extra): without it, a clear error says so.
 """
 
@@ -78,6 +80,102 @@ def shown_layers(layers: dict[str, dict]) -> dict[str, dict]:
     return {names[i]: layers[names[i]] for i in keep}
 
 
+RANK_STYLES = [  # (line style, marker): EP ranks stay apart where their lines coincide
+    ("-", None),
+    ("--", "o"),
+    (":", "s"),
+    ("-.", "^"),
+]
+
+
+def shared_vmax(layers: dict[str, dict]) -> float:
+    """ONE colour scale for every layer's heatmap: the largest binned share of any layer, and
+    at least 2/E of the layer with the fewest experts (so uniform load sits mid-scale)."""
+    return max(
+        max(2.0 / d["routed"].shape[1], float(_binned(_shares(d["routed"])).max()))
+        for d in layers.values()
+    )
+
+
+def _heatmap(ax, name: str, d: dict, vmax: float):
+    steps, binned_SE = d["step"], _binned(_shares(d["routed"]))
+    E = binned_SE.shape[1]
+    ax.set_ylabel(f"{name}\nexpert")
+    return ax.imshow(
+        binned_SE.T,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        vmin=0.0,
+        vmax=vmax,
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, E - 0.5, -0.5),
+    )
+
+
+def _rank_shares(ax, name: str, d: dict) -> None:
+    """Each EP rank's share of the layer's pairs, one line style and marker per rank, later
+    ranks drawn over earlier ones; the legend says when all ranks coincide at every step."""
+    steps, rank_SW = d["step"], _shares(d["rank_load"])
+    ep = rank_SW.shape[1]
+    every = max(1, len(steps) // 20)  # markers on ~20 steps, not on every one
+    for r in range(ep):
+        ls, marker = RANK_STYLES[r % len(RANK_STYLES)]
+        ax.plot(
+            steps,
+            rank_SW[:, r],
+            ls=ls,
+            marker=marker,
+            markevery=every,
+            ms=3,
+            lw=2.2 if r == 0 else 1.2,
+            zorder=2 + r,
+            label=f"EP rank {r}",
+        )
+    ax.axhline(1 / ep, color="0.5", lw=0.8, ls=(0, (1, 3)), zorder=1, label=f"even (1/{ep})")
+    equal = bool(np.allclose(rank_SW, rank_SW[:, :1]))
+    ax.legend(
+        fontsize=6,
+        ncol=min(ep + 1, 9),
+        loc="upper right",
+        title="all EP ranks equal at every step: lines overlap" if equal else None,
+        title_fontsize=6,
+    )
+    ax.set_ylabel(f"{name}\nrank share")
+    ax.grid(alpha=0.3)
+
+
+def figure(layers: dict[str, dict], title: str):
+    """The figure of `layers` (by_layer's form, at most MAX_LAYERS): all panels share the x
+    axis (steps) and one colour scale serves every heatmap (one colorbar above them all), so
+    the columns line up with the panels below and colours compare across layers."""
+    plt = _pyplot()
+    per_layer = 2 if any(d["rank_load"].shape[1] > 1 for d in layers.values()) else 1
+    rows = per_layer * len(layers) + len(METRICS)
+    fig, axes = plt.subplots(
+        rows, 1, figsize=(8, 1.6 + 1.6 * rows), squeeze=False, sharex=True, layout="constrained"
+    )
+    axes = axes[:, 0]
+    vmax = shared_vmax(layers)
+    for i, (name, d) in enumerate(layers.items()):
+        im = _heatmap(axes[per_layer * i], name, d, vmax)
+        if per_layer == 2:  # expert parallelism: each EP rank's share of the layer's pairs
+            _rank_shares(axes[per_layer * i + 1], name, d)
+    # one colorbar over all panels: every panel keeps the same x extent (none is narrowed)
+    bar = fig.colorbar(im, ax=list(axes), location="top", shrink=0.6, aspect=40, pad=0.01)
+    bar.set_label("heatmaps: share of the layer's routed (token, expert) pairs", fontsize=8)
+    for ax, (metric, label) in zip(axes[per_layer * len(layers) :], METRICS.items()):
+        for name, d in layers.items():
+            ax.plot(d["step"], d[metric], lw=1, label=name)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if metric == "dead_experts":  # a count: whole-number ticks
+            ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=6, ncol=min(len(layers), 4), loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title)
+    return fig
+
+
 def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> Path:
     """Draw the trace file `trace` into the PNG `out` (exactly that path, suffix or not);
     returns `out`."""
@@ -87,44 +185,10 @@ def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> 
     plt = _pyplot()
     all_layers = by_layer(records)
     layers = shown_layers(all_layers)
+    title = title or "expert load per MoE layer (uniform = 1/E), rank loads, metrics"
     if len(layers) < len(all_layers):
-        title = f"{title or 'expert load'} ({len(layers)} of {len(all_layers)} layers shown)"
-    per_layer = 2 if any(d["rank_load"].shape[1] > 1 for d in layers.values()) else 1
-    rows = per_layer * len(layers) + len(METRICS)
-    fig, axes = plt.subplots(rows, 1, figsize=(8, 1.2 + 1.6 * rows), squeeze=False)
-    axes = axes[:, 0]
-    for i, (name, d) in enumerate(layers.items()):
-        steps, share_SE = d["step"], _shares(d["routed"])
-        binned_SE = _binned(share_SE)
-        E = share_SE.shape[1]
-        ax = axes[per_layer * i]
-        im = ax.imshow(
-            binned_SE.T,
-            aspect="auto",
-            interpolation="nearest",
-            cmap="viridis",
-            vmin=0.0,
-            vmax=max(2.0 / E, float(binned_SE.max())),
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, E - 0.5, -0.5),
-        )
-        ax.set_ylabel(f"{name}\nexpert")
-        fig.colorbar(im, ax=ax, label="share of pairs")
-        if per_layer == 2:  # expert parallelism: each EP rank's share of the layer's pairs
-            ax, rank_SW = axes[per_layer * i + 1], _shares(d["rank_load"])
-            for r in range(rank_SW.shape[1]):
-                ax.plot(steps, rank_SW[:, r], lw=1, label=f"EP rank {r}")
-            ax.set_ylabel(f"{name}\nrank share")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, ncol=min(rank_SW.shape[1], 8))
-    for ax, (metric, label) in zip(axes[per_layer * len(layers) :], METRICS.items()):
-        for name, d in layers.items():
-            ax.plot(d["step"], d[metric], lw=1, label=name)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[per_layer * len(layers)].legend(fontsize=7)
-    axes[-1].set_xlabel("step")
-    fig.suptitle(title or "expert load per MoE layer (uniform = 1/E), rank loads, metrics")
-    fig.tight_layout()
+        title = f"{title} ({len(layers)} of {len(all_layers)} layers shown)"
+    fig = figure(layers, title)
     out = Path(out)
     fig.savefig(out, dpi=110, format="png")  # no suffix: still this path, not <out>.png
     plt.close(fig)
