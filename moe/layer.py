@@ -20,7 +20,7 @@ from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
 from moe.recompute_frame import recompute_context
-from moe.replica_layout import check_replica_state, initial_expert_of_slot
+from moe.replica_layout import SlotLayout, check_replica_state
 from moe.shared_experts import SharedExperts
 
 
@@ -68,9 +68,10 @@ class MoELayer(nn.Module):
         )
         self.name = name
         self.router = build_router(self.config)
-        spare = self.config.spare_slots
+        layout = SlotLayout.of_config(self.config)  # the experts, then R spare slots (copies)
+        self.has_copies, self.num_slots = layout.has_copies, layout.num_slots
         self.experts = GroupedExperts(
-            num_experts + spare,  # slots: the experts, then R spare slots (replicas)
+            layout.num_slots,
             d_model,
             d_ff,
             activation,
@@ -108,20 +109,20 @@ class MoELayer(nn.Module):
         # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
         # parallelism. The router, its bias, stats and loads stay in canonical ids; only the
         # dispatch plan is built in slots. Persistent, so checkpoints carry it.
-        slots = torch.arange(num_experts, dtype=torch.long, device=device)
+        slots = torch.tensor(layout.slot_of_expert, dtype=torch.long, device=device)
         self.register_buffer("slot_of_expert_E", slots)
-        if spare:  # replicas: slot s copies expert expert_of_slot_S[s]; slot_of_expert_E is
+        if layout.has_copies:  # slot s copies expert expert_of_slot_S[s]; slot_of_expert_E is
             # each expert's first slot. Spare slots start as copies of experts 0, 1, ...
-            copies = initial_expert_of_slot(num_experts, spare)
+            copies = layout.expert_of_slot
             self.register_buffer("expert_of_slot_S", torch.tensor(copies, device=device))
             with torch.no_grad():
                 for p in self.experts.parameters():
                     p[num_experts:] = p[list(copies[num_experts:])]
         self._backwards = BackwardWatch()
+        self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
         # replicas: a backward through this layer leaves the copies' gradients to be summed
         # (moe.parallel.sum_replica_grads); optimizer steps refuse until then
-        self.replica_grads_pending = False
-        if spare:
+        if self.has_copies:
             replica_guard.watch(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,17 +139,25 @@ class MoELayer(nn.Module):
             )
         else:
             y_TD = self._forward_tokens(x_TD)
-        if y_TD.requires_grad and not torch.compiler.is_compiling():
-            marks = self._replica_grads_arrived if self.config.spare_slots else None
+        if y_TD.requires_grad and torch.compiler.is_compiling():
+            if self.has_copies:  # traced: its copies' gradients are watched (replica_guard)
+                self.ran_compiled = True
+        elif y_TD.requires_grad:
+            marks = self._replica_grads_arrived if self.has_copies else None
             y_TD = self._backwards.watch(y_TD, marks)
         return y_TD.view(x.shape)
 
     def _replica_grads_arrived(self) -> None:
-        self.replica_grads_pending = True  # a backward reached this layer: copies to sum
+        replica_guard.grads_arrived(self)  # a backward reached this layer: copies to sum
+
+    @property
+    def replica_grads_pending(self) -> bool:
+        """Whether the copies' gradients wait for moe.parallel.sum_replica_grads."""
+        return replica_guard.pending(self)
 
     def replica_grads_summed(self) -> None:
         """moe.parallel.sum_replica_grads summed the copies' gradients: steps may run."""
-        self.replica_grads_pending = False
+        replica_guard.summed(self)
 
     def backward_pending(self) -> bool:
         """Whether a training forward's output still waits for its backward (its graph is
@@ -188,7 +197,7 @@ class MoELayer(nn.Module):
         """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
         slot_E = self.slot_of_expert_E
-        if c.spare_slots:  # replicas: capacity per expert, each kept pair to one copy
+        if self.has_copies:  # capacity per expert, each kept pair to one copy
             factor = capacity_factor_for(c, self.training)
             return plan_token_choice_replicated(
                 routing.expert_ids_TK,
@@ -223,7 +232,7 @@ class MoELayer(nn.Module):
         """Where this rank sends each expert's pairs (moe.dispatch.replica_split): its own
         copies first, then its node's. The EP rank comes from the experts' slot offset."""
         L = self.experts.num_experts
-        S = self.config.num_experts + self.config.spare_slots
+        S = self.num_slots
         rank = self.experts.expert_offset // L
         per_node = self.dispatcher.ranks_per_node or S // L
         return copy_candidates(self.expert_of_slot_S, self.config.num_experts, rank, L, per_node)
@@ -265,13 +274,35 @@ class MoELayer(nn.Module):
 
     def expert_of_slot(self) -> torch.Tensor:
         """[S] the canonical expert each expert slot holds (placement and replicas)."""
-        if self.config.spare_slots:
+        if self.has_copies:
             return self.expert_of_slot_S
         return torch.argsort(self.slot_of_expert_E)
 
+    def slot_layout(self) -> SlotLayout:
+        """The slots as a host value (a host read: step time, not forward / backward)."""
+        if self.has_copies:
+            return SlotLayout(self.config.num_experts, tuple(self.expert_of_slot_S.tolist()))
+        return SlotLayout.of_placement(self.slot_of_expert_E.tolist())
+
+    @torch.no_grad()
+    def set_slot_layout(self, layout: SlotLayout) -> None:
+        """Adopt `layout` (same experts and slots; checked): the buffers change in place, so
+        compiled graphs and the dispatch plan see it. Weights do not move (the caller's job)."""
+        if (layout.num_experts, layout.num_slots) != (self.config.num_experts, self.num_slots):
+            raise ValueError(
+                f"{self.name}: a slot layout of {layout.num_experts} experts in "
+                f"{layout.num_slots} slots does not fit this layer "
+                f"({self.config.num_experts} experts in {self.num_slots} slots)"
+            )
+        layout.check()
+        slots = torch.tensor(layout.slot_of_expert, dtype=torch.long)
+        self.slot_of_expert_E.copy_(slots)
+        if self.has_copies:
+            self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
+
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-expert counts back in canonical expert ids (stats, loads)."""
-        if self.config.spare_slots:  # per slot -> summed over each expert's copies
+        if self.has_copies:  # per slot -> summed over each expert's copies
             E, slot_S = self.config.num_experts, self.expert_of_slot_S
             zeros = plan.counts_E.new_zeros(E)
             return dataclasses.replace(
