@@ -95,8 +95,8 @@ def grads_arrived(layer) -> None:
 def pending(layer) -> bool:
     """Whether `layer`'s expert copies hold gradients that were not summed."""
     rec = _LAYERS.get(layer)
-    if rec is None or not _trained(layer):
-        return False
+    if rec is None or all(p.grad is None for p in _trained(layer)):
+        return False  # frozen experts, or gradients zeroed to None: nothing to sum
     compiled = getattr(layer, "ran_compiled", False)  # traced: its backward marks do not run
     return rec.arrived or (compiled and _changed(layer, rec))
 

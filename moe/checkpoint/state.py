@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moe.checkpoint import replicas, validate
+from moe.checkpoint import replicas, slots, validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
 from moe.checkpoint.validate import NOT_RESTORED
@@ -79,6 +79,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     check_layout(model)
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
+    objects[slots.KEY] = slots.layouts_to_save(model)  # replica placement (resume exactly)
     if opt is None:
         replicas.to_canonical(model, tensors)
         return tensors, objects
@@ -126,6 +127,7 @@ def targets(
     `apply` will set (moe.checkpoint.validate)."""
     check_layout(model)
     validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
+    slots.check_objects(model, objects, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
@@ -190,6 +192,7 @@ def _restore_group(saved: dict, live: dict) -> dict:
 @torch.no_grad()
 def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
     """Copy validated, fully read tensors into the model and optimizer."""
+    slots.restore(model, objects)  # the saved replica layout, where it fits
     model_sd = {k[len("model/") :]: v for k, v in loaded.items() if k.startswith("model/")}
     live = get_model_state_dict(model)
     layout = replicas.live_layout(model)
