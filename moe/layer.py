@@ -20,7 +20,7 @@ from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
 from moe.recompute_frame import recompute_context
-from moe.replica_layout import SlotLayout, check_replica_state
+from moe.replica_layout import SlotLayout, first_slots, layout_from_state
 from moe.shared_experts import SharedExperts
 
 
@@ -105,19 +105,20 @@ class MoELayer(nn.Module):
         # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
         self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
-        # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
-        # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
-        # parallelism. The router, its bias, stats and loads stay in canonical ids; only the
-        # dispatch plan is built in slots. Persistent, so checkpoints carry it.
-        slots = torch.tensor(layout.slot_of_expert, dtype=torch.long, device=device)
-        self.register_buffer("slot_of_expert_E", slots)
-        if layout.has_copies:  # slot s copies expert expert_of_slot_S[s]; slot_of_expert_E is
-            # each expert's first slot. Spare slots start as copies of experts 0, 1, ...
-            copies = layout.expert_of_slot
-            self.register_buffer("expert_of_slot_S", torch.tensor(copies, device=device))
+        # The slot layout (moe.replica_layout.SlotLayout; rebalance_experts places experts
+        # and copies): slot s, i.e. row s of experts.w1..., rank s // L under expert
+        # parallelism, holds canonical expert expert_of_slot_S[s]; S = E (a permutation)
+        # without spare slots. The router, its bias, stats and loads stay in canonical ids;
+        # only the dispatch plan is built in slots. This buffer is the one record of the
+        # layout (slot_of_expert_E is derived); state dicts carry the keys every version
+        # wrote (slot_of_expert_E, and expert_of_slot_S with copies: _state_dict_slots).
+        eos = torch.tensor(layout.expert_of_slot, dtype=torch.long, device=device)
+        self.register_buffer("expert_of_slot_S", eos, persistent=False)
+        self.register_state_dict_post_hook(_state_dict_slots)
+        if layout.has_copies:  # spare slots start as copies of experts 0, 1, ...
             with torch.no_grad():
                 for p in self.experts.parameters():
-                    p[num_experts:] = p[list(copies[num_experts:])]
+                    p[num_experts:] = p[list(layout.expert_of_slot[num_experts:])]
         self._backwards = BackwardWatch()
         self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
         # replicas: a backward through this layer leaves the copies' gradients to be summed
@@ -274,19 +275,21 @@ class MoELayer(nn.Module):
 
     def expert_of_slot(self) -> torch.Tensor:
         """[S] the canonical expert each expert slot holds (placement and replicas)."""
-        if self.has_copies:
-            return self.expert_of_slot_S
-        return torch.argsort(self.slot_of_expert_E)
+        return self.expert_of_slot_S
+
+    @property
+    def slot_of_expert_E(self) -> torch.Tensor:
+        """[E] each expert's first slot (derived from expert_of_slot_S; change the layout
+        with set_slot_layout, not by writing this tensor)."""
+        return first_slots(self.expert_of_slot_S, self.config.num_experts)
 
     def slot_layout(self) -> SlotLayout:
         """The slots as a host value (a host read: step time, not forward / backward)."""
-        if self.has_copies:
-            return SlotLayout(self.config.num_experts, tuple(self.expert_of_slot_S.tolist()))
-        return SlotLayout.of_placement(self.slot_of_expert_E.tolist())
+        return SlotLayout(self.config.num_experts, tuple(self.expert_of_slot_S.tolist()))
 
     @torch.no_grad()
     def set_slot_layout(self, layout: SlotLayout) -> None:
-        """Adopt `layout` (same experts and slots; checked): the buffers change in place, so
+        """Adopt `layout` (same experts and slots; checked): the buffer changes in place, so
         compiled graphs and the dispatch plan see it. Weights do not move (the caller's job)."""
         if (layout.num_experts, layout.num_slots) != (self.config.num_experts, self.num_slots):
             raise ValueError(
@@ -295,57 +298,31 @@ class MoELayer(nn.Module):
                 f"({self.config.num_experts} experts in {self.num_slots} slots)"
             )
         layout.check()
-        slots = torch.tensor(layout.slot_of_expert, dtype=torch.long)
-        self.slot_of_expert_E.copy_(slots)
-        if self.has_copies:
-            self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
+        self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
-        """The plan's per-expert counts back in canonical expert ids (stats, loads)."""
-        if self.has_copies:  # per slot -> summed over each expert's copies
-            E, slot_S = self.config.num_experts, self.expert_of_slot_S
-            zeros = plan.counts_E.new_zeros(E)
-            return dataclasses.replace(
-                plan,
-                counts_E=zeros.index_add(0, slot_S, plan.counts_E),
-                routed_E=zeros.index_add(0, slot_S, plan.routed_E),
-            )
-        slot_E = self.slot_of_expert_E
+        """The plan's per-slot counts back in canonical expert ids (stats, loads): each
+        expert's copies summed (one copy each without spare slots)."""
+        E, slot_S = self.config.num_experts, self.expert_of_slot_S
+        zeros = plan.counts_E.new_zeros(E)
         return dataclasses.replace(
-            plan, counts_E=plan.counts_E[slot_E], routed_E=plan.routed_E[slot_E]
+            plan,
+            counts_E=zeros.index_add(0, slot_S, plan.counts_E),
+            routed_E=zeros.index_add(0, slot_S, plan.routed_E),
         )
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
-        """A state dict without a placement (saved before placements existed) is in canonical
-        order; a placement read from a file must be a permutation of the experts, a replica
-        layout one that fits this layer's slots (moe.replica_layout)."""
-        key = prefix + "slot_of_expert_E"
-        replicas = prefix + "expert_of_slot_S"
-        if self.config.spare_slots:
-            if key in state_dict or replicas in state_dict:  # else: missing keys (strict)
-                check_replica_state(self.name, state_dict, prefix, self.config)
-        elif replicas in state_dict:
-            raise ValueError(
-                f"{self.name}: {replicas} holds a replica layout of "
-                f"{len(state_dict[replicas])} slots, but this layer has no spare slots "
-                "(MoEConfig.spare_slots=0); load it through moe.checkpoint, which reads "
-                "canonical experts, or build the layer with the same spare_slots"
-            )
-        if self.config.spare_slots:
-            pass
-        elif key not in state_dict:
-            state_dict = {**state_dict, key: torch.arange(self.config.num_experts)}
-        else:
-            slots = state_dict[key]
-            E = self.config.num_experts
-            if (
-                not isinstance(slots, torch.Tensor)
-                or slots.dtype != torch.long
-                or tuple(slots.shape) != (E,)
-                or not torch.equal(slots.sort().values.cpu(), torch.arange(E))
-            ):
-                raise ValueError(f"{self.name}: {key} is not a permutation of {E} expert ids")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *args):
+        """The layout keys are checked before anything of this layer loads (a placement must
+        be a permutation of the experts, a replica layout fit this layer's slots); a state
+        dict without a placement (saved before placements existed) is in canonical order."""
+        layout = layout_from_state(self.name, state_dict, prefix, self.config)
+        keys = (prefix + "slot_of_expert_E", prefix + "expert_of_slot_S")
+        if layout is None and strict:  # a layer with copies needs its layout
+            missing.extend(keys)
+        others = {k: v for k, v in state_dict.items() if k not in keys}
+        super()._load_from_state_dict(others, prefix, local_metadata, strict, missing, *args)
+        if layout is not None:
+            self.set_slot_layout(layout)
 
     # The balance tracker's state, under the names users and moe.parallel read on the layer.
     @property
@@ -377,6 +354,16 @@ class MoELayer(nn.Module):
             f"name={self.name}, router={c.router}, top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}"
         )
+
+
+def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) -> None:
+    """State dicts keep the keys every version wrote: slot_of_expert_E, and with copies
+    expert_of_slot_S (the layer holds the layout once: expert_of_slot_S, not persistent)."""
+    state_dict[prefix + "slot_of_expert_E"] = layer.slot_of_expert_E
+    if layer.has_copies:
+        state_dict[prefix + "expert_of_slot_S"] = layer.expert_of_slot_S
+    else:
+        state_dict.pop(prefix + "expert_of_slot_S", None)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

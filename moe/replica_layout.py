@@ -115,6 +115,46 @@ def initial_expert_of_slot(num_experts: int, spare_slots: int) -> tuple[int, ...
     return tuple(range(num_experts)) + tuple(i % num_experts for i in range(spare_slots))
 
 
+def first_slots(expert_of_slot_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] each expert's first slot, on the device (no host read: forward-safe)."""
+    S = expert_of_slot_S.numel()
+    slot_S = torch.arange(S, dtype=torch.long, device=expert_of_slot_S.device)
+    first_E = torch.full((num_experts,), S, dtype=torch.long, device=expert_of_slot_S.device)
+    return first_E.scatter_reduce(0, expert_of_slot_S, slot_S, "amin")
+
+
+def layout_from_state(name: str, state_dict: dict, prefix: str, config) -> "SlotLayout | None":
+    """The slot layout a layer's state dict holds (`slot_of_expert_E`, and `expert_of_slot_S`
+    with copies: the keys every version wrote), checked against the layer's config before
+    anything is loaded; None when it holds none (a state dict saved before placements existed:
+    canonical order; with copies: missing keys). Raises ValueError naming layer and key."""
+    key, replicas = prefix + "slot_of_expert_E", prefix + "expert_of_slot_S"
+    E = config.num_experts
+    if spare(config):
+        if key not in state_dict and replicas not in state_dict:
+            return None
+        check_replica_state(name, state_dict, prefix, config)
+        return SlotLayout(E, tuple(int(v) for v in state_dict[replicas].tolist()))
+    if replicas in state_dict:
+        raise ValueError(
+            f"{name}: {replicas} holds a replica layout of "
+            f"{len(state_dict[replicas])} slots, but this layer has no spare slots "
+            "(MoEConfig.spare_slots=0); load it through moe.checkpoint, which reads "
+            "canonical experts, or build the layer with the same spare_slots"
+        )
+    if key not in state_dict:
+        return SlotLayout.of_placement(range(E))
+    slots = state_dict[key]
+    if (
+        not isinstance(slots, torch.Tensor)
+        or slots.dtype != torch.long
+        or tuple(slots.shape) != (E,)
+        or not torch.equal(slots.sort().values.cpu(), torch.arange(E))
+    ):
+        raise ValueError(f"{name}: {key} is not a permutation of {E} expert ids")
+    return SlotLayout.of_placement(slots.tolist())
+
+
 def check_replica_state(name: str, state_dict: dict, prefix: str, config) -> None:
     """A state dict's replica layout must fit the layer: expert_of_slot_S [E + R] long with
     every expert, slot_of_expert_E its first slots. Raises ValueError naming layer and value."""

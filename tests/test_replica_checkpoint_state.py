@@ -28,11 +28,15 @@ def _plain(spare=0):
 @pytest.mark.parametrize("bad", [[0, 0, 2, 3], [99, 1, 2, 3], [-1, 1, 2, 3]])
 def test_a_damaged_placement_is_refused_before_anything_changes(bad, tmp_path, monkeypatch):
     model = _plain()
-    model[1].slot_of_expert_E.copy_(torch.tensor(bad))
-    with pytest.raises(CheckpointError, match="slot_of_expert_E: .*not a permutation|expected"):
+    good = model[1].expert_of_slot_S.clone()
+    model[1].expert_of_slot_S.copy_(torch.tensor(bad))  # written by hand
+    with pytest.raises(CheckpointError, match="1.expert_of_slot_S: .*nothing was written"):
         save_checkpoint(str(tmp_path / "refused"), model)
     assert not os.path.exists(tmp_path / "refused" / "LATEST")
-    monkeypatch.setattr(slot_files, "placement_problem", lambda *args: None)  # as main wrote
+    model[1].expert_of_slot_S.copy_(good)
+    # a checkpoint holding that placement (as 0afafd8's save_checkpoint wrote it)
+    monkeypatch.setattr(moe.MoELayer, "slot_of_expert_E", property(lambda _: torch.tensor(bad)))
+    monkeypatch.setattr(slot_files, "layouts_to_save", lambda model: {})
     save_checkpoint(str(tmp_path / "ckpt"), model)
     monkeypatch.undo()
     for spare in (0, 2):

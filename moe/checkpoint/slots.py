@@ -46,21 +46,19 @@ def placement_problem(key: str, value, num_experts: int) -> str | None:
 
 
 def layouts_to_save(model: nn.Module) -> dict[str, list[int]]:
-    """{prefix: expert_of_slot} of the layers with copies; refuses a broken live layout."""
+    """{prefix: expert_of_slot} of the layers with copies; refuses a broken live layout
+    (every layer's, checked before its state dict is read)."""
     out = {}
     for prefix, layer in _prefixed(model).items():
-        E = layer.config.num_experts
-        if not layer.has_copies:
-            why = placement_problem(f"{prefix}slot_of_expert_E", layer.slot_of_expert_E, E)
-            if why is not None:
-                raise CheckpointError(f"save_checkpoint: {why} (nothing was written)")
-            continue
         layout = layer.slot_layout()
         try:
             layout.check(_ep(layer))
         except ValueError as e:
-            raise CheckpointError(f"save_checkpoint: {prefix}expert_of_slot_S: {e}") from None
-        out[prefix] = list(layout.expert_of_slot)
+            raise CheckpointError(
+                f"save_checkpoint: {prefix}expert_of_slot_S: {e} (nothing was written)"
+            ) from None
+        if layer.has_copies:
+            out[prefix] = list(layout.expert_of_slot)
     return out
 
 

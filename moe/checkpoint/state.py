@@ -77,9 +77,10 @@ def check_layout(model: nn.Module) -> None:
 def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything to save: tensors by key, and the JSON objects."""
     check_layout(model)
+    layouts = slots.layouts_to_save(model)  # checked first; replica placement (resume exactly)
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
-    objects[slots.KEY] = slots.layouts_to_save(model)  # replica placement (resume exactly)
+    objects[slots.KEY] = layouts
     if opt is None:
         replicas.to_canonical(model, tensors)
         return tensors, objects
