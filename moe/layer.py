@@ -362,8 +362,6 @@ def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) 
     state_dict[prefix + "slot_of_expert_E"] = layer.slot_of_expert_E
     if layer.has_copies:
         state_dict[prefix + "expert_of_slot_S"] = layer.expert_of_slot_S
-    else:
-        state_dict.pop(prefix + "expert_of_slot_S", None)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

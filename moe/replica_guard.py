@@ -129,22 +129,24 @@ def still_summed(layers) -> None:
             rec.grads = _snapshot(layer)
 
 
-def _optimizer_layers(optimizer) -> list:
+def _optimizer_layers(optimizer, layers) -> list:
+    """The `layers` whose expert parameters `optimizer` updates."""
+    if not layers:
+        return []
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [
-        layer for layer in list(_LAYERS) if any(id(p) in ids for p in layer.experts.parameters())
-    ]
+    return [layer for layer in layers if any(id(p) in ids for p in layer.experts.parameters())]
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    names = [layer.name for layer in _optimizer_layers(optimizer) if pending(layer)]
+    waiting = [layer for layer in list(_LAYERS) if pending(layer)]
+    names = [layer.name for layer in _optimizer_layers(optimizer, waiting)]
     if names:
         raise ReplicaGradsNotSummed(message(names, f"{type(optimizer).__name__}.step"))
 
 
 def _after_step(optimizer, args, kwargs) -> None:
     """The step consumed the gradients: the next ones belong to a new step."""
-    for layer in _optimizer_layers(optimizer):
+    for layer in _optimizer_layers(optimizer, list(_LAYERS)):
         rec = _record(layer)
         rec.arrived, rec.summed, rec.grads = False, False, _snapshot(layer)
 
