@@ -113,3 +113,21 @@ def test_replica_layouts_agree_and_resume_exactly_on_two_ranks(tmp_path):
         assert "checkpoint" in r["different checkpoints"] and r["unchanged"]
         assert "different replica layouts" in r["different layouts"]
     assert results[0] == results[1]
+
+
+def test_state_dict_keys_are_those_0afafd8_wrote():
+    """The layer keeps its layout once (expert_of_slot_S); state dicts keep the old keys, so
+    0afafd8's state dicts and checkpoints load and these load there."""
+    plain, rep = _plain()[1], _plain(2)[1]
+    assert sorted(plain.state_dict()) == sorted(
+        ["router.weight", "router.expert_bias", "experts.w1", "experts.w2", "slot_of_expert_E"]
+    )
+    assert sorted(rep.state_dict()) == sorted([*plain.state_dict(), "expert_of_slot_S"])
+    old = {**rep.state_dict(), "expert_of_slot_S": torch.tensor([3, 1, 2, 0, 3, 1])}
+    old["slot_of_expert_E"] = torch.tensor([3, 1, 2, 0])  # 0afafd8 kept it as a second buffer
+    rep.load_state_dict(old)
+    assert rep.expert_of_slot_S.tolist() == [3, 1, 2, 0, 3, 1]
+    assert rep.slot_of_expert_E.tolist() == [3, 1, 2, 0]
+    gone = {k: v for k, v in old.items() if "slot" not in k}
+    result = rep.load_state_dict(gone, strict=False)
+    assert sorted(result.missing_keys) == ["expert_of_slot_S", "slot_of_expert_E"]
