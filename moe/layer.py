@@ -105,13 +105,10 @@ class MoELayer(nn.Module):
         # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
         self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
-        # The slot layout (moe.replica_layout.SlotLayout; rebalance_experts places experts
-        # and copies): slot s, i.e. row s of experts.w1..., rank s // L under expert
-        # parallelism, holds canonical expert expert_of_slot_S[s]; S = E (a permutation)
-        # without spare slots. The router, its bias, stats and loads stay in canonical ids;
-        # only the dispatch plan is built in slots. This buffer is the one record of the
-        # layout (slot_of_expert_E is derived); state dicts carry the keys every version
-        # wrote (slot_of_expert_E, and expert_of_slot_S with copies: _state_dict_slots).
+        # The slot layout, kept once (moe.replica_layout.SlotLayout): slot s (row s of
+        # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
+        # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
+        # dicts carry the keys every version wrote (_state_dict_slots).
         eos = torch.tensor(layout.expert_of_slot, dtype=torch.long, device=device)
         self.register_buffer("expert_of_slot_S", eos, persistent=False)
         self.register_state_dict_post_hook(_state_dict_slots)
@@ -121,9 +118,7 @@ class MoELayer(nn.Module):
                     p[num_experts:] = p[list(layout.expert_of_slot[num_experts:])]
         self._backwards = BackwardWatch()
         self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
-        # replicas: a backward through this layer leaves the copies' gradients to be summed
-        # (moe.parallel.sum_replica_grads); optimizer steps refuse until then
-        if self.has_copies:
+        if self.has_copies:  # copies' gradients to sum before a step (replica_guard)
             replica_guard.watch(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
