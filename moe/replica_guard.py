@@ -24,6 +24,7 @@ Gradient accumulation is unaffected: any number of forwards and backwards, then 
 import weakref
 from dataclasses import dataclass, field
 
+import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -63,12 +64,15 @@ def _trained(layer) -> list:
     return [p for p in layer.experts.parameters() if p.requires_grad]
 
 
+def _grads(layer) -> list:
+    """The local gradient tensors themselves (no_grad: DTensor.to_local returns its local
+    tensor, not a new view, so identity and version say whether it was written)."""
+    with torch.no_grad():
+        return [local(p.grad) for p in _trained(layer)]
+
+
 def _snapshot(layer) -> list:
-    out = []
-    for p in _trained(layer):
-        g = local(p.grad)
-        out.append(None if g is None else (weakref.ref(g), g._version))
-    return out
+    return [None if g is None else (weakref.ref(g), g._version) for g in _grads(layer)]
 
 
 def _same_tensor(entry, g) -> bool:
@@ -77,7 +81,7 @@ def _same_tensor(entry, g) -> bool:
 
 def _changed(layer, rec: _Record) -> bool:
     """Whether any expert gradient is new or was written since the record."""
-    now = [local(p.grad) for p in _trained(layer)]
+    now = _grads(layer)
     if rec.grads is None or len(rec.grads) != len(now):
         return any(g is not None for g in now)
     return any(
@@ -108,7 +112,7 @@ def sum_verdict(layer) -> str:
     if not pending(layer):
         return "sum" if rec.grads is None else "noop"
     if rec.summed and rec.grads is not None:
-        now = [local(p.grad) for p in _trained(layer)]
+        now = _grads(layer)
         if any(_same_tensor(e, g) for e, g in zip(rec.grads, now)):
             return "mixed"
     return "sum"

@@ -14,6 +14,7 @@ from moe.checkpoint import slots as slot_files
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
+from moe.replica_guard import ReplicaGradsNotSummed
 from tests.distributed import run_ranks
 from tests.test_replicas import D, F, _batch, _canonical, _pair, _step
 
@@ -85,7 +86,9 @@ def _body(rank, world, path):
     except CheckpointError as e:
         out["different checkpoints"] = str(e)
     out["unchanged"] = all(torch.equal(v, before[k]) for k, v in _canonical(resumed).items())
-    mesh = init_mesh(dp=2, ep=1)  # a state-dict load of another replica layout on rank 1
+    mesh = init_mesh(dp=2, ep=1)
+    out["compiled fsdp"] = _compiled_steps(mesh)
+    # a state-dict load of another replica layout on rank 1
     model = parallelize(_pair(2, seed=1)[1], mesh, "ddp")
     if rank == 1:
         model[1].load_state_dict(
@@ -103,6 +106,28 @@ def _body(rank, world, path):
     return out
 
 
+def _compiled_steps(mesh) -> list:
+    """FSDP2's DTensor gradients as a compiled layer's guard sees them (its trace sets
+    ran_compiled; tests/test_replica_state.py traces one for real): refused before the sum,
+    accepted after it (gradients watched by identity and version of their local tensors)."""
+    torch.manual_seed(2)
+    model = parallelize(torch.nn.Sequential(moe.MoELayer(D, F, 4, spare_slots=2)), mesh, "fsdp")
+    model[0].ran_compiled = True
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(2):
+        model(_batch(step)[0][:6].float()).sum().backward()
+        try:
+            opt.step()
+            out.append("stepped")
+        except ReplicaGradsNotSummed:
+            out.append("refused")
+        sum_replica_grads(model)
+        opt.step()  # accepted
+        opt.zero_grad(set_to_none=step == 0)  # both ways of zeroing
+    return out
+
+
 def test_replica_layouts_agree_and_resume_exactly_on_two_ranks(tmp_path):
     results = run_ranks(_body, 2, str(tmp_path), timeout=120)
     for r in results:
@@ -112,6 +137,7 @@ def test_replica_layouts_agree_and_resume_exactly_on_two_ranks(tmp_path):
         assert r["bit-exact"]
         assert "checkpoint" in r["different checkpoints"] and r["unchanged"]
         assert "different replica layouts" in r["different layouts"]
+        assert r["compiled fsdp"] == ["refused", "refused"]
     assert results[0] == results[1]
 
 
