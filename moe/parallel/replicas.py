@@ -22,7 +22,10 @@ Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each
 Forgetting the call is an error, not drift: a layer with spare slots is pending from a
 backward through it until this call, and any optimizer's step (a global torch step pre-hook)
 or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed naming
-it (moe/replica_guard.py), before anything changes.
+it (moe/replica_guard.py), before anything changes; so does rebalance_experts. A second call
+without a backward in between is a no-op; gradients accumulated on summed ones (a call per
+micro-batch) and ranks holding different replica layouts are refused on every rank (one small
+all-reduce of flags and layouts before the sum) before any gradient changes.
 """
 
 import torch
