@@ -22,7 +22,7 @@ from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
 from moe.kernels.registry import ExpertKernel
 from moe.recompute_frame import recompute_context
-from moe.replica_layout import check_replica_state, initial_expert_of_slot
+from moe.replica_layout import SlotLayout, first_slots, layout_from_state
 from moe.shared_experts import SharedExperts
 
 
@@ -70,9 +70,10 @@ class MoELayer(nn.Module):
         )
         self.name = name
         self.router = build_router(self.config)
-        spare = self.config.spare_slots
+        layout = SlotLayout.of_config(self.config)  # the experts, then R spare slots (copies)
+        self.has_copies, self.num_slots = layout.has_copies, layout.num_slots
         self.experts = GroupedExperts(
-            num_experts + spare,  # slots: the experts, then R spare slots (replicas)
+            layout.num_slots,
             d_model,
             d_ff,
             activation,
@@ -106,24 +107,20 @@ class MoELayer(nn.Module):
         # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
         self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
-        # Expert placement (moe.parallel.rebalance_experts): canonical expert e sits in slot
-        # slot_of_expert_E[e], i.e. row e' of experts.w1..., rank s // L under expert
-        # parallelism. The router, its bias, stats and loads stay in canonical ids; only the
-        # dispatch plan is built in slots. Persistent, so checkpoints carry it.
-        slots = torch.arange(num_experts, dtype=torch.long, device=device)
-        self.register_buffer("slot_of_expert_E", slots)
-        if spare:  # replicas: slot s copies expert expert_of_slot_S[s]; slot_of_expert_E is
-            # each expert's first slot. Spare slots start as copies of experts 0, 1, ...
-            copies = initial_expert_of_slot(num_experts, spare)
-            self.register_buffer("expert_of_slot_S", torch.tensor(copies, device=device))
+        # The slot layout, kept once (moe.replica_layout.SlotLayout): slot s (row s of
+        # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
+        # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
+        # dicts carry the keys every version wrote (_state_dict_slots).
+        eos = torch.tensor(layout.expert_of_slot, dtype=torch.long, device=device)
+        self.register_buffer("expert_of_slot_S", eos, persistent=False)
+        self.register_state_dict_post_hook(_state_dict_slots)
+        if layout.has_copies:  # spare slots start as copies of experts 0, 1, ...
             with torch.no_grad():
                 for p in self.experts.parameters():
-                    p[num_experts:] = p[list(copies[num_experts:])]
+                    p[num_experts:] = p[list(layout.expert_of_slot[num_experts:])]
         self._backwards = BackwardWatch()
-        # replicas: a backward through this layer leaves the copies' gradients to be summed
-        # (moe.parallel.sum_replica_grads); optimizer steps refuse until then
-        self.replica_grads_pending = False
-        if spare:
+        self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
+        if self.has_copies:  # copies' gradients to sum before a step (replica_guard)
             replica_guard.watch(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +137,11 @@ class MoELayer(nn.Module):
             )
         else:
             y_TD = self._forward_tokens(x_TD)
-        if y_TD.requires_grad and not torch.compiler.is_compiling():
-            marks = self._replica_grads_arrived if self.config.spare_slots else None
+        if y_TD.requires_grad and torch.compiler.is_compiling():
+            if self.has_copies:  # traced: its copies' gradients are watched (replica_guard)
+                self.ran_compiled = True
+        elif y_TD.requires_grad:
+            marks = self._replica_grads_arrived if self.has_copies else None
             y_TD = self._backwards.watch(y_TD, marks)
         # FSDP2 (parallelize) hooks its pre-backward all-gather onto the output, which an
         # in-place op on a view would drop: there, one T x D copy instead of a view
@@ -149,11 +149,16 @@ class MoELayer(nn.Module):
         return y_TD.view(x.shape).clone() if fsdp else y_TD.view(x.shape)
 
     def _replica_grads_arrived(self) -> None:
-        self.replica_grads_pending = True  # a backward reached this layer: copies to sum
+        replica_guard.grads_arrived(self)  # a backward reached this layer: copies to sum
+
+    @property
+    def replica_grads_pending(self) -> bool:
+        """Whether the copies' gradients wait for moe.parallel.sum_replica_grads."""
+        return replica_guard.pending(self)
 
     def replica_grads_summed(self) -> None:
         """moe.parallel.sum_replica_grads summed the copies' gradients: steps may run."""
-        self.replica_grads_pending = False
+        replica_guard.summed(self)
 
     def backward_pending(self) -> bool:
         """Whether a training forward's output still waits for its backward (its graph is
@@ -201,7 +206,7 @@ class MoELayer(nn.Module):
         """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
         slot_E = self.slot_of_expert_E
-        if c.spare_slots:  # replicas: capacity per expert, each kept pair to one copy
+        if self.has_copies:  # capacity per expert, each kept pair to one copy
             factor = capacity_factor_for(c, self.training)
             return plan_token_choice_replicated(
                 routing.expert_ids_TK,
@@ -236,7 +241,7 @@ class MoELayer(nn.Module):
         """Where this rank sends each expert's pairs (moe.dispatch.replica_split): its own
         copies first, then its node's. The EP rank comes from the experts' slot offset."""
         L = self.experts.num_experts
-        S = self.config.num_experts + self.config.spare_slots
+        S = self.num_slots
         rank = self.experts.expert_offset // L
         per_node = self.dispatcher.ranks_per_node or S // L
         return copy_candidates(self.expert_of_slot_S, self.config.num_experts, rank, L, per_node)
@@ -278,56 +283,54 @@ class MoELayer(nn.Module):
 
     def expert_of_slot(self) -> torch.Tensor:
         """[S] the canonical expert each expert slot holds (placement and replicas)."""
-        if self.config.spare_slots:
-            return self.expert_of_slot_S
-        return torch.argsort(self.slot_of_expert_E)
+        return self.expert_of_slot_S
+
+    @property
+    def slot_of_expert_E(self) -> torch.Tensor:
+        """[E] each expert's first slot (derived from expert_of_slot_S; change the layout
+        with set_slot_layout, not by writing this tensor)."""
+        return first_slots(self.expert_of_slot_S, self.config.num_experts)
+
+    def slot_layout(self) -> SlotLayout:
+        """The slots as a host value (a host read: step time, not forward / backward)."""
+        return SlotLayout(self.config.num_experts, tuple(self.expert_of_slot_S.tolist()))
+
+    @torch.no_grad()
+    def set_slot_layout(self, layout: SlotLayout) -> None:
+        """Adopt `layout` (same experts and slots; checked): the buffer changes in place, so
+        compiled graphs and the dispatch plan see it. Weights do not move (the caller's job)."""
+        if (layout.num_experts, layout.num_slots) != (self.config.num_experts, self.num_slots):
+            raise ValueError(
+                f"{self.name}: a slot layout of {layout.num_experts} experts in "
+                f"{layout.num_slots} slots does not fit this layer "
+                f"({self.config.num_experts} experts in {self.num_slots} slots)"
+            )
+        layout.check()
+        self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
-        """The plan's per-expert counts back in canonical expert ids (stats, loads)."""
-        if self.config.spare_slots:  # per slot -> summed over each expert's copies
-            E, slot_S = self.config.num_experts, self.expert_of_slot_S
-            zeros = plan.counts_E.new_zeros(E)
-            return dataclasses.replace(
-                plan,
-                counts_E=zeros.index_add(0, slot_S, plan.counts_E),
-                routed_E=zeros.index_add(0, slot_S, plan.routed_E),
-            )
-        slot_E = self.slot_of_expert_E
+        """The plan's per-slot counts back in canonical expert ids (stats, loads): each
+        expert's copies summed (one copy each without spare slots)."""
+        E, slot_S = self.config.num_experts, self.expert_of_slot_S
+        zeros = plan.counts_E.new_zeros(E)
         return dataclasses.replace(
-            plan, counts_E=plan.counts_E[slot_E], routed_E=plan.routed_E[slot_E]
+            plan,
+            counts_E=zeros.index_add(0, slot_S, plan.counts_E),
+            routed_E=zeros.index_add(0, slot_S, plan.routed_E),
         )
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
-        """A state dict without a placement (saved before placements existed) is in canonical
-        order; a placement read from a file must be a permutation of the experts, a replica
-        layout one that fits this layer's slots (moe.replica_layout)."""
-        key = prefix + "slot_of_expert_E"
-        replicas = prefix + "expert_of_slot_S"
-        if self.config.spare_slots:
-            if key in state_dict or replicas in state_dict:  # else: missing keys (strict)
-                check_replica_state(self.name, state_dict, prefix, self.config)
-        elif replicas in state_dict:
-            raise ValueError(
-                f"{self.name}: {replicas} holds a replica layout of "
-                f"{len(state_dict[replicas])} slots, but this layer has no spare slots "
-                "(MoEConfig.spare_slots=0); load it through moe.checkpoint, which reads "
-                "canonical experts, or build the layer with the same spare_slots"
-            )
-        if self.config.spare_slots:
-            pass
-        elif key not in state_dict:
-            state_dict = {**state_dict, key: torch.arange(self.config.num_experts)}
-        else:
-            slots = state_dict[key]
-            E = self.config.num_experts
-            if (
-                not isinstance(slots, torch.Tensor)
-                or slots.dtype != torch.long
-                or tuple(slots.shape) != (E,)
-                or not torch.equal(slots.sort().values.cpu(), torch.arange(E))
-            ):
-                raise ValueError(f"{self.name}: {key} is not a permutation of {E} expert ids")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *args):
+        """The layout keys are checked before anything of this layer loads (a placement must
+        be a permutation of the experts, a replica layout fit this layer's slots); a state
+        dict without a placement (saved before placements existed) is in canonical order."""
+        layout = layout_from_state(self.name, state_dict, prefix, self.config)
+        keys = (prefix + "slot_of_expert_E", prefix + "expert_of_slot_S")
+        if layout is None and strict:  # a layer with copies needs its layout
+            missing.extend(keys)
+        others = {k: v for k, v in state_dict.items() if k not in keys}
+        super()._load_from_state_dict(others, prefix, local_metadata, strict, missing, *args)
+        if layout is not None:
+            self.set_slot_layout(layout)
 
     # The balance tracker's state, under the names users and moe.parallel read on the layer.
     @property
@@ -359,6 +362,14 @@ class MoELayer(nn.Module):
             f"name={self.name}, router={c.router}, top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}"
         )
+
+
+def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) -> None:
+    """State dicts keep the keys every version wrote: slot_of_expert_E, and with copies
+    expert_of_slot_S (the layer holds the layout once: expert_of_slot_S, not persistent)."""
+    state_dict[prefix + "slot_of_expert_E"] = layer.slot_of_expert_E
+    if layer.has_copies:
+        state_dict[prefix + "expert_of_slot_S"] = layer.expert_of_slot_S
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

@@ -4,7 +4,74 @@ copies of one expert on different expert-parallel ranks; slot_of_expert[e] is ex
 slot (the copy checkpoints and exports read). Pure functions, imported by the layer and by
 moe.parallel's planner (replica_placement.py)."""
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """One layer's expert slots as a value: E canonical experts in S >= E slots (rows of the
+    stacked expert weights), slot s holding a copy of expert expert_of_slot[s]. A layout
+    without copies (S = E, MoEConfig.spare_slots = 0) is a permutation: rebalance_experts'
+    placement. Host data: read it at step time (rebalance, sum, checkpoints, traces, HF
+    export), never in a layer's forward; the layer keeps its device form (buffers)."""
+
+    num_experts: int
+    expert_of_slot: tuple[int, ...]
+
+    @classmethod
+    def of_config(cls, config) -> "SlotLayout":
+        """The layout a new layer starts with (initial_expert_of_slot)."""
+        return cls(config.num_experts, initial_expert_of_slot(config.num_experts, spare(config)))
+
+    @classmethod
+    def of_placement(cls, slot_of_expert) -> "SlotLayout":
+        """A layout without copies from expert -> slot (a permutation)."""
+        expert_of_slot = [0] * len(slot_of_expert)
+        for e, s in enumerate(slot_of_expert):
+            expert_of_slot[s] = e
+        return cls(len(slot_of_expert), tuple(expert_of_slot))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.expert_of_slot)
+
+    @property
+    def has_copies(self) -> bool:
+        return self.num_slots > self.num_experts
+
+    @property
+    def copies(self) -> tuple[int, ...]:
+        """Copies of each expert (all 1 without spare slots)."""
+        return copies_of(self.expert_of_slot, self.num_experts)
+
+    @property
+    def slot_of_expert(self) -> tuple[int, ...]:
+        """Each expert's first slot: the copy checkpoints and exports read."""
+        return primary_slots(self.expert_of_slot, self.num_experts)
+
+    def slots_per_rank(self, num_ranks: int) -> int:
+        return self.num_slots // num_ranks
+
+    def rank_of_expert(self, num_ranks: int) -> tuple[int, ...]:
+        """The EP rank holding each expert's first copy (slots split evenly)."""
+        per_rank = self.slots_per_rank(num_ranks)
+        return tuple(s // per_rank for s in self.slot_of_expert)
+
+    def check(self, num_ranks: int = 1) -> None:
+        """Every expert in a slot, slots split evenly, copies on different ranks."""
+        check_replica_placement(list(self.expert_of_slot), self.num_experts, num_ranks)
+
+
+def spare(config) -> int:
+    """R, the spare slots of a layer's config (the one reader outside moe/config.py)."""
+    return config.spare_slots
+
+
+def num_slots(config) -> int:
+    """S = E + R: the expert slots of a layer built from `config` (the one place it is summed)."""
+    return config.num_experts + spare(config)
 
 
 def copies_of(expert_of_slot, num_experts: int) -> tuple[int, ...]:
@@ -48,10 +115,50 @@ def initial_expert_of_slot(num_experts: int, spare_slots: int) -> tuple[int, ...
     return tuple(range(num_experts)) + tuple(i % num_experts for i in range(spare_slots))
 
 
+def first_slots(expert_of_slot_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] each expert's first slot, on the device (no host read: forward-safe)."""
+    S = expert_of_slot_S.numel()
+    slot_S = torch.arange(S, dtype=torch.long, device=expert_of_slot_S.device)
+    first_E = torch.full((num_experts,), S, dtype=torch.long, device=expert_of_slot_S.device)
+    return first_E.scatter_reduce(0, expert_of_slot_S, slot_S, "amin")
+
+
+def layout_from_state(name: str, state_dict: dict, prefix: str, config) -> "SlotLayout | None":
+    """The slot layout a layer's state dict holds (`slot_of_expert_E`, and `expert_of_slot_S`
+    with copies: the keys every version wrote), checked against the layer's config before
+    anything is loaded; None when it holds none (a state dict saved before placements existed:
+    canonical order; with copies: missing keys). Raises ValueError naming layer and key."""
+    key, replicas = prefix + "slot_of_expert_E", prefix + "expert_of_slot_S"
+    E = config.num_experts
+    if spare(config):
+        if key not in state_dict and replicas not in state_dict:
+            return None
+        check_replica_state(name, state_dict, prefix, config)
+        return SlotLayout(E, tuple(int(v) for v in state_dict[replicas].tolist()))
+    if replicas in state_dict:
+        raise ValueError(
+            f"{name}: {replicas} holds a replica layout of "
+            f"{len(state_dict[replicas])} slots, but this layer has no spare slots "
+            "(MoEConfig.spare_slots=0); load it through moe.checkpoint, which reads "
+            "canonical experts, or build the layer with the same spare_slots"
+        )
+    if key not in state_dict:
+        return SlotLayout.of_placement(range(E))
+    slots = state_dict[key]
+    if (
+        not isinstance(slots, torch.Tensor)
+        or slots.dtype != torch.long
+        or tuple(slots.shape) != (E,)
+        or not torch.equal(slots.sort().values.cpu(), torch.arange(E))
+    ):
+        raise ValueError(f"{name}: {key} is not a permutation of {E} expert ids")
+    return SlotLayout.of_placement(slots.tolist())
+
+
 def check_replica_state(name: str, state_dict: dict, prefix: str, config) -> None:
     """A state dict's replica layout must fit the layer: expert_of_slot_S [E + R] long with
     every expert, slot_of_expert_E its first slots. Raises ValueError naming layer and value."""
-    E, S = config.num_experts, config.num_experts + config.spare_slots
+    E, S = config.num_experts, num_slots(config)
     eos, soe = (
         state_dict.get(prefix + "expert_of_slot_S"),
         state_dict.get(prefix + "slot_of_expert_E"),
@@ -81,7 +188,7 @@ def check_replica_state(name: str, state_dict: dict, prefix: str, config) -> Non
 def check_spare_slots(name: str, expert_of_slot, config, ep: int) -> None:
     """Spare slots over `ep` expert-parallel ranks: R a multiple of ep, at most E * (ep - 1)
     copies beyond the experts, and a layout with no two copies of an expert on one rank."""
-    E, R = config.num_experts, config.spare_slots
+    E, R = config.num_experts, spare(config)
     if R % ep:
         raise ValueError(f"{name}: spare_slots={R} is not a multiple of the EP size {ep}")
     if ep > 1 and E * (ep - 1) < R:

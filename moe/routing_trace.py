@@ -92,8 +92,7 @@ class RoutingTrace:
         self.writer = not self.distributed or dist.get_rank() == 0
         self.experts = [layer.config.num_experts for _, layer in self.layers]
         self.ep = [  # expert slots (experts + spare slots) over the slots this rank holds
-            (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
-            for _, layer in self.layers
+            layer.num_slots // layer.experts.num_experts for _, layer in self.layers
         ]
         self.steps_done = resume_from or 0  # default line numbers continue after it
         self.buffer: list[torch.Tensor] = []  # one packed row per step, on the device
@@ -141,8 +140,10 @@ class RoutingTrace:
         """End of a training step: keep its counts (device only); every `every` steps reduce
         and write them. `step` numbers the line (default: steps since the trace began, from 1).
         """
+        if step is not None:
+            _check_step(step, "RoutingTrace.step")
         self.steps_done += 1
-        self.step_ids.append(self.steps_done if step is None else int(step))
+        self.step_ids.append(self.steps_done if step is None else step)
         rows = []
         for (_, layer), E, total in zip(self.layers, self.experts, self.current):
             if total is None:  # no forward this step: zeros (still joins the all-reduce)
@@ -158,7 +159,23 @@ class RoutingTrace:
         copies per expert, load before and after, slots moved, bytes sent; see
         moe/trace_rebalance.py), written with the next flush after the steps buffered now.
         Host data only: no collective, any rank may call it (the writer writes)."""
+        _check_step(step, "RoutingTrace.record_rebalance")
         ep = dict(zip((name for name, _ in self.layers), self.ep))
+        experts = dict(zip((name for name, _ in self.layers), self.experts))
+        layers = getattr(report, "layers", None)
+        if not isinstance(layers, dict):
+            raise ValueError(
+                "RoutingTrace.record_rebalance: expected the RebalanceReport that "
+                f"moe.parallel.rebalance_experts returned, got {type(report).__name__}"
+            )
+        for name, placement in layers.items():
+            E = len(getattr(placement, "slot_of_expert", ()))
+            if experts.get(name) != E:
+                raise ValueError(
+                    f"RoutingTrace.record_rebalance: the report's layer {name!r:.100} "
+                    f"({E} experts) is not a layer of the traced model "
+                    f"({', '.join(f'{n}: {e}' for n, e in list(experts.items())[:4])})"
+                )
         self.pending += rebalance_lines(step, report, ep)
 
     def flush(self) -> None:
@@ -207,16 +224,17 @@ class RoutingTrace:
         self.close()
 
 
+def _check_step(step, what: str) -> None:
+    """A step number read_trace accepts: an int >= 0 (no bool, no float)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{what}: step must be an int >= 0, got {step!r:.100}")
+
+
 def _rank_slots(layer, ep: int) -> list[int]:
-    """slot_of_expert_E, as trace_line reads it (rank = slot // (E / ep)); with replicas
-    (spare slots) each expert counts on the rank of its first copy."""
-    slots = layer.slot_of_expert_E.tolist()
-    spare = layer.config.spare_slots
-    if not spare:
-        return slots
-    E = layer.config.num_experts
-    per_rank = (E + spare) // ep
-    return [(s // per_rank) * (E // ep) for s in slots]
+    """Each expert's row as trace_line reads it (rank = row // (E / ep)): the EP rank of its
+    (first) slot, times E / ep."""
+    layout = layer.slot_layout()
+    return [r * (layout.num_experts // ep) for r in layout.rank_of_expert(ep)]
 
 
 def _device(layer) -> torch.device:

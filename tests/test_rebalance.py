@@ -16,6 +16,7 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.placement import lpt_groups, plan_placement, rank_loads
 from moe.parallel.rebalance import rebalance_experts
+from moe.replica_layout import SlotLayout
 from tests.distributed import run_ranks
 
 D, F, E = 12, 20, 8
@@ -95,7 +96,7 @@ def _place(layer, slot_of_expert):
         for p in layer.experts.parameters():
             rows = p.detach().clone()
             p[slot_E] = rows[old_E]
-        layer.slot_of_expert_E.copy_(slot_E)
+        layer.set_slot_layout(SlotLayout.of_placement(slot_of_expert))
 
 
 @pytest.mark.parametrize(
@@ -292,7 +293,7 @@ def _load_body(rank, world, layouts, load_layout, path):
     slots = [m.slot_of_expert_E.tolist() for m in model[1::2]]
     out = _probe(model, _batch(99)[0])
     if rank == 1:  # a rank with another placement: the same error everywhere, no hang
-        model[1].slot_of_expert_E.copy_(model[1].slot_of_expert_E.flip(0))
+        model[1].set_slot_layout(SlotLayout.of_placement(slots[0][::-1]))
     with pytest.raises(ValueError, match="different expert placements"):
         rebalance_experts(model, opt)
     return results, out, slots
@@ -357,11 +358,9 @@ def test_hf_export_in_canonical_order_after_placement(tmp_path):
 
 def test_checkpoint_without_placement_loads_in_canonical_order(tmp_path):
     old = _model(seed=1)
-    for layer in old[1::2]:
-        del layer._buffers["slot_of_expert_E"]  # as saved before placements existed
+    for layer in old[1::2]:  # as saved before placements existed: no slot_of_expert_E key
+        layer._state_dict_hooks.clear()
     save_checkpoint(str(tmp_path / "old"), old)
-    for layer in old[1::2]:
-        layer.register_buffer("slot_of_expert_E", torch.arange(E))
     model = _model(seed=2)
     for layer in model[1::2]:
         _place(layer, list(reversed(range(E))))

@@ -10,6 +10,7 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
+from moe.replica_layout import SlotLayout
 from tests.distributed import run_ranks
 from tests.test_replicas import TOL64, D, E, F, _batch, _canonical, _full, _pair, _step
 
@@ -90,9 +91,7 @@ def test_check_finite_names_canonical_experts_not_slots(spare):
     layer = moe.MoELayer(D, F, E, top_k=2, spare_slots=spare, check_finite=True, name="ffn")
     with torch.no_grad():  # a non-trivial layout: experts reversed, spare slots copy 7, 6, 5
         order = list(range(E))[::-1]
-        layer.slot_of_expert_E.copy_(torch.tensor([order.index(e) for e in range(E)]))
-        if spare:
-            layer.expert_of_slot_S.copy_(torch.tensor(order + [7, 6, 5]))
+        layer.set_slot_layout(SlotLayout(E, tuple(order + [7, 6, 5][:spare])))
         slot = E + 1 if spare else 2  # holds expert 6 (spare: its second copy) / expert 5
         layer.experts.w1[slot, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"ffn: .*expert\(s\) \[(6|5)\] \(slots?"):
@@ -112,8 +111,7 @@ def _relayout(model, shift: int) -> None:
             canon = [p[layer.slot_of_expert_E].clone() for p in layer.experts.parameters()]
             order = [(e + shift) % E for e in range(E)]
             eos = order + [(shift + E - 1 - i) % E for i in range(R)]
-            layer.expert_of_slot_S.copy_(torch.tensor(eos))
-            layer.slot_of_expert_E.copy_(torch.tensor([eos.index(e) for e in range(E)]))
+            layer.set_slot_layout(SlotLayout(E, tuple(eos)))
             for p, c in zip(layer.experts.parameters(), canon):
                 p.copy_(c[layer.expert_of_slot_S])
 

@@ -15,6 +15,7 @@ CheckpointError saying so (no legacy reader): load them with the release that wr
 save again with this one.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -28,11 +29,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moe.checkpoint import slots as slot_files
 from moe.checkpoint import state as st
 from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from moe.checkpoint.folder import MARKER, FolderLock, make_staging, new_id, remove_stale_staging
 from moe.checkpoint.metadata import METADATA
-from moe.checkpoint.storage import JsonStorageReader, JsonStorageWriter, read_metadata_json
+from moe.checkpoint.storage import (
+    MAX_METADATA_BYTES,
+    JsonStorageReader,
+    JsonStorageWriter,
+    read_metadata_json,
+)
 from moe.checkpoint.validate import check_objects
 from moe.comm.consistency import all_gather_records, raise_if_any_rank_failed
 from moe.untrusted import UntrustedFileError, read_bytes
@@ -51,11 +58,11 @@ def _device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _agree(problems: list[str], cls: type = CheckpointError, cause=None) -> None:
+def _agree(problems: list[str], cls: type = CheckpointError, cause=None, values=None) -> None:
     """Raise the same CheckpointError on every rank if any rank found a problem (the local
-    exception, if any, as its cause)."""
+    exception, if any, as its cause) or the ranks' `values` differ."""
     try:
-        raise_if_any_rank_failed(problems, error=cls, what=REFUSED)
+        raise_if_any_rank_failed(problems, error=cls, what=REFUSED, values=values)
     except cls as e:
         raise e from cause
 
@@ -68,6 +75,17 @@ def _dcp_failure(e: CheckpointException) -> CheckpointError:
         text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         lines.append(text if len(e.failures) == 1 and not _dist() else f"rank {rank}: {text}")
     return CheckpointError(f"{REFUSED}: " + "\n  ".join(lines))
+
+
+def _identity(directory: str) -> dict:
+    """What every rank must have read (issue 41 item 5): the checkpoint's name and a digest
+    of its metadata (every tensor's shape and CRCs, the step in `extra`, the slot layouts)."""
+    name = os.path.basename(os.path.normpath(directory))
+    try:
+        raw = read_bytes(os.path.join(directory, METADATA), MAX_METADATA_BYTES, root=directory)
+    except (UntrustedFileError, OSError) as e:  # replaced since: differs from every other rank
+        return {"checkpoint": name, "metadata sha256": f"unreadable ({e})"[:80]}
+    return {"checkpoint": name, "metadata sha256": hashlib.sha256(raw).hexdigest()[:32]}
 
 
 def fsync_dir(path) -> None:
@@ -237,7 +255,7 @@ def load_checkpoint(
     except Exception as e:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
         problems.append(f"{type(e).__name__}: {e}")
         cause = e
-    _agree(problems, cls, cause)
+    _agree(problems, cls, cause, _identity(directory) if not problems else None)
     try:
         reader = JsonStorageReader(directory, stored)
         with warnings.catch_warnings():
@@ -245,5 +263,8 @@ def load_checkpoint(
             dcp.load(loaded, storage_reader=reader, no_dist=not _dist())
     except CheckpointException as e:
         raise _dcp_failure(e) from e
+    problems = []  # read, not applied: the stored placements checked and agreed first
+    slot_files.check_loaded(model, loaded, problems)
+    _agree(problems)
     st.apply(model, opt, loaded, objects)
     return objects.get("extra", {})

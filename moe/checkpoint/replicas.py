@@ -21,9 +21,7 @@ from moe.shards import local
 def replica_layers(model: nn.Module) -> dict[str, MoELayer]:
     """{state-dict prefix ("" or "name."): layer} of the layers with spare slots."""
     return {
-        (f"{name}." if name else ""): layer
-        for name, layer in moe_layers(model)
-        if layer.config.spare_slots
+        (f"{name}." if name else ""): layer for name, layer in moe_layers(model) if layer.has_copies
     }
 
 

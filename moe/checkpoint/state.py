@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moe.checkpoint import replicas, validate
+from moe.checkpoint import replicas, slots, validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import TensorEntry, dtype_name
 from moe.checkpoint.validate import NOT_RESTORED
@@ -77,8 +77,10 @@ def check_layout(model: nn.Module) -> None:
 def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything to save: tensors by key, and the JSON objects."""
     check_layout(model)
+    layouts = slots.layouts_to_save(model)  # checked first; replica placement (resume exactly)
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
+    objects[slots.KEY] = layouts
     if opt is None:
         replicas.to_canonical(model, tensors)
         return tensors, objects
@@ -126,6 +128,7 @@ def targets(
     `apply` will set (moe.checkpoint.validate)."""
     check_layout(model)
     validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
+    slots.check_objects(model, objects, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
@@ -190,6 +193,7 @@ def _restore_group(saved: dict, live: dict) -> dict:
 @torch.no_grad()
 def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
     """Copy validated, fully read tensors into the model and optimizer."""
+    slots.restore(model, objects)  # the saved replica layout, where it fits
     model_sd = {k[len("model/") :]: v for k, v in loaded.items() if k.startswith("model/")}
     live = get_model_state_dict(model)
     layout = replicas.live_layout(model)

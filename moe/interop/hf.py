@@ -140,7 +140,7 @@ def to_hf(model: nn.Module) -> nn.Module:
     """Put the original transformers blocks back, with the layers' (trained) weights. In place;
     returns the model. The experts must be whole (not sharded by expert parallelism)."""
     for path, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoELayer)]:
-        if layer.experts.num_experts != layer.config.num_experts + layer.config.spare_slots:
+        if layer.experts.num_experts != layer.num_slots:
             raise ValueError(
                 f"to_hf: {path} holds {layer.experts.num_experts} of {layer.config.num_experts} "
                 "experts (expert parallel); use moe.save_hf_checkpoint, or load the full model "

@@ -40,6 +40,7 @@ from moe.interop.hf_files import (
     read_index,
     weight_map_of,
 )
+from moe.replica_layout import SlotLayout
 
 SAVED_BY = "moe.save_hf_checkpoint"  # in the index's metadata: this folder's shards are ours
 STAGING = ".moe-hf-"
@@ -112,14 +113,14 @@ def _expert_range(layer: HFMoELayer) -> tuple[int, int]:
     """(first, count) of the canonical experts this rank reads: its slots' range, or every
     expert for a layer with spare slots (its slots hold any experts: all are read, then each
     slot takes its expert's row)."""
-    if layer.config.spare_slots:
+    if layer.has_copies:
         return 0, layer.config.num_experts
     return layer.experts.expert_offset, layer.experts.num_experts
 
 
 def _in_slots(layer: HFMoELayer, rows: torch.Tensor) -> torch.Tensor:
     """The rows read for `_expert_range` in this rank's slots (copies filled)."""
-    if not layer.config.spare_slots:
+    if not layer.has_copies:
         return rows
     first, L = layer.experts.expert_offset, layer.experts.num_experts
     return rows[layer.expert_of_slot_S[first : first + L].to(rows.device)]
@@ -202,8 +203,8 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     for layer in owners.values():  # every expert is read in canonical order
-        if not layer.config.spare_slots:  # replicas keep their layout: every copy is filled
-            layer.slot_of_expert_E.copy_(torch.arange(layer.config.num_experts))
+        if not layer.has_copies:  # replicas keep their layout: every copy is filled
+            layer.set_slot_layout(SlotLayout.of_placement(range(layer.config.num_experts)))
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe import replica_guard
 from moe.experts import dense_parameters, expert_parameters
 from moe.layer import moe_layers
 from moe.memory.grouped_apply import GroupedApply
@@ -104,4 +105,5 @@ def clip_grad_norm_(
             g.mul_(coef.to(device))
     elif dense + expert:
         torch._foreach_mul_(dense + expert, coef.to(device))
+    replica_guard.still_summed(layer for _, layer in moe_layers(model))  # still summed
     return total

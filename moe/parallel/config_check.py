@@ -132,12 +132,12 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
     }
     for name, layer in layers:
         c = layer.config
-        if layer.experts.num_experts != c.num_experts + c.spare_slots:
+        if layer.experts.num_experts != layer.num_slots:
             raise ValueError(f"{name}: already parallelized")
         if c.num_experts % ep:
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
-        if c.spare_slots:
-            check_spare_slots(name, layer.expert_of_slot_S.tolist(), c, ep)
+        if layer.has_copies:
+            check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)
         for f in fields(c):
             record[f"{name}.{f.name}"] = getattr(c, f.name)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

@@ -20,6 +20,8 @@ in slot s = row s of the layer's stacked expert weights; rank r holds slots [r*L
 
 from dataclasses import dataclass
 
+from moe.replica_layout import SlotLayout
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -35,6 +37,10 @@ class Placement:
     @property
     def changed(self) -> bool:
         return bool(self.moved)
+
+    def layout(self, num_experts: int) -> SlotLayout:
+        """The decision as the layer's slot layout value."""
+        return SlotLayout.of_placement(self.slot_of_expert)
 
 
 def rank_loads(load_E, slot_of_expert, num_ranks: int) -> list[float]:

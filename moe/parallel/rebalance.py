@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moe import replica_guard
 from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
@@ -63,7 +64,7 @@ class RebalanceReport:
 
 def ep_size(layer: MoELayer) -> int:
     """Expert-parallel ranks the layer's experts are spread over (1 in one process)."""
-    return (layer.config.num_experts + layer.config.spare_slots) // layer.experts.num_experts
+    return layer.num_slots // layer.experts.num_experts
 
 
 def _optimizer_states(optimizer, p: torch.Tensor) -> list[torch.Tensor]:
@@ -145,7 +146,7 @@ def _transfers_by_slot(old, new, ranges):
 
 def _layout(layer: MoELayer) -> torch.Tensor:
     """The placement every rank must agree on: slot_of_expert_E, and expert_of_slot_S."""
-    if not layer.config.spare_slots:
+    if not layer.has_copies:
         return layer.slot_of_expert_E
     return torch.cat([layer.slot_of_expert_E, layer.expert_of_slot_S])
 
@@ -215,6 +216,12 @@ def _local_problem(layers, optimizer, min_gain) -> str | None:
             return (
                 f"{name}: a training forward is waiting for its backward; call "
                 "rebalance_experts after optimizer.step(), not between forward and backward"
+            )
+        if layer.replica_grads_pending:  # copies hold partial gradients: moving them
+            return (  # copies one copy's share (issue 41 item 1)
+                f"{name}: the expert copies hold unsummed gradients; call "
+                "moe.parallel.sum_replica_grads after the last backward of the step, then "
+                "rebalance_experts (after optimizer.step(); never between micro-batches)"
             )
         if optimizer is None:
             continue
@@ -292,14 +299,11 @@ def rebalance_experts(
     plans, start = [], 0
     for (name, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
-        if layer.config.spare_slots:
-            placement = plan_replicas(
-                loads[start : start + E], layer.expert_of_slot_S.tolist(), w, min_gain
-            )
+        layout = layer.slot_layout()
+        if layout.has_copies:
+            placement = plan_replicas(loads[start : start + E], layout.expert_of_slot, w, min_gain)
         else:
-            placement = plan_placement(
-                loads[start : start + E], layer.slot_of_expert_E.tolist(), w, min_gain
-            )
+            placement = plan_placement(loads[start : start + E], layout.slot_of_expert, w, min_gain)
         start += E
         report.layers[name] = placement
         plans.append(placement)
@@ -321,19 +325,17 @@ def rebalance_experts(
             layer.experts.reshard()  # without backward: drop them so the next one re-gathers
         k = multi.index(i)
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
-        if layer.config.spare_slots:
+        layout = layer.slot_layout()
+        if layout.has_copies:
             transfers = _transfers_by_slot(
-                layer.expert_of_slot_S.tolist(), plans[i].expert_of_slot, rank_ranges
+                layout.expert_of_slot, plans[i].expert_of_slot, rank_ranges
             )
         else:
-            transfers = _transfers(
-                layer.slot_of_expert_E.tolist(), plans[i].slot_of_expert, rank_ranges
-            )
+            transfers = _transfers(layout.slot_of_expert, plans[i].slot_of_expert, rank_ranges)
         jobs.append((_moving_tensors(layer, optimizer), transfers))
     report.rows_sent, report.bytes_sent = _exchange(jobs, device)
     for i in changed:
         layer = layers[i][1]
-        layer.slot_of_expert_E.copy_(torch.tensor(plans[i].slot_of_expert))
-        if layer.config.spare_slots:
-            layer.expert_of_slot_S.copy_(torch.tensor(plans[i].expert_of_slot))
+        layer.set_slot_layout(plans[i].layout(layer.config.num_experts))
+        replica_guard.still_summed([layer])  # summed gradient rows moved with their slots
     return report

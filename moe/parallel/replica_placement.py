@@ -24,7 +24,12 @@ import heapq
 from dataclasses import dataclass
 
 from moe.parallel.placement import improve_by_swaps, max_overlap_assignment
-from moe.replica_layout import check_replica_placement, copies_of, primary_slots
+from moe.replica_layout import (
+    SlotLayout,
+    check_replica_placement,
+    copies_of,
+    primary_slots,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class ReplicaPlacement:
     @property
     def slot_of_expert(self) -> tuple[int, ...]:
         return primary_slots(self.expert_of_slot, max(self.expert_of_slot) + 1)
+
+    def layout(self, num_experts: int) -> SlotLayout:
+        """The decision as the layer's slot layout value."""
+        return SlotLayout(num_experts, tuple(self.expert_of_slot))
 
 
 def rank_loads(load_E, expert_of_slot, num_ranks: int) -> list[float]:

@@ -22,7 +22,10 @@ Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each
 Forgetting the call is an error, not drift: a layer with spare slots is pending from a
 backward through it until this call, and any optimizer's step (a global torch step pre-hook)
 or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed naming
-it (moe/replica_guard.py), before anything changes.
+it (moe/replica_guard.py), before anything changes; so does rebalance_experts. A second call
+without a backward in between is a no-op; gradients accumulated on summed ones (a call per
+micro-batch) and ranks holding different replica layouts are refused on every rank (one small
+all-reduce of flags and layouts before the sum) before any gradient changes.
 """
 
 import torch
@@ -31,8 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moe import replica_guard
 from moe.layer import MoELayer, moe_layers
-from moe.replica_layout import copies_of
+from moe.replica_layout import SlotLayout
 from moe.shards import local
 
 
@@ -52,39 +56,109 @@ def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
     return offset[0], shape[0], first
 
 
+def _jobs(layer: MoELayer, layout: SlotLayout) -> list:
+    """(local grad, local rows, buffer rows, contributes, replicated experts) per trained
+    expert parameter of `layer` (frozen ones hold no gradient and are left out)."""
+    copies = layout.copies
+    slots = layout.expert_of_slot
+    index = {e: i for i, e in enumerate(e for e in range(len(copies)) if copies[e] > 1)}
+    lo, n, contributes = _rows_here(layer)
+    rows = [s - lo for s in range(lo, lo + n) if copies[slots[s]] > 1]
+    at = [index[slots[s + lo]] for s in rows]
+    return [
+        (local(p.grad), rows, at, contributes, len(index))
+        for p in layer.experts.parameters()
+        if p.requires_grad
+    ]
+
+
+_MIXED = (
+    "gradients were accumulated on top of summed ones (a backward after sum_replica_grads "
+    "without zeroing them); call sum_replica_grads once, after the last backward of the step "
+    "(zero the gradients and redo the step)"
+)
+_MISSING = (
+    "sum_replica_grads needs every expert gradient; call it after backward (all ranks), "
+    "before optimizer.step()"
+)
+
+
+def _verdicts(layers) -> tuple[list[str], list[str], list[str]]:
+    """Each replicated layer's replica_guard.sum_verdict, and the layers (names) whose
+    gradients were accumulated after a sum, or are missing."""
+    verdicts, mixed, missing = [], [], []
+    for name, layer in layers:
+        verdict = replica_guard.sum_verdict(layer)
+        verdicts.append(verdict)
+        if verdict == "mixed":
+            mixed.append(name)
+        elif verdict == "sum" and any(
+            p.grad is None for p in layer.experts.parameters() if p.requires_grad
+        ):
+            missing.append(name)
+    return verdicts, mixed, missing
+
+
+def _raise(mixed: int, missing: int, names: list[str]) -> None:
+    here = f" (here: {', '.join(names[:8])})" if names else ""
+    if mixed:
+        raise replica_guard.ReplicaGradsNotSummed(f"sum_replica_grads{here}: {_MIXED}")
+    if missing:
+        raise ValueError(f"sum_replica_grads{here}: {_MISSING}")
+
+
+def _agree(layers, verdicts, mixed, missing, split: bool, device) -> bool:
+    """The same decision on every rank before any gradient changes: raises the same error
+    when any rank found a problem, the ranks' slot layouts differ (e.g. a state-dict load on
+    one rank) or they disagree on whether there is anything to sum; True to sum."""
+    noop = all(v == "noop" for v in verdicts)
+    if not split:
+        _raise(len(mixed), len(missing), mixed or missing)
+        return not noop
+    slots = torch.cat([layer.expert_of_slot_S for _, layer in layers]).to(device)
+    flags = [int(bool(mixed)), int(bool(missing)), int(noop)]
+    packed = torch.cat([torch.tensor(flags, device=device), slots, slots * slots])
+    dist.all_reduce(packed)
+    world, n = dist.get_world_size(), slots.numel()
+    summed, squares = packed[3 : 3 + n], packed[3 + n :]
+    counts = packed[:3].tolist()  # step-time host read
+    _raise(counts[0], counts[1], mixed or missing)
+    if not torch.equal(summed * summed, world * squares):
+        raise ValueError(
+            "sum_replica_grads: ranks hold different replica layouts (expert_of_slot_S), e.g. "
+            "after a state-dict load on some ranks; nothing changed (load the same state on "
+            "every rank, or through moe.checkpoint)"
+        )
+    if 0 < counts[2] < world:
+        raise replica_guard.ReplicaGradsNotSummed(
+            "sum_replica_grads: some ranks' gradients were summed already and others' not; "
+            "nothing changed"
+        )
+    return not noop
+
+
 @torch.no_grad()
 def sum_replica_grads(model: nn.Module) -> int:
     """Sum each replicated expert's weight gradients over its copies, in place, on every rank
     (collective when the experts are split over ranks: call it on every rank, after the last
-    backward of the step and before clipping and optimizer.step()). Returns the gradient bytes
-    this rank contributed to the all-reduce (0 without replicas)."""
-    jobs = []  # (local grad, local rows, buffer rows, contributes)
-    sizes = []
-    for _, layer in moe_layers(model):
-        R = layer.config.spare_slots
-        if not R:
-            continue
-        E = layer.config.num_experts
-        slots = layer.expert_of_slot_S.tolist()  # step-time host read, not in forward/backward
-        copies = copies_of(slots, E)
-        index = {e: i for i, e in enumerate(e for e in range(E) if copies[e] > 1)}
-        lo, n, contributes = _rows_here(layer)
-        rows = [s - lo for s in range(lo, lo + n) if copies[slots[s]] > 1]
-        at = [index[slots[s + lo]] for s in rows]
-        for p in layer.experts.parameters():
-            if p.grad is None:
-                raise ValueError(
-                    f"{layer.name}: sum_replica_grads needs every expert gradient; call it "
-                    "after backward (all ranks), before optimizer.step()"
-                )
-            grad = local(p.grad)
-            jobs.append((grad, rows, at, contributes, len(index)))
-            sizes.append(len(index) * grad[0].numel() if grad.shape[0] else 0)
-    if not jobs:
-        for _, layer in moe_layers(model):
+    backward of the step and before clipping and optimizer.step()). A second call without a
+    backward in between is a no-op; gradients accumulated on top of summed ones are refused
+    (moe.replica_guard). Returns the gradient bytes this rank contributed to the all-reduce
+    (0 without replicas or with nothing to sum)."""
+    layers = [(name, layer) for name, layer in moe_layers(model) if layer.has_copies]
+    if not layers:
+        return 0
+    verdicts, mixed, missing = _verdicts(layers)
+    split = dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters())
+    device = layers[0][1].expert_of_slot_S.device
+    if not _agree(layers, verdicts, mixed, missing, split, device):
+        return 0
+    jobs = [j for _, layer in layers for j in _jobs(layer, layer.slot_layout())]
+    sizes = [n_rep * grad[0].numel() if grad.shape[0] else 0 for grad, *_, n_rep in jobs]
+    if not jobs:  # every expert frozen: nothing to sum
+        for _, layer in layers:
             layer.replica_grads_summed()
         return 0
-    split = dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters())
     device = jobs[0][0].device
     dtype = torch.promote_types(jobs[0][0].dtype, torch.float32)
     for grad, *_ in jobs:
@@ -104,7 +178,7 @@ def sum_replica_grads(model: nn.Module) -> int:
         if rows:
             idx = torch.tensor(rows, device=device)
             grad[idx] = view[torch.tensor(at, device=device)].to(grad.dtype)
-    for _, layer in moe_layers(model):
+    for _, layer in layers:
         layer.replica_grads_summed()
     return buffer.numel() * buffer.element_size()
 
@@ -116,9 +190,9 @@ def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor |
     None without replicas; collective (one all-reduce) when the experts are split over ranks."""
     parts, device, wide = [], None, torch.float32
     for _, layer in moe_layers(model):
-        if not layer.config.spare_slots:
+        if not layer.has_copies:
             continue
-        first = set(layer.slot_of_expert_E.tolist())
+        first = set(layer.slot_layout().slot_of_expert)
         lo, n, contributes = _rows_here(layer)
         rows = [s - lo for s in range(lo, lo + n) if s not in first] if contributes else []
         for p in layer.experts.parameters():
