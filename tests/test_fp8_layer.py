@@ -96,3 +96,62 @@ def test_fp8_settings_are_checked():
     layer = _layer(FP8Config(experts=True), dtype=torch.float64)
     with pytest.raises(ValueError, match="moe: kernel 'fp8' cannot run this layer: it takes"):
         layer(torch.randn(3, D, dtype=torch.float64))
+
+
+ALL = FP8Config(dispatch=True, experts=True, grad_before_down_fp8=True, block_size=16)
+
+
+def test_fp8_layer_meets_recompute_compile_and_router_replay():
+    """FP8 (dispatch, experts, combine backward) with recompute equals it without; under
+    torch.compile (aot_eager: dynamo + AOT autograd over the fake registrations) equals eager;
+    a replayed routing reproduces the recorded forward bit for bit."""
+    x, dy = torch.randn(2, 11, D), torch.randn(2, 11, D)
+    eager = _run(_layer(ALL), x, dy)
+    _close(_run(_layer(ALL, recompute=True), x, dy), eager, rel=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(ALL), backend="aot_eager")
+    _close(_run(compiled, x, dy), eager)
+    layer = _layer(ALL)
+    with moe.record_routing(layer) as routes:
+        recorded = layer(x)
+    with moe.replay_routing(layer, routes):
+        assert torch.equal(layer(x), recorded)
+    with torch.no_grad():
+        layer.router.weight.add_(torch.randn_like(layer.router.weight))  # would route anew
+    with moe.record_routing(layer) as again, moe.replay_routing(layer, routes):
+        layer(x)
+    ((first,),), ((second,),) = routes.layers.values(), again.layers.values()
+    assert torch.equal(first.expert_ids_TK, second.expert_ids_TK)
+
+
+def test_checkpoint_saved_with_fp8_loads_without_and_back(tmp_path):
+    """FP8 is not part of the saved weights: the state dict (what checkpoints and HF exports
+    read) is the bf16/fp32 masters, equal with FP8 on or off; a checkpoint saved with FP8
+    on loads with it off and back on (not refused as a changed layer setting)."""
+    from moe.checkpoint import load_checkpoint, save_checkpoint
+
+    def model(fp8, seed=0):
+        return torch.nn.Sequential(_layer(fp8, seed=seed, dtype=torch.bfloat16))
+
+    on, off = model(ALL), model(None)
+    assert {k: v.dtype for k, v in on.state_dict().items()} == {
+        k: v.dtype for k, v in off.state_dict().items()
+    }
+    assert all(
+        torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values())
+    )
+    opt = torch.optim.AdamW(on.parameters(), lr=1e-2)
+    on(torch.randn(5, D, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    save_checkpoint(str(tmp_path / "on"), on, opt)
+    twin = model(None, seed=1)
+    load_checkpoint(str(tmp_path / "on"), twin, torch.optim.AdamW(twin.parameters(), lr=1e-2))
+    for a, b in zip(on.parameters(), twin.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert twin[0].experts.w1.dtype == torch.bfloat16  # the masters, not FP8
+    save_checkpoint(str(tmp_path / "off"), twin)
+    back = model(ALL, seed=2)
+    load_checkpoint(str(tmp_path / "off"), back)
+    assert all(torch.equal(a, b) for a, b in zip(on.parameters(), back.parameters()))
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    assert torch.equal(back(x), on(x))

@@ -11,12 +11,14 @@ backward (the recipe's), so with dp > 1 or micro-batches they are per local batc
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch import nn
 
 import moe
 from moe.fp8 import FP8Config
 from moe.parallel import init_mesh, parallelize
+from moe.parallel.replicas import sum_replica_grads
 from tests.distributed import run_ranks
+from tests.test_replicas import _canonical
 
 D, F, E, N = 40, 24, 4, 24
 WIRE = dict(dispatch=True, grad_before_down_fp8=True, block_size=16)
@@ -24,10 +26,21 @@ ALL = FP8Config(experts=True, **WIRE)
 DISPATCH = FP8Config(scale_format="ue8m0", **WIRE)
 
 
-def _model(fp8):
+def _model(fp8, spare=0):
+    """One MoE layer (in a Sequential: tests.test_replicas._canonical reads it); with spare
+    slots, the same weights and copies of experts in the spare slots."""
     torch.manual_seed(0)
     dtype = torch.float32 if fp8.experts else torch.float64  # FP8 experts take float32
-    return moe.MoELayer(D, F, E, top_k=2, activation="swiglu", fp8=fp8, dtype=dtype)
+    plain = moe.MoELayer(D, F, E, top_k=2, activation="swiglu", fp8=fp8, dtype=dtype)
+    if not spare:
+        return nn.Sequential(plain)
+    layer = moe.MoELayer(D, F, E, top_k=2, activation="swiglu", fp8=fp8, dtype=dtype,
+                         spare_slots=spare)  # fmt: skip
+    with torch.no_grad():
+        layer.router.load_state_dict(plain.router.state_dict())
+        for a, b in zip(plain.experts.parameters(), layer.experts.parameters()):
+            b.copy_(a[layer.expert_of_slot_S])
+    return nn.Sequential(layer)
 
 
 def _batch(step, dtype):
@@ -36,16 +49,12 @@ def _batch(step, dtype):
     return (x_y[0] * 2).to(dtype), x_y[1].to(dtype)
 
 
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _train(model, rows, world, micro=1, break_rank=None):
     """Three steps; per step the outputs of `rows` and every gradient; then the parameters."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     seen = []
     for step in range(3):
-        x, y = _batch(step, model.experts.w1.dtype)
+        x, y = _batch(step, model[0].experts.w1.dtype)
         x, y = x[rows], y[rows]
         if break_rank is not None and dist.get_rank() == break_rank:
             x = x + 1e-3  # one rank's rows differ: the comparison must notice
@@ -54,10 +63,12 @@ def _train(model, rows, world, micro=1, break_rank=None):
             out = model(xs)
             ((out - ys).square().sum() * world / (N * D)).backward()
             outs.append(out.detach())
-        seen.append((torch.cat(outs), {n: _full(p.grad) for n, p in model.named_parameters()}))
+        if model[0].config.spare_slots:
+            sum_replica_grads(model)
+        seen.append((torch.cat(outs), _canonical(model, grads=True)))
         opt.step()
         opt.zero_grad()
-    return seen, {n: _full(p) for n, p in model.named_parameters()}
+    return seen, _canonical(model)
 
 
 def _worst(got, want) -> float:
@@ -68,16 +79,36 @@ def _worst(got, want) -> float:
     return max(float((a - b).abs().max()) / (float(b.abs().max()) + 1e-30) for a, b in pairs)
 
 
+def _errors(rank) -> list[str]:
+    """What parallelize raises on this rank: FP8 settings that differ on one rank, and a
+    dispatcher that cannot send FP8 (it would send the rows in their dtype)."""
+    import tests.allgather_dispatcher  # noqa: F401  registers "allgather"
+
+    cases = [
+        (FP8Config(**{**WIRE, "block_size": 32 if rank == 1 else 16}), {}),
+        (DISPATCH, {"dispatcher": "allgather"}),
+    ]
+    errors = []
+    for fp8, keywords in cases:
+        try:
+            parallelize(_model(fp8), init_mesh(dp=1, ep=dist.get_world_size()), **keywords)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
 def _body(rank, world, layouts):
     per = N // world
     mine = slice(rank * per, (rank + 1) * per)
-    out = {}
+    out = {"errors": _errors(rank)} if world == 2 else {}
     for name, (dp, ep, mode, fp8, extra) in layouts.items():
         extra = dict(extra)
         micro, break_rank = extra.pop("micro", 1), extra.pop("break_rank", None)
+        spare = extra.pop("spare", 0)
         seen, params = _train(_model(fp8), slice(0, N), 1)  # one process, the global batch
         want = ([(y[mine], g) for y, g in seen], params)
-        model = parallelize(_model(fp8), init_mesh(dp=dp, ep=ep), mode, **extra)
+        model = parallelize(_model(fp8, spare), init_mesh(dp=dp, ep=ep), mode, **extra)
         got = _train(model, mine, world, micro, break_rank)
         out[name] = _worst(got, want)
     return out
@@ -97,6 +128,13 @@ TWO = {
 }
 FOUR = {
     "fsdp dp=2 ep=2, dispatch": (2, 2, "fsdp", DISPATCH, {}),
+    "replicas: 4 spare slots, overlapped, dispatch": (
+        1,
+        4,
+        "ddp",
+        DISPATCH,
+        {"spare": 4, "overlap": 2},
+    ),
     "ddp hierarchical ep=4, FP8 experts": (
         1,
         4,
@@ -111,6 +149,10 @@ FOUR = {
 @pytest.mark.parametrize("world, layouts", [(2, TWO), (4, FOUR)])
 def test_fp8_expert_parallel_equals_one_process(world, layouts):
     for result in run_ranks(_body, world, layouts, timeout=300):
+        errors = result.pop("errors", None)
+        if errors is not None:  # the same error on every rank, naming the field / dispatcher
+            assert "0.fp8.block_size" in errors[0] and "rank 1 has 32" in errors[0], errors
+            assert "dispatcher='allgather' (AllGatherDispatcher) takes no fp8=" in errors[1]
         for name, worst in result.items():
             if name.startswith("broken"):
                 assert worst > 1e-4, (name, worst)  # the comparison sees a difference
