@@ -155,3 +155,43 @@ def test_checkpoint_saved_with_fp8_loads_without_and_back(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(on.parameters(), back.parameters()))
     x = torch.randn(4, D, dtype=torch.bfloat16)
     assert torch.equal(back(x), on(x))
+
+
+class _Counting:
+    """An exchange plan that moves nothing and counts the bytes it is given."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def run(self, rows):
+        self.sent += rows.numel() * rows.element_size()
+        return rows
+
+    def reverse(self):
+        return self
+
+
+def test_fp8_wire_bytes_and_one_rounding_with_blockwise_experts():
+    """What the dispatch sends, counted at the exchange: <= 0.52x bf16 at d = 7168 (7,392 of
+    14,336 bytes per token; ue8m0 7,224). Dispatch then the blockwise GEMM's 1 x 128
+    quantization: the same values when both scales are powers of two or both fp32, a second
+    rounding when they differ (README, FP8 section)."""
+    from moe.fp8.quant import dequantize_blocks, quantize_blocks
+    from moe.fp8.wire import row_wire
+
+    x = torch.randn(6, 7168, dtype=torch.bfloat16)
+    sent = {}
+    for name, fp8 in (("bf16", None), ("fp32", FP8Config(dispatch=True)),
+                      ("ue8m0", FP8Config(dispatch=True, scale_format="ue8m0"))):  # fmt: skip
+        plan = _Counting()
+        row_wire(fp8).dispatch(x, plan)
+        sent[name] = plan.sent / 6
+    assert sent == {"bf16": 14336, "fp32": 7392, "ue8m0": 7224}
+    assert sent["fp32"] / sent["bf16"] <= 0.52
+    x = torch.randn(16, 300) * torch.randn(16, 1).exp()
+    for scale_format, gemm_pow2, same in (("ue8m0", True, True), ("fp32", False, True),
+                                          ("fp32", True, False)):  # fmt: skip
+        fp8 = FP8Config(dispatch=True, scale_format=scale_format)
+        arrived = row_wire(fp8).local_dispatch(x)
+        q, s = quantize_blocks(arrived, 128, gemm_pow2)
+        assert torch.equal(dequantize_blocks(q, s, 128, torch.float32), arrived) == same
