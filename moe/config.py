@@ -78,6 +78,8 @@ class MoEConfig:
     fp8: FP8Config | None = None  # FP8 dispatch and/or expert GEMMs (moe/fp8_config.py); None: off
 
     def __post_init__(self):
+        if isinstance(self.fp8, dict):  # as asdict / JSON give it back (moe_config.json)
+            object.__setattr__(self, "fp8", FP8Config(**self.fp8))
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
             _check_upper_bound(f.name, getattr(self, f.name))

@@ -87,7 +87,9 @@ def test_fp8_experts_layer_runs_the_fp8_kernel_with_its_config():
 
 def test_fp8_settings_are_checked():
     with pytest.raises(ValueError, match="fp8 must be FP8Config or None"):
-        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispatch": True})
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8="dispatch")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dispach'"):
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispach": True})
     with pytest.raises(ValueError, match="backend='torch' asks for another one"):
         MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(experts=True))
     with pytest.raises(ValueError, match="FP8Config.block_size must be an int >= 1"):
@@ -195,3 +197,16 @@ def test_fp8_wire_bytes_and_one_rounding_with_blockwise_experts():
         arrived = row_wire(fp8).local_dispatch(x)
         q, s = quantize_blocks(arrived, 128, gemm_pow2)
         assert torch.equal(dequantize_blocks(q, s, 128, torch.float32), arrived) == same
+
+
+def test_moe_settings_file_keeps_fp8(tmp_path):
+    """save_moe_settings / swap_ffn_from_settings round-trip MoEConfig.fp8 (JSON: its fields)."""
+    model = torch.nn.Sequential(_layer(ALL))
+    moe.save_moe_settings(model, tmp_path)
+    moe.check_moe_settings(model, tmp_path)
+    from moe.swap_settings import read_moe_settings
+
+    (entry,) = read_moe_settings(tmp_path)
+    assert MoEConfig(**entry["config"]).fp8 == ALL
+    with pytest.raises(ValueError, match="MoE setting fp8="):
+        moe.check_moe_settings(torch.nn.Sequential(_layer(FP8Config(dispatch=True))), tmp_path)
