@@ -144,7 +144,13 @@ FOUR = {
         ALL,
         {"algorithm": "hierarchical", "ranks_per_node": 2},
     ),  # fmt: skip
-    "overlapped ep=4, FP8 experts": (1, 4, "fsdp", ALL, {"overlap": 2}),
+    "overlapped hierarchical ep=4, FP8 experts": (
+        1,
+        4,
+        "fsdp",
+        ALL,
+        {"overlap": 2, "algorithm": "hierarchical", "ranks_per_node": 2},
+    ),  # fmt: skip
 }
 
 
