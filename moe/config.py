@@ -116,6 +116,11 @@ class MoEConfig:
                 f"backend={self.backend!r} asks for another one: use backend='auto' or 'fp8', "
                 "or FP8Config(experts=False) to keep this kernel"
             )
+        if self.backend == "fp8" and (self.fp8 is None or not self.fp8.experts):
+            raise ValueError(
+                "backend='fp8' runs the expert GEMMs in FP8: give fp8=FP8Config(experts=True) "
+                "(the kernel's settings, and the layer's one-process emulation, come from it)"
+            )
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
             raise ValueError(

@@ -92,6 +92,9 @@ def test_fp8_settings_are_checked():
         MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispach": True})
     with pytest.raises(ValueError, match="backend='torch' asks for another one"):
         MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(experts=True))
+    with pytest.raises(ValueError, match="backend='fp8' runs the expert GEMMs in FP8: give"):
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8")
+    assert MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8", fp8=FP8Config(experts=True))
     with pytest.raises(ValueError, match="FP8Config.block_size must be an int >= 1"):
         FP8Config(dispatch=True, block_size=0)
     MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(dispatch=True))
