@@ -79,7 +79,10 @@ class MoEConfig:
 
     def __post_init__(self):
         if isinstance(self.fp8, dict):  # as asdict / JSON give it back (moe_config.json)
-            object.__setattr__(self, "fp8", FP8Config(**self.fp8))
+            try:
+                object.__setattr__(self, "fp8", FP8Config(**self.fp8))
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"fp8: {e}") from None
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
             _check_upper_bound(f.name, getattr(self, f.name))
