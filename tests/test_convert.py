@@ -130,7 +130,11 @@ README_PUBLIC_NAMES = {
                    "GlobalBalance"],
     "moe.kernels": ["expert_mlp", "combine", "grouped_mm_torch", "apply_activation",
                     "ACTIVATIONS", "BACKENDS", "resolve_backend", "KernelConfig",
-                    "set_kernel_config", "kernel_config"],
+                    "set_kernel_config", "kernel_config", "ExpertKernel", "ExpertWeights",
+                    "register_kernel", "get_kernel", "resolve_kernel", "TorchKernel",
+                    "TritonKernel"],
+    "moe.fp8": ["FP8Config", "FP8Kernel", "fp8_expert_mlp", "fp8_grouped_mm", "fp8_dispatch",
+                "fp8_combine"],
 }  # fmt: skip
 
 # Old paths (CHANGELOG.md, "One public path per name"), removed in 0.1.0, and their new paths.
@@ -262,3 +266,15 @@ def test_recompute_is_the_field_and_its_old_name_is_gone(tmp_path):
         ValueError, match=r"missing fields \['recompute'\], unknown fields \['checkpoint'\]"
     ):
         moe.swap_ffn_from_settings(tiny_transformer(), tmp_path)
+
+
+def test_expert_mlp_backend_keyword_is_kernel_with_a_warning():
+    """moe.kernels.expert_mlp(backend=) was renamed kernel= (issue 39): the old keyword warns
+    until 0.2 and computes what kernel= computes."""
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(7, 4), torch.randn(2, 4, 6), torch.randn(2, 6, 4)
+    offsets = torch.tensor([3, 7], dtype=torch.int32)
+    want = moe.kernels.expert_mlp(x, offsets, w1, w2, kernel="torch")
+    with pytest.warns(DeprecationWarning, match="use kernel="):
+        got = moe.kernels.expert_mlp(x, offsets, w1, w2, backend="torch")
+    assert torch.equal(got, want)

@@ -18,6 +18,8 @@ Contract (every kernel; letters of docs/shapes.md, L = this rank's experts, R = 
   No host sync on the Triton path.
 """
 
+import warnings
+
 import torch
 
 from moe.kernels import expert_rows as _rows
@@ -46,9 +48,18 @@ def expert_mlp(
     activation: str = "gelu",
     rows: _rows.ExpertRows = _rows.NO_ROWS_INFO,
     kernel: "str | ExpertKernel" = "auto",
+    backend: str | None = None,
 ):
     """Run every local expert's MLP over its rows on `kernel` (a registered name, "auto", or
-    an ExpertKernel); see the module docstring for the contract."""
+    an ExpertKernel); see the module docstring for the contract. `backend=` is the old name of
+    `kernel=` (a DeprecationWarning; removed in 0.2)."""
+    if backend is not None:
+        warnings.warn(
+            "expert_mlp(backend=) is deprecated and removed in 0.2: use kernel=",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        kernel = backend
     weights = ExpertWeights(w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD)
     run = resolve_kernel(kernel, x_ND.device)
     return run(x_ND, offsets_L, weights, activation=activation, rows=rows)
