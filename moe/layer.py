@@ -85,20 +85,7 @@ class MoELayer(nn.Module):
         )
         if device is not None:
             self.router.to(device)
-        c = self.config
-        self.shared_experts = (
-            SharedExperts(
-                d_model,
-                c.shared_d_ff or d_ff * c.num_shared_experts,
-                activation,
-                c.shared_expert_gate,
-                bias,
-                device=device,
-                dtype=dtype,
-            )
-            if c.num_shared_experts
-            else None
-        )
+        self.shared_experts = _shared_experts(self.config, device, dtype)
         # whether the experts fuse the combine: LayerExperts.fuses_combine (kernel, check_finite)
         self.dispatcher: Dispatcher = LocalDispatcher(fp8=self.config.fp8)
         self.aux_loss = torch.zeros(())
@@ -363,6 +350,22 @@ class MoELayer(nn.Module):
             f"name={self.name}, router={c.router}, top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}"
         )
+
+
+def _shared_experts(config: MoEConfig, device, dtype) -> SharedExperts | None:
+    """The dense shared experts every token passes through (None: num_shared_experts = 0)."""
+    if not config.num_shared_experts:
+        return None
+    d_ff = config.shared_d_ff or config.d_ff * config.num_shared_experts
+    return SharedExperts(
+        config.d_model,
+        d_ff,
+        config.activation,
+        config.shared_expert_gate,
+        config.bias,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) -> None:

@@ -257,3 +257,33 @@ def test_no_attribute_probing_on_the_layer_path():
             ):
                 probing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not probing, probing
+
+
+MAX_FUNCTION_LINES = 80  # the developers' guide; Triton kernel bodies (moe/kernels/triton) exempt
+
+
+def _long_functions(source: str, where: str) -> list[str]:
+    """'where:line name (n lines)' for each function (nested ones and methods too) over
+    MAX_FUNCTION_LINES, counted def line to last line as the guide measures them."""
+    return [
+        f"{where}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_over_80_lines():
+    """Every function in moe/ outside the Triton kernels fits in 80 lines (issue 39); the
+    check itself flags an 81-line function and passes an 80-line one."""
+    lines = [f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1)]  # + the def line: 80
+    assert _long_functions("\n".join(["def f():", *lines]), "a.py") == []
+    method = ["class C:", "    @property", "    def g(self):", *("    " + s for s in lines)]
+    method.append("        y = 1")  # 81 lines, the decorator not counted
+    assert _long_functions("\n".join(method), "a.py") == ["a.py:3 g (81 lines)"]
+    triton = PACKAGE / "kernels" / "triton"
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if triton not in path.parents:
+            long += _long_functions(path.read_text(), str(path.relative_to(ROOT)))
+    assert not long, "\n".join(long)

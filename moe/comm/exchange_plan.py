@@ -115,45 +115,81 @@ def plan_expert_exchange(
     W = dist.get_world_size(group)
     if counts_WL.dim() != 2 or counts_WL.shape[0] != W:
         raise ValueError(f"counts_WL must be [{W}, local experts], got {tuple(counts_WL.shape)}")
-    L = counts_WL.shape[1]
     counts_WL = counts_WL.to(torch.long)
     extra_X = counts_WL.new_zeros(0) if extra is None else extra.to(counts_WL).reshape(-1)
     total = counts_WL.sum().reshape(1)
     topo = None if algorithm == "flat" else get_topology(group, ranks_per_node, exchange_config)
     matrix = topo is not None and topo.is_multi_node
     auto = matrix and algorithm == "auto"
-    threshold, problem = 0, None
-    if auto:  # read here, compared on every rank after the one count collective below
-        try:
-            backend = dist.get_backend(group)
-            threshold = max(0, hierarchical_threshold(topo, backend, exchange_config))
-        except ValueError as e:  # an unreadable cost profile: the other ranks must hear of it
-            threshold, problem = _UNREADABLE, e
+    threshold, problem = _auto_threshold(topo, group, exchange_config) if auto else (0, None)
     own_X = torch.cat([total, extra_X, total.new_tensor([threshold] if auto else [])])
     send_WX = torch.cat([counts_WL, own_X.expand(W, len(own_X))], 1)
     if not matrix:
-        recv_WX = exchange_counts(send_WX.reshape(-1), group).view(W, -1)
-        host = torch.cat([send_WX, recv_WX]).tolist()
-        send_h, recv_h = host[:W], host[W:]
-        recv_WL = tuple(tuple(r[:L]) for r in recv_h)
-        totals = tuple(r[L] for r in recv_h)
-        return ExpertExchange(
-            "flat",
-            group,
-            row_bytes,
-            tuple(tuple(r[:L]) for r in send_h),
-            recv_WL,
-            recv_WX[:, :L],
-            counts_WL,
-            tuple(tuple(r[L + 1 :]) for r in recv_h),
-            totals,
-            exchange_config=exchange_config,
-        )
+        return _flat_exchange(send_WX, counts_WL, group, row_bytes, exchange_config)
     assert topo is not None
+    return _matrix_exchange(
+        send_WX, counts_WL, group, topo, algorithm, (threshold, problem), row_bytes, exchange_config
+    )
+
+
+def _auto_threshold(
+    topo: Topology, group: dist.ProcessGroup | None, exchange_config: ExchangeConfig | None
+) -> tuple[int, ValueError | None]:
+    """The local "auto" threshold (bytes) and the cost model's error, if any: read here,
+    compared on every rank after the one count collective (_check_thresholds)."""
+    try:
+        backend = dist.get_backend(group)
+        return max(0, hierarchical_threshold(topo, backend, exchange_config)), None
+    except ValueError as e:  # an unreadable cost profile: the other ranks must hear of it
+        return _UNREADABLE, e
+
+
+def _flat_exchange(
+    send_WX: torch.Tensor,
+    counts_WL: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    row_bytes: int,
+    exchange_config: ExchangeConfig | None,
+) -> ExpertExchange:
+    """The flat case: one all_to_all_single of each rank's column (counts, total, extras)."""
+    W, L = counts_WL.shape
+    recv_WX = exchange_counts(send_WX.reshape(-1), group).view(W, -1)
+    host = torch.cat([send_WX, recv_WX]).tolist()
+    send_h, recv_h = host[:W], host[W:]
+    recv_WL = tuple(tuple(r[:L]) for r in recv_h)
+    totals = tuple(r[L] for r in recv_h)
+    return ExpertExchange(
+        "flat",
+        group,
+        row_bytes,
+        tuple(tuple(r[:L]) for r in send_h),
+        recv_WL,
+        recv_WX[:, :L],
+        counts_WL,
+        tuple(tuple(r[L + 1 :]) for r in recv_h),
+        totals,
+        exchange_config=exchange_config,
+    )
+
+
+def _matrix_exchange(
+    send_WX: torch.Tensor,
+    counts_WL: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    topo: Topology,
+    algorithm: str,
+    auto_threshold: tuple[int, ValueError | None],
+    row_bytes: int,
+    exchange_config: ExchangeConfig | None,
+) -> ExpertExchange:
+    """More than one node: one all_gather of every rank's rows (the W x W x L matrix), the
+    "auto" thresholds checked and the algorithm chosen from it."""
+    W, L = counts_WL.shape
+    threshold, problem = auto_threshold
     matrix_WWX = gather_count_matrix(send_WX.reshape(-1), group).view(W, W, -1)
     me = topo.rank
     host = matrix_WWX.tolist()
-    if auto:
+    if algorithm == "auto":
         _check_thresholds([row[0].pop() for row in host], problem)
     counts = tuple(tuple(tuple(c[:L]) for c in row) for row in host)
     totals = tuple(row[0][L] for row in host)

@@ -291,49 +291,17 @@ def plan_memory(
     micro_batch_tokens: tokens per device per micro-batch (default one sequence). See the
     module docstring for every formula and its assumptions.
     """
-    missing = [a for a in (*PlannerModel.__annotations__, "build") if not hasattr(model_config, a)]
-    if missing:  # e.g. a transformers config: other attribute names, no build()
-        raise TypeError(
-            f"plan_memory: a {type(model_config).__name__} is not a moe.memory.PlannerModel: "
-            f"it has no {', '.join(missing)} (wrap it in a config object that has them)"
-        )
-    if dp * ep != world_size:
-        raise ValueError(f"dp={dp} x ep={ep} does not equal world_size={world_size}")
-    if offload not in (None, "optimizer", "all"):
-        raise ValueError(f"offload={offload!r} is not one of (None, 'optimizer', 'all')")
-    if groups <= 0:
-        raise ValueError(f"groups must be a positive int, got {groups}")
-    if data_parallel not in _LAYOUTS:
-        raise ValueError(f"data_parallel={data_parallel!r} is not one of {tuple(_LAYOUTS)}")
-    E = model_config.num_experts
-    if E and E % ep:
-        raise ValueError(f"ep={ep} must divide num_experts={E}")
+    _check_arguments(model_config, world_size, dp, ep, offload, groups, data_parallel)
     counts = count_parameters(model_config)
-    local = counts.dense + counts.expert // ep
-    unit = 0  # fsdp: the largest parameter group gathered whole while it computes
-    if data_parallel == "fsdp":
-        local = -(-counts.total // world_size)
-        layers = max(model_config.n_layers, 1)
-        per_layer_experts = -(-counts.expert // (max(counts.moe_layers, 1) * ep))
-        unit = max(-(-counts.dense // layers), per_layer_experts)
+    local, unit = _local_params(counts, model_config.n_layers, world_size, ep, data_parallel)
     b = _bytes(dtype)
-    masters = (b < 4) if master_weights is None else master_weights
-    state_b = 4 if (masters or b == 4) else b
-    state = local * optimizer_states * state_b
-    master = local * 4 if masters else 0
-    if offload is None:
-        on_device, host = state + master, 0
-    elif offload == "optimizer":  # device masters stay; host keeps state + a staging copy
-        on_device, host = master, state + local * (4 if masters else b)
-    else:
-        on_device, host = 0, state + local * (4 if masters else b)
-    temps = 0
-    if offload is None and not fused_optimizer:
-        temps = -(-local // groups) * (state_b + (4 if masters else 0))
+    on_device, host, temps = _optimizer_bytes(
+        local, b, master_weights, optimizer_states, offload, groups, fused_optimizer
+    )
     tokens = micro_batch_tokens or model_config.seq_len
     act = activation_bytes(model_config, tokens, b, checkpointing, flash_attention, dropout)
     comm = 0
-    if ep > 1 and E:
+    if ep > 1 and model_config.num_experts:
         cf = model_config.capacity_factor or 1.0
         comm += int(2 * model_config.top_k * cf * tokens * model_config.d_model * b)
         comm *= 2 if hierarchical_alltoall else 1
@@ -365,3 +333,65 @@ def plan_memory(
         device_memory_bytes=int(device_memory_bytes),
         notes=notes,
     )
+
+
+def _check_arguments(
+    model_config, world_size: int, dp: int, ep: int, offload, groups: int, data_parallel: str
+) -> None:
+    """plan_memory's argument checks: one clear error naming the bad argument."""
+    missing = [a for a in (*PlannerModel.__annotations__, "build") if not hasattr(model_config, a)]
+    if missing:  # e.g. a transformers config: other attribute names, no build()
+        raise TypeError(
+            f"plan_memory: a {type(model_config).__name__} is not a moe.memory.PlannerModel: "
+            f"it has no {', '.join(missing)} (wrap it in a config object that has them)"
+        )
+    if dp * ep != world_size:
+        raise ValueError(f"dp={dp} x ep={ep} does not equal world_size={world_size}")
+    if offload not in (None, "optimizer", "all"):
+        raise ValueError(f"offload={offload!r} is not one of (None, 'optimizer', 'all')")
+    if groups <= 0:
+        raise ValueError(f"groups must be a positive int, got {groups}")
+    if data_parallel not in _LAYOUTS:
+        raise ValueError(f"data_parallel={data_parallel!r} is not one of {tuple(_LAYOUTS)}")
+    E = model_config.num_experts
+    if E and E % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={E}")
+
+
+def _local_params(
+    counts: ParamCounts, n_layers: int, world_size: int, ep: int, data_parallel: str
+) -> tuple[int, int]:
+    """(parameters a device holds, the largest unit fsdp gathers whole while it computes; 0
+    under ddp)."""
+    if data_parallel != "fsdp":
+        return counts.dense + counts.expert // ep, 0
+    local = -(-counts.total // world_size)
+    per_layer_experts = -(-counts.expert // (max(counts.moe_layers, 1) * ep))
+    return local, max(-(-counts.dense // max(n_layers, 1)), per_layer_experts)
+
+
+def _optimizer_bytes(
+    local: int,
+    b: int,
+    master_weights: bool | None,
+    optimizer_states: int,
+    offload: str | None,
+    groups: int,
+    fused_optimizer: bool,
+) -> tuple[int, int, int]:
+    """(optimizer state + masters on the device, bytes on the host, the step's temporaries)
+    for `local` parameters of `b` bytes each."""
+    masters = (b < 4) if master_weights is None else master_weights
+    state_b = 4 if (masters or b == 4) else b
+    state = local * optimizer_states * state_b
+    master = local * 4 if masters else 0
+    if offload is None:
+        on_device, host = state + master, 0
+    elif offload == "optimizer":  # device masters stay; host keeps state + a staging copy
+        on_device, host = master, state + local * (4 if masters else b)
+    else:
+        on_device, host = 0, state + local * (4 if masters else b)
+    temps = 0
+    if offload is None and not fused_optimizer:
+        temps = -(-local // groups) * (state_b + (4 if masters else 0))
+    return on_device, host, temps

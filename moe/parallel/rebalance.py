@@ -278,35 +278,12 @@ def rebalance_experts(
     if any(mesh.size() != dist.get_world_size() for mesh in meshes):
         raise ValueError("rebalance_experts needs the model's mesh to span every rank")
     _agree(problem, min_gain)
-    counts = []
-    for _, layer in layers:
-        load_E = layer.balance.load_since_rebalance
-        slots = layer.slot_of_expert_E
-        counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     report = RebalanceReport()
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
-    # The one collective every call makes: summed loads, and each layer's placement s summed
-    # with s^2, which equal (world * s, world * s^2) only if every rank holds the same s.
-    slots = torch.cat([_layout(layer) for _, layer in layers])
-    load = torch.cat([torch.cat(counts), slots, slots * slots])
-    dist.all_reduce(load)
-    n, world, nc = slots.numel(), dist.get_world_size(), sum(c.numel() for c in counts)
-    summed, squares = load[nc : nc + n], load[nc + n :]
-    if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
-        raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
-    loads = load[:nc].tolist()
+    loads = _summed_loads(layers)
     _restart_counts(layers)
-    plans, start = [], 0
-    for (name, layer), w in zip(layers, sizes):
-        E = layer.config.num_experts
-        layout = layer.slot_layout()
-        if layout.has_copies:
-            placement = plan_replicas(loads[start : start + E], layout.expert_of_slot, w, min_gain)
-        else:
-            placement = plan_placement(loads[start : start + E], layout.slot_of_expert, w, min_gain)
-        start += E
-        report.layers[name] = placement
-        plans.append(placement)
+    plans = _plan_layers(layers, sizes, loads, min_gain)
+    report.layers.update((name, plan) for (name, _), plan in zip(layers, plans))
     changed = [i for i, p in enumerate(plans) if p.changed]
     if not changed:  # every rank computed the same plans: no rank exchanges
         return report
@@ -325,13 +302,7 @@ def rebalance_experts(
             layer.experts.reshard()  # without backward: drop them so the next one re-gathers
         k = multi.index(i)
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
-        layout = layer.slot_layout()
-        if layout.has_copies:
-            transfers = _transfers_by_slot(
-                layout.expert_of_slot, plans[i].expert_of_slot, rank_ranges
-            )
-        else:
-            transfers = _transfers(layout.slot_of_expert, plans[i].slot_of_expert, rank_ranges)
+        transfers = _layer_transfers(layer, plans[i], rank_ranges)
         jobs.append((_moving_tensors(layer, optimizer), transfers))
     report.rows_sent, report.bytes_sent = _exchange(jobs, device)
     for i in changed:
@@ -339,3 +310,45 @@ def rebalance_experts(
         layer.set_slot_layout(plans[i].layout(layer.config.num_experts))
         replica_guard.still_summed([layer])  # summed gradient rows moved with their slots
     return report
+
+
+def _summed_loads(layers) -> list[int]:
+    """The one collective every call makes: every layer's loads summed over the ranks, and
+    each layer's placement s summed with s^2, which equal (world * s, world * s^2) only if
+    every rank holds the same s (the same verdict on every rank)."""
+    counts = []
+    for _, layer in layers:
+        load_E = layer.balance.load_since_rebalance
+        slots = layer.slot_of_expert_E
+        counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
+    slots = torch.cat([_layout(layer) for _, layer in layers])
+    load = torch.cat([torch.cat(counts), slots, slots * slots])
+    dist.all_reduce(load)
+    n, world, nc = slots.numel(), dist.get_world_size(), sum(c.numel() for c in counts)
+    summed, squares = load[nc : nc + n], load[nc + n :]
+    if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
+        raise ValueError("ranks hold different expert placements (slot_of_expert_E)")
+    return load[:nc].tolist()
+
+
+def _plan_layers(layers, sizes, loads: list[int], min_gain: float) -> list:
+    """Each layer's new placement from its summed loads (every rank computes the same)."""
+    plans, start = [], 0
+    for (_, layer), w in zip(layers, sizes):
+        E = layer.config.num_experts
+        layout = layer.slot_layout()
+        if layout.has_copies:
+            placement = plan_replicas(loads[start : start + E], layout.expert_of_slot, w, min_gain)
+        else:
+            placement = plan_placement(loads[start : start + E], layout.slot_of_expert, w, min_gain)
+        start += E
+        plans.append(placement)
+    return plans
+
+
+def _layer_transfers(layer: MoELayer, plan, rank_ranges):
+    """The row moves from the layer's slot layout to `plan`'s, by slot when it has copies."""
+    layout = layer.slot_layout()
+    if layout.has_copies:
+        return _transfers_by_slot(layout.expert_of_slot, plan.expert_of_slot, rank_ranges)
+    return _transfers(layout.slot_of_expert, plan.slot_of_expert, rank_ranges)
