@@ -5,6 +5,7 @@ import types
 import typing
 from dataclasses import dataclass, fields, replace
 
+from moe.fp8_config import FP8Config
 from moe.names import (
     ACTIVATIONS,
     BACKENDS,
@@ -15,6 +16,7 @@ from moe.names import (
     SEQUENCE_ROUTERS,
 )
 
+FP8_BACKENDS = ("auto", "fp8")  # what backend may say when fp8.experts picks the FP8 kernel
 MAX_INT = 2**31 - 1  # sizes and counts: expert offsets are int32 on device
 MAX_FACTOR = 1e4
 # Upper bounds of the float options, so that no value overflows in forward (1e308 * k * T is
@@ -73,6 +75,7 @@ class MoEConfig:
     recompute: bool = False  # recompute the layer in backward (activation checkpointing)
     check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
     spare_slots: int = 0  # R extra expert slots holding copies of hot experts (replicas.py)
+    fp8: FP8Config | None = None  # FP8 dispatch and/or expert GEMMs (moe/fp8_config.py); None: off
 
     def __post_init__(self):
         for f in fields(self):
@@ -105,6 +108,12 @@ class MoEConfig:
         _choose("score_func", self.score_func, SCORE_FUNCS)
         _choose("activation", self.activation, ACTIVATIONS)
         _choose("backend", self.backend, BACKENDS)
+        if self.fp8 is not None and self.fp8.experts and self.backend not in FP8_BACKENDS:
+            raise ValueError(
+                f"fp8=FP8Config(experts=True) runs the expert GEMMs on the 'fp8' kernel, but "
+                f"backend={self.backend!r} asks for another one: use backend='auto' or 'fp8', "
+                "or FP8Config(experts=False) to keep this kernel"
+            )
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
             raise ValueError(

@@ -17,6 +17,7 @@ from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
 from moe.dispatch.replica_split import copy_candidates, plan_token_choice_replicated
 from moe.experts import GroupedExperts, LayerExperts
+from moe.fp8.kernel import kernel_for_layer
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
@@ -77,7 +78,7 @@ class MoELayer(nn.Module):
             d_ff,
             activation,
             bias,
-            self.config.backend,
+            kernel_for_layer(self.config.backend, self.config.fp8),  # fp8.experts: "fp8"
             device=device,
             dtype=dtype,
         )
@@ -98,7 +99,7 @@ class MoELayer(nn.Module):
             else None
         )
         # whether the experts fuse the combine: LayerExperts.fuses_combine (kernel, check_finite)
-        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher(fp8=self.config.fp8)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
         # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)

@@ -24,7 +24,8 @@ ALLOWED = {
     "moe.names": set(),
     "moe.capacity": set(),
     "moe.untrusted": set(),
-    "moe.config": {"moe.names"},
+    "moe.fp8_config": set(),
+    "moe.config": {"moe.names", "moe.fp8_config"},
     "moe.gating": {"moe.names", "moe.capacity"},
 }
 # Arrows that must not exist even where the rest of a unit's imports is free to change.
@@ -32,6 +33,7 @@ FORBIDDEN = {
     "moe.dispatch": {"moe.gating", "moe.config", "moe.layer"},
     "moe.kernels": {"moe.gating", "moe.config", "moe.layer"},
     "moe.comm": {"moe.gating", "moe.dispatch", "moe.kernels", "moe.layer"},
+    "moe.fp8": {"moe.layer", "moe.parallel", "moe.gating", "moe.dispatch", "moe.config"},
 }
 
 
@@ -131,7 +133,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("moe."))))
     "target, absent",
     [
         ("moe.gating", ("moe.dispatch", "moe.comm", "moe.kernels", "moe.layer")),
-        ("moe.config", ("moe.gating", "moe.kernels", "moe.dispatch")),
+        ("moe.config", ("moe.gating", "moe.kernels", "moe.dispatch", "moe.fp8", "moe.comm")),
     ],
 )
 def test_loading_a_stage_loads_no_sideways_stage(target, absent):

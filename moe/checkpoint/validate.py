@@ -15,7 +15,9 @@ NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
 # "checkpoint": recompute's old name, in checkpoints saved before the rename; spare slots:
 # checkpoints are canonical
-MOE_RUNTIME_FIELDS = {"backend", "recompute", "checkpoint", "check_finite", "spare_slots"}
+# fp8: FP8 changes how a layer computes (its number format), not its weights: a checkpoint
+# saved with FP8 on loads with it off and back (the masters are stored in their dtype).
+MOE_RUNTIME_FIELDS = {"backend", "recompute", "checkpoint", "check_finite", "spare_slots", "fp8"}
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
 # No optimizer trains with a larger step; lr=1e308 makes the parameters non-finite in one step.
 MAX_LR = 1e4

@@ -9,7 +9,9 @@ from moe.dispatch.dispatcher import (
     register_dispatcher,
     rows_only,
 )
-from moe.dispatch.permute import DispatchPlan
+from moe.dispatch.permute import DispatchPlan, weighted_sum_rows
+from moe.fp8.config import FP8Config
+from moe.fp8.wire import row_wire
 from moe.kernels.combine import sum_rows
 from moe.kernels.expert_rows import ExpertRows
 
@@ -25,10 +27,19 @@ class LocalDispatcher(Dispatcher):
 
     fuse_combine: what `dispatch` asks for when called on its own (outside `run`); `run`
     fuses when the experts declare it (the layer's one decision, LayerExperts.fuses_combine),
-    unless this is False."""
+    unless this is False.
 
-    def __init__(self, fuse_combine: bool = True):
-        self.fuse_combine = fuse_combine
+    fp8: the layer's FP8Config (MoEConfig.fp8). One process emulates what the expert-parallel
+    exchange does to the rows (moe.fp8.wire): with fp8.dispatch the token rows are quantized
+    as the wire would send them (straight-through gradient), with grad_before_down_fp8 the
+    combine's backward is; and with any FP8 the experts get the rows unweighted and the
+    combine weights are applied after them, as between ranks, so the FP8 GEMMs' scales see
+    the same rows and the layer computes the same function at every layout."""
+
+    def __init__(self, fuse_combine: bool = True, fp8: FP8Config | None = None):
+        self.fuse_combine = fuse_combine and fp8 is None
+        self.wire = row_wire(fp8)
+        self.weights_after = fp8 is not None  # combine weights applied after the experts
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
         """-> (x_TD itself, offsets, ctx): the experts gather their rows from the tokens
@@ -37,16 +48,19 @@ class LocalDispatcher(Dispatcher):
             sum_to_tokens = self.fuse_combine
         rows = ExpertRows(
             gather_ids_R=plan.token_ids_M,
-            row_weights_R=plan.row_weights(),
-            sum_to_tokens=sum_to_tokens,
+            row_weights_R=None if self.weights_after else plan.row_weights(),
+            sum_to_tokens=sum_to_tokens and not self.weights_after,
         )
         ctx = DispatchContext(plan, rows)
-        return x_TD, plan.offsets_E, ctx
+        return self.wire.local_dispatch(x_TD), plan.offsets_E, ctx
 
     def combine(self, out_ND: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """out_ND: y_TD when the experts summed their rows (ctx.sum_to_tokens), else out_RD."""
         if ctx.sum_to_tokens:  # the experts already returned y_TD
             return out_ND
+        if self.weights_after:  # FP8: unweighted rows, weighted here as after an exchange
+            out_RD = self.wire.local_combine(out_ND)
+            return weighted_sum_rows(out_RD, ctx.plan, ctx.kernel)
         # weights applied: add each row into its token (no float atomics, see sum_rows)
         return sum_rows(out_ND, ctx.gather_ids_R, ctx.plan.num_tokens)
 

@@ -10,16 +10,22 @@ Where it plugs in (the layer / registries do the wiring):
   `fp8_combine(y_ND, plan, config)` for the combine direction, where plan is a
   moe.comm.AllToAllPlan (anything with .run(rows) and .reverse()); each replaces
   moe.comm.exchange(x, plan) in its direction.
-- settings: `FP8Config`, checked across ranks by `moe.fp8.config.agree_across_ranks`.
+- settings: `FP8Config` (MoEConfig.fp8; defined in the leaf moe/fp8_config.py), checked across
+  ranks by `moe.fp8.config.agree_across_ranks` and by parallelize's config check.
+- wiring (issue 40): moe/fp8/kernel.py registers the "fp8" expert kernel (FP8Kernel; a layer
+  with fp8.experts runs one holding its FP8Config); moe/fp8/wire.py is the row exchange every
+  dispatcher holds (RowWire: plain, or FP8 in the directions FP8Config asks for).
 """
 
 from moe.fp8.config import FP8Config, agree_across_ranks
 from moe.fp8.expert_mlp import fp8_expert_mlp
 from moe.fp8.grouped_mm import fp8_grouped_mm
+from moe.fp8.kernel import FP8Kernel
 from moe.fp8.payload import fp8_combine, fp8_dispatch, pack_rows, unpack_rows
 
 __all__ = [
     "FP8Config",
+    "FP8Kernel",
     "agree_across_ranks",
     "fp8_combine",
     "fp8_dispatch",

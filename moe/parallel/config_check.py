@@ -140,6 +140,9 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
             check_spare_slots(name, layer.expert_of_slot_S.tolist(), c, ep)
         for f in fields(c):
             record[f"{name}.{f.name}"] = getattr(c, f.name)
+        record[f"{name}.fp8"] = c.fp8 is not None  # its fields one by one (JSON scalars)
+        for f in fields(c.fp8) if c.fp8 is not None else ():
+            record[f"{name}.fp8.{f.name}"] = getattr(c.fp8, f.name)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         record[f"tensor {name}"] = _describe(tensor)
     return record
