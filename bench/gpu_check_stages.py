@@ -223,17 +223,17 @@ def stage_c(check, limit: float):
 
 
 def stage_f(check, limit: float):
-    """The FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 grouped GEMMs) at the four
-    shapes; in the rehearsal: the tests collected, the rows on CPU at a tiny shape."""
-    ok = _pytest(check, "f", "FP8 CUDA tests", FP8_TESTS, limit / 3, tma=False,
+    """The FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 grouped GEMMs and layers) at
+    the four shapes; in the rehearsal: the tests collected, the rows on CPU at a tiny shape."""
+    ok = _pytest(check, "f", "FP8 CUDA tests", FP8_TESTS, limit * 0.4, tma=False,
                  select=("-k", FP8_CUDA_ONLY))  # fmt: skip
     out_json = check.work / "gpu-fp8.json"
     if check.rehearse:
         argv = ["--smoke-cpu", "--shapes", REHEARSAL_SHAPE]
     else:
-        argv = ["--shapes", "all", "--max-seconds", f"{limit / 3:.0f}"]
+        argv = ["--shapes", "all", "--max-seconds", f"{limit * 0.35:.0f}"]  # a shape in hand
     argv = [PY, "-m", "bench.gpu_fp8", *argv, "--json", str(out_json)]
-    rc, out = check.run("gpu_fp8", argv, limit * 2 / 3)
+    rc, out = check.run("gpu_fp8", argv, limit * 0.6)
     records = json.loads(out_json.read_text())["records"] if out_json.is_file() else []
     for r in records:
         check.figure("f", f"{r['candidate']} {r['figure']}", r["value"], r["unit"],

@@ -2,7 +2,11 @@
 the up-projection grouped GEMM [T*k, d] x [E, d, F] forward + backward in bf16
 (moe.kernels.torch_grouped_mm, i.e. torch._grouped_mm) against FP8 (moe.fp8.fp8_grouped_mm,
 rowwise recipe: torch._scaled_grouped_mm on sm_90+, the emulation elsewhere): median ms, peak
-MiB, and the SQNR (dB) of y, dx and dw against float32 on the same operands.
+MiB, and the SQNR (dB) of y, dx and dw against float32 on the same operands; then the whole
+layer (moe.MoELayer, SwiGLU, dropless, one process) in bf16 against FP8 (FP8Config(dispatch=True,
+experts=True): the dispatch's quantization emulated in one process, every expert GEMM in e4m3):
+ms, peak, and the SQNR of y and dx against the float32 layer with the same (bf16-rounded)
+weights.
 
     python -m bench.gpu_fp8 --shapes all --json rows.json      # on the GPU (scripts/gpu_check.sh)
     python -m bench.gpu_fp8 --smoke-cpu --shapes 64/32/4/2/48   # the plumbing on CPU, no timings
@@ -16,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -99,9 +104,55 @@ def measure_shape(s, args, cuda: bool, records: list) -> None:
         rec(name, "peak_above_inputs_mib", None if peak is None else round(peak, 1), "MiB")
 
 
+def layer_step(layer, x, dy):
+    xg = x.detach().requires_grad_()
+    y = layer(xg)
+    y.backward(dy)
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), xg.grad
+
+
+def measure_layer(s, args, cuda: bool, records: list) -> None:
+    """bf16 MoELayer against the FP8 one (same weights), each against float32."""
+    import moe
+    from moe.fp8 import FP8Config
+
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    kw = dict(top_k=s.k, capacity_factor=None, activation="swiglu", device=dev)
+    ref = moe.MoELayer(s.d, s.F, s.E, **kw).to(dtype).float()  # bf16-rounded weights
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(s.T, s.d, generator=g).to(dev)
+    dy = torch.randn(s.T, s.d, generator=g).to(dev)
+    want = layer_step(ref, x, dy)
+    shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
+    variants = {"layer bf16": None, "layer fp8 dispatch+experts": FP8Config(dispatch=True,
+                experts=True)}  # fmt: skip
+    for name, fp8 in variants.items():
+        layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, fp8=fp8)
+        layer.load_state_dict(ref.state_dict())
+        xd, dyd = x.to(dtype), dy.to(dtype)
+        got = layer_step(layer, xd, dyd)
+        for label, a, b in zip(("y", "dx"), got, want):
+            records.append({**shape, "candidate": name, "figure": f"sqnr_{label}_db",
+                            "value": round(sqnr_db(a, b), 2), "unit": "dB"})  # fmt: skip
+        del got
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ms = timed_ms(partial(layer_step, layer, xd, dyd), args.iters, args.warmup, cuda)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+        for figure, value, unit in (("fwd_bwd_ms", ms, "ms"), ("peak_above_inputs_mib", peak,
+                                                               "MiB")):  # fmt: skip
+            value = None if value is None else round(value, 3)
+            records.append({**shape, "candidate": name, "figure": figure, "value": value,
+                            "unit": unit})  # fmt: skip
+
+
 def report(records: list, device: str) -> str:
-    lines = [f"## FP8 grouped GEMM (up-projection, fwd+bwd) on {device}", "",
-             "| shape | candidate | fwd+bwd ms | peak MiB | SQNR y / dx / dw dB |",
+    lines = [f"## FP8 against bf16: up-projection grouped GEMM and the layer, fwd+bwd, on {device}",
+             "", "| shape | candidate | fwd+bwd ms | peak MiB | SQNR y / dx / dw dB |",
              "|---|---|---|---|---|"]  # fmt: skip
     by = {}
     for r in records:
@@ -124,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=30.0, help="past this, skip the "
                    "remaining shapes (their rows say so)")  # fmt: skip
     p.add_argument("--smoke-cpu", action="store_true", help="CPU, float32, nothing timed")
+    p.add_argument("--no-layer", action="store_true", help="the grouped GEMM rows only")
     p.add_argument("--json", help="write the records to this file")
     args = p.parse_args(argv)
     try:
@@ -151,6 +203,8 @@ def main(argv=None) -> int:
             continue
         try:
             measure_shape(s, args, cuda, records)
+            if not args.no_layer:
+                measure_layer(s, args, cuda, records)
         except Exception as e:  # noqa: BLE001 - one shape's failure is a row, the rest run
             failed += 1
             records.append({**shape, "candidate": "fp8 rows", "figure": "failed",

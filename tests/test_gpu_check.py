@@ -31,16 +31,16 @@ def test_budget_skips_what_does_not_fit_and_the_report_survives_a_failure(tmp_pa
 
     fakes = {"a": passes("a"), "b": boom, "c": passes("c"), "d": passes("d"), "f": passes("f")}
     _fake_stages(monkeypatch, fakes)
-    # in 150 s: a (45 s) and b (90 s) fit (the fakes take no time), c (165 s) does not, d (80 s)
-    # and f (35 s) do
+    # in 150 s: a (45 s) and b (90 s) fit (the fakes take no time), c (160 s) does not, d (80 s)
+    # and f (40 s) do
     check = gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path / "none")
     assert check.main() == 1
     assert ran == ["a", "b", "d", "f"]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     status = {s["stage"]: (s["status"], s["detail"]) for s in report["stages"]}
     assert status["b"] == ("failed", "RuntimeError: stage b broke")
-    assert status["c"][0] == "skipped" and "needs 165 s" in status["c"][1]
-    assert status["d"] == ("passed", "limit 80") and status["f"] == ("passed", "limit 35")
+    assert status["c"][0] == "skipped" and "needs 160 s" in status["c"][1]
+    assert status["d"] == ("passed", "limit 80") and status["f"] == ("passed", "limit 40")
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| c | layer benchmark at four shapes | skipped |" in md and "decided" in md
 
@@ -274,6 +274,9 @@ def test_fp8_rows_smoke_on_cpu(tmp_path, capsys):
         assert 26 <= rows[("gemm fp8 rowwise", f"sqnr_{label}_db")] <= 32
         assert rows[("gemm bf16", f"sqnr_{label}_db")] > 100
     assert rows[("gemm fp8 rowwise", "fwd_bwd_ms")] is None  # CPU: nothing timed
+    for label in ("y", "dx"):  # the whole layer, FP8 dispatch + experts (issue 40: >= 22 dB)
+        assert 20 <= rows[("layer fp8 dispatch+experts", f"sqnr_{label}_db")] <= 30
+        assert rows[("layer bf16", f"sqnr_{label}_db")] > 100
     assert "| 40/136/3/2/24 | gemm fp8 rowwise |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         gpu_fp8.main(["--smoke-cpu", "--shapes", "mixtral"])  # too big for the CPU smoke run
