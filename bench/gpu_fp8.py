@@ -4,9 +4,10 @@ the up-projection grouped GEMM [T*k, d] x [E, d, F] forward + backward in bf16
 rowwise recipe: torch._scaled_grouped_mm on sm_90+, the emulation elsewhere): median ms, peak
 MiB, and the SQNR (dB) of y, dx and dw against float32 on the same operands; then the whole
 layer (moe.MoELayer, SwiGLU, dropless, one process) in bf16 against FP8 (FP8Config(dispatch=True,
-experts=True): the dispatch's quantization emulated in one process, every expert GEMM in e4m3):
-ms, peak, and the SQNR of y and dx against the float32 layer with the same (bf16-rounded)
-weights.
+experts=True): the dispatch's quantization emulated in one process, every expert GEMM in e4m3)
+against the bf16 layer on moe's torch kernel (torch._grouped_mm, like the FP8 kernel's GEMMs; the
+Triton layer is stage c's, and its compiles would not fit this stage): ms, peak, and the SQNR of
+y and dx against the float32 layer with the same (bf16-rounded) weights.
 
     python -m bench.gpu_fp8 --shapes all --json rows.json      # on the GPU (scripts/gpu_check.sh)
     python -m bench.gpu_fp8 --smoke-cpu --shapes 64/32/4/2/48   # the plumbing on CPU, no timings
@@ -126,10 +127,10 @@ def measure_layer(s, args, cuda: bool, records: list) -> None:
     dy = torch.randn(s.T, s.d, generator=g).to(dev)
     want = layer_step(ref, x, dy)
     shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
-    variants = {"layer bf16": None, "layer fp8 dispatch+experts": FP8Config(dispatch=True,
-                experts=True)}  # fmt: skip
-    for name, fp8 in variants.items():
-        layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, fp8=fp8)
+    variants = {"layer bf16 (torch kernel)": ("torch", None),
+                "layer fp8 dispatch+experts": ("auto", FP8Config(dispatch=True, experts=True))}  # fmt: skip
+    for name, (backend, fp8) in variants.items():
+        layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, backend=backend, fp8=fp8)
         layer.load_state_dict(ref.state_dict())
         xd, dyd = x.to(dtype), dy.to(dtype)
         got = layer_step(layer, xd, dyd)
