@@ -78,6 +78,11 @@ class MoEConfig:
     fp8: FP8Config | None = None  # FP8 dispatch and/or expert GEMMs (moe/fp8_config.py); None: off
 
     def __post_init__(self):
+        if isinstance(self.fp8, dict):  # as asdict / JSON give it back (moe_config.json)
+            try:
+                object.__setattr__(self, "fp8", FP8Config(**self.fp8))
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"fp8: {e}") from None
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
             _check_upper_bound(f.name, getattr(self, f.name))
@@ -113,6 +118,11 @@ class MoEConfig:
                 f"fp8=FP8Config(experts=True) runs the expert GEMMs on the 'fp8' kernel, but "
                 f"backend={self.backend!r} asks for another one: use backend='auto' or 'fp8', "
                 "or FP8Config(experts=False) to keep this kernel"
+            )
+        if self.backend == "fp8" and (self.fp8 is None or not self.fp8.experts):
+            raise ValueError(
+                "backend='fp8' runs the expert GEMMs in FP8: give fp8=FP8Config(experts=True) "
+                "(the kernel's settings, and the layer's one-process emulation, come from it)"
             )
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:

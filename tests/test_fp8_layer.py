@@ -87,12 +87,129 @@ def test_fp8_experts_layer_runs_the_fp8_kernel_with_its_config():
 
 def test_fp8_settings_are_checked():
     with pytest.raises(ValueError, match="fp8 must be FP8Config or None"):
-        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispatch": True})
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8="dispatch")
+    with pytest.raises(ValueError, match="fp8: .*unexpected keyword argument 'dispach'"):
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispach": True})
     with pytest.raises(ValueError, match="backend='torch' asks for another one"):
         MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(experts=True))
+    with pytest.raises(ValueError, match="backend='fp8' runs the expert GEMMs in FP8: give"):
+        MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8")
+    assert MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8", fp8=FP8Config(experts=True))
     with pytest.raises(ValueError, match="FP8Config.block_size must be an int >= 1"):
         FP8Config(dispatch=True, block_size=0)
     MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(dispatch=True))
     layer = _layer(FP8Config(experts=True), dtype=torch.float64)
     with pytest.raises(ValueError, match="moe: kernel 'fp8' cannot run this layer: it takes"):
         layer(torch.randn(3, D, dtype=torch.float64))
+
+
+ALL = FP8Config(dispatch=True, experts=True, grad_before_down_fp8=True, block_size=16)
+
+
+def test_fp8_layer_meets_recompute_compile_and_router_replay():
+    """FP8 (dispatch, experts, combine backward) with recompute equals it without; under
+    torch.compile (aot_eager: dynamo + AOT autograd over the fake registrations) equals eager;
+    a replayed routing reproduces the recorded forward bit for bit."""
+    x, dy = torch.randn(2, 11, D), torch.randn(2, 11, D)
+    eager = _run(_layer(ALL), x, dy)
+    _close(_run(_layer(ALL, recompute=True), x, dy), eager, rel=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer(ALL), backend="aot_eager")
+    _close(_run(compiled, x, dy), eager)
+    layer = _layer(ALL)
+    with moe.record_routing(layer) as routes:
+        recorded = layer(x)
+    with moe.replay_routing(layer, routes):
+        assert torch.equal(layer(x), recorded)
+    with torch.no_grad():
+        layer.router.weight.add_(torch.randn_like(layer.router.weight))  # would route anew
+    with moe.record_routing(layer) as again, moe.replay_routing(layer, routes):
+        layer(x)
+    ((first,),), ((second,),) = routes.layers.values(), again.layers.values()
+    assert torch.equal(first.expert_ids_TK, second.expert_ids_TK)
+
+
+def test_checkpoint_saved_with_fp8_loads_without_and_back(tmp_path):
+    """FP8 is not part of the saved weights: the state dict (what checkpoints and HF exports
+    read) is the bf16/fp32 masters, equal with FP8 on or off; a checkpoint saved with FP8
+    on loads with it off and back on (not refused as a changed layer setting)."""
+    from moe.checkpoint import load_checkpoint, save_checkpoint
+
+    def model(fp8, seed=0):
+        return torch.nn.Sequential(_layer(fp8, seed=seed, dtype=torch.bfloat16))
+
+    on, off = model(ALL), model(None)
+    assert {k: v.dtype for k, v in on.state_dict().items()} == {
+        k: v.dtype for k, v in off.state_dict().items()
+    }
+    assert all(
+        torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values())
+    )
+    opt = torch.optim.AdamW(on.parameters(), lr=1e-2)
+    on(torch.randn(5, D, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    save_checkpoint(str(tmp_path / "on"), on, opt)
+    twin = model(None, seed=1)
+    load_checkpoint(str(tmp_path / "on"), twin, torch.optim.AdamW(twin.parameters(), lr=1e-2))
+    for a, b in zip(on.parameters(), twin.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert twin[0].experts.w1.dtype == torch.bfloat16  # the masters, not FP8
+    save_checkpoint(str(tmp_path / "off"), twin)
+    back = model(ALL, seed=2)
+    load_checkpoint(str(tmp_path / "off"), back)
+    assert all(torch.equal(a, b) for a, b in zip(on.parameters(), back.parameters()))
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    assert torch.equal(back(x), on(x))
+
+
+class _Counting:
+    """An exchange plan that moves nothing and counts the bytes it is given."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def run(self, rows):
+        self.sent += rows.numel() * rows.element_size()
+        return rows
+
+    def reverse(self):
+        return self
+
+
+def test_fp8_wire_bytes_and_one_rounding_with_blockwise_experts():
+    """What the dispatch sends, counted at the exchange: <= 0.52x bf16 at d = 7168 (7,392 of
+    14,336 bytes per token; ue8m0 7,224). Dispatch then the blockwise GEMM's 1 x 128
+    quantization: the same values when both scales are powers of two or both fp32, a second
+    rounding when they differ (README, FP8 section)."""
+    from moe.fp8.quant import dequantize_blocks, quantize_blocks
+    from moe.fp8.wire import row_wire
+
+    x = torch.randn(6, 7168, dtype=torch.bfloat16)
+    sent = {}
+    for name, fp8 in (("bf16", None), ("fp32", FP8Config(dispatch=True)),
+                      ("ue8m0", FP8Config(dispatch=True, scale_format="ue8m0"))):  # fmt: skip
+        plan = _Counting()
+        row_wire(fp8).dispatch(x, plan)
+        sent[name] = plan.sent / 6
+    assert sent == {"bf16": 14336, "fp32": 7392, "ue8m0": 7224}
+    assert sent["fp32"] / sent["bf16"] <= 0.52
+    x = torch.randn(16, 300) * torch.randn(16, 1).exp()
+    for scale_format, gemm_pow2, same in (("ue8m0", True, True), ("fp32", False, True),
+                                          ("fp32", True, False)):  # fmt: skip
+        fp8 = FP8Config(dispatch=True, scale_format=scale_format)
+        arrived = row_wire(fp8).local_dispatch(x)
+        q, s = quantize_blocks(arrived, 128, gemm_pow2)
+        assert torch.equal(dequantize_blocks(q, s, 128, torch.float32), arrived) == same
+
+
+def test_moe_settings_file_keeps_fp8(tmp_path):
+    """save_moe_settings / swap_ffn_from_settings round-trip MoEConfig.fp8 (JSON: its fields)."""
+    model = torch.nn.Sequential(_layer(ALL))
+    moe.save_moe_settings(model, tmp_path)
+    moe.check_moe_settings(model, tmp_path)
+    from moe.swap_settings import read_moe_settings
+
+    (entry,) = read_moe_settings(tmp_path)
+    assert MoEConfig(**entry["config"]).fp8 == ALL
+    with pytest.raises(ValueError, match="MoE setting fp8="):
+        moe.check_moe_settings(torch.nn.Sequential(_layer(FP8Config(dispatch=True))), tmp_path)

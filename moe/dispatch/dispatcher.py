@@ -18,7 +18,9 @@ three lines above (then the shared experts). A new strategy (another all-to-all,
 node-aware exchange) is one file: a subclass plus `@register_dispatcher("name")`, which
 `parallelize(..., dispatcher="name")` installs as `MoELayer.dispatcher`, constructing it as
 `cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=)` (+ `degree=`
-when `overlap=` is given; ExpertParallelDispatcher's signature, so subclassing it is enough).
+when `overlap=` is given, + `fp8=` when the layer's MoEConfig.fp8 changes what the exchange
+sends; ExpertParallelDispatcher's signature, so subclassing it is enough: its rows travel by
+`self.wire`, moe/fp8/wire.py).
 A strategy that interleaves exchange and compute (the overlapped dispatcher) overrides `run`
 instead and calls the experts in parts (`ExpertFn.call_once` and `ExpertFn.part`). Every rank
 of a distributed dispatcher must call dispatch and combine (or run) once per forward, also

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import ALGORITHMS, AllToAllPlan, exchange
+from moe.comm.alltoall import ALGORITHMS, AllToAllPlan
 from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.exchange_plan import ExpertExchange, plan_expert_exchange
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
@@ -17,6 +17,8 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
+from moe.fp8.config import FP8Config
+from moe.fp8.wire import row_wire
 from moe.kernels.expert_rows import ExpertRows
 
 KEPT_ROWS = ExpertRows(all_rows_kept=True)  # only kept rows travel: no dropped tail
@@ -49,7 +51,12 @@ class ExpertParallelDispatcher(Dispatcher):
     """Installed as `MoELayer.dispatcher` by parallelize(): global expert e lives on EP rank
     e // L. The plan's counts (global E = W * L) are exchanged first, one small collective
     (moe.comm.plan_expert_exchange, in every algorithm), so each rank knows how many rows it
-    receives per (source rank, local expert) and which algorithm moves them."""
+    receives per (source rank, local expert) and which algorithm moves them.
+
+    fp8: the layer's FP8Config (parallelize hands over MoEConfig.fp8): the rows travel by
+    `self.wire` (moe.fp8.wire.RowWire), e4m3 + block scales in the directions it asks for
+    (dispatch forward; the combine's backward with grad_before_down_fp8), through whatever
+    algorithm moves them (flat or hierarchical: the packed uint8 rows are rows like any)."""
 
     def __init__(
         self,
@@ -58,6 +65,7 @@ class ExpertParallelDispatcher(Dispatcher):
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
         exchange_config: ExchangeConfig | None = None,
+        fp8: FP8Config | None = None,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -71,6 +79,7 @@ class ExpertParallelDispatcher(Dispatcher):
                 f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
             )
         self.exchange_config = exchange_config or ExchangeConfig()  # the all-to-all's settings
+        self.wire = row_wire(fp8)  # how the rows travel (plain, or FP8 where fp8 asks)
 
     def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local
@@ -87,7 +96,7 @@ class ExpertParallelDispatcher(Dispatcher):
         device counts and the resolved algorithm, which the contexts carry to the layer."""
         self._check_plan(plan)
         counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
-        row_bytes = x_TD.shape[1] * x_TD.element_size()
+        row_bytes = self.wire.dispatch_format.row_bytes(x_TD.shape[1], x_TD.element_size())
         return plan_expert_exchange(
             counts_WL,
             row_bytes,
@@ -102,7 +111,7 @@ class ExpertParallelDispatcher(Dispatcher):
         counts = self._plan_exchange(x_TD, plan)
         a2a = counts.plan()
         x_MD = gather_tokens(x_TD, plan)
-        recv_RD = exchange(x_MD[: sum(a2a.send)], a2a)
+        recv_RD = self.wire.dispatch(x_MD[: sum(a2a.send)], a2a)
         order_R, inverse_R = receive_order(counts.recv_counts_WL, 0, recv_RD.shape[0])
         offsets_L = torch.cumsum(counts.recv_counts_WL.sum(0), 0).to(torch.int32)
         ctx = ExpertParallelContext(
@@ -119,7 +128,7 @@ class ExpertParallelDispatcher(Dispatcher):
         """The rows back to their ranks, then the weighted sum on the experts' kernel's
         combine (ctx.kernel; the torch one when dispatch / combine are called directly)."""
         back_RD = permute_rows(out_RD, ctx.inverse_R, ctx.order_R)
-        out_kept_ND = exchange(back_RD.contiguous(), ctx.a2a.reverse())
+        out_kept_ND = self.wire.combine(back_RD, ctx.a2a.reverse())
         num_dropped = ctx.plan.num_rows - out_kept_ND.shape[0]
         out_MD = torch.cat([out_kept_ND, out_kept_ND.new_zeros(num_dropped, out_RD.shape[1])])
         return weighted_sum_rows(out_MD, ctx.plan, ctx.kernel)

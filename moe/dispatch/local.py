@@ -36,7 +36,7 @@ class LocalDispatcher(Dispatcher):
     combine weights are applied after them, as between ranks, so the FP8 GEMMs' scales see
     the same rows and the layer computes the same function at every layout."""
 
-    def __init__(self, fuse_combine: bool = True, fp8: FP8Config | None = None):
+    def __init__(self, fuse_combine: bool = True, *, fp8: FP8Config | None = None):
         self.fuse_combine = fuse_combine and fp8 is None
         self.wire = row_wire(fp8)
         self.weights_after = fp8 is not None  # combine weights applied after the experts

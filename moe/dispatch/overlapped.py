@@ -59,6 +59,8 @@ from moe.dispatch.permute import (
     permute_rows,
     weighted_sum_rows,
 )
+from moe.fp8.config import FP8Config
+from moe.fp8.wire import RowFormat
 from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.saved_tensors import keep_graph
 
@@ -84,8 +86,9 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         ranks_per_node: int | None = None,
         degree: int | str = "auto",
         exchange_config: ExchangeConfig | None = None,
+        fp8: FP8Config | None = None,
     ):
-        super().__init__(group, num_local_experts, algorithm, ranks_per_node, exchange_config)
+        super().__init__(group, num_local_experts, algorithm, ranks_per_node, exchange_config, fp8)
         if validate_overlap(degree) is None:
             raise ValueError("degree must be an int >= 1 or 'auto', got None")
         self.degree = degree
@@ -199,18 +202,25 @@ class _Pipeline:
         self.recv_L = recv_WL.sum(0)  # rows this rank computes per local expert
         self.backs = [p.reverse() for p in plans]
         self.worker, self.clock = dispatcher.worker, dispatcher.clock
+        self.wire = dispatcher.wire  # each direction's row format (plain, or FP8)
         self.arriving: list[Landing] = []  # forward: chunks' rows; backward: their gradients
 
-    def start_all(self, x_MD) -> list[Landing]:
+    def start_all(self, x_MD, fmt: RowFormat) -> list[Landing]:
         """Start each chunk's exchange along its dispatch plan: x_MD is this rank's kept rows
-        in chunk order (dispatch; in backward, the combine's gradient)."""
+        in chunk order (dispatch; in backward, the combine's gradient), sent in `fmt`."""
         chunks = torch.split(x_MD, [sum(p.send) for p in self.plans])
-        return [start_exchange(x, p, self.worker) for x, p in zip(chunks, self.plans)]
+        return [self._send(x, p, fmt) for x, p in zip(chunks, self.plans)]
 
-    def start_one(self, c: int, x_RD) -> Landing:
+    def start_one(self, c: int, x_RD, fmt: RowFormat) -> Landing:
         """Start chunk c's exchange of x_RD back to the rows' ranks (combine; in backward, the
-        dispatch's gradient)."""
-        return start_exchange(x_RD, self.backs[c], self.worker)
+        dispatch's gradient), sent in `fmt`."""
+        return self._send(x_RD, self.backs[c], fmt)
+
+    def _send(self, x_ND, plan, fmt: RowFormat) -> Landing:
+        """The rows encoded in fmt (plain or FP8), exchanged, decoded to x's dtype on landing."""
+        D, dtype = x_ND.shape[1], x_ND.dtype
+        land = start_exchange(fmt.encode(x_ND), plan, self.worker)
+        return lambda: fmt.decode(land(), D, dtype)
 
     def compute(self, c: int, recv_RD, experts: ExpertFn, weights, needs_grad):
         """Chunk c's experts on its received rows ((source, expert)-major -> expert-major and
@@ -254,7 +264,7 @@ class _StartDispatch(torch.autograd.Function):
     def forward(ctx, x_MD, pipe: _Pipeline):
         ctx.set_materialize_grads(False)
         ctx.pipe = pipe
-        pipe.arriving = pipe.start_all(x_MD)
+        pipe.arriving = pipe.start_all(x_MD, pipe.wire.dispatch_format)
         return x_MD.new_zeros(())
 
     @staticmethod
@@ -280,14 +290,16 @@ class _Experts(torch.autograd.Function):
             graph = pipe.compute(c, land(), experts, like, needs_grad)
             if any(needs_grad):
                 ctx.graphs.append(graph)
-            returning.append(pipe.start_one(c, graph[2].detach()))
+            returning.append(pipe.start_one(c, graph[2].detach(), pipe.wire.combine_format))
         rows = [land() for land in returning]
         return torch.cat([*rows, rows[0].new_zeros(dropped, rows[0].shape[1])])
 
     @staticmethod
     def backward(ctx, grad_MD):
         pipe = ctx.pipe
-        coming = pipe.start_all(grad_MD[: grad_MD.shape[0] - ctx.dropped])
+        coming = pipe.start_all(
+            grad_MD[: grad_MD.shape[0] - ctx.dropped], pipe.wire.combine_grad_format
+        )
         grads: list = [None] * len(ctx.weights)
         arriving: list[Landing | None] = [None] * len(coming)
         for c in range(len(coming)):  # in the order the gradients were sent
@@ -308,7 +320,7 @@ class _Experts(torch.autograd.Function):
                 leaf.grad = None
             dx_RD = rows_RD.grad if rows_RD.grad is not None else torch.zeros_like(rows_RD)
             rows_RD.grad = None
-            arriving[c] = pipe.start_one(c, dx_RD)
+            arriving[c] = pipe.start_one(c, dx_RD, pipe.wire.dispatch_grad_format)
         if not keep_graph():
             ctx.graphs = []
         pipe.arriving = arriving

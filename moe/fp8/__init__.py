@@ -1,6 +1,7 @@
 """FP8 MoE training (issue 40), the numerics core: settings, e4m3 quantizers, the FP8 dispatch
 payload and exchange, the FP8 grouped GEMM and the FP8 expert MLP. Self-contained: it imports
-only moe.kernels and moe.comm leaf modules, never moe.layer or moe.parallel.
+only moe.kernels and moe.comm leaf modules and the leaf moe.fp8_config, never moe.layer,
+moe.parallel, moe.gating, moe.dispatch or moe.config (tests/test_layering.py).
 
 Where it plugs in (the layer / registries do the wiring):
 - expert kernel: `fp8_expert_mlp(x_ND, offsets_L, w1, w2, w3, b1, b2, *, activation, rows,

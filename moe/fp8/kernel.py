@@ -1,7 +1,9 @@
 """The "fp8" expert kernel: every expert GEMM in e4m3 (moe.fp8.fp8_expert_mlp), one registered
 ExpertKernel like the torch and Triton ones. A layer with MoEConfig.fp8 = FP8Config(experts=True)
-runs an instance holding its FP8Config (`kernel_for_layer`); backend="fp8" alone runs the
-registered one (the default FP8Config(experts=True): rowwise, power-of-two scales).
+runs an instance holding its FP8Config (`kernel_for_layer`; MoEConfig takes backend "auto" or
+"fp8" with it, and refuses backend="fp8" without it). The registered instance (the default
+FP8Config(experts=True): rowwise, power-of-two scales) serves GroupedExperts(backend="fp8")
+used on its own.
 
 What it takes: float32, bfloat16 and float16 weights and inputs on any device (CPU: the
 emulation, quantize -> dequantize -> grouped GEMM in float32; CUDA sm_90+: the rowwise GEMMs on

@@ -126,8 +126,11 @@ class RowWire:
         return self.fp8 is not None and self.fp8.grad_before_down_fp8
 
 
+def fp8_on_the_wire(fp8: FP8Config | None) -> bool:
+    """Whether these settings change what the exchange sends (dispatch or its combine grad)."""
+    return fp8 is not None and (fp8.dispatch or fp8.grad_before_down_fp8)
+
+
 def row_wire(fp8: FP8Config | None) -> RowWire:
     """The wire of a layer with MoEConfig.fp8 = fp8: plain unless FP8 touches the exchange."""
-    if fp8 is None or not (fp8.dispatch or fp8.grad_before_down_fp8):
-        return RowWire()
-    return RowWire(fp8)
+    return RowWire(fp8) if fp8_on_the_wire(fp8) else RowWire()

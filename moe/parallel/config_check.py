@@ -23,6 +23,7 @@ from moe.comm.exchange_config import ExchangeConfig, resolved
 from moe.comm.topology import ranks_per_node_setting
 from moe.dispatch.dispatcher import DISPATCHERS
 from moe.dispatch.overlap_option import validate_overlap
+from moe.fp8.wire import fp8_on_the_wire
 from moe.kernels.kernel_config import kernel_config
 from moe.layer import moe_layers
 from moe.replica_layout import check_spare_slots
@@ -113,6 +114,17 @@ def _dispatcher(name: str | None, overlap: str) -> str | None:
     return name
 
 
+def _check_fp8_dispatcher(layer: str, fp8, dispatcher: str | None) -> None:
+    """FP8 on the wire needs a dispatcher that takes fp8= (else it would send the rows in
+    their dtype: a silent change of format)."""
+    cls = DISPATCHERS.get(dispatcher) if dispatcher else None
+    if fp8_on_the_wire(fp8) and cls is not None and "fp8" not in inspect.signature(cls).parameters:
+        raise ValueError(
+            f"{layer}: MoEConfig.fp8 sends the rows in FP8, but dispatcher={dispatcher!r} "
+            f"({cls.__name__}) takes no fp8= argument (it would send them in their dtype)"
+        )
+
+
 def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> dict:
     """What this rank must agree on with every other; raises ValueError for a local problem."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -143,6 +155,7 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
         record[f"{name}.fp8"] = c.fp8 is not None  # its fields one by one (JSON scalars)
         for f in fields(c.fp8) if c.fp8 is not None else ():
             record[f"{name}.fp8.{f.name}"] = getattr(c.fp8, f.name)
+        _check_fp8_dispatcher(name, c.fp8, record.get("dispatcher"))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         record[f"tensor {name}"] = _describe(tensor)
     return record

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe.comm.exchange_config import ExchangeConfig
 from moe.dispatch import DISPATCHERS
+from moe.fp8.wire import fp8_on_the_wire
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -87,11 +88,13 @@ def _wrapper(settings: dict):
     return fully_shard, {**common, "reshard_after_forward": settings["reshard_after_forward"]}
 
 
-def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int):
+def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int, fp8=None):
     """One layer's dispatcher: the registered class settings["dispatcher"] built as
     cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=), plus
-    degree= when overlap= is given (ExpertParallelDispatcher's signature)."""
+    degree= when overlap= is given and fp8= (the layer's MoEConfig.fp8) when FP8 touches the
+    exchange (ExpertParallelDispatcher's signature; check_config refused a class without it)."""
     overlap = settings["overlap"]
+    wire = {} if not fp8_on_the_wire(fp8) else {"fp8": fp8}
     return DISPATCHERS[settings["dispatcher"]](
         group,
         num_local,
@@ -99,6 +102,7 @@ def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int):
         ranks_per_node=settings["ranks_per_node"],
         exchange_config=settings["exchange"],
         **({} if overlap is None else {"degree": overlap}),
+        **wire,
     )
 
 
@@ -179,7 +183,8 @@ def parallelize(
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        layer.dispatcher = _build_dispatcher(settings, mesh.get_group("ep"), local)
+        group = mesh.get_group("ep")
+        layer.dispatcher = _build_dispatcher(settings, group, local, layer.config.fp8)
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)
