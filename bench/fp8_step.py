@@ -5,15 +5,17 @@ dispatch, side by side in one run (issue 40).
 One step, forward + backward, in bf16 rows: the dispatch exchange (tokens x top-k rows to their
 experts' ranks), the local experts (SwiGLU, moe's torch kernel), the combine exchange home.
 Variants, interleaved in rounds (median of the slowest rank's time per round):
+  layer bf16 / layer fp8 dispatch: the whole moe.MoELayer (bf16, top-k router, dropless) under
+                         moe.parallel.parallelize (ep = world, flat exchange), fp8=None against
+                         FP8Config(dispatch=True): the library's own expert-parallel path
   bf16                   all four exchanges in bf16 (moe.comm.exchange)
   fp8 dispatch           the dispatch forward as e4m3 + 1x128 fp32 scales (moe.fp8.fp8_dispatch),
                          the other three in bf16 (FP8Config(dispatch=True), the default)
   fp8 dispatch + grad    also the gradient before the down-projection in FP8
                          (grad_before_down_fp8=True, DeepSeek-V3's)
-  exchange bf16 / fp8 dispatch: the four exchanges alone (no experts) of the first two.
-This composes moe.fp8's exchange functions with the experts by hand: moe's expert-parallel
-dispatchers do not carry the FP8 wire yet (FP8 dispatch runs in one process only), so the layer
-itself cannot be timed with FP8 dispatch on ranks.
+  exchange bf16 / fp8 dispatch: the four exchanges alone (no experts) of the two above.
+The rows "bf16", "fp8 dispatch", "fp8 dispatch + grad" and "exchange ..." compose
+moe.fp8.fp8_dispatch / fp8_combine with the local experts by hand (no router, even load).
 
   python -m bench.fp8_step --emulate 2x2 --rates 100,200,400 --report bench/results/DATE-cpu-fp8-step.md
 
@@ -40,7 +42,8 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.a2a.netem import netns_available, run_emulated  # noqa: E402
 
-VARIANTS = ("bf16", "fp8 dispatch", "fp8 dispatch + grad", "exchange bf16", "exchange fp8 dispatch")
+VARIANTS = ("layer bf16", "layer fp8 dispatch", "bf16", "fp8 dispatch", "fp8 dispatch + grad",
+            "exchange bf16", "exchange fp8 dispatch")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,9 +105,37 @@ def _ops(cfg: dict, rank: int, W: int) -> dict:
 
         return op
 
-    ops = {name: step(c) for name, c in wire.items()}
+    ops = {**_layer_ops(cfg, rank), **{name: step(c) for name, c in wire.items()}}
     ops["exchange bf16"] = step(None, with_experts=False)
     ops["exchange fp8 dispatch"] = step(wire["fp8 dispatch"], with_experts=False)
+    return ops
+
+
+def _layer_ops(cfg: dict, rank: int) -> dict:
+    """The parallelized layer, bf16 against FP8 dispatch (same weights and tokens)."""
+    import moe
+    from moe.fp8 import FP8Config
+    from moe.parallel import init_mesh, parallelize
+
+    D, F, E, T, K = cfg["d_model"], cfg["d_ff"], cfg["experts"], cfg["tokens"], cfg["top_k"]
+    mesh = init_mesh(dp=1, ep=dist.get_world_size())
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(100 + rank)).bfloat16()
+    ops = {}
+    for name, fp8 in (("layer bf16", None), ("layer fp8 dispatch", FP8Config(dispatch=True))):
+        torch.manual_seed(0)
+        layer = moe.MoELayer(D, F, E, top_k=K, capacity_factor=None, activation="swiglu",
+                             aux_loss_coef=0.0, backend="torch", fp8=fp8).to(torch.bfloat16)  # fmt: skip
+        model = parallelize(layer, mesh, algorithm="flat")
+
+        def op(model=model):
+            xx = x.clone().requires_grad_()
+            y = model(xx)
+            forward_end = time.perf_counter()
+            y.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+            return forward_end
+
+        ops[name] = op
     return ops
 
 
@@ -144,14 +175,16 @@ def worker_main(cfg: dict) -> None:
 
 
 def write_report(path: Path, a, rows: list[dict]) -> None:
-    head = "| link | " + " | ".join(VARIANTS) + " | step fp8 / bf16 |"
+    head = "| link | " + " | ".join(VARIANTS) + " | layer fp8 / bf16 |"
     lines = [head, "|---" * (len(VARIANTS) + 2) + "|"]
     for r in rows:
         m = r["median_ms"]
         cells = " | ".join(f"{m[v]:.0f}" for v in VARIANTS)
-        lines.append(f"| {r['rate_mbit']} Mbit/s | {cells} | {m['fp8 dispatch'] / m['bf16']:.2f} |")
-    fwd = [f"{r['rate_mbit']} Mbit/s: bf16 {r['median_fwd_ms']['bf16']:.0f}, fp8 dispatch "
-           f"{r['median_fwd_ms']['fp8 dispatch']:.0f}" for r in rows]  # fmt: skip
+        ratio = m["layer fp8 dispatch"] / m["layer bf16"]
+        lines.append(f"| {r['rate_mbit']} Mbit/s | {cells} | {ratio:.2f} |")
+    f = [r["median_fwd_ms"] for r in rows]
+    fwd = [f"{r['rate_mbit']} Mbit/s: layer bf16 {m['layer bf16']:.0f}, layer fp8 dispatch "
+           f"{m['layer fp8 dispatch']:.0f}" for r, m in zip(rows, f)]  # fmt: skip
     N, L = a.emulate.lower().split("x")
     text = [
         f"# Expert-parallel step time, bf16 vs FP8 dispatch, emulated network "
@@ -161,15 +194,16 @@ def write_report(path: Path, a, rows: list[dict]) -> None:
         f"{a.top_k} --rounds {a.rounds}` (root: network namespaces).", "",
         f"{int(N) * int(L)} gloo ranks as {N}x{L} nodes on bench/a2a/netem.py's network "
         f"(loopback inside a node, `tc tbf` veth links between nodes, burst {a.burst_kb} kB, "
-        "as in the overlap report). One step = dispatch exchange -> local SwiGLU experts "
+        "as in the overlap report). layer = the parallelized moe.MoELayer (bf16, SwiGLU, "
+        f"{a.experts} experts, top-{a.top_k}, dropless, torch kernel, ep = {int(N) * int(L)}, "
+        "flat exchange), fp8=None vs FP8Config(dispatch=True). The other columns compose the "
+        "step by hand: dispatch exchange -> local SwiGLU experts "
         "(torch kernel) -> combine exchange, forward + backward, rows in bf16; "
         f"{a.tokens} tokens x top-{a.top_k} rows per rank, d = {a.d_model}, uniform random "
         "destinations. Times in ms: the slowest rank per round, median of "
         f"{a.rounds} interleaved rounds. FP8 dispatch sends d + 4 * ceil(d / 128) bytes per "
         "row instead of 2 d (x0.516 at d = 256); the combine and both gradients stay bf16 "
-        "(`fp8 dispatch + grad`: the gradient before the down-projection in FP8 too). moe's "
-        "expert-parallel dispatchers do not carry the FP8 wire yet: the step is composed from "
-        "moe.fp8.fp8_dispatch / fp8_combine and the layer's experts by hand.", "",
+        "(`fp8 dispatch + grad`: the gradient before the down-projection in FP8 too).", "",
         *lines, "",
         "Forward alone (ms): " + "; ".join(fwd) + ".",
         "Machine load (1-min average at the end of each rate): "

@@ -46,8 +46,8 @@ def test_fp8_step_report_names_the_variants(tmp_path):
     rows = [{"rate_mbit": 100, "median_ms": ms, "median_fwd_ms": ms, "load": 1.0}]
     fp8_step.write_report(tmp_path / "r.md", a, rows)
     text = (tmp_path / "r.md").read_text()
-    assert "| 100 Mbit/s | 100 | 101 | 102 | 103 | 104 | 1.01 |" in text
-    assert "do not carry the FP8 wire yet" in text
+    assert "| 100 Mbit/s | 100 | 101 | 102 | 103 | 104 | 105 | 106 | 1.01 |" in text
+    assert "layer fp8 dispatch" in text
 
 
 def test_m6_fp8_report_compares_with_bf16():

@@ -12,9 +12,6 @@ from examples.m6 import train
 from examples.m6.config import get_config
 from tests.distributed import run_ranks
 
-# FP8 experts on EP ranks; FP8 dispatch there waits for the EP dispatchers to carry the FP8 wire
-# (moe/fp8/wire.py: in one process only so far)
-FP8_EP = "experts"
 FAST = ["--quiet", "--no-plots", "--eval-every", "1000", "--global-batch", "32"]
 
 
@@ -56,7 +53,7 @@ def test_fp8_trains_and_resume_refuses_a_changed_fp8(tmp_path, capsys):
 
 
 def _two_ranks(rank, world_size, run_dir):
-    argv = ["--steps", "3", "--run-dir", run_dir, "--dp", "1", "--ep", "2", "--fp8", FP8_EP, *FAST]
+    argv = ["--steps", "3", "--run-dir", run_dir, "--dp", "1", "--ep", "2", "--fp8", "all", *FAST]
     with contextlib.redirect_stderr(io.StringIO()) as err:
         status = train.main([*argv, "--fp8", "fp4"])
     assert status == 2 and err.getvalue().startswith("error: --fp8 must be one of")
@@ -64,7 +61,7 @@ def _two_ranks(rank, world_size, run_dir):
 
 
 def test_fp8_with_ep_on_two_ranks_equals_one_process(tmp_path):
-    single = train.run(["--steps", "3", "--run-dir", str(tmp_path / "one"), "--fp8", FP8_EP,
+    single = train.run(["--steps", "3", "--run-dir", str(tmp_path / "one"), "--fp8", "all",
                         "--micro-batch", "16", *FAST])["losses"]  # fmt: skip
     ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), timeout=120)
     assert ranks[0] == ranks[1]
