@@ -1,6 +1,6 @@
 """The M6 example's --fp8 (issue 40): the flag reaches every MoE layer, bad values and a dense
 model are one `error:` line, --resume refuses a changed --fp8 naming it, and with --ep 2 on gloo
-ranks the FP8 run equals the single process on the same global batch."""
+ranks (ddp and fsdp) the FP8 run equals the single process on the same global batch."""
 
 import contextlib
 import io
@@ -57,7 +57,7 @@ def _two_ranks(rank, world_size, run_dir):
     with contextlib.redirect_stderr(io.StringIO()) as err:
         status = train.main([*argv, "--fp8", "fp4"])
     assert status == 2 and err.getvalue().startswith("error: --fp8 must be one of")
-    return train.run(argv)["losses"]
+    return [train.run([*argv, "--data-parallel", dp])["losses"] for dp in ("ddp", "fsdp")]
 
 
 def test_fp8_with_ep_on_two_ranks_equals_one_process(tmp_path):
@@ -65,4 +65,5 @@ def test_fp8_with_ep_on_two_ranks_equals_one_process(tmp_path):
                         "--micro-batch", "16", *FAST])["losses"]  # fmt: skip
     ranks = run_ranks(_two_ranks, 2, str(tmp_path / "ep2"), timeout=120)
     assert ranks[0] == ranks[1]
-    assert ranks[0] == pytest.approx(single, abs=1e-5, rel=1e-5)
+    for losses in ranks[0]:  # ddp, fsdp
+        assert losses == pytest.approx(single, abs=1e-5, rel=1e-5)
