@@ -13,7 +13,9 @@ even when a stage fails or the budget runs out.
   b. correctness on CUDA with pinned kernel configs: the pointer path, then the TMA path;
   c. bench.gpu_layer at the four shapes (no torch.compile), profiled, with the GEMM-role table;
   d. the M6 GPU preset for a fixed 45 s (tokens/s, held-out accuracy, host syncs per step);
-  e. the decision rules of bench/gpu_decide.py applied to what was measured.
+  f. FP8 (issue 40): the FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 at the four
+     shapes: the up-projection grouped GEMM and the whole layer; ms, peak, SQNR);
+  e. the decision rules of bench/gpu_decide.py applied to what was measured (after f).
 Exit status: 1 when a stage failed (rehearsal: also when one was skipped), else 0.
 """
 
@@ -38,9 +40,10 @@ REHEARSAL_BUDGET_S = 900
 STAGES = (
     ("a", "environment, peers, AOT check", 45, 150),
     ("b", "correctness on CUDA (pinned configs)", 90, 150),
-    ("c", "layer benchmark at four shapes", 200, 300),
-    ("d", "M6 GPU preset, 45 s", 80, 180),  # GPU worst case a+b+c+d = 415 s of the 420
-)
+    ("c", "layer benchmark at four shapes", 160, 300),
+    ("d", "M6 GPU preset, 45 s", 80, 180),
+    ("f", "FP8: CUDA tests, FP8 vs bf16 grouped GEMMs and layers at four shapes", 40, 120),
+)  # GPU worst case a+b+c+d+f = 415 s of the 420 (c gave 40 s to f, issue 40)
 
 
 class Check:

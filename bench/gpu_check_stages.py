@@ -17,6 +17,10 @@ POINTER_TESTS = [
     "tests/test_cutlass_roles.py",
 ]
 TMA_TESTS = ["tests/test_triton_hopper.py", "tests/test_triton_kernels.py"]
+# every FP8 test file; -k cuda selects the tests that need CUDA (the rest run in CPU CI)
+_TESTS = Path(__file__).resolve().parent.parent / "tests"
+FP8_TESTS = sorted(f"tests/{p.name}" for p in _TESTS.glob("test_fp8_*.py"))
+FP8_CUDA_ONLY = "cuda"
 REHEARSAL_SHAPE = "32/16/4/2/16"  # the smallest shape every candidate and role accepts
 M6_SECONDS = 45  # issue 35: the GPU preset for a fixed 45 s
 
@@ -155,19 +159,22 @@ def stop_background(check) -> None:
         check.background.wait()
 
 
-def _pytest(check, stage: str, label: str, files, limit: float, tma: bool) -> bool | None:
+def _pytest(check, stage, label, files, limit, tma, select=()) -> bool | None:
     env = dict(check.env, MOE_TRITON_TMA="1" if tma else "0")
     args = ["--collect-only", "-q"] if check.rehearse else ["-q", "-p", "no:cacheprovider"]
-    rc, out = check.run(label, [PY, "-m", "pytest", *args, *files], limit, env)
+    rc, out = check.run(label, [PY, "-m", "pytest", *args, *select, *files], limit, env)
     counts = {
         k: int(v)
-        for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|tests? collected)", out)
+        for v, k in re.findall(
+            r"(\d+) (passed|failed|errors?|skipped|deselected|tests? collected)", out
+        )
     }
     for k, v in counts.items():
         check.figure(stage, f"{label} {k}", v, "tests")
     if check.rehearse:
         collected = sum(v for k, v in counts.items() if "collected" in k)
-        if rc != 0 or not collected:
+        collected -= counts.get("deselected", 0)  # -k: only what it selects
+        if rc != 0 or collected <= 0:
             check.problem(f"{label}: the test selection does not collect (exit {rc})")
         return rc == 0
     return None if rc is None else rc == 0
@@ -215,6 +222,32 @@ def stage_c(check, limit: float):
         check.problem(f"bench.gpu_layer smoke: exit {rc}, {len(failed)} failed rows")
     status = "passed" if rc == 0 and not failed else "failed"
     return status, f"exit {rc}; {len(records)} figures, {len(failed)} failed rows"
+
+
+def stage_f(check, limit: float):
+    """The FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 grouped GEMMs and layers) at
+    the four shapes; in the rehearsal: the tests collected, the rows on CPU at a tiny shape."""
+    ok = _pytest(check, "f", "FP8 CUDA tests", FP8_TESTS, limit * 0.4, tma=False,
+                 select=("-k", FP8_CUDA_ONLY))  # fmt: skip
+    out_json = check.work / "gpu-fp8.json"
+    if check.rehearse:
+        argv = ["--smoke-cpu", "--shapes", REHEARSAL_SHAPE]
+    else:
+        argv = ["--shapes", "all", "--max-seconds", f"{limit * 0.35:.0f}"]  # a shape in hand
+    argv = [PY, "-m", "bench.gpu_fp8", *argv, "--json", str(out_json)]
+    rc, out = check.run("gpu_fp8", argv, limit * 0.6)
+    records = json.loads(out_json.read_text())["records"] if out_json.is_file() else []
+    for r in records:
+        check.figure("f", f"{r['candidate']} {r['figure']}", r["value"], r["unit"],
+                     shape=r["shape"], d=r["d"], F=r["F"])  # fmt: skip
+    failed = [r for r in records if r["figure"] == "failed"]
+    skipped = [r["shape"] for r in records if r["figure"] == "skipped"]  # out of time
+    if check.rehearse and (rc != 0 or failed or skipped or not records):
+        check.problem(f"bench.gpu_fp8 smoke: exit {rc}, {len(failed) + len(skipped)} bad rows")
+    word = {True: "passed", False: "failed", None: "timed out"}[ok]
+    status = "passed" if ok and rc == 0 and not failed else "failed"
+    late = f", shapes skipped for time: {', '.join(skipped)}" if skipped else ""
+    return status, f"FP8 CUDA tests {word}; gpu_fp8 exit {rc}, {len(records)} figures{late}"
 
 
 def cpu_m6_tokens_per_s():

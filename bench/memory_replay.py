@@ -10,6 +10,14 @@ with T alone and is overstated by the factor: an upper bound). Four layers side 
   triton  moe.MoELayer(backend="triton")
   cutlass moe.MoELayer(backend="triton") with every GEMM role on torch._grouped_mm
           (KernelConfig.cutlass_roles; the row passes under the interpreter)
+  titan-fp8     titan with every grouped GEMM in FP8 (moe.fp8.fp8_grouped_mm, rowwise recipe,
+                save_fp8=True: the backward keeps each GEMM's input as e4m3 plus row scales)
+  titan-fp8-hp  the same with save_fp8=False (the backward keeps the high-precision inputs)
+  fp8     moe.MoELayer(fp8=FP8Config(experts=True)): the "fp8" expert kernel, every expert GEMM
+          in e4m3 (save_fp8_inputs=True, the default: the backward keeps the quantized inputs)
+  fp8-hp  the same with save_fp8_inputs=False
+FP8 on the CPU is moe.fp8's emulation (dequantized float32 operands): its peak includes float32
+temporaries a GPU's e4m3 GEMMs do not make; its saved bytes are what the backward keeps.
 Columns: bytes saved for backward (saved_tensors_hooks, plus tensors kept on autograd ctx
 objects; the input x and the parameters excluded), the peak of live bytes during one fwd+bwd
 (the profiler's allocator events: bytes added over the start, weight gradients included), the
@@ -41,7 +49,9 @@ SHAPES = {  # name: (T, d, E, k, F), the GPU benchmark's shapes
     "Qwen3-30B-A3B": (16384, 2048, 128, 8, 768),
     "DeepSeek-V3 slice": (8192, 7168, 64, 8, 2048),
 }
-KINDS = ("dense", "titan", "torch", "triton", "cutlass")
+KINDS = ("dense", "titan", "torch", "triton", "cutlass", "titan-fp8", "titan-fp8-hp", "fp8",
+         "fp8-hp")  # fmt: skip
+LAYER_KINDS = ("torch", "triton", "cutlass", "fp8", "fp8-hp")  # moe.MoELayer
 GEMMS = {"mm", "bmm", "addmm", "matmul", "_grouped_mm", "baddbmm", "linear"}
 FREE = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "detach",
         "lift_fresh", "_to_copy_noop", "clone_noop"}  # fmt: skip
@@ -291,17 +301,20 @@ class TitanStyleMoE(nn.Module):
     permute of token rows, grouped GEMMs (autograd saves their inputs), silu(h) * g, scale by
     the scores, scatter_add back to tokens."""
 
-    def __init__(self, d: int, F_: int, E: int, k: int, dtype):
+    def __init__(self, d: int, F_: int, E: int, k: int, dtype, fp8_save: bool | None = None):
         super().__init__()
-        self.k, self.E = k, E
+        self.k, self.E, self.fp8_save = k, E, fp8_save  # fp8_save None: bf16 GEMMs
         self.router = nn.Linear(d, E, bias=False, dtype=dtype)
         self.w1 = nn.Parameter(torch.randn(E, d, F_, dtype=dtype) * d**-0.5)
         self.w3 = nn.Parameter(torch.randn(E, d, F_, dtype=dtype) * d**-0.5)
         self.w2 = nn.Parameter(torch.randn(E, F_, d, dtype=dtype) * F_**-0.5)
 
     def forward(self, x_TD):
+        from moe.fp8 import fp8_grouped_mm
         from moe.kernels import grouped_mm_torch as gmm
 
+        if self.fp8_save is not None:  # rowwise FP8 GEMMs, power-of-two scales (torchao's)
+            gmm = lambda x, w, o: fp8_grouped_mm(x, w, o, save_fp8=self.fp8_save)  # noqa: E731
         scores_TE = self.router(x_TD).float().softmax(-1)
         top_TK, ids_TK = scores_TE.topk(self.k, -1)
         order_M = torch.argsort(ids_TK.reshape(-1), stable=True)
@@ -323,8 +336,15 @@ def build(kind: str, T: int, d: int, E: int, k: int, F_: int, dtype, seed: int =
     torch.manual_seed(seed)
     if kind == "dense":
         module = DenseSwiGLU(d, k * F_, dtype)
-    elif kind == "titan":
-        module = TitanStyleMoE(d, F_, E, k, dtype)
+    elif kind.startswith("titan"):
+        fp8_save = {"titan": None, "titan-fp8": True, "titan-fp8-hp": False}[kind]
+        module = TitanStyleMoE(d, F_, E, k, dtype, fp8_save)
+    elif kind.startswith("fp8"):
+        from moe.fp8 import FP8Config
+
+        fp8 = FP8Config(experts=True, save_fp8_inputs=kind == "fp8")
+        module = moe.MoELayer(d, F_, E, top_k=k, capacity_factor=None, activation="swiglu",
+                              fp8=fp8).to(dtype)  # fmt: skip
     else:
         backend = "triton" if kind == "cutlass" else kind
         module = moe.MoELayer(d, F_, E, top_k=k, capacity_factor=None, activation="swiglu",
@@ -371,11 +391,11 @@ def _measure(kind: str, shape, dtype) -> dict:
     grads = sum(_nbytes(p.grad) for p in params if p.grad is not None)
     counter = ByteCounter()
     module.zero_grad(set_to_none=True)
-    ctx = stages(module, counter) if kind in ("torch", "triton", "cutlass") else _null()
+    ctx = stages(module, counter) if kind in LAYER_KINDS else _null()
     with ctx, count_triton_kernels(counter), counter:
         counter.stage = "fwd"
         y = module(x)
-        if kind in ("dense", "titan"):
+        if kind == "dense" or kind.startswith("titan"):
             counter.stage = "bwd"
         y.backward(dy)
     return {"saved": saved, "peak": peak, "grads": grads, "moved": dict(counter.bytes)}

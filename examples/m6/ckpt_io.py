@@ -16,6 +16,7 @@ removes step folders a killed save left without a checkpoint.
 from __future__ import annotations
 
 import shutil
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import torch
@@ -197,7 +198,10 @@ def resume(root: Path, model, opt, cfg: M6Config, data, args, say) -> tuple[dict
 
 
 def config_differences(saved: dict, live: dict) -> str:
-    """'spare_slots: checkpoint 2, now 4; ...' for each model setting that differs."""
+    """'spare_slots: checkpoint 2, now 4; ...' for each model setting that differs (a setting
+    newer than the checkpoint, e.g. fp8, counts as its default there)."""
+    defaults = {f.name: f.default for f in fields(M6Config) if f.default is not MISSING}
+    saved = {**defaults, **saved}
     keys = sorted(set(saved) | set(live))
     return "; ".join(
         f"{k}: checkpoint {saved.get(k)!r}, now {live.get(k)!r}"

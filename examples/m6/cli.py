@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="float or 'none' (dropless)",
     )
     g.add_argument("--dense", action="store_true", help="dense baseline at equal active FLOPs")
+    g.add_argument(
+        "--fp8",
+        help="FP8 in every MoE layer: dispatch (tokens sent as e4m3 + 1x128 scales), experts "
+        "(every expert GEMM in e4m3, rowwise), all (both), off (default); masters stay as they are",
+    )
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
     g.add_argument(
@@ -214,6 +219,8 @@ def resolve_config(args) -> M6Config:
         changes["capacity_factor"] = args.capacity_factor
     if getattr(args, "spare_slots", 0):
         changes["spare_slots"] = args.spare_slots
+    if getattr(args, "fp8", None) is not None:
+        changes["fp8"] = args.fp8
     cfg = cfg.replace(**changes) if changes else cfg
     return cfg.equal_flops_dense() if args.dense else cfg
 
@@ -259,6 +266,8 @@ def check_args(args, cfg: M6Config, world: int) -> None:
             f"--spare-slots must be a non-negative multiple of --ep {ep}, got {args.spare_slots}"
         )
     check_spare_slots(args.spare_slots, cfg, ep)
+    if cfg.fp8 != "off" and not cfg.is_moe:
+        raise UsageError(f"--fp8 {cfg.fp8} needs an MoE model; {cfg.name} is dense")
     if args.spare_slots and not cfg.is_moe:
         raise UsageError(
             f"--spare-slots {args.spare_slots} needs an MoE model; {cfg.name} is dense"

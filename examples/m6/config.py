@@ -11,6 +11,7 @@ of the meta-built model.
 from dataclasses import asdict, dataclass, replace
 
 ACTIVATIONS = ("gelu", "relu")
+FP8_MODES = ("off", "dispatch", "experts", "all")  # --fp8: what runs in FP8 (issue 40)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class M6Config:
     bias: bool = False  # biases of the attention and FFN projections
     dense_equivalent: bool = False
     spare_slots: int = 0  # expert slots for replicas of hot experts per MoE layer (--spare-slots)
+    fp8: str = "off"  # FP8 dispatch and/or expert GEMMs in every MoE layer (--fp8, FP8_MODES)
     nominal_params: float | None = None  # the size the source states (e.g. 1e12), if any
     source: str = ""  # where the sizes come from, or which of them are assumptions
 
@@ -67,6 +69,8 @@ class M6Config:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"--fp8 must be one of {', '.join(FP8_MODES)}, got {self.fp8!r}")
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -110,6 +114,13 @@ class M6Config:
             options["eval_capacity_factor"] = self.num_experts / self.top_k
         if self.spare_slots:
             options["spare_slots"] = self.spare_slots
+        if self.fp8 != "off":
+            from moe.fp8 import FP8Config
+
+            both = self.fp8 == "all"
+            options["fp8"] = FP8Config(
+                dispatch=both or self.fp8 == "dispatch", experts=both or self.fp8 == "experts"
+            )
         return options
 
     # -- parameter counts (closed form) --------------------------------------------------

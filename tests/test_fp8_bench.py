@@ -1,0 +1,63 @@
+"""The FP8 benchmarks' plumbing (issue 40): the memory replay's FP8 kinds keep fewer bytes for
+the backward than the same GEMMs keeping their high-precision inputs, the emulated-network step
+ops run on gloo ranks, and the reports of bench.fp8_step and bench.m6_fp8 say what they compare."""
+
+import argparse
+
+import pytest
+import torch
+
+from bench import fp8_step, m6_fp8
+from bench import memory_replay as replay
+from tests.distributed import run_ranks
+
+SHAPE = (64, 96, 4, 2, 80)  # T, d, E, k, F: widths past the 4-byte row scales
+
+
+def _saved(kind: str) -> int:
+    module, x = replay.build(kind, *SHAPE, torch.bfloat16)
+    return replay.saved_bytes(lambda: module(x), [x, *module.parameters()])[0]
+
+
+@pytest.mark.parametrize("kinds", [("titan-fp8", "titan-fp8-hp"), ("fp8", "fp8-hp")])
+def test_replay_fp8_kinds_keep_quantized_inputs(kinds):
+    fp8, hp = (_saved(kind) for kind in kinds)
+    T, d, E, k, F_ = SHAPE
+    # per row: the down-projection's input in 1 byte + a 4-byte scale instead of 2 bytes, less
+    # the 4-byte scales of the two quantized copies of x (up and gate quantize x each)
+    assert hp - fp8 == T * k * (2 * F_ - (F_ + 4) - 2 * 4), (hp, fp8)
+
+
+def _step_ops(rank, world_size):
+    cfg = {"d_model": 128, "d_ff": 64, "experts": 4, "tokens": 16, "top_k": 2}
+    ops = fp8_step._ops(cfg, rank, world_size)
+    return sorted(ops) == sorted(fp8_step.VARIANTS) and all(
+        isinstance(op(), float) for op in ops.values()
+    )
+
+
+def test_fp8_step_ops_run_on_two_ranks():
+    assert run_ranks(_step_ops, 2, timeout=120) == [True, True]
+
+
+def test_fp8_step_report_names_the_variants(tmp_path):
+    a = fp8_step.parse_args([])
+    ms = {v: 100.0 + i for i, v in enumerate(fp8_step.VARIANTS)}
+    rows = [{"rate_mbit": 100, "median_ms": ms, "median_fwd_ms": ms, "load": 1.0}]
+    fp8_step.write_report(tmp_path / "r.md", a, rows)
+    text = (tmp_path / "r.md").read_text()
+    assert "| 100 Mbit/s | 100 | 101 | 102 | 103 | 104 | 105 | 106 | 1.01 |" in text
+    assert "layer fp8 dispatch" in text
+
+
+def test_m6_fp8_report_compares_with_bf16():
+    def summary(final, acc):
+        return {"final_loss": final, "losses": [2.0] * 30 + [final] * 20,
+                "caption_accuracy": acc, "heldout_loss": 0.5, "wall_s": 10.0}  # fmt: skip
+
+    results = {"fp32": summary(0.99, 0.95), "bf16": summary(1.0, 0.95),
+               "FP8 + bf16": summary(1.01, 0.94), "FP8 + fp32": summary(1.0, 0.95)}  # fmt: skip
+    args = argparse.Namespace(argv=["--steps", "50"], config="m6-tiny", steps=50, seed=0)
+    text = m6_fp8.report(results, args, "x.png")
+    assert "| FP8 + bf16 | 1.0100 | +1.00% | 1.0100 | +1.00% | 94.00 | -1.00 |" in text
+    assert "`--precision bf16`" in text
