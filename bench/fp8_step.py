@@ -19,8 +19,7 @@ moe.fp8.fp8_dispatch / fp8_combine with the local experts by hand (no router, ev
 
   python -m bench.fp8_step --emulate 2x2 --rates 100,200,400 --report bench/results/DATE-cpu-fp8-step.md
 
-Needs root (ip netns, tc). MOE_NETEM_TAG (set here to "f8") keeps its namespaces apart from
-another emulated run's.
+Needs root (ip netns, tc); one emulated run at a time (the namespaces have fixed names).
 """
 
 from __future__ import annotations
@@ -35,12 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("MOE_NETEM_TAG", "f8")  # before bench.a2a.netem reads it
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.a2a.netem import netns_available, run_emulated  # noqa: E402
+from bench.a2a.netem import netns_available, run_emulated
 
 VARIANTS = ("layer bf16", "layer fp8 dispatch", "bf16", "fp8 dispatch", "fp8 dispatch + grad",
             "exchange bf16", "exchange fp8 dispatch")  # fmt: skip

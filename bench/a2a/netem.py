@@ -11,11 +11,8 @@ import time
 from pathlib import Path
 
 ENTRY = "-mbench.alltoall"  # python -mbench.alltoall: run from the repository root
-# MOE_NETEM_TAG: namespaces of their own for a run beside another emulated run (the names are
-# global; the links and addresses live inside them)
-_TAG = os.environ.get("MOE_NETEM_TAG", "")
-NS_PREFIX = f"moe{_TAG}-n"
-NS_SWITCH = f"moe{_TAG}-sw"
+NS_PREFIX = "moe-n"
+NS_SWITCH = "moe-sw"
 SUBNET = "10.77.0"
 
 
