@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import moe
+from moe.fp8 import FP8Config
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
@@ -51,6 +52,7 @@ ALTERNATIVES = {
     "recompute": True,
     "check_finite": True,
     "spare_slots": 2,
+    "fp8": FP8Config(dispatch=True, experts=True),
 }
 
 
