@@ -19,13 +19,25 @@ def _saved(kind: str) -> int:
     return replay.saved_bytes(lambda: module(x), [x, *module.parameters()])[0]
 
 
-@pytest.mark.parametrize("kinds", [("titan-fp8", "titan-fp8-hp"), ("fp8", "fp8-hp")])
-def test_replay_fp8_kinds_keep_quantized_inputs(kinds):
+T_, D_, _, K_, F_ = SHAPE
+
+
+@pytest.mark.parametrize(
+    "kinds, diff",
+    [
+        # the titan-style chain, per routed row: the down-projection's input in 1 byte + a
+        # 4-byte scale instead of 2 bytes, less the 4-byte scales of the two quantized copies
+        # of x (up and gate quantize x each)
+        (("titan-fp8", "titan-fp8-hp"), T_ * K_ * (2 * F_ - (F_ + 4) - 2 * 4)),
+        # moe's FP8 expert MLP recomputes the down-projection's input from h, g in both modes
+        # and keeps x once per token: as e4m3 + a 4-byte scale, or (hp) the layer's own input,
+        # which the layer keeps anyway (the router's input): no bytes of its own
+        (("fp8", "fp8-hp"), -T_ * (D_ + 4)),
+    ],
+)
+def test_replay_fp8_kinds_keep_quantized_inputs(kinds, diff):
     fp8, hp = (_saved(kind) for kind in kinds)
-    T, d, E, k, F_ = SHAPE
-    # per row: the down-projection's input in 1 byte + a 4-byte scale instead of 2 bytes, less
-    # the 4-byte scales of the two quantized copies of x (up and gate quantize x each)
-    assert hp - fp8 == T * k * (2 * F_ - (F_ + 4) - 2 * 4), (hp, fp8)
+    assert hp - fp8 == diff, (hp, fp8)
 
 
 def _step_ops(rank, world_size):

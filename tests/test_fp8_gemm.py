@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.fp8 import FP8Config, fp8_expert_mlp, fp8_grouped_mm
+from moe.fp8.grouped_mm import quantize_input
 from moe.kernels.expert_rows import ExpertRows
 from moe.kernels.torch_expert_mlp import expert_mlp_torch
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
@@ -199,6 +200,12 @@ def test_ops_pass_opcheck():
         check(ops.fp8_grouped_mm, (x, w, offsets, True, 1e-4, True, recipe))
     check(ops.fp8_grouped_mm_dgrad, (dy, w.detach(), offsets, True, 1e-4, "blockwise"))
     check(ops.fp8_grouped_mm_wgrad, (x.detach(), dy, offsets, False, 1e-4, "rowwise"))
+    for recipe in ("rowwise", "blockwise"):  # from x's quantized form: the same y
+        q, s = quantize_input(x.detach(), True, 1e-4, recipe)
+        args = (q, s, w.detach(), offsets, True, 1e-4, recipe, torch.float32)
+        check(ops.fp8_grouped_mm_quantized, args)
+        y = fp8_grouped_mm(x, w, offsets, recipe=recipe)
+        assert torch.equal(ops.fp8_grouped_mm_quantized(*args), y)
     # one compiled call (aot_eager: no inductor build) equals the eager one
     f = torch.compile(lambda a, b: fp8_grouped_mm(a, b, offsets), backend="aot_eager")
     assert torch.equal(f(x, w), fp8_grouped_mm(x, w, offsets))
@@ -248,3 +255,49 @@ def test_backward_keeps_fp8_inputs():
     assert (torch.bfloat16, 9 * 64) not in fp8
     plain = _saved(lambda: fp8_grouped_mm(x, w, offsets, save_fp8=False))
     assert (torch.bfloat16, 9 * 64) in plain and (torch.uint8, 9 * 64) not in plain
+
+
+def _kept(fn, inputs):
+    """{storage: (dtype, bytes)} autograd keeps for fn()'s backward, inputs excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            kept[st.data_ptr()] = (t.dtype, st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return list(kept.values())
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_expert_mlp_keeps_x_once_in_fp8_and_no_more_than_the_torch_kernel(activation):
+    """The FP8 expert MLP keeps x once, per token, as e4m3 + row scales (shared by the up and
+    gate GEMMs, gathered again in the backward) and the pre-activations, and recomputes the
+    rest: in all no more bytes than the bf16 torch kernel keeps for the same call, x counted
+    (issue 40, Build 4)."""
+    T, D, F, L, R = 11, 72, 40, 3, 19
+    offsets = torch.tensor([6, 6, 17], dtype=torch.int32)  # an empty expert, a dropped tail
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(L, *s, dtype=torch.bfloat16, requires_grad=True) for s in
+          ((D, F), (F, D), (D, F))]  # fmt: skip
+    rows = ExpertRows(
+        gather_ids_R=torch.randint(0, T, (R,)),
+        row_weights_R=torch.rand(R, dtype=torch.bfloat16, requires_grad=True),
+        sum_to_tokens=True,
+    )
+    params = [*ws, rows.row_weights_R]
+    w3 = ws[2] if activation == "swiglu" else None
+    fp8 = _kept(lambda: fp8_expert_mlp(x, offsets, *ws[:2], w3, activation=activation,
+                                       rows=rows), params)  # fmt: skip
+    bf16 = _kept(lambda: expert_mlp_torch(x, offsets, *ws[:2], w3, activation=activation,
+                                          rows=rows), params)  # fmt: skip
+    assert [k for k in fp8 if k[0] == torch.uint8] == [(torch.uint8, T * D)]  # x, once
+    assert (torch.float32, T * 4) in fp8  # its row scales
+    assert not [k for k in fp8 if k[1] in (T * D * 2, R * D * 2)]  # no x or y in bf16
+    pre = [(torch.bfloat16, R * F * 2)] * (2 if w3 is not None else 1)
+    assert [k for k in fp8 if k[1] == R * F * 2] == pre  # h (and g); the activation: recomputed
+    assert sum(b for _, b in fp8) <= sum(b for _, b in bf16), (fp8, bf16)

@@ -9,31 +9,26 @@ ends; rows past offsets_L[-1] come out zero; rows.row_weights_R scale each row's
 it was read from. Returns x's dtype; the weights (masters) stay in their dtype and get
 gradients in it. Experts without rows get zero weight gradients.
 
-What the backward keeps (with FP8Config.save_fp8_inputs): the gathered rows x_RD as e4m3 plus a
-row scale (R * (D + 4) bytes instead of R * D * 2 or 4; blockwise: 4 bytes per 128 elements),
-the activation as e4m3 plus its scales (R * (F + 4) bytes), and, for the activation's own backward, its pre-activations h_RF (and
-g_RF for swiglu) in x's dtype, as autograd keeps them. It is a composition of custom ops and
-plain differentiable torch ops (gather, bias, activation, combine weight, index_add), so
-autograd and torch.compile see each piece; the combine into tokens uses index_add (on CUDA an
-atomic add: not bit-deterministic there).
+What the backward keeps (moe/fp8/expert_mlp_fn.py, one autograd.Function for the rows part):
+x once, per token, as e4m3 plus its scales (FP8Config.save_fp8_inputs; x itself without it),
+shared by the up and gate GEMMs, and the pre-activations h_RF (and g_RF for swiglu) in x's
+dtype; the activation and the down GEMM's e4m3 input are recomputed from them, as the bf16
+torch kernel does. The same custom ops, quantizations and derivative kernels as the chain of
+moe::fp8_grouped_mm calls it replaced: the same values. The combine into tokens is an index_add
+(on CUDA an atomic add: not bit-deterministic there) that keeps only the row ids.
 """
 
 import torch
 from torch import Tensor
 
 from moe.fp8.config import FP8Config
-from moe.fp8.grouped_mm import fp8_grouped_mm
+from moe.fp8.expert_mlp_fn import _FP8MLP, SumToTokens, row_bias
+from moe.fp8.grouped_mm import check_gemm
 from moe.fp8.quant import group_of_rows
-from moe.kernels.activations import GATED, apply_activation, check_activation
+from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 
 EXPERTS_FP8 = FP8Config(experts=True)
-
-
-def _row_bias(b_LX: Tensor, group_R: Tensor) -> Tensor:
-    """Each row's expert bias; rows past the last offset (group L) get zero."""
-    padded = torch.cat([b_LX, b_LX.new_zeros(1, b_LX.shape[1])])
-    return padded.index_select(0, group_R)
 
 
 def check_fp8_experts(x_ND: Tensor, w1_LDF: Tensor, config: FP8Config, activation: str) -> None:
@@ -43,6 +38,14 @@ def check_fp8_experts(x_ND: Tensor, w1_LDF: Tensor, config: FP8Config, activatio
     for name, t in (("x", x_ND), ("w1", w1_LDF)):
         if t.dtype not in allowed:
             raise ValueError(f"FP8 experts: {name} has dtype {t.dtype}; they take {allowed}")
+
+
+def _check_shapes(x_shape, offsets_L, w1_LDF, w2_LFD, w3_LDF, recipe) -> None:
+    """The three GEMMs' operand checks (fp8_grouped_mm's), before any work."""
+    check_gemm(x_shape, w1_LDF, offsets_L, recipe)
+    if w3_LDF is not None:
+        check_gemm(x_shape, w3_LDF, offsets_L, recipe)
+    check_gemm((x_shape[0], w1_LDF.shape[2]), w2_LFD, offsets_L, recipe)
 
 
 def fp8_expert_mlp(
@@ -65,31 +68,30 @@ def fp8_expert_mlp(
     if gated and w3_LDF is None:
         raise ValueError(f"activation={activation!r} needs w3")
     offsets_L = offsets_L.to(torch.int32)
-    gemm = dict(
-        pow2=config.pow2_gemm_scales,
-        floor=config.amax_floor,
-        save_fp8=config.save_fp8_inputs,
-        recipe=config.recipe,
-    )
     ids_R = rows.gather_ids_R
-    x_RD = x_ND if ids_R is None else x_ND.index_select(0, ids_R)
-    R = x_RD.shape[0]
-    group_R = group_of_rows(offsets_L, R).long()
-    h_RF = fp8_grouped_mm(x_RD, w1_LDF, offsets_L, **gemm)
-    if b1_LF is not None:
-        h_RF = h_RF + _row_bias(b1_LF, group_R).to(h_RF.dtype)
-    g_RF = fp8_grouped_mm(x_RD, w3_LDF, offsets_L, **gemm) if gated else None
-    a_RF = apply_activation(h_RF, activation, g_RF)
+    R = x_ND.shape[0] if ids_R is None else ids_R.shape[0]
+    _check_shapes(
+        (R, x_ND.shape[1]), offsets_L, w1_LDF, w2_LFD, w3_LDF if gated else None, config.recipe
+    )
     w_R1 = None
     if rows.row_weights_R is not None:
-        w_R1 = rows.row_weights_R.to(a_RF.dtype).unsqueeze(1)
-        a_RF = a_RF * w_R1
-    y_RD = fp8_grouped_mm(a_RF, w2_LFD, offsets_L, **gemm)
+        w_R1 = rows.row_weights_R.to(x_ND.dtype).unsqueeze(1)
+    gemm = (
+        config.pow2_gemm_scales,
+        float(config.amax_floor),
+        config.save_fp8_inputs,
+        config.recipe,
+    )
+    y_RD = _FP8MLP.apply(
+        x_ND.contiguous(), ids_R, offsets_L, w1_LDF.contiguous(), w2_LFD.contiguous(),
+        w3_LDF.contiguous() if gated else None, b1_LF, w_R1, activation, gemm,
+    )  # fmt: skip
     if b2_LD is not None:
-        b_RD = _row_bias(b2_LD, group_R).to(y_RD.dtype)
+        group_R = group_of_rows(offsets_L, R).long()
+        b_RD = row_bias(b2_LD, group_R).to(y_RD.dtype)
         y_RD = y_RD + (b_RD if w_R1 is None else b_RD * w_R1)
     if not rows.sum_to_tokens:
         return y_RD.to(x_ND.dtype)
     ids = ids_R if ids_R is not None else torch.arange(R, device=x_ND.device)
-    y_ND = y_RD.new_zeros(x_ND.shape[0], y_RD.shape[1]).index_add(0, ids, y_RD)
+    y_ND = SumToTokens.apply(y_RD, ids, x_ND.shape[0])
     return y_ND.to(x_ND.dtype)

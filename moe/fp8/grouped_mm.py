@@ -1,6 +1,7 @@
 """FP8 ragged grouped GEMM, rowwise recipe (torchao's), as torch.library custom ops with fake
 and autograd registrations: `moe::fp8_grouped_mm` (forward), `moe::fp8_grouped_mm_dgrad` and
-`moe::fp8_grouped_mm_wgrad` (its backward GEMMs).
+`moe::fp8_grouped_mm_wgrad` (its backward GEMMs), and `moe::fp8_grouped_mm_quantized` (the
+forward from x's already-quantized form, for the expert MLP's gate GEMM: x quantized once).
 
 y[rows of e] = x[rows of e] @ w[e], with every GEMM's operands e4m3 and scaled along the
 contraction (scales: float32, power-of-two when pow2):
@@ -36,6 +37,7 @@ from moe.fp8.quant import (
     dequantize,
     dequantize_groups,
     quantize_along,
+    quantize_blocks,
     quantize_groups,
 )
 from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
@@ -98,6 +100,50 @@ def _(x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe="rowwise"):
     )
 
 
+@torch.library.custom_op("moe::fp8_grouped_mm_quantized", mutates_args=())
+def _fwd_quantized_op(
+    q_MK: Tensor,
+    s_MB: Tensor,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    pow2: bool,
+    floor: float,
+    recipe: str,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """y = x @ FP8 w per group from x's quantized form (q_MK, s_MB as moe::fp8_grouped_mm
+    returns them): the same values as that op on x, without quantizing x again (the expert
+    MLP's gate GEMM shares the up GEMM's e4m3 x)."""
+    if recipe == "blockwise":
+        x_q = blockwise.saved_x(q_MK, s_MB)
+        return mm_groups(x_q, blockwise._weight(w_EKN, pow2, floor), offsets_E).to(out_dtype)
+    q_EKN, s_E1N = quantize_along(w_EKN, 1, pow2, floor)
+    return scaled_mm_groups(q_MK.view(E4M3), s_MB, q_EKN, s_E1N, offsets_E, out_dtype)
+
+
+@_fwd_quantized_op.register_fake
+def _(q_MK, s_MB, w_EKN, offsets_E, pow2, floor, recipe, out_dtype):
+    return q_MK.new_empty(q_MK.shape[0], w_EKN.shape[2], dtype=out_dtype)
+
+
+def quantize_input(x_MK: Tensor, pow2: bool, floor: float, recipe: str) -> tuple[Tensor, Tensor]:
+    """x's (e4m3 bytes as uint8, scales) exactly as moe::fp8_grouped_mm's forward makes them."""
+    if recipe == "blockwise":
+        q, s = quantize_blocks(x_MK, blockwise.BLOCK, pow2, floor)
+    else:
+        q, s = quantize_along(x_MK, -1, pow2, floor)
+    return q.view(torch.uint8), s
+
+
+def kept_input(saved: tuple, recipe: str) -> Tensor:
+    """The wgrad's x from what a forward kept: (x,) itself or its (e4m3 bytes, scales)."""
+    if len(saved) == 1:
+        return saved[0]
+    if recipe == "blockwise":
+        return blockwise.saved_x(*saved)
+    return dequantize(saved[0].view(E4M3), saved[1])
+
+
 @torch.library.custom_op("moe::fp8_grouped_mm_dgrad", mutates_args=())
 def _dgrad_op(
     dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float, recipe: str
@@ -152,16 +198,25 @@ def _backward(ctx, dy_MN, _dq, _ds):
     if ctx.needs_input_grad[0]:
         dx = _dgrad_op(dy_MN, w_EKN, offsets_E, *ctx.gemm).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        x_MK = saved_x[0]
-        if len(saved_x) == 2 and ctx.gemm[2] == "blockwise":
-            x_MK = blockwise.saved_x(*saved_x)
-        elif len(saved_x) == 2:
-            x_MK = dequantize(saved_x[0].view(E4M3), saved_x[1])
+        x_MK = kept_input(tuple(saved_x), ctx.gemm[2])
         dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm).to(w_EKN.dtype)
     return dx, dw, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_gemm(x_shape, w_EKN: Tensor, offsets_E: Tensor, recipe: str) -> None:
+    """One clear error before any work for operands fp8_grouped_mm cannot take."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
+    if len(x_shape) != 2 or w_EKN.dim() != 3 or x_shape[1] != w_EKN.shape[1]:
+        raise ValueError(
+            f"fp8_grouped_mm needs x_MK [M, K] and w_EKN [E, K, N] with equal K, got "
+            f"{tuple(x_shape)} and {tuple(w_EKN.shape)}"
+        )
+    if offsets_E.shape != (w_EKN.shape[0],):
+        raise ValueError(f"offsets_E must be [{w_EKN.shape[0]}], got {tuple(offsets_E.shape)}")
 
 
 def fp8_grouped_mm(
@@ -176,15 +231,7 @@ def fp8_grouped_mm(
 ) -> Tensor:
     """Ragged grouped GEMM in FP8 (recipe "rowwise" or "blockwise", see the module docstring);
     differentiable in x and w. offsets_E: int32 cumulative row ends on x's device."""
-    if recipe not in RECIPES:
-        raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
-    if x_MK.dim() != 2 or w_EKN.dim() != 3 or x_MK.shape[1] != w_EKN.shape[1]:
-        raise ValueError(
-            f"fp8_grouped_mm needs x_MK [M, K] and w_EKN [E, K, N] with equal K, got "
-            f"{tuple(x_MK.shape)} and {tuple(w_EKN.shape)}"
-        )
-    if offsets_E.shape != (w_EKN.shape[0],):
-        raise ValueError(f"offsets_E must be [{w_EKN.shape[0]}], got {tuple(offsets_E.shape)}")
+    check_gemm(x_MK.shape, w_EKN, offsets_E, recipe)
     y, _, _ = _fwd_op(
         x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32), pow2, float(floor),
         save_fp8, recipe,

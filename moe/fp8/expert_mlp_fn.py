@@ -1,0 +1,125 @@
+"""The FP8 expert MLP's rows part as one autograd.Function (up, gate, bias b1, activation,
+row weight, down), so that its backward keeps only x's e4m3 form (once, shared by the up and
+gate GEMMs; x itself without save_fp8) and the pre-activations h_RF, g_RF, and recomputes the
+activation (and the down GEMM's e4m3 input) from them, as the bf16 torch kernel does.
+
+Same values as the chain of moe::fp8_grouped_mm calls and autograd ops it replaces: the same
+custom ops, quantizations and aten derivative kernels, in the same order.
+"""
+
+import torch
+from torch import Tensor
+
+from moe.fp8.grouped_mm import (
+    _dgrad_op,
+    _fwd_op,
+    _fwd_quantized_op,
+    _wgrad_op,
+    kept_input,
+    quantize_input,
+)
+from moe.fp8.quant import group_of_rows
+from moe.kernels.activations import activation_backward, apply_activation
+
+
+def row_bias(b_LX: Tensor, group_R: Tensor) -> Tensor:
+    """Each row's expert bias; rows past the last offset (group L) get zero."""
+    padded = torch.cat([b_LX, b_LX.new_zeros(1, b_LX.shape[1])])
+    return padded.index_select(0, group_R)
+
+
+def _row_bias_grad(dh_RF: Tensor, group_R: Tensor, b_LF: Tensor) -> Tensor:
+    """What autograd gives b through row_bias(b).to(h's dtype): an index_add, then the slice."""
+    d = dh_RF.to(b_LF.dtype)
+    return d.new_zeros(b_LF.shape[0] + 1, d.shape[1]).index_add_(0, group_R, d)[:-1]
+
+
+def _activation(h_RF, g_RF, w_R1, activation):
+    """(a_RF, a_RF * w_R1): the down GEMM's input, unweighted and weighted."""
+    a_RF = apply_activation(h_RF, activation, g_RF)
+    return a_RF, (a_RF if w_R1 is None else a_RF * w_R1)
+
+
+def _gather(t: Tensor, ids_R: Tensor | None) -> Tensor:
+    return t if ids_R is None else t.index_select(0, ids_R)
+
+
+class _FP8MLP(torch.autograd.Function):
+    """y_RD = down(act(up(x) + b1, gate(x)) * w_R1) with every GEMM in FP8; tail rows zero.
+    x_ND's rows are quantized once, per token (rowwise and 1 x 128 scales are per row, so the
+    same values as quantizing the gathered rows), and gathered as e4m3."""
+
+    @staticmethod
+    def forward(ctx, x_ND, ids_R, offsets_L, w1, w2, w3, b1, w_R1, activation, gemm):
+        pow2, floor, save_fp8, recipe = gemm
+        q_x, s_x = quantize_input(x_ND, pow2, floor, recipe)
+        q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
+        h_RF = _fwd_quantized_op(q_R, s_R, w1, offsets_L, pow2, floor, recipe, x_ND.dtype)
+        group_R = group_of_rows(offsets_L, q_R.shape[0]).long() if b1 is not None else None
+        if b1 is not None:
+            h_RF = h_RF + row_bias(b1, group_R).to(h_RF.dtype)
+        g_RF = None
+        if w3 is not None:
+            g_RF = _fwd_quantized_op(q_R, s_R, w3, offsets_L, pow2, floor, recipe, x_ND.dtype)
+        del q_R, s_R
+        _, a_w = _activation(h_RF, g_RF, w_R1, activation)
+        y_RD, _, _ = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
+        kept_x = (q_x, s_x) if save_fp8 else (x_ND,)
+        ctx.save_for_backward(ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x)
+        ctx.activation, ctx.gemm, ctx.x_shape = activation, gemm, (x_ND.shape, x_ND.dtype)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, dy_RD):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("the FP8 expert MLP has no double backward")
+        ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x = ctx.saved_tensors
+        pow2, floor, save_fp8, recipe = ctx.gemm
+        x_shape, x_dtype = ctx.x_shape
+        op = (offsets_L, pow2, floor, recipe)
+        need = ctx.needs_input_grad
+        dy_RD = dy_RD.contiguous()
+        a_RF, a_w = _activation(h_RF, g_RF, w_R1, ctx.activation)
+        dw2 = None
+        if need[4]:  # the down GEMM's input as its forward kept it, recomputed
+            if save_fp8:
+                a_w = kept_input(quantize_input(a_w.contiguous(), pow2, floor, recipe), recipe)
+            dw2 = _wgrad_op(a_w, dy_RD, *op).to(w2.dtype)
+        del a_w
+        da_w = _dgrad_op(dy_RD, w2, *op).to(x_dtype)
+        d_rw = (da_w * a_RF).sum(1, keepdim=True) if w_R1 is not None and need[7] else None
+        del a_RF
+        da = da_w if w_R1 is None else da_w * w_R1
+        dh, dg = activation_backward(da, h_RF, ctx.activation, g_RF)
+        del da, da_w
+        db1 = _row_bias_grad(dh, group_R, b1) if b1 is not None and need[6] else None
+        dh = dh.contiguous()
+        dg = dg.contiguous() if dg is not None else None
+        dx = None
+        if need[0]:
+            dx = _dgrad_op(dh, w1, *op).to(x_dtype)
+            if dg is not None:
+                dx = dx + _dgrad_op(dg, w3, *op).to(x_dtype)
+            if ids_R is not None:  # what autograd gives x through index_select
+                dx = dx.new_zeros(x_shape).index_add_(0, ids_R, dx)
+        x_RD = None
+        if need[3] or need[5]:
+            x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
+        dw1 = _wgrad_op(x_RD, dh, *op).to(w1.dtype) if need[3] else None
+        dw3 = _wgrad_op(x_RD, dg, *op).to(w3.dtype) if dg is not None and need[5] else None
+        return dx, None, None, dw1, dw2, dw3, db1, d_rw, None, None
+
+
+class SumToTokens(torch.autograd.Function):
+    """y_ND = zeros.index_add(0, ids_R, y_RD) keeping only ids_R for the backward (autograd's
+    index_add keeps y_RD too); the same values and gradient."""
+
+    @staticmethod
+    def forward(ctx, y_RD, ids_R, n):
+        ctx.save_for_backward(ids_R)
+        return y_RD.new_zeros(n, y_RD.shape[1]).index_add(0, ids_R, y_RD)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        (ids_R,) = ctx.saved_tensors
+        return dy_ND.index_select(0, ids_R), None, None
