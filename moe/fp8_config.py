@@ -36,8 +36,9 @@ class FP8Config:
         partial when d_model % block_size != 0).
     grad_before_down_fp8: also send the activation gradient before the down-projection (the
         combine's backward exchange) in FP8, as DeepSeek-V3 does; off: bf16 gradients.
-    save_fp8_inputs: the expert GEMMs keep their quantized inputs (1 byte per element plus
-        the row scales) for the backward instead of the high-precision ones.
+    save_fp8_inputs: the expert MLP keeps its input x for the backward as e4m3 (1 byte per
+        element plus the row scales, once for the up and gate GEMMs) instead of x itself; the
+        down GEMM's input is recomputed from h and g.
     amax_floor: the smallest amax a scale is computed from (scale = max(amax, floor) / 448),
         so a block of zeros gets a finite scale and stays zero.
     """
