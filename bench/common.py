@@ -46,3 +46,20 @@ def write_report(name: str, text: str, device: torch.device) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def gather_on_four_gloo_ranks(module: str, measure) -> list[torch.Tensor] | None:
+    """Under `torchrun --nproc-per-node 4 -m bench.<module>`: init gloo, run measure() on every
+    rank and all-gather its tensor; rank 0 gets the list by rank, the others None. The caller
+    prints, then calls torch.distributed.destroy_process_group()."""
+    import torch.distributed as dist
+
+    if os.environ.get("WORLD_SIZE") != "4":
+        raise SystemExit(f"run on 4 ranks: torchrun --nproc-per-node 4 -m bench.{module}")
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo")
+    mine = measure()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return every if dist.get_rank() == 0 else None

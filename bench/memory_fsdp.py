@@ -9,11 +9,10 @@ The model is bench.memory's (the planner's model-config protocol: MoE in every b
 head), 2 blocks, d_model 64, d_ff 256, 8 experts, vocab 64, fp32.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from bench.common import gather_on_four_gloo_ranks
 from bench.memory import BenchConfig
 from moe.memory import plan_memory
 from moe.parallel import init_mesh, parallelize
@@ -57,15 +56,8 @@ def predict(mode, dp, ep):
 
 
 def main() -> None:
-    if os.environ.get("WORLD_SIZE") != "4":
-        raise SystemExit("run on 4 ranks: torchrun --nproc-per-node 4 -m bench.memory_fsdp")
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo")
-    mine = measure_rank()
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if dist.get_rank() == 0:
+    every = gather_on_four_gloo_ranks("memory_fsdp", measure_rank)
+    if every is not None:
         print(
             "| mode | dp | ep | params | grads | AdamW state | total (rank 0) | max over ranks "
             "| planner |"

@@ -12,11 +12,10 @@ shadows and their state). On a GPU the same count is the state on the CUDA devic
 The model is bench.memory's (2 blocks, d_model 64, d_ff 256, 8 experts, vocab 64).
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from bench.common import gather_on_four_gloo_ranks
 from bench.memory import BenchConfig
 from moe.memory import GroupedApply, plan_memory
 from moe.parallel import init_mesh, parallelize
@@ -73,15 +72,8 @@ def predict(mode: str, dtype: torch.dtype, offload: str | None) -> int:
 
 
 def main() -> None:
-    if os.environ.get("WORLD_SIZE") != "4":
-        raise SystemExit("run on 4 ranks: torchrun --nproc-per-node 4 -m bench.offload_memory")
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo")
-    mine = measure_rank()
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if dist.get_rank() == 0:
+    every = gather_on_four_gloo_ranks("offload_memory", measure_rank)
+    if every is not None:
         print("| mode | dtype | offload | state bytes (rank 0..3) | master bytes (rank 0..3) "
               "| planner optimizer_state |")  # fmt: skip
         print("|---|---|---|---|---|---|")
