@@ -1,5 +1,5 @@
 """Load-aware expert placement on skewed routing: largest / mean rank load before and after
-moe.parallel.plan_placement, then with replicas (moe.parallel.replica_placement.plan_replicas,
+moe.parallel.plan_placement, then with replicas (moe.slots.replica_plan.plan_replicas,
 --spare-slots per layer, default one per rank), and the MoE-layer step time that implies.
 
     python -m bench.rebalance [--m6-trace runs/x/routing_trace.jsonl] [--write]
@@ -34,10 +34,10 @@ import torch
 
 from bench.common import write_report
 from moe.comm.cost_model import NVLINK_IB
-from moe.parallel.placement import plan_placement, rank_loads
-from moe.parallel.replica_placement import plan_replicas
-from moe.parallel.replica_placement import rank_loads as replica_rank_loads
-from moe.replica_layout import initial_expert_of_slot
+from moe.slots.layout import initial_expert_of_slot
+from moe.slots.placement_plan import plan_placement, rank_loads
+from moe.slots.replica_plan import plan_replicas
+from moe.slots.replica_plan import rank_loads as replica_rank_loads
 
 H100_BF16_FLOPS = 600e12  # assumed achieved dense bf16 GEMM rate: a projection, not measured
 
@@ -62,8 +62,8 @@ def m6_loads(path: str, last: int) -> dict[str, list[float]]:
 
 def m6_trace_loads(path: str, last: int) -> dict[str, list[float]]:
     """Per layer: each expert's share of the routed rows (routed_per_expert) of the last
-    `last` steps of an M6 run's routing trace, read through moe.routing_trace.read_trace."""
-    from moe.routing_trace import read_trace
+    `last` steps of an M6 run's routing trace, read through moe.trace.routing_trace.read_trace."""
+    from moe.trace.routing_trace import read_trace
 
     steps: dict[str, list[list[int]]] = {}
     for record in read_trace(path):

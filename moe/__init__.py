@@ -7,17 +7,21 @@ dispatch pairs, R rows the experts compute, W ranks).
 
 from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig
-from moe.convert import swap_ffn
-from moe.ffn_match import ConversionError
 from moe.experts import GroupedExperts
 from moe.gating.balance import reset_global_balance
-from moe.swap_settings import check_moe_settings, save_moe_settings, swap_ffn_from_settings
 from moe.layer import MoELayer, aux_loss, moe_layers, update_router_biases
+from moe.convert import (
+    ConversionError,
+    check_moe_settings,
+    save_moe_settings,
+    swap_ffn,
+    swap_ffn_from_settings,
+)
 from moe.interop import from_hf, load_hf_checkpoint, save_hf_checkpoint, to_hf
 from moe import checkpoint, memory, parallel  # after the layer: they build on it
 from moe.recompute_frame import recompute_context
-from moe.routing_replay import Routes, record_routing, replay_routing
-from moe.routing_trace import RoutingTrace, read_trace
+from moe.trace.replay import Routes, record_routing, replay_routing
+from moe.trace.routing_trace import RoutingTrace, read_trace
 
 __all__ = [
     "ConversionError",

@@ -8,7 +8,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from moe import replica_guard
 from moe.backward_watch import BackwardWatch
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
@@ -23,8 +22,9 @@ from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
 from moe.kernels.registry import ExpertKernel
 from moe.recompute_frame import recompute_context
-from moe.replica_layout import SlotLayout, first_slots, layout_from_state
 from moe.shared_experts import SharedExperts
+from moe.slots import guard as replica_guard
+from moe.slots.layout import SlotLayout, first_slots, layout_from_state
 
 
 class MoELayer(nn.Module):
@@ -95,7 +95,7 @@ class MoELayer(nn.Module):
         # what moe.swap_ffn replaced ({"block": path, "kind": ...}; None: built directly)
         self.swapped_from: dict[str, str] | None = None
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
-        # The slot layout, kept once (moe.replica_layout.SlotLayout): slot s (row s of
+        # The slot layout, kept once (moe.slots.layout.SlotLayout): slot s (row s of
         # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
         # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
         # dicts carry the keys every version wrote (_state_dict_slots).

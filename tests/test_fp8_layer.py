@@ -207,7 +207,7 @@ def test_moe_settings_file_keeps_fp8(tmp_path):
     model = torch.nn.Sequential(_layer(ALL))
     moe.save_moe_settings(model, tmp_path)
     moe.check_moe_settings(model, tmp_path)
-    from moe.swap_settings import read_moe_settings
+    from moe.convert.saved_settings import read_moe_settings
 
     (entry,) = read_moe_settings(tmp_path)
     assert MoEConfig(**entry["config"]).fp8 == ALL

@@ -70,7 +70,7 @@ def test_rebalance_with_spare_slots_writes_records_to_the_trace(tmp_path):
     is in the routing trace (read back by read_trace, skipped by the plot tool), no
     rebalance.jsonl."""
     import moe
-    from moe.tools import plot_trace
+    from moe.trace import plot as plot_trace
     from tests.distributed import run_ranks
 
     assert run_ranks(_rebalancing_ranks, 2, str(tmp_path), timeout=180) == [0, 0]

@@ -14,9 +14,9 @@ from torch.distributed.tensor import DTensor
 import moe
 from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
-from moe.parallel.placement import lpt_groups, plan_placement, rank_loads
 from moe.parallel.rebalance import rebalance_experts
-from moe.replica_layout import SlotLayout
+from moe.slots.layout import SlotLayout
+from moe.slots.placement_plan import lpt_groups, plan_placement, rank_loads
 from tests.distributed import run_ranks
 
 D, F, E = 12, 20, 8

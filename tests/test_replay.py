@@ -197,7 +197,7 @@ def test_mismatches_are_errors_naming_the_layer(tmp_path):
     _error(
         model,
         moe.Routes(
-            {"1": routes["1"], "3": [moe.routing_replay.RouteRecord(out_of_range, r.weights_TK)]}
+            {"1": routes["1"], "3": [moe.trace.replay.RouteRecord(out_of_range, r.weights_TK)]}
         ),
         r"^3: forward 0: an expert id is outside \[0, 6\)",
     )
@@ -206,7 +206,7 @@ def test_mismatches_are_errors_naming_the_layer(tmp_path):
         proto(x)
     swapped = proto_routes["3"][0].expert_ids_TK.flip(1)
     wrong = moe.Routes(
-        {**proto_routes.layers, "3": [moe.routing_replay.RouteRecord(swapped, r.weights_TK)]}
+        {**proto_routes.layers, "3": [moe.trace.replay.RouteRecord(swapped, r.weights_TK)]}
     )
     _error(proto, wrong, "^3: forward 0: choice j of a token must be an expert of prototype j")
     with (

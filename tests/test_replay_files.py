@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import moe
-from moe.routes_file import RoutesFileError
+from moe.trace.routes_file import RoutesFileError
 from tests.distributed import run_ranks
 
 D, F, E = 8, 12, 6

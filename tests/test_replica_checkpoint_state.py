@@ -14,7 +14,7 @@ from moe.checkpoint import slots as slot_files
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
-from moe.replica_guard import ReplicaGradsNotSummed
+from moe.slots.guard import ReplicaGradsNotSummed
 from tests.distributed import run_ranks
 from tests.test_replicas import D, F, _batch, _canonical, _pair, _step
 

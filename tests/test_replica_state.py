@@ -1,4 +1,4 @@
-"""The replica gradient state machine (moe.replica_guard, issue 41 items 1, 2, 3, 8): every
+"""The replica gradient state machine (moe.slots.guard, issue 41 items 1, 2, 3, 8): every
 entry point (sum, step, clip, rebalance, compile) consults one state per layer. Each odd call
 is either exact (float64, against the same model without spare slots) or one clear error
 before anything changes."""
@@ -9,7 +9,7 @@ import torch
 import moe
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
-from moe.replica_guard import ReplicaGradsNotSummed
+from moe.slots.guard import ReplicaGradsNotSummed
 from tests.test_replicas import TOL64, D, _canonical, _pair
 
 

@@ -19,14 +19,14 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.dispatch.replica_split import copy_candidates
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
-from moe.parallel.replica_placement import (
+from moe.parallel.replicas import sum_replica_grads
+from moe.slots.layout import initial_expert_of_slot
+from moe.slots.replica_plan import (
     check_replica_placement,
     choose_copies,
     plan_replicas,
     rank_loads,
 )
-from moe.parallel.replicas import sum_replica_grads
-from moe.replica_layout import initial_expert_of_slot
 from tests.distributed import run_ranks
 
 D, F, E = 12, 20, 8

@@ -10,7 +10,7 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
-from moe.replica_layout import SlotLayout
+from moe.slots.layout import SlotLayout
 from tests.distributed import run_ranks
 from tests.test_replicas import TOL64, D, E, F, _batch, _canonical, _full, _pair, _step
 
@@ -154,7 +154,7 @@ def test_a_step_without_sum_replica_grads_is_refused(grouped):
     """Forgetting sum_replica_grads: optimizer.step (torch's AdamW or GroupedApply) and
     clip_grad_norm_ raise naming the layers, before anything changes; two micro-batches then
     one sum step normally, equal to the model without replicas."""
-    from moe.replica_guard import ReplicaGradsNotSummed
+    from moe.slots.guard import ReplicaGradsNotSummed
 
     ref, rep = _pair(3)
     opts = [

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import moe
-from moe.ffn_match import activation_name
+from moe.convert.ffn_match import activation_name
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

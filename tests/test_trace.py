@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import moe
-from moe.tools import plot_trace
+from moe.trace import plot as plot_trace
 from tests.distributed import run_ranks
 
 D, F, E = 10, 12, 6
@@ -259,7 +259,7 @@ def test_malformed_trace_lines_are_clear_errors(tmp_path, capsys, monkeypatch):
 def test_rank_load_follows_the_placement():
     """After moe.parallel.rebalance_experts moves experts, an expert's load counts for the
     rank holding its slot, not for its canonical block."""
-    from moe.routing_trace import trace_line
+    from moe.trace.routing_trace import trace_line
 
     routed = [int(v) for v in torch.randint(1, 50, (8,))]
     slots = [int(v) for v in torch.randperm(8)]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import moe
-from moe.parallel.placement import plan_placement
 from moe.parallel.rebalance import RebalanceReport
-from moe.routing_trace import RoutingTrace, read_trace
+from moe.slots.placement_plan import plan_placement
+from moe.trace.routing_trace import RoutingTrace, read_trace
 
 
 def test_bad_steps_and_foreign_reports_are_clear_errors(tmp_path):

@@ -78,7 +78,7 @@ def test_proc_files_whose_reads_fail_are_an_error_naming_the_file(monkeypatch):
     """/proc/self/mem is a regular file of size 0 whose reads fail with EIO (issue 32 item 10):
     as the cost profile (MOE_A2A_COST_PROFILE) and as a routing trace."""
     from moe.comm import cost_model
-    from moe.routing_trace import read_trace
+    from moe.trace.routing_trace import read_trace
 
     mem = "/proc/self/mem"
     with pytest.raises(ValueError, match=r"cost profile '/proc/self/mem': cannot read: "):

@@ -44,9 +44,9 @@ def plot_loss(history: dict, path: Path) -> Path:
 
 
 def plot_expert_load(trace: Path, path: Path) -> Path | None:
-    """The run's routing trace (moe.RoutingTrace) drawn by moe.tools.plot_trace: per MoE layer
+    """The run's routing trace (moe.RoutingTrace) drawn by moe.trace.plot: per MoE layer
     a heatmap of experts x steps (share of routed pairs), rank loads, balance metrics."""
-    from moe.tools.plot_trace import plot_trace
+    from moe.trace.plot import plot_trace
 
     if not trace.exists() or not trace.read_text().strip():
         return None

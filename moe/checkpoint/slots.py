@@ -1,4 +1,4 @@
-"""Slot layouts in checkpoints (moe.replica_layout.SlotLayout): checked before anything
+"""Slot layouts in checkpoints (moe.slots.layout.SlotLayout): checked before anything
 changes, and carried so that a resumed replicated run continues bit-exactly.
 
 Tensors stay canonical (moe/checkpoint/replicas.py: E expert rows, identity placement), so a
@@ -18,7 +18,7 @@ from torch import nn
 
 from moe.checkpoint.errors import CheckpointError
 from moe.layer import MoELayer, moe_layers
-from moe.replica_layout import SlotLayout
+from moe.slots.layout import SlotLayout
 
 KEY = "slot_layouts"
 

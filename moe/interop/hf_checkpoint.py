@@ -40,7 +40,7 @@ from moe.interop.hf_files import (
     read_index,
     weight_map_of,
 )
-from moe.replica_layout import SlotLayout
+from moe.slots.layout import SlotLayout
 
 SAVED_BY = "moe.save_hf_checkpoint"  # in the index's metadata: this folder's shards are ours
 STAGING = ".moe-hf-"

@@ -12,9 +12,9 @@ from moe.experts import dense_parameters, expert_parameters, is_expert_parameter
 from moe.parallel.mesh import init_mesh
 from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
-from moe.parallel.placement import Placement, plan_placement
+from moe.slots.placement_plan import Placement, plan_placement
 from moe.parallel.rebalance import RebalanceReport, rebalance_experts
-from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
+from moe.slots.replica_plan import ReplicaPlacement, plan_replicas
 from moe.parallel.replicas import sum_replica_grads
 
 __all__ = [

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moe import replica_guard
 from moe.experts import dense_parameters, expert_parameters
 from moe.layer import moe_layers
 from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.replicas import extra_copies_power_sum
-from moe.replica_guard import check_summed
+from moe.slots import guard as replica_guard
+from moe.slots.guard import check_summed
 
 
 def _power_sum(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from moe.dispatch.overlap_option import validate_overlap
 from moe.fp8.wire import fp8_on_the_wire
 from moe.kernels.kernel_config import kernel_config
 from moe.layer import moe_layers
-from moe.replica_layout import check_spare_slots
+from moe.slots.layout import check_spare_slots
 
 DATA_PARALLEL = ("ddp", "fsdp")
 

@@ -6,7 +6,7 @@ rank's all-to-all volume and GEMMs set every rank's step time. After an optimize
     report = moe.parallel.rebalance_experts(model, optimizer)
 
 sums each layer's per-expert load since the previous call over all ranks (one all-reduce),
-plans a placement minimising the largest rank load (moe.parallel.placement: LPT with L experts
+plans a placement minimising the largest rank load (moe.slots.placement_plan: LPT with L experts
 per rank, pairwise swaps, kept when the gain is below `min_gain`) and applies it exactly.
 
 Why a placement map and not a permutation of expert ids: every MoELayer keeps its router in
@@ -26,7 +26,7 @@ Checkpoints carry the placement (the buffer is in the state dict), so a save aft
 reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
 
 Layers built with spare slots (MoEConfig.spare_slots, moe.parallel.replicas) are planned with
-moe.parallel.replica_placement.plan_replicas: the call also decides which experts the spare
+moe.slots.replica_plan.plan_replicas: the call also decides which experts the spare
 slots copy; slots whose expert changes are filled from a current copy in the same exchange.
 """
 
@@ -39,13 +39,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moe import replica_guard
 from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
-from moe.parallel.placement import Placement, plan_placement
-from moe.parallel.replica_placement import ReplicaPlacement, plan_replicas
 from moe.shards import local
+from moe.slots import guard as replica_guard
+from moe.slots.placement_plan import Placement, plan_placement
+from moe.slots.replica_plan import ReplicaPlacement, plan_replicas
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Expert replicas in training: the copies' gradients summed before the optimizer step.
 
 A layer built with `MoEConfig.spare_slots = R` holds E + R expert slots; slot s holds a copy of
-expert `expert_of_slot_S[s]` (moe.replica_layout), and the dispatch plan splits each expert's
+expert `expert_of_slot_S[s]` (moe.slots.layout), and the dispatch plan splits each expert's
 kept pairs over its copies (moe.dispatch.replica_split). Each copy's weight gradient then
 holds only its share of the rows; after the last backward of a step (all micro-batches under
 gradient accumulation, after FSDP2's reduction under "ddp" or "fsdp"),
@@ -21,8 +21,8 @@ Gradient clipping runs after this call: moe.parallel.clip_grad_norm_ counts each
 
 Forgetting the call is an error, not drift: a layer with spare slots is pending from a
 backward through it until this call, and any optimizer's step (a global torch step pre-hook)
-or clip_grad_norm_ on a pending layer raises moe.replica_guard.ReplicaGradsNotSummed naming
-it (moe/replica_guard.py), before anything changes; so does rebalance_experts. A second call
+or clip_grad_norm_ on a pending layer raises moe.slots.guard.ReplicaGradsNotSummed naming
+it (moe/slots/guard.py), before anything changes; so does rebalance_experts. A second call
 without a backward in between is a no-op; gradients accumulated on summed ones (a call per
 micro-batch) and ranks holding different replica layouts are refused on every rank (one small
 all-reduce of flags and layouts before the sum) before any gradient changes.
@@ -34,10 +34,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moe import replica_guard
 from moe.layer import MoELayer, moe_layers
-from moe.replica_layout import SlotLayout
 from moe.shards import local
+from moe.slots import guard as replica_guard
+from moe.slots.layout import SlotLayout
 
 
 def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
@@ -143,7 +143,7 @@ def sum_replica_grads(model: nn.Module) -> int:
     (collective when the experts are split over ranks: call it on every rank, after the last
     backward of the step and before clipping and optimizer.step()). A second call without a
     backward in between is a no-op; gradients accumulated on top of summed ones are refused
-    (moe.replica_guard). Returns the gradient bytes this rank contributed to the all-reduce
+    (moe.slots.guard). Returns the gradient bytes this rank contributed to the all-reduce
     (0 without replicas or with nothing to sum)."""
     layers = [(name, layer) for name, layer in moe_layers(model) if layer.has_copies]
     if not layers:

@@ -5,7 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe.ffn_match import ConversionError, DenseFFN, describe, match_ffn, weight_IO
+from moe.convert.ffn_match import ConversionError, DenseFFN, describe, match_ffn, weight_IO
 from moe.layer import MoELayer
 
 EXPECTED = (
@@ -107,7 +107,7 @@ def swap_ffn(
     Without `predicate`, every recognised FFN is converted; with it, exactly the blocks for
     which predicate(name, module) is True, and any of those that is not a recognisable FFN
     raises ConversionError saying what was found. Works on transformers' own dense models
-    (Llama, Mistral, Qwen2, GPT-2, BERT, RoBERTa, ViT, T5): see moe.ffn_match for how each is
+    (Llama, Mistral, Qwen2, GPT-2, BERT, RoBERTa, ViT, T5): see moe.convert.ffn_match for how each is
     swapped so that dropout, LayerNorm and residuals still run as before. `options` are
     MoEConfig fields.
 

@@ -1,6 +1,6 @@
 """Plot a routing trace (moe.RoutingTrace) to PNG:
 
-    python -m moe.tools.plot_trace routing_trace.jsonl expert_load.png
+    python -m moe.trace.plot routing_trace.jsonl expert_load.png
 
 Per MoE layer a heatmap of experts (rows) x steps (columns), the share of the layer's routed
 pairs each expert got (uniform = 1/E; a dark row is an expert the router starves); then the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.routing_trace import read_trace
+from moe.trace.routing_trace import read_trace
 
 METRICS = {
     "load_cv": "load CV\n(std / mean)",
@@ -198,7 +198,7 @@ def plot_trace(trace: str | Path, out: str | Path, title: str | None = None) -> 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m moe.tools.plot_trace TRACE.jsonl OUT.png", file=sys.stderr)
+        print("usage: python -m moe.trace.plot TRACE.jsonl OUT.png", file=sys.stderr)
         return 2
     try:
         print(plot_trace(args[0], args[1]))

@@ -1,7 +1,7 @@
 """Save the MoE settings of a converted model next to its weights, and rebuild from them.
 
 `moe_config.json` lists every MoELayer: where it sits, which dense block it replaced and how
-(see moe.ffn_match), and its full MoEConfig. A model rebuilt from it computes the same
+(see moe.convert.ffn_match), and its full MoEConfig. A model rebuilt from it computes the same
 function as the saved one once the weights are loaded; a model converted by hand is checked
 against it, and any difference is a ValueError naming the layer and the field.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 from torch import nn
 
 from moe.config import MoEConfig
-from moe.convert import build_layer, install
-from moe.ffn_match import ConversionError, match_ffn
+from moe.convert.ffn_match import ConversionError, match_ffn
+from moe.convert.swap import build_layer, install
 from moe.layer import MoELayer, moe_layers
 from moe.untrusted import read_json
 

@@ -20,7 +20,7 @@ in slot s = row s of the layer's stacked expert weights; rank r holds slots [r*L
 
 from dataclasses import dataclass
 
-from moe.replica_layout import SlotLayout
+from moe.slots.layout import SlotLayout
 
 
 @dataclass(frozen=True)

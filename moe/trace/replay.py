@@ -31,7 +31,7 @@ in one token's row), finite weights and, under torch.distributed, the rank and w
 routes were recorded on (each rank replays its own file; one process may replay any rank's)
 are checked when replay_routing is entered, before any layer changes (one host read of the
 ids there); an error names the file the routes were read from. Routes.load reads the file as
-untrusted (moe.routes_file: a FIFO, a directory or a damaged header is a RoutesFileError
+untrusted (moe.trace.routes_file: a FIFO, a directory or a damaged header is a RoutesFileError
 naming it). A token count that differs from the record is raised by that layer's forward
 before it routes.
 Replay runs eagerly; under torch.compile it gave the recorded outputs in a quick check, but
@@ -53,7 +53,7 @@ from moe.gating import Routing
 from moe.gating.balance import in_recomputation
 from moe.layer import MoELayer, moe_layers
 from moe.recompute_frame import in_frame_recompute, once_per_forward
-from moe.routes_file import RoutesFileError, read_safetensors
+from moe.trace.routes_file import RoutesFileError, read_safetensors
 from moe.untrusted import parse_json
 
 FORMAT = "moe.routes/1"
@@ -112,7 +112,7 @@ class Routes:
 
     @classmethod
     def load(cls, path: str | Path) -> "Routes":
-        """Read a file written by `save` (untrusted: moe.routes_file), checking names, dtypes
+        """Read a file written by `save` (untrusted: moe.trace.routes_file), checking names, dtypes
         and shapes; every problem is a RoutesFileError naming the file."""
         path = rank_path(path)
         metadata, tensors = read_safetensors(path)

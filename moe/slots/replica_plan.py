@@ -23,13 +23,13 @@ A replicated expert's pairs are split over its copies, so each copy carries load
 import heapq
 from dataclasses import dataclass
 
-from moe.parallel.placement import improve_by_swaps, max_overlap_assignment
-from moe.replica_layout import (
+from moe.slots.layout import (
     SlotLayout,
     check_replica_placement,
     copies_of,
     primary_slots,
 )
+from moe.slots.placement_plan import improve_by_swaps, max_overlap_assignment
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ read once; rank 0 appends one line per step and layer:
 
 and, after each `record_rebalance(step, report)`, one rebalance record per layer
 ({"kind": "rebalance", ...}: copies per expert, load before and after, slots moved, bytes
-sent; moe/trace_rebalance.py).
+sent; moe/trace/rebalance_records.py).
 
 tokens_per_expert: pairs each expert computed (after capacity drops); routed_per_expert: pairs
 the router sent it (before drops). The load metrics are those of routed_per_expert, as in
@@ -40,8 +40,8 @@ from torch import nn
 from moe.comm.consistency import all_gather_records
 from moe.gating.balance import in_recomputation
 from moe.layer import moe_layers
-from moe.trace_rebalance import KIND as REBALANCE
-from moe.trace_rebalance import check_field_types, check_rebalance_line, rebalance_lines
+from moe.trace.rebalance_records import KIND as REBALANCE
+from moe.trace.rebalance_records import check_field_types, check_rebalance_line, rebalance_lines
 from moe.untrusted import MAX_DEPTH, json_depth, open_regular
 
 MAX_LINE_BYTES = 1 << 24  # a trace line: one step of one layer (E counts)
@@ -157,7 +157,7 @@ class RoutingTrace:
     def record_rebalance(self, step: int, report) -> None:
         """A moe.parallel.rebalance_experts call's per-layer summary (its RebalanceReport:
         copies per expert, load before and after, slots moved, bytes sent; see
-        moe/trace_rebalance.py), written with the next flush after the steps buffered now.
+        moe/trace/rebalance_records.py), written with the next flush after the steps buffered now.
         Host data only: no collective, any rank may call it (the writer writes)."""
         _check_step(step, "RoutingTrace.record_rebalance")
         ep = dict(zip((name for name, _ in self.layers), self.ep))
@@ -326,7 +326,7 @@ def _check_line(raw: bytes, where: str) -> dict:
     record = parse_json(raw, where)
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object")
-    if "kind" in record:  # routing lines have none; moe/trace_rebalance.py's records
+    if "kind" in record:  # routing lines have none; moe/trace/rebalance_records.py's records
         if record["kind"] != REBALANCE:
             raise ValueError(f"{where}: unknown record kind {record['kind']!r:.100}")
         return check_rebalance_line(record, where, MAX_LAYER_NAME)

@@ -1,1 +1,0 @@
-"""Command-line tools (python -m moe.tools.<name>)."""
