@@ -1,22 +1,23 @@
 """MoEConfig: every option of an MoE layer, validated at construction."""
 
+import importlib
 import math
 import types
 import typing
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
-from moe.fp8_config import FP8Config
 from moe.names import (
     ACTIVATIONS,
     BACKENDS,
     BALANCE_LOSSES,
     DROP_POLICIES,
     ROUTERS,
+    ROW_FORMAT_NAMES,
     SCORE_FUNCS,
     SEQUENCE_ROUTERS,
+    WEIGHT_FORMAT_NAMES,
 )
 
-FP8_BACKENDS = ("auto", "fp8")  # what backend may say when fp8.experts picks the FP8 kernel
 MAX_INT = 2**31 - 1  # sizes and counts: expert offsets are int32 on device
 MAX_FACTOR = 1e4
 # Upper bounds of the float options, so that no value overflows in forward (1e308 * k * T is
@@ -31,6 +32,28 @@ FLOAT_MAX = {
     "z_loss_coef": MAX_FACTOR,
     "bias_update_rate": 1.0,
 }
+
+
+def settings(type_path: str):
+    """A field holding a feature's settings (a dataclass defined in the feature's package, at
+    `type_path`), or None. Its type is imported only when a value is given, so moe.config loads
+    no feature; a dict (as asdict / JSON give it back) is turned into the type."""
+    return field(default=None, metadata={"settings": type_path})
+
+
+def _settings_value(f, value):
+    if value is None:
+        return None
+    module, _, name = f.metadata["settings"].rpartition(".")
+    kind = getattr(importlib.import_module(module), name)
+    if isinstance(value, dict):
+        try:
+            return kind(**value)
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"{f.name}: {e}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{f.name} must be a {name} or None, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -75,15 +98,15 @@ class MoEConfig:
     recompute: bool = False  # recompute the layer in backward (activation checkpointing)
     check_finite: bool = False  # debug: NaN/Inf in an expert's weights or outputs raises (syncs)
     spare_slots: int = 0  # R extra expert slots holding copies of hot experts (replicas.py)
-    fp8: FP8Config | None = None  # FP8 dispatch and/or expert GEMMs (moe/fp8_config.py); None: off
+    weight_format: str = "dense"  # how the experts store weights (moe.kernels.weight_format)
+    row_format: str = "plain"  # how dispatched rows travel (moe.dispatch.wire)
+    fp8: object = settings("moe.fp8.config.FP8Config")  # FP8 dispatch / expert GEMMs; None: off
 
     def __post_init__(self):
-        if isinstance(self.fp8, dict):  # as asdict / JSON give it back (moe_config.json)
-            try:
-                object.__setattr__(self, "fp8", FP8Config(**self.fp8))
-            except TypeError as e:  # an unknown key
-                raise ValueError(f"fp8: {e}") from None
         for f in fields(self):
+            if "settings" in f.metadata:  # a feature's settings type, loaded only when given
+                object.__setattr__(self, f.name, _settings_value(f, getattr(self, f.name)))
+                continue
             _check_type(f.name, getattr(self, f.name), f.type)
             _check_upper_bound(f.name, getattr(self, f.name))
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
@@ -113,17 +136,8 @@ class MoEConfig:
         _choose("score_func", self.score_func, SCORE_FUNCS)
         _choose("activation", self.activation, ACTIVATIONS)
         _choose("backend", self.backend, BACKENDS)
-        if self.fp8 is not None and self.fp8.experts and self.backend not in FP8_BACKENDS:
-            raise ValueError(
-                f"fp8=FP8Config(experts=True) runs the expert GEMMs on the 'fp8' kernel, but "
-                f"backend={self.backend!r} asks for another one: use backend='auto' or 'fp8', "
-                "or FP8Config(experts=False) to keep this kernel"
-            )
-        if self.backend == "fp8" and (self.fp8 is None or not self.fp8.experts):
-            raise ValueError(
-                "backend='fp8' runs the expert GEMMs in FP8: give fp8=FP8Config(experts=True) "
-                "(the kernel's settings, and the layer's one-process emulation, come from it)"
-            )
+        _choose("weight_format", self.weight_format, WEIGHT_FORMAT_NAMES)
+        _choose("row_format", self.row_format, ROW_FORMAT_NAMES)
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
             raise ValueError(

@@ -1,10 +1,19 @@
-"""The allowed values of MoEConfig's string options, and the router registry.
+"""The allowed values of MoEConfig's string options, and the one home of every registry's table.
 
-Why here: MoEConfig validates these names, and the stages that implement them (moe.gating,
-moe.kernels) use them too. Defined in either stage, config.py would import a stage for a
-list of names (an arrow from the options to their implementations). This module imports
-nothing from moe, so config, gating and kernels all import it; routers fill ROUTERS by
-`register_router` when moe.gating is imported (moe/__init__.py imports it first).
+Why here: MoEConfig validates these names, and the stages that implement them use them too.
+Defined in a stage, config.py would import that stage for a list of names (an arrow from the
+options to their implementations). This module imports nothing from moe, so config and every
+stage import it.
+
+The registries (each table here; its `register_*` function beside the base class it takes):
+    ROUTERS         register_router          moe/names.py (a class decorator)  MoEConfig.router
+    KERNELS         register_kernel          moe/kernels/registry.py       MoEConfig.backend
+    WEIGHT_FORMATS  register_weight_format   moe/kernels/weight_format.py  MoEConfig.weight_format
+    ROW_FORMATS     register_row_format      moe/dispatch/wire.py          MoEConfig.row_format
+    DISPATCHERS     register_dispatcher      moe/dispatch/dispatcher.py    parallelize(dispatcher=)
+A table is filled when the module that registers an entry is imported (the built-ins by
+`import moe`; a feature package such as moe.fp8 when it is imported; a user's own entries
+from their file), and the names are read live.
 """
 
 from collections.abc import Sequence
@@ -17,15 +26,22 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("position", "probs")
 
 ROUTERS: dict[str, type] = {}  # name -> Router subclass (moe.gating.base.Router)
-KERNELS: dict[str, object] = {}  # name -> ExpertKernel (moe.kernels.registry.register_kernel)
+KERNELS: dict[str, object] = {}  # name -> ExpertKernel (moe.kernels.registry)
+WEIGHT_FORMATS: dict[str, object] = {}  # name -> WeightFormat (moe.kernels.weight_format)
+ROW_FORMATS: dict[str, object] = {}  # name -> RowFormat (moe.dispatch.wire)
+DISPATCHERS: dict[str, type] = {}  # name -> Dispatcher subclass (moe.dispatch.dispatcher)
 
 
-class _KernelNames(Sequence):
-    """The values of MoEConfig.backend: "auto", then every registered expert kernel, read live
-    (a kernel registered after import, e.g. by a user's module, is a valid value at once)."""
+class _Names(Sequence):
+    """The values an option takes: `first` (names that are always there), then every entry of
+    `table`, read live (an entry registered after import, e.g. by a user's module, is a valid
+    value at once)."""
+
+    def __init__(self, table: dict, first: tuple[str, ...] = ()):
+        self._table, self._first = table, first
 
     def _names(self) -> tuple[str, ...]:
-        return ("auto", *KERNELS)
+        return tuple(dict.fromkeys((*self._first, *self._table)))
 
     def __getitem__(self, i):
         return self._names()[i]
@@ -34,7 +50,7 @@ class _KernelNames(Sequence):
         return len(self._names())
 
     def __contains__(self, name) -> bool:
-        return name == "auto" or name in KERNELS
+        return name in self._first or name in self._table
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
@@ -45,7 +61,9 @@ class _KernelNames(Sequence):
         return repr(self._names())
 
 
-BACKENDS = _KernelNames()  # "auto" + the expert kernels (moe.kernels.registry)
+BACKENDS = _Names(KERNELS, ("auto",))  # "auto" + the expert kernels (moe.kernels.registry)
+WEIGHT_FORMAT_NAMES = _Names(WEIGHT_FORMATS, ("dense",))  # MoEConfig.weight_format
+ROW_FORMAT_NAMES = _Names(ROW_FORMATS, ("plain",))  # MoEConfig.row_format
 
 
 def register_router(name: str):

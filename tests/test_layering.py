@@ -24,8 +24,7 @@ ALLOWED = {
     "moe.names": set(),
     "moe.capacity": set(),
     "moe.untrusted": set(),
-    "moe.fp8_config": set(),
-    "moe.config": {"moe.names", "moe.fp8_config"},
+    "moe.config": {"moe.names"},
     "moe.gating": {"moe.names", "moe.capacity"},
 }
 # Arrows that must not exist even where the rest of a unit's imports is free to change.

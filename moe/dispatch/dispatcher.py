@@ -37,8 +37,7 @@ from moe.dispatch.permute import DispatchPlan
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.registry import ExpertKernel
-
-DISPATCHERS: dict[str, type["Dispatcher"]] = {}
+from moe.names import DISPATCHERS
 
 
 class ExpertFn(ABC):

@@ -1,6 +1,6 @@
 """FP8 MoE training (issue 40), the numerics core: settings, e4m3 quantizers, the FP8 dispatch
 payload and exchange, the FP8 grouped GEMM and the FP8 expert MLP. Self-contained: it imports
-only moe.kernels and moe.comm leaf modules and the leaf moe.fp8_config, never moe.layer,
+only moe.kernels and moe.comm leaf modules and the leaf moe.fp8.config, never moe.layer,
 moe.parallel, moe.gating, moe.dispatch or moe.config (tests/test_layering.py).
 
 Where it plugs in (the layer / registries do the wiring):
@@ -11,7 +11,7 @@ Where it plugs in (the layer / registries do the wiring):
   `fp8_combine(y_ND, plan, config)` for the combine direction, where plan is a
   moe.comm.AllToAllPlan (anything with .run(rows) and .reverse()); each replaces
   moe.comm.exchange(x, plan) in its direction.
-- settings: `FP8Config` (MoEConfig.fp8; defined in the leaf moe/fp8_config.py), checked across
+- settings: `FP8Config` (MoEConfig.fp8; defined in the leaf moe/fp8/config.py), checked across
   ranks by `moe.fp8.config.agree_across_ranks` and by parallelize's config check.
 - wiring (issue 40): moe/fp8/kernel.py registers the "fp8" expert kernel (FP8Kernel; a layer
   with fp8.experts runs one holding its FP8Config); moe/fp8/wire.py is the row exchange every

@@ -1,18 +1,88 @@
-"""The FP8 settings (FP8Config, defined in the leaf moe/fp8_config.py so MoEConfig can hold one)
-and their cross-rank check."""
+"""FP8Config: every FP8 setting of a MoE layer in one typed, validated value (issue 40), and its
+cross-rank check.
 
-from dataclasses import fields
+MoEConfig.fp8 holds one. moe.config never imports this module: the field's type is resolved
+only when a value is given (moe.config's settings types), so a layer without FP8 loads nothing
+of moe.fp8.
+
+Nothing here changes a layer by itself: the layer (or whoever builds the exchange and picks the
+expert kernel) reads it. Each field is checked when the config is built; a bad value raises one
+ValueError naming the field.
+"""
+
+from dataclasses import dataclass, fields
 
 from moe.comm.consistency import check_same_across_ranks
-from moe.fp8_config import DISPATCH_SCALE_FORMATS, GEMM_SCALE_FORMATS, RECIPES, FP8Config
 
-__all__ = [
-    "DISPATCH_SCALE_FORMATS",
-    "GEMM_SCALE_FORMATS",
-    "RECIPES",
-    "FP8Config",
-    "agree_across_ranks",
-]
+RECIPES = ("rowwise", "blockwise")
+DISPATCH_SCALE_FORMATS = ("fp32", "pow2", "ue8m0")
+GEMM_SCALE_FORMATS = ("fp32", "pow2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """FP8 settings (e4m3 = torch.float8_e4m3fn everywhere; masters stay bf16/fp32).
+
+    dispatch: send dispatched token rows as e4m3 bytes plus one scale per 1 x block_size block
+        of each row (DeepEP's format), dequantized on arrival. The combine stays bf16.
+    experts: run every expert GEMM (up, gate, down and their input- and weight-gradient GEMMs)
+        in e4m3 with the scales of `recipe`.
+    recipe: the expert GEMMs' scaling. "rowwise" (torchao's): activations one scale per row,
+        weights one per output column, weight gradients scaled along the tokens of each expert.
+        "blockwise" (DeepSeek-V3's): activations and gradients one scale per 1 x 128 block,
+        weights per 128 x 128 block, weight gradients per 128-token tile of each expert
+        (emulated on every device: torch._scaled_grouped_mm takes only the rowwise form).
+    scale_format: the dispatch scales. "fp32": amax / 448; "pow2": that rounded up to a power
+        of two (still sent as fp32); "ue8m0": a power of two sent as its 1-byte biased exponent
+        (4x fewer scale bytes on the wire).
+    gemm_scale_format: the expert GEMMs' scales, "pow2" (torchao's rowwise recipe) or "fp32".
+    block_size: elements per dispatch scale block along d_model (the last block of a row is
+        partial when d_model % block_size != 0).
+    grad_before_down_fp8: also send the activation gradient before the down-projection (the
+        combine's backward exchange) in FP8, as DeepSeek-V3 does; off: bf16 gradients.
+    save_fp8_inputs: the expert MLP keeps its input x for the backward as e4m3 (1 byte per
+        element plus the row scales, once for the up and gate GEMMs) instead of x itself; the
+        down GEMM's input is recomputed from h and g.
+    amax_floor: the smallest amax a scale is computed from (scale = max(amax, floor) / 448),
+        so a block of zeros gets a finite scale and stays zero.
+    """
+
+    dispatch: bool = False
+    experts: bool = False
+    recipe: str = "rowwise"
+    scale_format: str = "fp32"
+    gemm_scale_format: str = "pow2"
+    block_size: int = 128
+    grad_before_down_fp8: bool = False
+    save_fp8_inputs: bool = True
+    amax_floor: float = 1e-4
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in (bool, "bool") and not isinstance(value, bool):
+                raise ValueError(f"FP8Config.{f.name} must be a bool, got {value!r}")
+        _choice("recipe", self.recipe, RECIPES)
+        _choice("scale_format", self.scale_format, DISPATCH_SCALE_FORMATS)
+        _choice("gemm_scale_format", self.gemm_scale_format, GEMM_SCALE_FORMATS)
+        if type(self.block_size) is not int or self.block_size < 1:
+            raise ValueError(f"FP8Config.block_size must be an int >= 1, got {self.block_size!r}")
+        floor = self.amax_floor
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1e30:
+            raise ValueError(f"FP8Config.amax_floor must be a finite float > 0, got {floor!r}")
+
+    @property
+    def pow2_dispatch_scales(self) -> bool:
+        return self.scale_format != "fp32"
+
+    @property
+    def pow2_gemm_scales(self) -> bool:
+        return self.gemm_scale_format == "pow2"
+
+
+def _choice(name: str, value, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"FP8Config.{name} must be one of {options}, got {value!r}")
 
 
 def agree_across_ranks(config: FP8Config, group=None) -> None:
