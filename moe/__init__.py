@@ -5,6 +5,8 @@ tokens, D d_model, F d_ff, E all experts, L this rank's experts, K top-k, C capa
 dispatch pairs, R rows the experts compute, W ranks).
 """
 
+import importlib
+
 from moe import comm, dispatch, gating, kernels
 from moe.config import MoEConfig
 from moe.experts import GroupedExperts
@@ -55,3 +57,13 @@ __all__ = [
     "update_router_biases",
 ]
 __version__ = "0.1.0"
+
+# Feature packages load on first use (`moe.fp8`, or `from moe.fp8 import ...`, which also
+# registers their formats and kernels): a model that does not use them never loads them.
+_FEATURES = ("fp8",)
+
+
+def __getattr__(name: str):
+    if name in _FEATURES:
+        return importlib.import_module(f"moe.{name}")
+    raise AttributeError(f"module 'moe' has no attribute {name!r}")

@@ -52,7 +52,7 @@ def _settings_value(f, value):
         except TypeError as e:  # an unknown key
             raise ValueError(f"{f.name}: {e}") from None
     if not isinstance(value, kind):
-        raise ValueError(f"{f.name} must be a {name} or None, got {type(value).__name__}")
+        raise ValueError(f"{f.name} must be {name} or None, got {value!r} ({type(value).__name__})")
     return value
 
 

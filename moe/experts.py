@@ -12,6 +12,7 @@ from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.registry import ExpertKernel, resolve_kernel
+from moe.kernels.weight_format import DENSE, WeightFormat
 from moe.shards import local
 
 
@@ -23,6 +24,8 @@ class GroupedExperts(nn.Module):
 
     `expert_offset` is the global id of the first local expert (non-zero under expert
     parallelism). Initialised like nn.Linear so each expert matches a dense FFN's scale.
+    `weight_format` (moe.kernels.weight_format) sets the stored weights up once and builds
+    what the kernel gets (`weights()`).
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class GroupedExperts(nn.Module):
         num_global_experts: int | None = None,
         device=None,
         dtype=None,
+        weight_format: WeightFormat = DENSE,
     ):
         super().__init__()
         check_activation(activation)
@@ -60,6 +64,8 @@ class GroupedExperts(nn.Module):
         self.b1 = nn.Parameter(torch.empty(num_experts, d_ff, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, d_model, **kw)) if bias else None
         self.reset_parameters()
+        self.weight_format = weight_format
+        weight_format.setup(self)
 
     @property
     def num_experts(self) -> int:
@@ -115,14 +121,9 @@ class GroupedExperts(nn.Module):
         return self.mlp(x_ND, offsets_L, self.weights(), rows=rows, kernel=kernel)
 
     def weights(self) -> ExpertWeights:
-        """This rank's expert weights as plain tensors (the local shards of DTensors)."""
-        return ExpertWeights(
-            w1_LDF=local(self.w1),
-            w2_LFD=local(self.w2),
-            w3_LDF=local(self.w3),
-            b1_LF=local(self.b1),
-            b2_LD=local(self.b2),
-        )
+        """This rank's expert weights as the kernel reads them (the weight format builds them
+        from the local shards of DTensors)."""
+        return self.weight_format.weights(self)
 
     def mlp(
         self,
@@ -167,6 +168,11 @@ class LayerExperts(ExpertFn):
         """The one place the fuse is decided: the kernel can, and check_finite (which names
         experts from their output rows) does not need the rows."""
         return self.kernel.fuses_combine and self.check_finite is None
+
+    @property
+    def takes_row_weights(self) -> bool:
+        """Whether the rows may come weighted by the combine weights (the kernel's say)."""
+        return self.kernel.takes_row_weights
 
     def __call__(self, x_ND, offsets_L, ctx: DispatchContext) -> torch.Tensor:
         out_ND = self.module(x_ND, offsets_L, rows=ctx.expert_rows(), kernel=self.kernel)

@@ -15,12 +15,13 @@ from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
 from moe.dispatch.replica_split import copy_candidates, plan_token_choice_replicated
+from moe.dispatch.wire import wire_for
 from moe.experts import GroupedExperts, LayerExperts
-from moe.fp8.kernel import kernel_for_layer
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
-from moe.kernels.registry import ExpertKernel
+from moe.kernels.registry import ExpertKernel, kernel_for_layer
+from moe.kernels.weight_format import weight_format_for
 from moe.recompute_frame import recompute_context
 from moe.shared_experts import SharedExperts
 from moe.slots import guard as replica_guard
@@ -79,15 +80,16 @@ class MoELayer(nn.Module):
             d_ff,
             activation,
             bias,
-            kernel_for_layer(self.config.backend, self.config.fp8),  # fp8.experts: "fp8"
+            kernel_for_layer(self.config),  # backend, or the kernel the settings claim
             device=device,
             dtype=dtype,
+            weight_format=weight_format_for(self.config),
         )
         if device is not None:
             self.router.to(device)
         self.shared_experts = _shared_experts(self.config, device, dtype)
         # whether the experts fuse the combine: LayerExperts.fuses_combine (kernel, check_finite)
-        self.dispatcher: Dispatcher = LocalDispatcher(fp8=self.config.fp8)
+        self.dispatcher: Dispatcher = LocalDispatcher(wire=wire_for(self.config))
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
         # the ("dp", "ep") mesh moe.parallel.parallelize spread this layer over (None: one device)

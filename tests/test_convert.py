@@ -118,7 +118,8 @@ README_PUBLIC_NAMES = {
                      "ExpertParallelDispatcher", "OverlappedDispatcher", "DispatchPlan",
                      "plan_token_choice", "plan_expert_choice", "expert_capacity",
                      "capacity_factor_for", "gather_tokens", "permute_rows",
-                     "sort_rows_by_expert", "weighted_sum_rows"],
+                     "sort_rows_by_expert", "weighted_sum_rows", "RowFormat", "RowWire",
+                     "register_row_format", "wire_for"],
     "moe.comm": ["ExchangeConfig", "exchange", "exchange_counts", "AllToAllPlan", "plan_all_to_all",
                  "gather_count_matrix", "set_hierarchical_threshold", "Topology", "get_topology",
                  "check_same_across_ranks", "raise_if_any_rank_failed",
@@ -132,9 +133,9 @@ README_PUBLIC_NAMES = {
                     "ACTIVATIONS", "BACKENDS", "resolve_backend", "KernelConfig",
                     "set_kernel_config", "kernel_config", "ExpertKernel", "ExpertWeights",
                     "register_kernel", "get_kernel", "resolve_kernel", "TorchKernel",
-                    "TritonKernel"],
-    "moe.fp8": ["FP8Config", "FP8Kernel", "fp8_expert_mlp", "fp8_grouped_mm", "fp8_dispatch",
-                "fp8_combine"],
+                    "TritonKernel", "WeightFormat", "register_weight_format"],
+    "moe.fp8": ["FP8Config", "FP8Kernel", "FP8Rows", "fp8_expert_mlp", "fp8_grouped_mm",
+                "fp8_dispatch", "fp8_combine"],
 }  # fmt: skip
 
 # Old paths (CHANGELOG.md, "One public path per name"), removed in 0.1.0, and their new paths.

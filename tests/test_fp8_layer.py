@@ -90,11 +90,21 @@ def test_fp8_settings_are_checked():
         MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8="dispatch")
     with pytest.raises(ValueError, match="fp8: .*unexpected keyword argument 'dispach'"):
         MoEConfig(d_model=8, d_ff=8, num_experts=2, fp8={"dispach": True})
+    # one setting chooses the FP8 experts (FP8Config.experts): checked when the layer is built
     with pytest.raises(ValueError, match="backend='torch' asks for another one"):
-        MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(experts=True))
-    with pytest.raises(ValueError, match="backend='fp8' runs the expert GEMMs in FP8: give"):
-        MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8")
-    assert MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="fp8", fp8=FP8Config(experts=True))
+        moe.MoELayer(8, 8, 2, backend="torch", fp8=FP8Config(experts=True))
+    with pytest.raises(
+        ValueError,
+        match=r"backend='fp8' is chosen by MoEConfig.fp8 = FP8Config\(experts=True\), not by name",
+    ):
+        moe.MoELayer(8, 8, 2, backend="fp8")
+    assert (
+        moe.MoELayer(8, 8, 2, backend="fp8", fp8=FP8Config(experts=True))
+        .experts.kernel_for(torch.zeros(1))
+        .config.experts
+    )
+    with pytest.raises(ValueError, match="row_format='fp8' is chosen by MoEConfig.fp8"):
+        moe.MoELayer(8, 8, 2, row_format="fp8")
     with pytest.raises(ValueError, match="FP8Config.block_size must be an int >= 1"):
         FP8Config(dispatch=True, block_size=0)
     MoEConfig(d_model=8, d_ff=8, num_experts=2, backend="torch", fp8=FP8Config(dispatch=True))
@@ -181,15 +191,15 @@ def test_fp8_wire_bytes_and_one_rounding_with_blockwise_experts():
     14,336 bytes per token; ue8m0 7,224). Dispatch then the blockwise GEMM's 1 x 128
     quantization: the same values when both scales are powers of two or both fp32, a second
     rounding when they differ (README, FP8 section)."""
+    from moe.dispatch.wire import wire_for
     from moe.fp8.quant import dequantize_blocks, quantize_blocks
-    from moe.fp8.wire import row_wire
 
     x = torch.randn(6, 7168, dtype=torch.bfloat16)
     sent = {}
     for name, fp8 in (("bf16", None), ("fp32", FP8Config(dispatch=True)),
                       ("ue8m0", FP8Config(dispatch=True, scale_format="ue8m0"))):  # fmt: skip
         plan = _Counting()
-        row_wire(fp8).dispatch(x, plan)
+        wire_for(MoEConfig(d_model=D, d_ff=D, num_experts=2, fp8=fp8)).dispatch(x, plan)
         sent[name] = plan.sent / 6
     assert sent == {"bf16": 14336, "fp32": 7392, "ue8m0": 7224}
     assert sent["fp32"] / sent["bf16"] <= 0.52
@@ -197,7 +207,7 @@ def test_fp8_wire_bytes_and_one_rounding_with_blockwise_experts():
     for scale_format, gemm_pow2, same in (("ue8m0", True, True), ("fp32", False, True),
                                           ("fp32", True, False)):  # fmt: skip
         fp8 = FP8Config(dispatch=True, scale_format=scale_format)
-        arrived = row_wire(fp8).local_dispatch(x)
+        arrived = wire_for(MoEConfig(d_model=D, d_ff=D, num_experts=2, fp8=fp8)).local_dispatch(x)
         q, s = quantize_blocks(arrived, 128, gemm_pow2)
         assert torch.equal(dequantize_blocks(q, s, 128, torch.float32), arrived) == same
 

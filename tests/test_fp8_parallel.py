@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import moe
+from moe.dispatch.wire import wire_for
 from moe.fp8 import FP8Config
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.replicas import sum_replica_grads
@@ -115,7 +116,7 @@ def _body(rank, world, layouts):
         ran = {  # the layout asked for is the one that ran
             "hierarchical": int(layer.stats["a2a_hierarchical"]),
             "degree": getattr(layer.dispatcher, "last_degree", 1),
-            "wire": layer.dispatcher.wire.fp8 == fp8,
+            "wire": layer.dispatcher.wire == wire_for(layer.config),
         }
         out[name] = (_worst(got, want), ran)
     return out
@@ -160,7 +161,7 @@ def test_fp8_expert_parallel_equals_one_process(world, layouts):
         errors = result.pop("errors", None)
         if errors is not None:  # the same error on every rank, naming the field / dispatcher
             assert "0.fp8.block_size" in errors[0] and "rank 1 has 32" in errors[0], errors
-            assert "dispatcher='allgather' (AllGatherDispatcher) takes no fp8=" in errors[1]
+            assert "dispatcher='allgather' (AllGatherDispatcher) takes no wire=" in errors[1]
         for name, (worst, ran) in result.items():
             assert ran["wire"], name
             assert ran["hierarchical"] == ("hierarchical" in name), (name, ran)

@@ -29,3 +29,4 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
+from moe.dispatch.wire import RowFormat, RowWire, register_row_format, wire_for

@@ -18,9 +18,9 @@ three lines above (then the shared experts). A new strategy (another all-to-all,
 node-aware exchange) is one file: a subclass plus `@register_dispatcher("name")`, which
 `parallelize(..., dispatcher="name")` installs as `MoELayer.dispatcher`, constructing it as
 `cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=)` (+ `degree=`
-when `overlap=` is given, + `fp8=` when the layer's MoEConfig.fp8 changes what the exchange
-sends; ExpertParallelDispatcher's signature, so subclassing it is enough: its rows travel by
-`self.wire`, moe/fp8/wire.py).
+when `overlap=` is given, + `wire=` when the layer's rows travel in a row format other than
+plain; ExpertParallelDispatcher's signature, so subclassing it is enough: its rows travel by
+`self.wire`, moe/dispatch/wire.py).
 A strategy that interleaves exchange and compute (the overlapped dispatcher) overrides `run`
 instead and calls the experts in parts (`ExpertFn.call_once` and `ExpertFn.part`). Every rank
 of a distributed dispatcher must call dispatch and combine (or run) once per forward, also
@@ -64,6 +64,13 @@ class ExpertFn(ABC):
         """Whether the experts apply the combine themselves (gather on load, row weights, sum
         into tokens: the ExpertRows contract of moe.kernels.expert_mlp)."""
         return False
+
+    @property
+    def takes_row_weights(self) -> bool:
+        """Whether the rows may come weighted by the combine weights (ExpertRows.row_weights_R);
+        False: they must come unweighted, the combine weighs them after (e.g. quantized GEMMs
+        whose per-row scales must see the rows as they arrive)."""
+        return True
 
     @abstractmethod
     def __call__(

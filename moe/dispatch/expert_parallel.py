@@ -17,8 +17,7 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
-from moe.fp8.config import FP8Config
-from moe.fp8.wire import row_wire
+from moe.dispatch.wire import PLAIN_WIRE, RowWire
 from moe.kernels.expert_rows import ExpertRows
 
 KEPT_ROWS = ExpertRows(all_rows_kept=True)  # only kept rows travel: no dropped tail
@@ -53,10 +52,9 @@ class ExpertParallelDispatcher(Dispatcher):
     (moe.comm.plan_expert_exchange, in every algorithm), so each rank knows how many rows it
     receives per (source rank, local expert) and which algorithm moves them.
 
-    fp8: the layer's FP8Config (parallelize hands over MoEConfig.fp8): the rows travel by
-    `self.wire` (moe.fp8.wire.RowWire), e4m3 + block scales in the directions it asks for
-    (dispatch forward; the combine's backward with grad_before_down_fp8), through whatever
-    algorithm moves them (flat or hierarchical: the packed uint8 rows are rows like any)."""
+    wire: the layer's RowWire (moe.dispatch.wire.wire_for(layer.config), which parallelize
+    hands over): the rows travel by `self.wire`, each direction in its row format, through
+    whatever algorithm moves them (flat or hierarchical: encoded rows are rows like any)."""
 
     def __init__(
         self,
@@ -65,7 +63,7 @@ class ExpertParallelDispatcher(Dispatcher):
         algorithm: str = "auto",
         ranks_per_node: int | None = None,
         exchange_config: ExchangeConfig | None = None,
-        fp8: FP8Config | None = None,
+        wire: RowWire = PLAIN_WIRE,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -79,7 +77,7 @@ class ExpertParallelDispatcher(Dispatcher):
                 f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
             )
         self.exchange_config = exchange_config or ExchangeConfig()  # the all-to-all's settings
-        self.wire = row_wire(fp8)  # how the rows travel (plain, or FP8 where fp8 asks)
+        self.wire = wire  # how the rows travel: each direction's row format
 
     def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local

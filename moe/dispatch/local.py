@@ -10,8 +10,7 @@ from moe.dispatch.dispatcher import (
     rows_only,
 )
 from moe.dispatch.permute import DispatchPlan, weighted_sum_rows
-from moe.fp8.config import FP8Config
-from moe.fp8.wire import row_wire
+from moe.dispatch.wire import PLAIN_WIRE, RowWire
 from moe.kernels.combine import sum_rows
 from moe.kernels.expert_rows import ExpertRows
 
@@ -29,27 +28,32 @@ class LocalDispatcher(Dispatcher):
     fuses when the experts declare it (the layer's one decision, LayerExperts.fuses_combine),
     unless this is False.
 
-    fp8: the layer's FP8Config (MoEConfig.fp8). One process emulates what the expert-parallel
-    exchange does to the rows (moe.fp8.wire): with fp8.dispatch the token rows are quantized
-    as the wire would send them (straight-through gradient), with grad_before_down_fp8 the
-    combine's backward is; and with any FP8 the experts get the rows unweighted and the
-    combine weights are applied after them, as between ranks, so the FP8 GEMMs' scales see
-    the same rows and the layer computes the same function at every layout."""
+    wire: the layer's RowWire (moe.dispatch.wire.wire_for(config)). One process emulates what
+    the expert-parallel exchange does to the rows: each direction in its format (straight-
+    through gradient). When the wire is not plain, or the experts' kernel takes no combine
+    weights on its rows (`experts.takes_row_weights`: e.g. quantized GEMMs, whose scales see
+    the rows as they arrive between ranks), the experts get the rows unweighted and the
+    combine weights are applied after them, as between ranks, so the layer computes the same
+    function at every layout."""
 
-    def __init__(self, fuse_combine: bool = True, *, fp8: FP8Config | None = None):
-        self.fuse_combine = fuse_combine and fp8 is None
-        self.wire = row_wire(fp8)
-        self.weights_after = fp8 is not None  # combine weights applied after the experts
+    def __init__(self, fuse_combine: bool = True, *, wire: RowWire = PLAIN_WIRE):
+        self.fuse_combine = fuse_combine
+        self.wire = wire
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None):
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None, weights_after=None
+    ):
         """-> (x_TD itself, offsets, ctx): the experts gather their rows from the tokens
-        (ctx.gather_ids_R) and, with sum_to_tokens, return y_TD."""
+        (ctx.gather_ids_R) and, with sum_to_tokens, return y_TD; with weights_after (default:
+        the wire is not plain) the rows go unweighted and combine weights them."""
+        if weights_after is None:
+            weights_after = not self.wire.plain
         if sum_to_tokens is None:
             sum_to_tokens = self.fuse_combine
         rows = ExpertRows(
             gather_ids_R=plan.token_ids_M,
-            row_weights_R=None if self.weights_after else plan.row_weights(),
-            sum_to_tokens=sum_to_tokens and not self.weights_after,
+            row_weights_R=None if weights_after else plan.row_weights(),
+            sum_to_tokens=sum_to_tokens and not weights_after,
         )
         ctx = DispatchContext(plan, rows)
         return self.wire.local_dispatch(x_TD), plan.offsets_E, ctx
@@ -58,7 +62,7 @@ class LocalDispatcher(Dispatcher):
         """out_ND: y_TD when the experts summed their rows (ctx.sum_to_tokens), else out_RD."""
         if ctx.sum_to_tokens:  # the experts already returned y_TD
             return out_ND
-        if self.weights_after:  # FP8: unweighted rows, weighted here as after an exchange
+        if ctx.row_weights_R is None:  # unweighted rows, weighted here as after an exchange
             out_RD = self.wire.local_combine(out_ND)
             return weighted_sum_rows(out_RD, ctx.plan, ctx.kernel)
         # weights applied: add each row into its token (no float atomics, see sum_rows)
@@ -66,8 +70,11 @@ class LocalDispatcher(Dispatcher):
 
     def run(self, x_TD, plan, experts: ExpertFn, shared=None):
         experts = rows_only(experts)
+        weights_after = not (self.wire.plain and experts.takes_row_weights)
         sum_to_tokens = self.fuse_combine and experts.fuses_combine  # the experts decide
-        x_TD, offsets_L, ctx = self.dispatch(x_TD, plan, sum_to_tokens=sum_to_tokens)
+        x_TD, offsets_L, ctx = self.dispatch(
+            x_TD, plan, sum_to_tokens=sum_to_tokens, weights_after=weights_after
+        )
         ctx.kernel = experts.kernel
         y_TD = self.combine(experts(x_TD, offsets_L, ctx), ctx)
         return y_TD, None if shared is None else shared()

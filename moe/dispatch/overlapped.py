@@ -59,8 +59,7 @@ from moe.dispatch.permute import (
     permute_rows,
     weighted_sum_rows,
 )
-from moe.fp8.config import FP8Config
-from moe.fp8.wire import RowFormat
+from moe.dispatch.wire import PLAIN_WIRE, RowFormat, RowWire
 from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.saved_tensors import keep_graph
 
@@ -86,9 +85,9 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         ranks_per_node: int | None = None,
         degree: int | str = "auto",
         exchange_config: ExchangeConfig | None = None,
-        fp8: FP8Config | None = None,
+        wire: RowWire = PLAIN_WIRE,
     ):
-        super().__init__(group, num_local_experts, algorithm, ranks_per_node, exchange_config, fp8)
+        super().__init__(group, num_local_experts, algorithm, ranks_per_node, exchange_config, wire)
         if validate_overlap(degree) is None:
             raise ValueError("degree must be an int >= 1 or 'auto', got None")
         self.degree = degree
@@ -202,7 +201,7 @@ class _Pipeline:
         self.recv_L = recv_WL.sum(0)  # rows this rank computes per local expert
         self.backs = [p.reverse() for p in plans]
         self.worker, self.clock = dispatcher.worker, dispatcher.clock
-        self.wire = dispatcher.wire  # each direction's row format (plain, or FP8)
+        self.wire = dispatcher.wire  # each direction's row format
         self.arriving: list[Landing] = []  # forward: chunks' rows; backward: their gradients
 
     def start_all(self, x_MD, fmt: RowFormat) -> list[Landing]:
@@ -217,7 +216,7 @@ class _Pipeline:
         return self._send(x_RD, self.backs[c], fmt)
 
     def _send(self, x_ND, plan, fmt: RowFormat) -> Landing:
-        """The rows encoded in fmt (plain or FP8), exchanged, decoded to x's dtype on landing."""
+        """The rows encoded in fmt, exchanged, decoded to x's dtype on landing."""
         D, dtype = x_ND.shape[1], x_ND.dtype
         land = start_exchange(fmt.encode(x_ND), plan, self.worker)
         return lambda: fmt.decode(land(), D, dtype)

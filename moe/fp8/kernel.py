@@ -1,9 +1,10 @@
 """The "fp8" expert kernel: every expert GEMM in e4m3 (moe.fp8.fp8_expert_mlp), one registered
-ExpertKernel like the torch and Triton ones. A layer with MoEConfig.fp8 = FP8Config(experts=True)
-runs an instance holding its FP8Config (`kernel_for_layer`; MoEConfig takes backend "auto" or
-"fp8" with it, and refuses backend="fp8" without it). The registered instance (the default
+ExpertKernel like the torch and Triton ones, chosen by one setting: a layer with
+MoEConfig.fp8 = FP8Config(experts=True) runs an instance holding its FP8Config (`for_layer`,
+asked by moe.kernels.registry.kernel_for_layer; backend stays "auto" or names "fp8", and
+backend="fp8" without FP8Config(experts=True) is refused). The registered instance (the default
 FP8Config(experts=True): rowwise, power-of-two scales) serves GroupedExperts(backend="fp8")
-used on its own.
+used on its own, outside a layer.
 
 What it takes: float32, bfloat16 and float16 weights and inputs on any device (CPU: the
 emulation, quantize -> dequantize -> grouped GEMM in float32; CUDA sm_90+: the rowwise GEMMs on
@@ -27,7 +28,13 @@ class FP8Kernel(ExpertKernel):
     """config: the FP8 settings its GEMMs use (recipe, scales, what the backward keeps)."""
 
     dtypes: tuple[torch.dtype, ...] | None = FP8_DTYPES
+    takes_row_weights: bool = False  # the rows' FP8 scales must see them as between ranks
     config: FP8Config = EXPERTS_FP8
+    selected_by = "MoEConfig.fp8 = FP8Config(experts=True)"
+
+    def for_layer(self, config) -> "FP8Kernel | None":
+        fp8 = config.fp8
+        return FP8Kernel(self.name, config=fp8) if fp8 is not None and fp8.experts else None
 
     def mlp(self, x_ND, offsets_L, weights, *, activation, rows):
         w = weights
@@ -38,11 +45,3 @@ class FP8Kernel(ExpertKernel):
 
 
 FP8 = register_kernel(FP8Kernel("fp8"))
-
-
-def kernel_for_layer(backend: str, fp8: FP8Config | None) -> "str | ExpertKernel":
-    """What a layer's GroupedExperts resolve (their `backend`): the FP8 kernel with the layer's
-    FP8Config when fp8.experts (MoEConfig allows backend "auto" or "fp8" then), else backend."""
-    if fp8 is None or not fp8.experts:
-        return backend
-    return FP8Kernel("fp8", config=fp8)

@@ -6,17 +6,13 @@ Row layout of the packed buffer [R, D + S]: D bytes of e4m3 (element order), the
 nb = ceil(D / block) scales: 4 * nb bytes of float32 ("fp32", "pow2") or nb bytes of UE8M0
 exponents ("ue8m0"). At D = 7168, block 128: 7168 + 224 = 7392 bytes instead of 14336 in bf16.
 
-`fp8_dispatch` / `fp8_combine` are the exchanges of the layer's two directions as autograd
-functions (straight-through through the quantizer): dispatch sends FP8 forward and its gradient
-home in the input's dtype (or FP8 when asked); combine sends the expert outputs in their dtype
-and, with FP8Config.grad_before_down_fp8, its backward (the activation gradient before the
-down-projection) in FP8, as DeepSeek-V3 does.
+The exchanges that send it are the generic wire's (moe/dispatch/wire.py) with the FP8 row
+format (moe/fp8/wire.py).
 """
 
 import torch
 from torch import Tensor
 
-from moe.fp8.config import FP8Config
 from moe.fp8.quant import (
     AMAX_FLOOR,
     E4M3,
@@ -63,53 +59,3 @@ def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[
     if scale_format == "ue8m0":
         return q_RD, ue8m0_to_scales(s_RS)
     return q_RD, s_RS.contiguous().view(torch.float32)
-
-
-def send_fp8(x_ND: Tensor, plan, block: int, scale_format: str, floor: float) -> Tensor:
-    """Quantize, pack, exchange by `plan` (anything with .run(rows)), unpack, dequantize to
-    x's dtype. No autograd."""
-    D = x_ND.shape[1]
-    packed = pack_rows(*quantize_payload(x_ND, block, scale_format, floor), scale_format)
-    q_MD, scales_MB = unpack_rows(plan.run(packed), D, scale_format)
-    return dequantize_payload(q_MD, scales_MB, block, x_ND.dtype)
-
-
-class _Exchange(torch.autograd.Function):
-    """y = exchange(x) by plan, FP8 on the wire forward and/or backward; the gradient of the
-    quantizer is straight-through, the backward goes by plan.reverse()."""
-
-    @staticmethod
-    def forward(ctx, x_ND, plan, fwd_fp8, bwd_fp8, block, scale_format, floor):
-        ctx.plan, ctx.bwd = plan, (bwd_fp8, block, scale_format, floor)
-        if fwd_fp8:
-            return send_fp8(x_ND, plan, block, scale_format, floor)
-        return plan.run(x_ND.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        bwd_fp8, block, scale_format, floor = ctx.bwd
-        back = ctx.plan.reverse()
-        grad_MD = grad_MD.contiguous()
-        if bwd_fp8:
-            dx = send_fp8(grad_MD, back, block, scale_format, floor)
-        else:
-            dx = back.run(grad_MD)
-        return dx, None, None, None, None, None, None
-
-
-def fp8_dispatch(x_ND: Tensor, plan, config: FP8Config, grad_fp8: bool = False) -> Tensor:
-    """The dispatch exchange: FP8 on the wire when config.dispatch (else x's dtype); the
-    gradient goes home in the gradient's dtype, or in FP8 with grad_fp8."""
-    c = config
-    return _Exchange.apply(
-        x_ND, plan, c.dispatch, grad_fp8, c.block_size, c.scale_format, c.amax_floor
-    )
-
-
-def fp8_combine(y_ND: Tensor, plan, config: FP8Config) -> Tensor:
-    """The combine exchange: y's dtype forward; its backward (the gradient before the experts'
-    down-projection) in FP8 when config.grad_before_down_fp8."""
-    c = config
-    return _Exchange.apply(
-        y_ND, plan, False, c.grad_before_down_fp8, c.block_size, c.scale_format, c.amax_floor
-    )

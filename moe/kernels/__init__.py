@@ -12,6 +12,7 @@ from moe.kernels.registry import ExpertKernel, get_kernel, register_kernel, reso
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
 from moe.kernels.torch_kernel import TorchKernel
 from moe.kernels.triton_kernel import TritonKernel
+from moe.kernels.weight_format import WeightFormat, register_weight_format
 
 # Triton entry points load on first use: importing moe never imports triton or builds kernels.
 _LAZY = {
@@ -28,6 +29,7 @@ __all__ = [
     "KernelConfig",
     "TorchKernel",
     "TritonKernel",
+    "WeightFormat",
     "apply_activation",
     "combine",
     "combine_triton",
@@ -37,6 +39,7 @@ __all__ = [
     "grouped_mm_torch",
     "kernel_config",
     "register_kernel",
+    "register_weight_format",
     "resolve_backend",
     "resolve_kernel",
     "set_kernel_config",

@@ -31,13 +31,26 @@ class ExpertKernel(ABC):
     """One way to compute the experts. devices / dtypes: the device types and weight dtypes it
     takes (None: any); formats: ExpertWeights.format values it reads; fuses_combine: it can
     gather on load, scale by the combine weights and sum rows into tokens (the ExpertRows
-    contract), so a dispatcher may hand it the combine."""
+    contract), so a dispatcher may hand it the combine; takes_row_weights: it may get the
+    combine weights on its rows (False: its numerics must see the rows unweighted, as they
+    arrive between ranks, e.g. FP8 GEMMs whose scales are per row).
+
+    selected_by: the setting that chooses this kernel when a feature's settings do (e.g.
+    "MoEConfig.fp8"): `for_layer` returns the kernel for a layer those settings ask it for,
+    and MoEConfig(backend=name) alone is refused (one setting chooses it)."""
 
     name: str
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = FLOATS
     formats: tuple[str, ...] = (DENSE,)
     fuses_combine: bool = True
+    takes_row_weights: bool = True
+    selected_by = None  # class attribute: None, or the setting that chooses it (see above)
+
+    def for_layer(self, config) -> "ExpertKernel | None":
+        """The kernel, with the layer's settings, that a layer with MoEConfig `config` must run
+        on because its settings ask for it; None: the settings do not (the default)."""
+        return None
 
     def refuse(self, x: torch.Tensor, weights: ExpertWeights) -> str | None:
         """Why this kernel cannot take input x with these weights, or None: checked by the
@@ -110,6 +123,30 @@ def get_kernel(name: str) -> ExpertKernel:
     if name not in KERNELS:
         raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
     return KERNELS[name]
+
+
+def kernel_for_layer(config) -> "str | ExpertKernel":
+    """What a layer's GroupedExperts resolve (their `backend`): the kernel the layer's settings
+    claim (ExpertKernel.for_layer, e.g. FP8 experts), which config.backend must leave to "auto"
+    or name itself; else config.backend. One setting chooses a claimed kernel: naming it
+    without its settings is a ValueError."""
+    claimed = [k for k in (k.for_layer(config) for k in list(KERNELS.values())) if k is not None]
+    if len(claimed) > 1:
+        raise ValueError(f"kernels {[k.name for k in claimed]} each claim this layer's experts")
+    if claimed:
+        kernel = claimed[0]
+        if config.backend not in ("auto", kernel.name):
+            raise ValueError(
+                f"{kernel.selected_by} runs the experts on kernel {kernel.name!r}, but "
+                f"backend={config.backend!r} asks for another one: use backend='auto'"
+            )
+        return kernel
+    named = KERNELS.get(config.backend)
+    if named is not None and named.selected_by is not None:
+        raise ValueError(
+            f"backend={config.backend!r} is chosen by {named.selected_by}, not by name"
+        )
+    return config.backend
 
 
 def resolve_kernel(name: "str | ExpertKernel", device: torch.device) -> ExpertKernel:

@@ -23,7 +23,7 @@ from moe.comm.exchange_config import ExchangeConfig, resolved
 from moe.comm.topology import ranks_per_node_setting
 from moe.dispatch.dispatcher import DISPATCHERS
 from moe.dispatch.overlap_option import validate_overlap
-from moe.fp8.wire import fp8_on_the_wire
+from moe.dispatch.wire import wire_for
 from moe.kernels.kernel_config import kernel_config
 from moe.layer import moe_layers
 from moe.slots.layout import check_spare_slots
@@ -114,15 +114,32 @@ def _dispatcher(name: str | None, overlap: str) -> str | None:
     return name
 
 
-def _check_fp8_dispatcher(layer: str, fp8, dispatcher: str | None) -> None:
-    """FP8 on the wire needs a dispatcher that takes fp8= (else it would send the rows in
-    their dtype: a silent change of format)."""
+def _check_wire_dispatcher(layer: str, config, dispatcher: str | None) -> None:
+    """A layer whose rows travel in a row format (not plain) needs a dispatcher that takes
+    wire= (else it would send the rows as they are: a silent change of format)."""
     cls = DISPATCHERS.get(dispatcher) if dispatcher else None
-    if fp8_on_the_wire(fp8) and cls is not None and "fp8" not in inspect.signature(cls).parameters:
+    wire = wire_for(config)
+    if not wire.plain and cls is not None and "wire" not in inspect.signature(cls).parameters:
+        formats = sorted({fmt.name for fmt in wire.formats if not fmt.plain})
         raise ValueError(
-            f"{layer}: MoEConfig.fp8 sends the rows in FP8, but dispatcher={dispatcher!r} "
-            f"({cls.__name__}) takes no fp8= argument (it would send them in their dtype)"
+            f"{layer}: its rows travel in row format {', '.join(formats)}, but "
+            f"dispatcher={dispatcher!r} ({cls.__name__}) takes no wire= argument (it would "
+            "send them as they are)"
         )
+
+
+def _config_fields(prefix: str, config) -> dict:
+    """A dataclass config's fields as JSON scalars: a settings field (a dataclass or None,
+    e.g. a feature's settings) as whether it is set, then its own fields one by one."""
+    record = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if "settings" in f.metadata:
+            record[f"{prefix}{f.name}"] = value is not None
+            record.update(_config_fields(f"{prefix}{f.name}.", value) if value is not None else {})
+        else:
+            record[f"{prefix}{f.name}"] = value
+    return record
 
 
 def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = None) -> dict:
@@ -150,12 +167,8 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
         if layer.has_copies:
             check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)
-        for f in fields(c):
-            record[f"{name}.{f.name}"] = getattr(c, f.name)
-        record[f"{name}.fp8"] = c.fp8 is not None  # its fields one by one (JSON scalars)
-        for f in fields(c.fp8) if c.fp8 is not None else ():
-            record[f"{name}.fp8.{f.name}"] = getattr(c.fp8, f.name)
-        _check_fp8_dispatcher(name, c.fp8, record.get("dispatcher"))
+        record.update(_config_fields(f"{name}.", c))
+        _check_wire_dispatcher(name, c, record.get("dispatcher"))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         record[f"tensor {name}"] = _describe(tensor)
     return record

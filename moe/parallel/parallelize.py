@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe.comm.exchange_config import ExchangeConfig
 from moe.dispatch import DISPATCHERS
-from moe.fp8.wire import fp8_on_the_wire
+from moe.dispatch.wire import wire_for
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
 
@@ -88,13 +88,15 @@ def _wrapper(settings: dict):
     return fully_shard, {**common, "reshard_after_forward": settings["reshard_after_forward"]}
 
 
-def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int, fp8=None):
+def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int, config):
     """One layer's dispatcher: the registered class settings["dispatcher"] built as
     cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=), plus
-    degree= when overlap= is given and fp8= (the layer's MoEConfig.fp8) when FP8 touches the
-    exchange (ExpertParallelDispatcher's signature; check_config refused a class without it)."""
+    degree= when overlap= is given and wire= (the layer's RowWire, wire_for(config)) when it
+    is not plain (ExpertParallelDispatcher's signature; check_config refused a class without
+    it)."""
     overlap = settings["overlap"]
-    wire = {} if not fp8_on_the_wire(fp8) else {"fp8": fp8}
+    row_wire = wire_for(config)
+    wire = {} if row_wire.plain else {"wire": row_wire}
     return DISPATCHERS[settings["dispatcher"]](
         group,
         num_local,
@@ -184,7 +186,7 @@ def parallelize(
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
         group = mesh.get_group("ep")
-        layer.dispatcher = _build_dispatcher(settings, group, local, layer.config.fp8)
+        layer.dispatcher = _build_dispatcher(settings, group, local, layer.config)
         layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
         layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)

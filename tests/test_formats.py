@@ -1,0 +1,219 @@
+"""Formats plugged in from outside (issue 46, item 1): a weight format and a row format defined
+and registered in this file, with no change to moe/, run MoELayer in one process and under
+parallelize(ep=2) on 2 gloo ranks, equal to a float64 reference that applies the same format.
+And the other side of the boundary: nothing on the layer's path names FP8 (a grep), a plain
+layer loads nothing of moe.fp8 (a fresh process), and a format chosen by a feature's settings
+is refused by name."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import moe
+from moe.dispatch.wire import RowFormat, register_row_format, wire_for
+from moe.kernels import ExpertWeights
+from moe.kernels.weight_format import WeightFormat, register_weight_format
+from moe.parallel import init_mesh, parallelize
+from moe.shards import local
+from tests.distributed import run_ranks
+from tests.reference import expert_ffn
+
+D, F, E, K = 10, 14, 4, 2
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MATS = ("w1", "w2", "w3")
+
+
+@dataclass(frozen=True)
+class ScaledBF16(WeightFormat):
+    """Weights stored as bfloat16 values times a per-expert scale kept in the layer's dtype
+    (parameter `<w>_scale` [E], so EP shards it with the weights), dequantized for the kernel."""
+
+    def setup(self, experts: nn.Module) -> None:
+        for name in MATS:
+            w = getattr(experts, name)
+            if w is None:
+                continue
+            scale = w.detach().abs().amax(dim=(1, 2)).clamp_min(1e-30)
+            stored = (w.detach() / scale[:, None, None]).to(torch.bfloat16)
+            setattr(experts, name, nn.Parameter(stored))
+            setattr(experts, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+    def weights(self, experts: nn.Module) -> ExpertWeights:
+        def dequant(name):
+            w = getattr(experts, name)
+            if w is None:
+                return None
+            scale = local(getattr(experts, f"{name}_scale"))
+            return local(w).to(scale.dtype) * scale[:, None, None]
+
+        return ExpertWeights(dequant("w1"), dequant("w2"), dequant("w3"))
+
+
+@dataclass(frozen=True)
+class Int8Rows(RowFormat):
+    """Rows as int8 values plus one float32 scale per row, packed in one uint8 row."""
+
+    def encode(self, x_ND):
+        scale_N = (x_ND.abs().amax(1).float() / 127).clamp_min(1e-30)
+        q_ND = torch.round(x_ND / scale_N[:, None]).to(torch.int8)
+        return torch.cat([q_ND.view(torch.uint8), scale_N[:, None].view(torch.uint8)], 1)
+
+    def decode(self, payload_NP, D, dtype):
+        q_ND = payload_NP[:, :D].clone().view(torch.int8)
+        scale_N1 = payload_NP.new_empty(len(payload_NP), 4).copy_(payload_NP[:, D:])
+        scale_N1 = scale_N1.view(torch.float32)
+        return q_ND.to(dtype) * scale_N1.to(dtype)
+
+    def row_bytes(self, D, element_size):
+        return D + 4
+
+
+SCALED = register_weight_format(ScaledBF16("test_scaled_bf16"))
+INT8 = register_row_format(Int8Rows("test_int8_rows"))
+FORMATS = {"weights": {"weight_format": SCALED.name}, "rows": {"row_format": INT8.name}}
+
+
+def _layer(options: dict) -> moe.MoELayer:
+    torch.manual_seed(0)
+    layer = moe.MoELayer(D, F, E, top_k=K, activation="swiglu", dtype=torch.float64, **options)
+    layer.router.double()  # (the router computes in float32 unless cast: exact comparisons)
+    return layer
+
+
+def _reference(layer: moe.MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """Per token: its k experts' MLP on the weights the format hands out, weighted by the
+    router's combine weights; the row format applied to each dispatched row."""
+    routing = layer.router(x_TD)
+    w = layer.experts.weights()
+    rows = wire_for(layer.config).dispatch_format
+    y = []
+    for t in range(x_TD.shape[0]):
+        x_1D = x_TD[t : t + 1]  # through the format, straight-through gradient
+        x_D = (x_1D + (rows.decode(rows.encode(x_1D.detach()), D, x_TD.dtype) - x_1D).detach())[0]
+        y.append(
+            sum(
+                routing.weights_TK[t, j]
+                * expert_ffn(
+                    x_D,
+                    int(routing.expert_ids_TK[t, j]),
+                    w.w1_LDF,
+                    w.w2_LFD,
+                    w.w3_LDF,
+                    activation="swiglu",
+                )  # fmt: skip
+                for j in range(K)
+            )
+        )
+    return torch.stack(y)
+
+
+def _grads(model, x, scale=1.0) -> dict:
+    y = model(x)
+    (y.square().sum() * scale).backward()
+    out = {"y": y.detach(), "dx": x.grad}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    return out
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_format_from_outside_equals_its_float64_reference(kind):
+    layer = _layer(FORMATS[kind])
+    x = torch.randn(9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = _reference(layer, x)
+    x.requires_grad_()
+    y = layer(x)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    (y.square().sum()).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    _reference(layer, x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
+    plain = _layer({})(x.detach())  # the format changes the result: the test can fail
+    assert not torch.allclose(plain, y, rtol=1e-6, atol=1e-8)
+    if kind == "weights":
+        assert layer.experts.w1.dtype == torch.bfloat16 and layer.experts.w1_scale.shape == (E,)
+        assert "experts.w1_scale" in layer.state_dict()
+
+
+def _ranks_body(rank, world):
+    sizes = [4, 7]
+    x_all = torch.randn(
+        sum(sizes), D, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    diffs = {}
+    for kind, options in FORMATS.items():
+        for mode in ("ddp", "fsdp"):
+            want = _grads(_layer(options), x_all.clone().requires_grad_(), 1.0 / world)
+            want["y"], want["dx"] = want["y"][mine], want["dx"][mine] * world
+            model = parallelize(_layer(options), init_mesh(dp=1, ep=world), mode)
+            got = _grads(model, x_all[mine].clone().requires_grad_())
+            diffs[f"{kind} {mode}"] = {
+                k: float((got[k].double() - want[k].double()).abs().max() / want[k].abs().max())
+                for k in want
+            }
+    return diffs
+
+
+def test_formats_from_outside_under_parallelize_equal_one_process():
+    for diffs in run_ranks(_ranks_body, 2, timeout=240):
+        for name, by_tensor in diffs.items():
+            assert {"y", "dx", "router.weight", "experts.w1"} <= by_tensor.keys(), by_tensor
+            bf16 = {k: v for k, v in by_tensor.items() if k.startswith("experts.w")}
+            exact = {k: v for k, v in by_tensor.items() if k not in bf16}
+            assert max(exact.values()) < 1e-12, (name, exact)
+            # bfloat16 stored weights: their gradients rounded to bfloat16 (8 bits)
+            assert max(bf16.values(), default=0) < 2**-7, (name, bf16)
+
+
+def test_settings_chosen_formats_are_refused_by_name():
+    from moe.fp8 import FP8Config  # registers the FP8 row format and kernel
+
+    with pytest.raises(ValueError, match="row_format='fp8' is chosen by MoEConfig.fp8"):
+        moe.MoELayer(D, F, E, row_format="fp8")
+    with pytest.raises(ValueError, match="backend='fp8' is chosen by MoEConfig.fp8"):
+        moe.MoELayer(D, F, E, backend="fp8")
+    with pytest.raises(ValueError, match="weight_format='nope' is not one of"):
+        moe.MoELayer(D, F, E, weight_format="nope")
+    wire = wire_for(moe.MoEConfig(D, F, E, fp8=FP8Config(dispatch=True)))
+    assert wire.dispatch_format.name == "fp8" and wire.combine_grad_format.plain
+
+
+def test_layer_dispatch_parallel_and_config_name_no_fp8():
+    files = [ROOT / "moe" / "layer.py", ROOT / "moe" / "config.py"]
+    files += sorted((ROOT / "moe" / "dispatch").glob("*.py"))
+    files += sorted((ROOT / "moe" / "parallel").glob("*.py"))
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search("fp8", line, re.IGNORECASE)
+    ]
+    # one field holds the FP8 settings (moe/config.py), nothing else names them
+    assert len(found) == 1 and found[0].startswith("moe/config.py:"), found
+    assert re.search(r"fp8: object = settings\(", found[0]), found
+
+
+FRESH = """
+import json, sys, torch, moe
+before = {m for m in sys.modules if m.startswith("moe.fp8")}
+layer = moe.MoELayer(8, 16, 4, top_k=2, dtype=torch.bfloat16)
+layer(torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+print(json.dumps(sorted(before | {m for m in sys.modules if m.startswith("moe.fp8")})))
+"""
+
+
+def test_plain_bf16_layer_loads_nothing_of_fp8():
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
