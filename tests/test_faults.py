@@ -15,6 +15,7 @@ import moe
 from moe.fp8 import FP8Config
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
+from tests.toy_formats import INT8, SCALED
 
 BASE = dict(
     d_model=8, d_ff=12, num_experts=8, top_k=2, num_groups=2, topk_groups=1, num_shared_experts=1
@@ -53,6 +54,8 @@ ALTERNATIVES = {
     "check_finite": True,
     "spare_slots": 2,
     "fp8": FP8Config(dispatch=True, experts=True),
+    "weight_format": SCALED.name,  # registered from outside moe/ (tests/toy_formats.py)
+    "row_format": INT8.name,
 }
 
 

@@ -10,73 +10,21 @@ import pathlib
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
 
 import moe
-from moe.dispatch.wire import RowFormat, register_row_format, wire_for
-from moe.kernels import ExpertWeights
-from moe.kernels.weight_format import WeightFormat, register_weight_format
+from moe.dispatch.wire import wire_for
 from moe.parallel import init_mesh, parallelize
-from moe.shards import local
 from tests.distributed import run_ranks
 from tests.reference import expert_ffn
+from tests.toy_formats import INT8, SCALED
 
 D, F, E, K = 10, 14, 4, 2
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MATS = ("w1", "w2", "w3")
 
 
-@dataclass(frozen=True)
-class ScaledBF16(WeightFormat):
-    """Weights stored as bfloat16 values times a per-expert scale kept in the layer's dtype
-    (parameter `<w>_scale` [E], so EP shards it with the weights), dequantized for the kernel."""
-
-    def setup(self, experts: nn.Module) -> None:
-        for name in MATS:
-            w = getattr(experts, name)
-            if w is None:
-                continue
-            scale = w.detach().abs().amax(dim=(1, 2)).clamp_min(1e-30)
-            stored = (w.detach() / scale[:, None, None]).to(torch.bfloat16)
-            setattr(experts, name, nn.Parameter(stored))
-            setattr(experts, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
-
-    def weights(self, experts: nn.Module) -> ExpertWeights:
-        def dequant(name):
-            w = getattr(experts, name)
-            if w is None:
-                return None
-            scale = local(getattr(experts, f"{name}_scale"))
-            return local(w).to(scale.dtype) * scale[:, None, None]
-
-        return ExpertWeights(dequant("w1"), dequant("w2"), dequant("w3"))
-
-
-@dataclass(frozen=True)
-class Int8Rows(RowFormat):
-    """Rows as int8 values plus one float32 scale per row, packed in one uint8 row."""
-
-    def encode(self, x_ND):
-        scale_N = (x_ND.abs().amax(1).float() / 127).clamp_min(1e-30)
-        q_ND = torch.round(x_ND / scale_N[:, None]).to(torch.int8)
-        return torch.cat([q_ND.view(torch.uint8), scale_N[:, None].view(torch.uint8)], 1)
-
-    def decode(self, payload_NP, D, dtype):
-        q_ND = payload_NP[:, :D].clone().view(torch.int8)
-        scale_N1 = payload_NP.new_empty(len(payload_NP), 4).copy_(payload_NP[:, D:])
-        scale_N1 = scale_N1.view(torch.float32)
-        return q_ND.to(dtype) * scale_N1.to(dtype)
-
-    def row_bytes(self, D, element_size):
-        return D + 4
-
-
-SCALED = register_weight_format(ScaledBF16("test_scaled_bf16"))
-INT8 = register_row_format(Int8Rows("test_int8_rows"))
 FORMATS = {"weights": {"weight_format": SCALED.name}, "rows": {"row_format": INT8.name}}
 
 
