@@ -1,5 +1,7 @@
-"""Dispatch plan with expert replicas: capacity, drops and counts per expert, then each kept
-pair to one copy's slot.
+"""The dispatch plan over a slot layout (moe.slots.layout.SlotLayout): the one planner the layer
+calls, for every layout. A layout without copies is a permutation: pairs are sorted by slot
+directly (plan_token_choice on slot ids, the default path's cost). With copies: capacity, drops
+and counts per expert, then each kept pair to one copy's slot.
 
 A layer with spare slots holds S = E + R expert slots; expert e sits in every slot s with
 expert_of_slot_S[s] == e. The T*k pairs are sorted and capped per canonical expert exactly as
@@ -10,10 +12,62 @@ deterministic, the same rule on every rank, static shapes, no host sync. Rows ar
 by slot (kept first), which is the plan every dispatcher already takes.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from moe.capacity import count_ids
-from moe.dispatch.permute import DispatchPlan, _sort_pairs
+from moe.dispatch.permute import (
+    DispatchPlan,
+    _sort_pairs,
+    plan_expert_choice,
+    plan_token_choice,
+)
+
+Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def plan_slots(
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_of_slot_S: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    candidates: Callable[[], Candidates],
+    capacity: int | None,
+    drop_policy: str = "position",
+    mask_TK: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Token-choice plan in slots from canonical expert ids, for any slot layout: capacity per
+    expert, rows by slot. S == E (a permutation, no copies): plan_token_choice on slot ids,
+    exactly as without replicas; S > E: plan_token_choice_replicated, each kept pair to one of
+    `candidates()` (copy_candidates, computed only then). The static shapes choose: no sync."""
+    E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
+    if S == E:
+        ids_TK = slot_of_expert_E[expert_ids_TK]
+        return plan_token_choice(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
+    return plan_token_choice_replicated(
+        expert_ids_TK,
+        weights_TK,
+        expert_of_slot_S,
+        slot_of_expert_E,
+        candidates(),
+        capacity,
+        drop_policy,
+        mask_TK,
+    )
+
+
+def plan_expert_choice_slots(
+    token_ids_EC: torch.Tensor,
+    weights_EC: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    num_tokens: int,
+) -> DispatchPlan:
+    """Expert-choice plan in slots: expert e's chosen tokens go to slot slot_of_expert_E[e]
+    (expert choice has no copies: the layout is a permutation)."""
+    ids_SC = torch.empty_like(token_ids_EC).index_copy_(0, slot_of_expert_E, token_ids_EC)
+    weights_SC = torch.zeros_like(weights_EC).index_copy(0, slot_of_expert_E, weights_EC)
+    return plan_expert_choice(ids_SC, weights_SC, num_tokens)
 
 
 def copy_candidates(

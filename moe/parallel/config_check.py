@@ -148,8 +148,7 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
             raise ValueError(f"{name}: already parallelized")
         if c.num_experts % ep:
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
-        if layer.has_copies:
-            check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)
+        check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)  # any layout
         for f in fields(c):
             record[f"{name}.{f.name}"] = getattr(c, f.name)
         record[f"{name}.fp8"] = c.fp8 is not None  # its fields one by one (JSON scalars)

@@ -63,6 +63,45 @@ class SlotLayout:
         """Every expert in a slot, slots split evenly, copies on different ranks."""
         check_replica_placement(list(self.expert_of_slot), self.num_experts, num_ranks)
 
+    def fill_copies(self, t: torch.Tensor) -> None:
+        """In place on a [S, ...] tensor: every spare slot's row from its expert's row (the
+        first E slots hold the experts in order: a new layer). No-op without copies."""
+        E = self.num_experts
+        t[E:] = t[list(self.expert_of_slot[E:])]
+
+    def for_canonical_load(self) -> "SlotLayout":
+        """The layout to read canonical expert rows into (moe.load_hf_checkpoint): a layout
+        without copies restarts as the identity placement (each rank reads its own contiguous
+        experts); a replica layout is kept (every copy filled from its expert's row)."""
+        return self if self.has_copies else SlotLayout.of_placement(range(self.num_experts))
+
+    def experts_read(self, first: int, count: int) -> tuple[int, int]:
+        """(first expert, number) of the contiguous canonical experts that slots
+        [first, first + count) hold copies of: what a rank reads from a canonical file."""
+        held = self.expert_of_slot[first : first + count]
+        return min(held), max(held) - min(held) + 1
+
+
+def with_copies(named_layers) -> list:
+    """The (name, layer) pairs whose slots hold copies (S > E, fixed when the layer is built):
+    the only layers with copies' gradients to sum (moe.parallel.replicas), canonical rows to
+    gather for a checkpoint (moe.checkpoint.replicas) or a replica layout to store. For a
+    layout without copies each of those is the identity, so it is left out here, once."""
+    return [
+        (name, layer)
+        for name, layer in named_layers
+        if num_slots(layer.config) > layer.config.num_experts
+    ]
+
+
+def state_entries(expert_of_slot_S: torch.Tensor, slot_of_expert_E: torch.Tensor) -> dict:
+    """The layout keys of a layer's state dict, the ones every version wrote: slot_of_expert_E,
+    and expert_of_slot_S when the layout holds copies (a permutation is its own inverse map)."""
+    out = {"slot_of_expert_E": slot_of_expert_E}
+    if expert_of_slot_S.numel() > slot_of_expert_E.numel():
+        out["expert_of_slot_S"] = expert_of_slot_S
+    return out
+
 
 def spare(config) -> int:
     """R, the spare slots of a layer's config (the one reader outside moe/config.py)."""
