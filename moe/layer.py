@@ -99,8 +99,12 @@ class MoELayer(nn.Module):
         # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
         # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
         # dicts carry the keys every version wrote (_state_dict_slots).
+        # Its checksum travels with each forward's count exchange under EP: ranks holding
+        # different layouts (a load_state_dict on some ranks) are refused before rows move.
         eos = torch.tensor(layout.expert_of_slot, dtype=torch.long, device=device)
         self.register_buffer("expert_of_slot_S", eos, persistent=False)
+        check = torch.tensor([layout.checksum()], dtype=torch.long, device=device)
+        self.register_buffer("slot_checksum_1", check, persistent=False)
         self.register_state_dict_post_hook(_state_dict_slots)
         with torch.no_grad():  # spare slots start as copies of experts 0, 1, ... (or none)
             for p in self.experts.parameters():
@@ -187,10 +191,10 @@ class MoELayer(nn.Module):
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
         """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
-        eos_S, slot_E = self.expert_of_slot_S, self.slot_of_expert_E
+        eos_S, slot_E, check = self.expert_of_slot_S, self.slot_of_expert_E, self.slot_checksum_1
         if routing.token_ids_EC is not None:  # expert choice: expert e's tokens -> its slot
             return plan_expert_choice_slots(
-                routing.token_ids_EC, routing.weights_EC, slot_E, num_tokens
+                routing.token_ids_EC, routing.weights_EC, slot_E, num_tokens, check
             )
         factor = capacity_factor_for(c, self.training)
         capacity = expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity)
@@ -203,6 +207,7 @@ class MoELayer(nn.Module):
             capacity,
             c.drop_policy,
             routing.mask_TK,
+            check,
         )
 
     def _copy_candidates(self):
@@ -275,6 +280,7 @@ class MoELayer(nn.Module):
             )
         layout.check()
         self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
+        self.slot_checksum_1.fill_(layout.checksum())
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-slot counts back in canonical expert ids (stats, loads): each

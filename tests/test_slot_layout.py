@@ -1,14 +1,18 @@
-"""Replicas as a layout (issue 46 item 2): callers of a slot layout never branch on whether it
-holds copies; a layout without copies is the identity case of every layout operation."""
+"""Replicas as a layout (issue 46 item 2; issue 49 item 5): callers of a slot layout never branch
+on whether it holds copies, and ranks of an expert-parallel group holding different layouts
+are refused at the first forward that would use them, on every rank, before any row moves."""
 
 import ast
 import pathlib
 
 import pytest
 import torch
+from torch import nn
 
 from moe import MoELayer
+from moe.parallel import init_mesh, parallelize
 from moe.slots.layout import SlotLayout
+from tests.distributed import run_ranks
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "moe"
 # Where knowing about copies is the point: the field and its validation, the layout, the guard.
@@ -70,6 +74,56 @@ def test_identity_layout_is_a_no_op_of_every_layout_method():
     assert layout.for_canonical_load() == SlotLayout.of_placement(range(4))
     assert SlotLayout(4, (0, 1, 2, 3, 0, 1)).for_canonical_load().num_slots == 6
     assert SlotLayout(4, (0, 1, 2, 3, 0, 1)).experts_read(3, 3) == (0, 4)
+    assert layout.checksum() != SlotLayout.of_placement([0, 1, 2, 3]).checksum()
+
+
+# Each case: (spare slots, layout keys rank 1 loads with a plain load_state_dict).
+CASES = [
+    (0, {"slot_of_expert_E": [2, 3, 0, 1]}),
+    (2, {"slot_of_expert_E": [0, 1, 3, 2], "expert_of_slot_S": [0, 1, 3, 2, 0, 1]}),
+]
+
+
+def _forward(model, rank: int):
+    """The error the forward raised on this rank, or None."""
+    x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    try:
+        model(x).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _layouts_body(rank, world, cases):
+    out = []
+    for spare, keys in cases:
+        torch.manual_seed(0)
+        layer = MoELayer(8, 12, 4, top_k=2, backend="torch", spare_slots=spare, dtype=torch.float64)
+        model = nn.Sequential(layer)
+        parallelize(model, init_mesh(dp=1, ep=world), "ddp")
+        state = {f"0.{k}": torch.tensor(v) for k, v in keys.items()}
+        before = _forward(model, rank)  # one layout on both ranks: runs
+        if rank == 1:  # another layout on one rank only
+            model.load_state_dict(state, strict=False)
+        differ = _forward(model, rank)
+        if rank == 0:  # now both hold the same one again: runs
+            model.load_state_dict(state, strict=False)
+        agree = _forward(model, rank)
+        out.append((before, differ, agree))
+    return out
+
+
+def test_ranks_with_different_layouts_are_refused_before_the_forward_uses_them():
+    """Issue 49 item 5: a plain load_state_dict of another layout on one rank used to run the
+    next forward with tokens sent to the wrong experts (refused only at the next
+    sum_replica_grads); the layout's checksum rides with the count exchange (no extra
+    collective), so both ranks raise the same error before any row moves."""
+    results = run_ranks(_layouts_body, 2, CASES, timeout=30, deadline=120)
+    for case, first, second in zip(CASES, *results, strict=True):
+        for before, differ, agree in (first, second):
+            assert before is None and agree is None, (case, before, agree)
+            assert differ is not None and "different slot layouts" in differ, (case, differ)
+        assert first[1] == second[1], case  # the same message on every rank
 
 
 @pytest.mark.parametrize("spare", [0, 2])

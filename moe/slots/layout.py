@@ -4,6 +4,7 @@ copies of one expert on different expert-parallel ranks; slot_of_expert[e] is ex
 slot (the copy checkpoints and exports read). Pure functions, imported by the layer and by
 moe.parallel's planner (replica_placement.py)."""
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,13 @@ class SlotLayout:
     def check(self, num_ranks: int = 1) -> None:
         """Every expert in a slot, slots split evenly, copies on different ranks."""
         check_replica_placement(list(self.expert_of_slot), self.num_experts, num_ranks)
+
+    def checksum(self) -> int:
+        """A 56-bit digest of the layout (non-negative, fits int64): what the ranks of an
+        expert-parallel group compare in each forward's count exchange (the layer keeps it
+        beside the layout, moe.dispatch.replica_split.check_layouts_agree)."""
+        data = ",".join(map(str, (self.num_experts, *self.expert_of_slot))).encode()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
     def fill_copies(self, t: torch.Tensor) -> None:
         """In place on a [S, ...] tensor: every spare slot's row from its expert's row (the
