@@ -1,8 +1,9 @@
-"""The slot layout of a layer with expert replicas (MoEConfig.spare_slots = R): S = E + R
-slots, slot s holding a copy of expert expert_of_slot[s]; every expert in at least one slot,
-copies of one expert on different expert-parallel ranks; slot_of_expert[e] is expert e's first
-slot (the copy checkpoints and exports read). Pure functions, imported by the layer and by
-moe.parallel's planner (replica_placement.py)."""
+"""The slot layout of every layer: S = E + R slots (MoEConfig.spare_slots = R), slot s holding
+a copy of expert expert_of_slot[s]; every expert in at least one slot, copies of one expert on
+different expert-parallel ranks; slot_of_expert[e] is expert e's first slot (the copy
+checkpoints and exports read). A layout without copies (R = 0) is a permutation, and every
+operation here is its identity case, so callers never branch on copies: this module, the
+config and the replica guard are the only places that know whether a layer has them."""
 
 import hashlib
 from dataclasses import dataclass
