@@ -10,8 +10,13 @@ import torch
 from torch import nn
 
 from moe import MoELayer
+from moe.dispatch.permute import plan_token_choice
+from moe.dispatch.replica_split import copy_candidates, plan_slots, plan_token_choice_replicated
 from moe.parallel import init_mesh, parallelize
+from moe.parallel.rebalance import _transfers
 from moe.slots.layout import SlotLayout
+from moe.slots.placement_plan import plan_placement
+from moe.slots.replica_plan import plan_layout, plan_replicas
 from tests.distributed import run_ranks
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "moe"
@@ -75,6 +80,68 @@ def test_identity_layout_is_a_no_op_of_every_layout_method():
     assert SlotLayout(4, (0, 1, 2, 3, 0, 1)).for_canonical_load().num_slots == 6
     assert SlotLayout(4, (0, 1, 2, 3, 0, 1)).experts_read(3, 3) == (0, 4)
     assert layout.checksum() != SlotLayout.of_placement([0, 1, 2, 3]).checksum()
+
+
+def _transfers_by_expert(old, new, ranges):
+    """The per-expert moves rebalance_experts made for permutations before issue 46 (expert e
+    from its old slot to its new one), kept as the reference for the slot-by-slot path."""
+    holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
+    expert_of_slot = [0] * len(new)
+    for e, s in enumerate(new):
+        expert_of_slot[s] = e
+    out = []
+    for s in range(len(new)):
+        src = old[expert_of_slot[s]]
+        if src == s:
+            continue
+        for i, q in enumerate(holders[s]):
+            h = holders[src][i % len(holders[src])]
+            out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_by_slot_moves_of_a_permutation_are_the_per_expert_ones(seed):
+    g = torch.Generator().manual_seed(seed)
+    E, world = 8, [1, 2, 4][seed % 3]
+    old, new = (torch.randperm(E, generator=g).tolist() for _ in range(2))
+    L = E // world
+    ranges = [(r * L, L) for r in range(world)] * (2 if seed % 2 else 1)  # "ddp": dp replicas
+    by_slot = _transfers(
+        SlotLayout.of_placement(old).expert_of_slot,
+        SlotLayout.of_placement(new).expert_of_slot,
+        ranges,
+    )
+    assert by_slot == _transfers_by_expert(old, new, ranges)
+
+
+def test_one_planner_per_decision_a_permutation_planned_as_before():
+    load = [9.0, 1.0, 1.0, 1.0, 7.0, 1.0, 2.0, 1.0]
+    perm = SlotLayout.of_placement([3, 1, 2, 0, 4, 5, 6, 7])
+    assert plan_layout(load, perm, 2, 0.0) == plan_placement(load, perm.slot_of_expert, 2, 0.0)
+    copies = SlotLayout(8, (*range(8), 0, 1))
+    assert plan_layout(load, copies, 2, 0.0) == plan_replicas(load, copies.expert_of_slot, 2, 0.0)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_the_slot_planner_is_each_plan_it_replaces(capacity):
+    g = torch.Generator().manual_seed(1)
+    T, K, E = 11, 2, 4
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g, dtype=torch.float64)
+    slot_E = torch.tensor([2, 0, 3, 1])
+    eos_S = torch.argsort(slot_E)
+    got = plan_slots(ids_TK, w_TK, eos_S, slot_E, None, capacity, "position")
+    want = plan_token_choice(slot_E[ids_TK], w_TK, E, capacity, "position")
+    for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    eos_S = torch.tensor([0, 1, 2, 3, 0, 1])
+    slot_E = torch.arange(E)
+    cands = copy_candidates(eos_S, E, 0, 3, 2)
+    got = plan_slots(ids_TK, w_TK, eos_S, slot_E, lambda: cands, capacity, "position")
+    want = plan_token_choice_replicated(ids_TK, w_TK, eos_S, slot_E, cands, capacity, "position")
+    for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
 # Each case: (spare slots, layout keys rank 1 loads with a plain load_state_dict).

@@ -201,6 +201,7 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     for layer in owners.values():  # canonical rows: a placement restarts as the identity
         layer.set_slot_layout(layer.slot_layout().for_canonical_load())
+    ranges = {name: _expert_range(layer) for name, layer in owners.items()}  # one host read
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:
@@ -211,8 +212,8 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
                 if p.expert is None and p.fused is None:
                     _place(state[p.name], f.get_tensor(p.hub_key), p.name)
                     continue
-                layer = owners[p.name.rsplit(".experts.", 1)[0]]
-                first, count = _expert_range(layer)
+                owner = p.name.rsplit(".experts.", 1)[0]
+                layer, (first, count) = owners[owner], ranges[owner]
                 value = _read(f, p, first, count)
         except HFCheckpointError:
             raise
