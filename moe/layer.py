@@ -13,8 +13,8 @@ from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
-from moe.dispatch.permute import DispatchPlan, plan_expert_choice, plan_token_choice
-from moe.dispatch.replica_split import copy_candidates, plan_token_choice_replicated
+from moe.dispatch.permute import DispatchPlan
+from moe.dispatch.replica_split import copy_candidates, plan_expert_choice_slots, plan_slots
 from moe.dispatch.wire import wire_for
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
@@ -25,7 +25,7 @@ from moe.kernels.weight_format import weight_format_for
 from moe.recompute_frame import recompute_context
 from moe.shared_experts import SharedExperts
 from moe.slots import guard as replica_guard
-from moe.slots.layout import SlotLayout, first_slots, layout_from_state
+from moe.slots.layout import SlotLayout, first_slots, layout_from_state, state_entries
 
 
 class MoELayer(nn.Module):
@@ -73,7 +73,7 @@ class MoELayer(nn.Module):
         self.name = name
         self.router = build_router(self.config)
         layout = SlotLayout.of_config(self.config)  # the experts, then R spare slots (copies)
-        self.has_copies, self.num_slots = layout.has_copies, layout.num_slots
+        self.num_slots = layout.num_slots
         self.experts = GroupedExperts(
             layout.num_slots,
             d_model,
@@ -101,17 +101,20 @@ class MoELayer(nn.Module):
         # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
         # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
         # dicts carry the keys every version wrote (_state_dict_slots).
+        # Its checksum travels with each forward's count exchange under EP: ranks holding
+        # different layouts (a load_state_dict on some ranks) are refused before rows move.
         eos = torch.tensor(layout.expert_of_slot, dtype=torch.long, device=device)
         self.register_buffer("expert_of_slot_S", eos, persistent=False)
+        check = torch.tensor([layout.checksum()], dtype=torch.long, device=device)
+        self.register_buffer("slot_checksum_1", check, persistent=False)
         self.register_state_dict_post_hook(_state_dict_slots)
-        if layout.has_copies:  # spare slots start as copies of experts 0, 1, ...
-            with torch.no_grad():
-                for p in self.experts.parameters():
-                    p[num_experts:] = p[list(layout.expert_of_slot[num_experts:])]
+        with torch.no_grad():  # spare slots start as copies of experts 0, 1, ... (or none)
+            for p in self.experts.parameters():
+                layout.fill_copies(p)
         self._backwards = BackwardWatch()
         self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
-        if self.has_copies:  # copies' gradients to sum before a step (replica_guard)
-            replica_guard.watch(self)
+        # copies' gradients to sum before a step: the backward's mark (None without copies)
+        self.replica_mark = replica_guard.watch(self, layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.config.d_model
@@ -128,18 +131,13 @@ class MoELayer(nn.Module):
         else:
             y_TD = self._forward_tokens(x_TD)
         if y_TD.requires_grad and torch.compiler.is_compiling():
-            if self.has_copies:  # traced: its copies' gradients are watched (replica_guard)
-                self.ran_compiled = True
+            replica_guard.traced(self)  # its copies' gradients watched instead of the mark
         elif y_TD.requires_grad:
-            marks = self._replica_grads_arrived if self.has_copies else None
-            y_TD = self._backwards.watch(y_TD, marks)
+            y_TD = self._backwards.watch(y_TD, self.replica_mark)
         # FSDP2 (parallelize) hooks its pre-backward all-gather onto the output, which an
         # in-place op on a view would drop: there, one T x D copy instead of a view
         fsdp = isinstance(self, FSDPModule) and y_TD.requires_grad
         return y_TD.view(x.shape).clone() if fsdp else y_TD.view(x.shape)
-
-    def _replica_grads_arrived(self) -> None:
-        replica_guard.grads_arrived(self)  # a backward reached this layer: copies to sum
 
     @property
     def replica_grads_pending(self) -> bool:
@@ -195,36 +193,23 @@ class MoELayer(nn.Module):
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
         """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
         c = self.config
-        slot_E = self.slot_of_expert_E
-        if self.has_copies:  # capacity per expert, each kept pair to one copy
-            factor = capacity_factor_for(c, self.training)
-            return plan_token_choice_replicated(
-                routing.expert_ids_TK,
-                routing.weights_TK,
-                self.expert_of_slot_S,
-                slot_E,
-                self._copy_candidates(),
-                expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity),
-                c.drop_policy,
-                routing.mask_TK,
+        eos_S, slot_E, check = self.expert_of_slot_S, self.slot_of_expert_E, self.slot_checksum_1
+        if routing.token_ids_EC is not None:  # expert choice: expert e's tokens -> its slot
+            return plan_expert_choice_slots(
+                routing.token_ids_EC, routing.weights_EC, slot_E, num_tokens, check
             )
-        if routing.token_ids_EC is not None:  # expert e's chosen tokens -> slot slot_E[e]
-            ids_SC = torch.empty_like(routing.token_ids_EC).index_copy_(
-                0, slot_E, routing.token_ids_EC
-            )
-            weights_SC = torch.zeros_like(routing.weights_EC).index_copy(
-                0, slot_E, routing.weights_EC
-            )
-            return plan_expert_choice(ids_SC, weights_SC, num_tokens)
         factor = capacity_factor_for(c, self.training)
         capacity = expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity)
-        return plan_token_choice(
-            slot_E[routing.expert_ids_TK],
+        return plan_slots(
+            routing.expert_ids_TK,
             routing.weights_TK,
-            c.num_experts,
+            eos_S,
+            slot_E,
+            self._copy_candidates,
             capacity,
             c.drop_policy,
             routing.mask_TK,
+            check,
         )
 
     def _copy_candidates(self):
@@ -297,6 +282,7 @@ class MoELayer(nn.Module):
             )
         layout.check()
         self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
+        self.slot_checksum_1.fill_(layout.checksum())
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
         """The plan's per-slot counts back in canonical expert ids (stats, loads): each
@@ -371,11 +357,10 @@ def _shared_experts(config: MoEConfig, device, dtype) -> SharedExperts | None:
 
 
 def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) -> None:
-    """State dicts keep the keys every version wrote: slot_of_expert_E, and with copies
-    expert_of_slot_S (the layer holds the layout once: expert_of_slot_S, not persistent)."""
-    state_dict[prefix + "slot_of_expert_E"] = layer.slot_of_expert_E
-    if layer.has_copies:
-        state_dict[prefix + "expert_of_slot_S"] = layer.expert_of_slot_S
+    """State dicts keep the keys every version wrote (moe.slots.layout.state_entries; the
+    layer holds the layout once: expert_of_slot_S, not persistent)."""
+    for key, value in state_entries(layer.expert_of_slot_S, layer.slot_of_expert_E).items():
+        state_dict[prefix + key] = value
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

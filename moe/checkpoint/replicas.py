@@ -16,13 +16,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from moe.layer import MoELayer, moe_layers
 from moe.shards import local
+from moe.slots.layout import with_copies
 
 
 def replica_layers(model: nn.Module) -> dict[str, MoELayer]:
     """{state-dict prefix ("" or "name."): layer} of the layers with spare slots."""
-    return {
-        (f"{name}." if name else ""): layer for name, layer in moe_layers(model) if layer.has_copies
-    }
+    return {(f"{name}." if name else ""): layer for name, layer in with_copies(moe_layers(model))}
 
 
 def _expert_fqn(key: str, layers: dict[str, MoELayer]) -> tuple[MoELayer, str] | None:

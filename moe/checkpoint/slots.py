@@ -18,7 +18,7 @@ from torch import nn
 
 from moe.checkpoint.errors import CheckpointError
 from moe.layer import MoELayer, moe_layers
-from moe.slots.layout import SlotLayout
+from moe.slots.layout import SlotLayout, with_copies
 
 KEY = "slot_layouts"
 
@@ -48,18 +48,16 @@ def placement_problem(key: str, value, num_experts: int) -> str | None:
 def layouts_to_save(model: nn.Module) -> dict[str, list[int]]:
     """{prefix: expert_of_slot} of the layers with copies; refuses a broken live layout
     (every layer's, checked before its state dict is read)."""
-    out = {}
+    layouts = {prefix: layer.slot_layout() for prefix, layer in _prefixed(model).items()}
     for prefix, layer in _prefixed(model).items():
-        layout = layer.slot_layout()
         try:
-            layout.check(_ep(layer))
+            layouts[prefix].check(_ep(layer))
         except ValueError as e:
             raise CheckpointError(
                 f"save_checkpoint: {prefix}expert_of_slot_S: {e} (nothing was written)"
             ) from None
-        if layer.has_copies:
-            out[prefix] = list(layout.expert_of_slot)
-    return out
+    copied = with_copies(_prefixed(model).items())  # a permutation is stored as tensors
+    return {prefix: list(layouts[prefix].expert_of_slot) for prefix, _ in copied}
 
 
 def _saved_layout(layer: MoELayer, prefix: str, value, problems: list) -> SlotLayout | None:
@@ -111,8 +109,7 @@ def check_loaded(model: nn.Module, loaded: dict, problems: list) -> None:
 def restore(model: nn.Module, objects: dict) -> None:
     """Adopt each fitting saved replica layout (validated by check_objects)."""
     saved = objects.get(KEY, {})
-    for prefix, layer in _prefixed(model).items():
-        if layer.has_copies and prefix in saved:
-            layout = _saved_layout(layer, prefix, saved[prefix], [])
-            if layout is not None:
-                layer.set_slot_layout(layout)
+    for prefix, layer in with_copies(_prefixed(model).items()):
+        layout = _saved_layout(layer, prefix, saved[prefix], []) if prefix in saved else None
+        if layout is not None:
+            layer.set_slot_layout(layout)

@@ -17,6 +17,7 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
+from moe.dispatch.replica_split import check_layouts_agree, with_layout_check
 from moe.dispatch.wire import PLAIN_WIRE, RowWire
 from moe.kernels.expert_rows import ExpertRows
 
@@ -95,15 +96,17 @@ class ExpertParallelDispatcher(Dispatcher):
         self._check_plan(plan)
         counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
         row_bytes = self.wire.dispatch_format.row_bytes(x_TD.shape[1], x_TD.element_size())
-        return plan_expert_exchange(
+        counts = plan_expert_exchange(
             counts_WL,
             row_bytes,
             self.group,
             self.algorithm,
             self.ranks_per_node,
-            extra,
+            with_layout_check(plan, extra),  # the layer's slot layout, checked on every rank
             self.exchange_config,
         )
+        check_layouts_agree(plan, counts.extras_W)
+        return counts
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
         counts = self._plan_exchange(x_TD, plan)

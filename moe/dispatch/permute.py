@@ -29,6 +29,10 @@ class DispatchPlan:
     weights_M: torch.Tensor | None  # fp32 [M]: combine weight per row (expert choice)
     num_dropped: torch.Tensor  # long scalar: pairs dropped for capacity
     num_tokens: int
+    # long [X]: the slot layout's checksum (MoELayer.slot_checksum_1), which expert-parallel
+    # dispatchers send with the counts so every rank checks the group holds one layout (None:
+    # a plan built outside a layer, nothing to check)
+    layout_check_X: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -1,5 +1,7 @@
-"""Dispatch plan with expert replicas: capacity, drops and counts per expert, then each kept
-pair to one copy's slot.
+"""The dispatch plan over a slot layout (moe.slots.layout.SlotLayout): the one planner the layer
+calls, for every layout. A layout without copies is a permutation: pairs are sorted by slot
+directly (plan_token_choice on slot ids, the default path's cost). With copies: capacity, drops
+and counts per expert, then each kept pair to one copy's slot.
 
 A layer with spare slots holds S = E + R expert slots; expert e sits in every slot s with
 expert_of_slot_S[s] == e. The T*k pairs are sorted and capped per canonical expert exactly as
@@ -10,10 +12,97 @@ deterministic, the same rule on every rank, static shapes, no host sync. Rows ar
 by slot (kept first), which is the plan every dispatcher already takes.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from moe.capacity import count_ids
-from moe.dispatch.permute import DispatchPlan, _sort_pairs
+from moe.dispatch.permute import (
+    DispatchPlan,
+    _sort_pairs,
+    plan_expert_choice,
+    plan_token_choice,
+)
+
+Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def plan_slots(
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_of_slot_S: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    candidates: Callable[[], Candidates],
+    capacity: int | None,
+    drop_policy: str = "position",
+    mask_TK: torch.Tensor | None = None,
+    layout_check_X: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Token-choice plan in slots from canonical expert ids, for any slot layout: capacity per
+    expert, rows by slot. S == E (a permutation, no copies): plan_token_choice on slot ids,
+    exactly as without replicas; S > E: plan_token_choice_replicated, each kept pair to one of
+    `candidates()` (copy_candidates, computed only then). The static shapes choose: no sync."""
+    E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
+    if S == E:
+        ids_TK = slot_of_expert_E[expert_ids_TK]
+        plan = plan_token_choice(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
+    else:
+        plan = plan_token_choice_replicated(
+            expert_ids_TK,
+            weights_TK,
+            expert_of_slot_S,
+            slot_of_expert_E,
+            candidates(),
+            capacity,
+            drop_policy,
+            mask_TK,
+        )
+    plan.layout_check_X = layout_check_X
+    return plan
+
+
+def plan_expert_choice_slots(
+    token_ids_EC: torch.Tensor,
+    weights_EC: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    num_tokens: int,
+    layout_check_X: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Expert-choice plan in slots: expert e's chosen tokens go to slot slot_of_expert_E[e]
+    (expert choice has no copies: the layout is a permutation)."""
+    ids_SC = torch.empty_like(token_ids_EC).index_copy_(0, slot_of_expert_E, token_ids_EC)
+    weights_SC = torch.zeros_like(weights_EC).index_copy(0, slot_of_expert_E, weights_EC)
+    plan = plan_expert_choice(ids_SC, weights_SC, num_tokens)
+    plan.layout_check_X = layout_check_X
+    return plan
+
+
+def with_layout_check(plan: DispatchPlan, extra: torch.Tensor | None) -> torch.Tensor | None:
+    """The extra columns of an expert-parallel count exchange with the plan's layout checksum
+    appended (moe.comm.plan_expert_exchange sends them to every rank with the counts)."""
+    check = plan.layout_check_X
+    if check is None:
+        return extra
+    return check if extra is None else torch.cat([extra.to(check), check])
+
+
+def check_layouts_agree(plan: DispatchPlan, extras_W) -> None:
+    """After the count exchange, before any row moves: every rank of the group must hold the
+    slot layout this one holds (the checksums each rank sent last in its extras). The same
+    ValueError on every rank otherwise (each received every rank's checksum): no rank hangs."""
+    check = plan.layout_check_X
+    if check is None:
+        return
+    n = check.numel()
+    sums = [tuple(e[len(e) - n :]) for e in extras_W]
+    if len(set(sums)) > 1:
+        seen = ", ".join(f"rank {r}: {s[0]:x}" for r, s in enumerate(sums[:8]))
+        raise ValueError(
+            "the ranks of the expert-parallel group hold different slot layouts "
+            f"(expert_of_slot_S checksums {seen}), e.g. after load_state_dict on some ranks "
+            "or with different state dicts; nothing was exchanged: load the same state on "
+            "every rank (or through moe.checkpoint)"
+        )
 
 
 def copy_candidates(

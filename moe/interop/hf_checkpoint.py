@@ -40,7 +40,6 @@ from moe.interop.hf_files import (
     read_index,
     weight_map_of,
 )
-from moe.slots.layout import SlotLayout
 
 SAVED_BY = "moe.save_hf_checkpoint"  # in the index's metadata: this folder's shards are ours
 STAGING = ".moe-hf-"
@@ -110,20 +109,18 @@ def _layer_pieces(path: str, layer: HFMoELayer, fused: bool) -> list[Piece]:
 
 
 def _expert_range(layer: HFMoELayer) -> tuple[int, int]:
-    """(first, count) of the canonical experts this rank reads: its slots' range, or every
-    expert for a layer with spare slots (its slots hold any experts: all are read, then each
-    slot takes its expert's row)."""
-    if layer.has_copies:
-        return 0, layer.config.num_experts
-    return layer.experts.expert_offset, layer.experts.num_experts
+    """(first, count) of the canonical experts this rank reads: those its slots hold in the
+    layout the load adopts (SlotLayout.for_canonical_load: its own contiguous experts for a
+    placement, the experts its copies hold with replicas)."""
+    layout = layer.slot_layout().for_canonical_load()
+    return layout.experts_read(layer.experts.expert_offset, layer.experts.num_experts)
 
 
-def _in_slots(layer: HFMoELayer, rows: torch.Tensor) -> torch.Tensor:
-    """The rows read for `_expert_range` in this rank's slots (copies filled)."""
-    if not layer.has_copies:
-        return rows
-    first, L = layer.experts.expert_offset, layer.experts.num_experts
-    return rows[layer.expert_of_slot_S[first : first + L].to(rows.device)]
+def _in_slots(layer: HFMoELayer, rows: torch.Tensor, first: int) -> torch.Tensor:
+    """The rows read for `_expert_range` (canonical experts from `first`) in this rank's
+    slots, each slot taking its expert's row (copies filled)."""
+    lo, L = layer.experts.expert_offset, layer.experts.num_experts
+    return rows[layer.expert_of_slot_S[lo : lo + L].to(rows.device) - first]
 
 
 def _pieces(model: nn.Module, fused: bool) -> list[Piece]:
@@ -202,9 +199,9 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     _check(pieces, weight_map, headers, stored_in, path)
     state = model.state_dict(keep_vars=True)
     owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
-    for layer in owners.values():  # every expert is read in canonical order
-        if not layer.has_copies:  # replicas keep their layout: every copy is filled
-            layer.set_slot_layout(SlotLayout.of_placement(range(layer.config.num_experts)))
+    for layer in owners.values():  # canonical rows: a placement restarts as the identity
+        layer.set_slot_layout(layer.slot_layout().for_canonical_load())
+    ranges = {name: _expert_range(layer) for name, layer in owners.items()}  # one host read
     rows: list[torch.Tensor] = []  # this rank's experts of the parameter being assembled
     for p in pieces:
         if not p.local:
@@ -215,19 +212,19 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
                 if p.expert is None and p.fused is None:
                     _place(state[p.name], f.get_tensor(p.hub_key), p.name)
                     continue
-                layer = owners[p.name.rsplit(".experts.", 1)[0]]
-                first, count = _expert_range(layer)
+                owner = p.name.rsplit(".experts.", 1)[0]
+                layer, (first, count) = owners[owner], ranges[owner]
                 value = _read(f, p, first, count)
         except HFCheckpointError:
             raise
         except Exception as e:  # safetensors' own error types; the file changed under us
             raise HFCheckpointError(f"safetensors file {file!r}: {p.hub_key}: {e}") from e
         if p.fused is not None:
-            _place(state[p.name], _in_slots(layer, value), p.name)
+            _place(state[p.name], _in_slots(layer, value, first), p.name)
             continue
         rows.append(value)
         if p.expert == first + count - 1:
-            _place(state[p.name], _in_slots(layer, torch.stack(rows)), p.name)
+            _place(state[p.name], _in_slots(layer, torch.stack(rows), first), p.name)
             rows = []
     return model
 

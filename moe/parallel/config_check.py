@@ -165,8 +165,7 @@ def config_record(model: nn.Module, mesh: DeviceMesh, settings: dict | None = No
             raise ValueError(f"{name}: already parallelized")
         if c.num_experts % ep:
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
-        if layer.has_copies:
-            check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)
+        check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)  # any layout
         record.update(_config_fields(f"{name}.", c))
         _check_wire_dispatcher(name, c, record.get("dispatcher"))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

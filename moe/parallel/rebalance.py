@@ -25,9 +25,10 @@ training continues as it would have (float32 reduction-order differences at most
 Checkpoints carry the placement (the buffer is in the state dict), so a save after a rebalance
 reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
 
-Layers built with spare slots (MoEConfig.spare_slots, moe.parallel.replicas) are planned with
-moe.slots.replica_plan.plan_replicas: the call also decides which experts the spare
-slots copy; slots whose expert changes are filled from a current copy in the same exchange.
+Every layer is planned from its slot layout (moe.slots.replica_plan.plan_layout): a layout
+without copies as a placement, one with spare slots (moe.parallel.replicas) also deciding which
+experts the spare slots copy; each slot whose expert changes is filled from a slot holding that
+expert now, in the same exchange.
 """
 
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
 from moe.shards import local
 from moe.slots import guard as replica_guard
-from moe.slots.placement_plan import Placement, plan_placement
-from moe.slots.replica_plan import ReplicaPlacement, plan_replicas
+from moe.slots.placement_plan import Placement
+from moe.slots.replica_plan import ReplicaPlacement, plan_layout
 
 
 @dataclass
@@ -107,28 +108,10 @@ def _slot_range(layer: MoELayer) -> tuple[int, int]:
 
 
 def _transfers(old, new, ranges):
-    """[(src rank, dst rank, src row, dst row)] in one order every rank agrees on: each slot
-    whose expert changes is filled, on every rank holding it, from a rank holding the slot the
-    expert leaves (the holder at the same position: under "ddp" the same dp replica)."""
-    holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
-    expert_of_slot = [0] * len(new)
-    for e, s in enumerate(new):
-        expert_of_slot[s] = e
-    out = []
-    for s in range(len(new)):
-        src = old[expert_of_slot[s]]
-        if src == s:
-            continue
-        for i, q in enumerate(holders[s]):
-            h = holders[src][i % len(holders[src])]
-            out.append((h, q, src - ranges[h][0], s - ranges[q][0]))
-    return out
-
-
-def _transfers_by_slot(old, new, ranges):
-    """_transfers for layouts with replicas (expert_of_slot lists): each slot whose expert
-    changes is filled, on every rank holding it, from the first slot that holds that expert
-    now (the holder at the same position)."""
+    """[(src rank, dst rank, src row, dst row)] in one order every rank agrees on, from the
+    expert_of_slot lists `old` to `new`: each slot whose expert changes is filled, on every
+    rank holding it, from the first slot holding that expert now (the holder at the same
+    position: under "ddp" the same dp replica)."""
     holders = [[q for q, (lo, n) in enumerate(ranges) if lo <= s < lo + n] for s in range(len(old))]
     first = {}
     for s, e in enumerate(old):
@@ -145,9 +128,7 @@ def _transfers_by_slot(old, new, ranges):
 
 
 def _layout(layer: MoELayer) -> torch.Tensor:
-    """The placement every rank must agree on: slot_of_expert_E, and expert_of_slot_S."""
-    if not layer.has_copies:
-        return layer.slot_of_expert_E
+    """The placement every rank must agree on: slot_of_expert_E and expert_of_slot_S."""
     return torch.cat([layer.slot_of_expert_E, layer.expert_of_slot_S])
 
 
@@ -332,23 +313,16 @@ def _summed_loads(layers) -> list[int]:
 
 
 def _plan_layers(layers, sizes, loads: list[int], min_gain: float) -> list:
-    """Each layer's new placement from its summed loads (every rank computes the same)."""
+    """Each layer's new layout from its summed loads (every rank computes the same)."""
     plans, start = [], 0
     for (_, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
-        layout = layer.slot_layout()
-        if layout.has_copies:
-            placement = plan_replicas(loads[start : start + E], layout.expert_of_slot, w, min_gain)
-        else:
-            placement = plan_placement(loads[start : start + E], layout.slot_of_expert, w, min_gain)
+        plans.append(plan_layout(loads[start : start + E], layer.slot_layout(), w, min_gain))
         start += E
-        plans.append(placement)
     return plans
 
 
 def _layer_transfers(layer: MoELayer, plan, rank_ranges):
-    """The row moves from the layer's slot layout to `plan`'s, by slot when it has copies."""
-    layout = layer.slot_layout()
-    if layout.has_copies:
-        return _transfers_by_slot(layout.expert_of_slot, plan.expert_of_slot, rank_ranges)
-    return _transfers(layout.slot_of_expert, plan.slot_of_expert, rank_ranges)
+    """The row moves from the layer's slot layout to `plan`'s, slot by slot."""
+    old = layer.slot_layout().expert_of_slot
+    return _transfers(old, plan.layout(layer.config.num_experts).expert_of_slot, rank_ranges)

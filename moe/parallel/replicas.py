@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moe.layer import MoELayer, moe_layers
 from moe.shards import local
 from moe.slots import guard as replica_guard
-from moe.slots.layout import SlotLayout
+from moe.slots.layout import SlotLayout, with_copies
 
 
 def _rows_here(layer: MoELayer) -> tuple[int, int, bool]:
@@ -145,7 +145,7 @@ def sum_replica_grads(model: nn.Module) -> int:
     backward in between is a no-op; gradients accumulated on top of summed ones are refused
     (moe.slots.guard). Returns the gradient bytes this rank contributed to the all-reduce
     (0 without replicas or with nothing to sum)."""
-    layers = [(name, layer) for name, layer in moe_layers(model) if layer.has_copies]
+    layers = with_copies(moe_layers(model))  # a layout without copies has nothing to sum
     if not layers:
         return 0
     verdicts, mixed, missing = _verdicts(layers)
@@ -189,9 +189,7 @@ def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor |
     sum_replica_grads they repeat the first copy's): what a global norm must not count twice.
     None without replicas; collective (one all-reduce) when the experts are split over ranks."""
     parts, device, wide = [], None, torch.float32
-    for _, layer in moe_layers(model):
-        if not layer.has_copies:
-            continue
+    for _, layer in with_copies(moe_layers(model)):
         first = set(layer.slot_layout().slot_of_expert)
         lo, n, contributes = _rows_here(layer)
         rows = [s - lo for s in range(lo, lo + n) if s not in first] if contributes else []

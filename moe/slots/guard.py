@@ -48,12 +48,31 @@ class _Record:
     grads: list | None = field(default=None)  # (weakref, version) of each gradient then
 
 
-def watch(layer) -> None:
-    """Track `layer` (one with expert copies) from now on."""
+def watch(layer, layout):
+    """Track `layer` from now on if its slot layout (moe.slots.layout.SlotLayout) holds copies;
+    returns the mark its eager forward hands to the backward (None without copies: nothing to
+    sum, nothing tracked, no step hook)."""
+    if not layout.has_copies:
+        return None
     _LAYERS.setdefault(layer, _Record())
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
         _HOOKS.append(register_optimizer_step_post_hook(_after_step))
+    ref = weakref.ref(layer)
+
+    def mark() -> None:  # a backward reached the layer: its copies' gradients are to sum
+        watched = ref()
+        if watched is not None:
+            grads_arrived(watched)
+
+    return mark
+
+
+def traced(layer) -> None:
+    """torch.compile traced a training forward of `layer`, where the eager mark does not run:
+    from now on its copies' gradients are watched instead (no-op for an untracked layer)."""
+    if layer.replica_mark is not None:
+        layer.ran_compiled = True
 
 
 def _record(layer) -> _Record:

@@ -1,9 +1,11 @@
-"""The slot layout of a layer with expert replicas (MoEConfig.spare_slots = R): S = E + R
-slots, slot s holding a copy of expert expert_of_slot[s]; every expert in at least one slot,
-copies of one expert on different expert-parallel ranks; slot_of_expert[e] is expert e's first
-slot (the copy checkpoints and exports read). Pure functions, imported by the layer and by
-moe.parallel's planner (replica_placement.py)."""
+"""The slot layout of every layer: S = E + R slots (MoEConfig.spare_slots = R), slot s holding
+a copy of expert expert_of_slot[s]; every expert in at least one slot, copies of one expert on
+different expert-parallel ranks; slot_of_expert[e] is expert e's first slot (the copy
+checkpoints and exports read). A layout without copies (R = 0) is a permutation, and every
+operation here is its identity case, so callers never branch on copies: this module, the
+config and the replica guard are the only places that know whether a layer has them."""
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,52 @@ class SlotLayout:
     def check(self, num_ranks: int = 1) -> None:
         """Every expert in a slot, slots split evenly, copies on different ranks."""
         check_replica_placement(list(self.expert_of_slot), self.num_experts, num_ranks)
+
+    def checksum(self) -> int:
+        """A 56-bit digest of the layout (non-negative, fits int64): what the ranks of an
+        expert-parallel group compare in each forward's count exchange (the layer keeps it
+        beside the layout, moe.dispatch.replica_split.check_layouts_agree)."""
+        data = ",".join(map(str, (self.num_experts, *self.expert_of_slot))).encode()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+    def fill_copies(self, t: torch.Tensor) -> None:
+        """In place on a [S, ...] tensor: every spare slot's row from its expert's row (the
+        first E slots hold the experts in order: a new layer). No-op without copies."""
+        E = self.num_experts
+        t[E:] = t[list(self.expert_of_slot[E:])]
+
+    def for_canonical_load(self) -> "SlotLayout":
+        """The layout to read canonical expert rows into (moe.load_hf_checkpoint): a layout
+        without copies restarts as the identity placement (each rank reads its own contiguous
+        experts); a replica layout is kept (every copy filled from its expert's row)."""
+        return self if self.has_copies else SlotLayout.of_placement(range(self.num_experts))
+
+    def experts_read(self, first: int, count: int) -> tuple[int, int]:
+        """(first expert, number) of the contiguous canonical experts that slots
+        [first, first + count) hold copies of: what a rank reads from a canonical file."""
+        held = self.expert_of_slot[first : first + count]
+        return min(held), max(held) - min(held) + 1
+
+
+def with_copies(named_layers) -> list:
+    """The (name, layer) pairs whose slots hold copies (S > E, fixed when the layer is built):
+    the only layers with copies' gradients to sum (moe.parallel.replicas), canonical rows to
+    gather for a checkpoint (moe.checkpoint.replicas) or a replica layout to store. For a
+    layout without copies each of those is the identity, so it is left out here, once."""
+    return [
+        (name, layer)
+        for name, layer in named_layers
+        if num_slots(layer.config) > layer.config.num_experts
+    ]
+
+
+def state_entries(expert_of_slot_S: torch.Tensor, slot_of_expert_E: torch.Tensor) -> dict:
+    """The layout keys of a layer's state dict, the ones every version wrote: slot_of_expert_E,
+    and expert_of_slot_S when the layout holds copies (a permutation is its own inverse map)."""
+    out = {"slot_of_expert_E": slot_of_expert_E}
+    if expert_of_slot_S.numel() > slot_of_expert_E.numel():
+        out["expert_of_slot_S"] = expert_of_slot_S
+    return out
 
 
 def spare(config) -> int:

@@ -29,7 +29,12 @@ from moe.slots.layout import (
     copies_of,
     primary_slots,
 )
-from moe.slots.placement_plan import improve_by_swaps, max_overlap_assignment
+from moe.slots.placement_plan import (
+    Placement,
+    improve_by_swaps,
+    max_overlap_assignment,
+    plan_placement,
+)
 
 
 @dataclass(frozen=True)
@@ -185,3 +190,15 @@ def plan_replicas(
         return keep
     moved = tuple(s for s in range(S) if new[s] != current[s])
     return ReplicaPlacement(new, max(before), after, mean, bound, moved)
+
+
+def plan_layout(
+    load_E, layout: SlotLayout, num_ranks: int, min_gain: float = 0.05
+) -> "Placement | ReplicaPlacement":
+    """A layer's next slot layout from its experts' loads, for any layout (the one planner
+    moe.parallel.rebalance_experts calls): S == E slots, a permutation, is planned as a
+    placement (plan_placement: whole experts change rank); S > E by plan_replicas (which
+    experts the spare slots copy is decided too). Either decision's .layout(E) is a SlotLayout."""
+    if layout.num_slots == layout.num_experts:
+        return plan_placement(load_E, layout.slot_of_expert, num_ranks, min_gain)
+    return plan_replicas(load_E, layout.expert_of_slot, num_ranks, min_gain)
