@@ -12,8 +12,8 @@ Only public names are used, so the same file runs on an old commit and a new one
 six single-process configurations (both kernels, recompute, capacity drops, expert choice,
 shared experts), a replicated layer (spare slots), FP8 dispatch and FP8 experts in one
 process, and on 2 gloo ranks `parallelize(ep=2)` plain and overlapped, a replicated layer
-under ddp and fsdp, FP8 dispatch and FP8 experts (each rank feeds its own batch; gradients gathered to full
-tensors). FP8 cases run in float32 only (the e4m3 quantizers take float32/bf16 rows).
+under ddp and fsdp, FP8 dispatch and FP8 experts (each rank feeds its own batch; gradients
+gathered to full tensors). FP8 cases run in float32 only (FP8 takes no float64 weights).
 """
 
 import os
