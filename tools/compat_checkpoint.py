@@ -3,10 +3,11 @@
     PYTHONPATH=. python -m tools.compat_checkpoint OUT_DIR [--fp8]
 
 On 2 gloo ranks (dp 1 x ep 2): a model of a plain MoE layer and a layer with 2 spare slots
-(replicas), with --fp8 also a float32 layer with FP8 dispatch and FP8 experts, AdamW, two steps, rebalance_experts (a placement and a replica layout other than
-the initial ones), one more step, save_checkpoint(OUT_DIR/ckpt). Then in one process it loads
-that checkpoint into the same model without parallelism and writes the canonical state (every
-parameter in canonical expert order, and the AdamW moments) to OUT_DIR/expected.safetensors:
+(replicas), with --fp8 also a float32 layer with FP8 dispatch and FP8 experts; AdamW, two
+steps, rebalance_experts (a placement and a replica layout other than the initial ones), one
+more step, save_checkpoint(OUT_DIR/ckpt). Then in one process it loads that checkpoint into
+the same model without parallelism and writes the canonical state (every parameter in
+canonical expert order, and the AdamW moments) to OUT_DIR/expected.safetensors:
 what any later release must read from OUT_DIR/ckpt (tests/test_checkpoint_compat.py).
 """
 
