@@ -190,11 +190,12 @@ def count_triton_kernels(counter: ByteCounter):
     try:
         from moe.kernels.triton import cutlass_roles as cr
         from moe.kernels.triton import expert_mlp as tem
+        from moe.kernels.triton import expert_mlp_backward as teb
     except ImportError:
         yield
         return
-    patched = [(tem, n) for n in ("rows_to_tokens", "act_rows", "ragged_mm", "ragged_reduce_mm",
-                                  "zero_tail_rows")]  # fmt: skip
+    names = ("rows_to_tokens", "act_rows", "ragged_mm", "ragged_reduce_mm", "zero_tail_rows")
+    patched = [(m, n) for m in (tem, teb) for n in names if hasattr(m, n)]
     patched += [(cr, n) for n in ("act_rows", "act_bwd_rows", "zero_tail_rows")]
     saved = {(m, n): getattr(m, n) for m, n in patched}
     cost = {  # bytes the non-GEMM kernels move; the GEMMs count as GEMM

@@ -16,3 +16,16 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
 def local_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`local` of each (foreach ops cannot mix DTensors of different meshes)."""
     return [local(t) for t in tensors]
+
+
+def dtensor_like(local_t: torch.Tensor, like: DTensor) -> DTensor:
+    """`local_t` (this rank's shard, of `like`'s local shape) as a DTensor with `like`'s mesh,
+    placements, global shape and stride, sharing local_t's storage (no communication)."""
+    return DTensor.from_local(
+        local_t,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

@@ -215,3 +215,32 @@ def test_offload_all_takes_parameters_changed_in_place():
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _change_through_data(model: nn.Module, form: str) -> None:
+    """An in-place weight change the autograd version counter does not see (HF init, EMA)."""
+    for i, p in enumerate(model.parameters()):
+        if form == "mul_":
+            p.data.mul_(0.5)
+        elif form == "assign":
+            p.data = p.detach().flip(0) * 0.5 + 0.25
+        else:
+            p.data.copy_(torch.full_like(p, 0.01 * (i + 1)))
+
+
+@pytest.mark.parametrize("form", ["mul_", "assign", "copy_"])
+@pytest.mark.parametrize("offload", [None, "optimizer", "all"])
+def test_weights_changed_through_data_between_steps_are_kept(offload, form):
+    """A change made through `.data` between steps is what the next step starts from, with
+    every offload mode (offload="all" once restored its host copy: issue 49, item 4)."""
+    model, ref = small_model(), small_model()
+    opt = GroupedApply(model.parameters(), torch.optim.AdamW, 2, offload, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if step == 1:
+                _change_through_data(m, form)
+            set_grads(list(m.parameters()), step)
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

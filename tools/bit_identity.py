@@ -2,16 +2,24 @@
 
     PYTHONPATH=. python -m tools.bit_identity dump OUT.safetensors     # in each tree
     python -m tools.bit_identity compare OLD.safetensors NEW.safetensors
+    python -m tools.bit_identity against REV [--keep DIR]   # the three steps, in one
+
+`against REV` checks the working tree against a commit: it adds a temporary git worktree at
+REV, runs this file (the working tree's copy) there and here, compares, and removes the
+worktree; the two dumps stay in DIR (default /tmp/bitid: base.safetensors, new.safetensors).
 
 Only public names are used, so the same file runs on an old commit and a new one. The cases:
 six single-process configurations (both kernels, recompute, capacity drops, expert choice,
-shared experts), a replicated layer (spare slots) in one process, and on 2 gloo ranks
-`parallelize(ep=2)` plain and overlapped, and a replicated layer under ddp and fsdp (each rank
-feeds its own batch; gradients gathered to full tensors).
+shared experts), a replicated layer (spare slots), FP8 dispatch and FP8 experts in one
+process, and on 2 gloo ranks `parallelize(ep=2)` plain and overlapped, a replicated layer
+under ddp and fsdp, FP8 dispatch and FP8 experts (each rank feeds its own batch; gradients
+gathered to full tensors). FP8 cases run in float32 only (FP8 takes no float64 weights).
 """
 
 import os
+import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU kernels
 
@@ -30,16 +38,32 @@ SINGLE = {
     "expert_choice": {"backend": "torch", "router": "expert_choice", "capacity_factor": 1.5},
     "shared": {"backend": "torch", "num_shared_experts": 1},
     "replicas": {"backend": "torch", "spare_slots": 2},
+    "fp8_dispatch": {"backend": "torch", "fp8": {"dispatch": True}},
+    "fp8_experts": {"backend": "auto", "fp8": {"experts": True}},
 }
 RANKS = {  # name -> (layer options, parallelize keywords)
     "ep2": ({"backend": "torch"}, {"data_parallel": "ddp"}),
     "ep2_overlap": ({"backend": "torch"}, {"data_parallel": "ddp", "overlap": 2}),
     "ep2_replicas_ddp": ({"backend": "torch", "spare_slots": 2}, {"data_parallel": "ddp"}),
     "ep2_replicas_fsdp": ({"backend": "torch", "spare_slots": 2}, {"data_parallel": "fsdp"}),
+    "ep2_fp8_dispatch": ({"backend": "torch", "fp8": {"dispatch": True}}, {"data_parallel": "ddp"}),
+    "ep2_fp8_experts": ({"backend": "auto", "fp8": {"experts": True}}, {"data_parallel": "ddp"}),
 }
 
 
+def _dtypes(options: dict, wanted: tuple) -> tuple:
+    """The dtypes a case runs in: the Triton kernel and FP8 take no float64."""
+    if options["backend"] == "triton" or "fp8" in options:
+        return tuple(dt for dt in wanted if dt != torch.float64) or (torch.float32,)
+    return wanted
+
+
 def _layer(options: dict, dtype: torch.dtype) -> moe.MoELayer:
+    options = dict(options)
+    if "fp8" in options:
+        from moe.fp8 import FP8Config
+
+        options["fp8"] = FP8Config(**options["fp8"])
     torch.manual_seed(0)
     return moe.MoELayer(D, F, E, top_k=2, activation="swiglu", dtype=dtype, **options)
 
@@ -68,9 +92,7 @@ def _step(layer: torch.nn.Module, seed: int, dtype: torch.dtype, prefix: str) ->
 def dump_single() -> dict:
     out = {}
     for name, options in SINGLE.items():
-        for dtype in (torch.float32, torch.float64):
-            if options["backend"] == "triton" and dtype == torch.float64:
-                continue
+        for dtype in _dtypes(options, (torch.float32, torch.float64)):
             out.update(_step(_layer(options, dtype), 1, dtype, f"{name}/{dtype}"))
     return out
 
@@ -78,10 +100,11 @@ def dump_single() -> dict:
 def _rank_body(rank: int, world_size: int) -> dict:
     out = {}
     for name, (options, kw) in RANKS.items():
-        layer = _layer(options, torch.float64)
+        (dtype,) = _dtypes(options, (torch.float64,))
+        layer = _layer(options, dtype)
         mesh = moe.parallel.init_mesh(dp=1, ep=world_size)
         moe.parallel.parallelize(layer, mesh, **kw)
-        out.update(_step(layer, 10 + rank, torch.float64, f"{name}/rank{rank}"))
+        out.update(_step(layer, 10 + rank, dtype, f"{name}/rank{rank}"))
     return out
 
 
@@ -106,7 +129,34 @@ def compare(old: dict, new: dict) -> int:
     return 1 if bad else 0
 
 
+def against(rev: str, keep: str = "/tmp/bitid") -> int:
+    """Dump at `rev` (a temporary worktree running this file) and here, then compare."""
+    os.makedirs(keep, exist_ok=True)
+    base, new = os.path.join(keep, "base.safetensors"), os.path.join(keep, "new.safetensors")
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    tree = tempfile.mkdtemp(prefix="bitid-")
+    os.rmdir(tree)
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, rev], check=True)
+    try:
+        with (
+            open(__file__) as src,
+            open(os.path.join(tree, "tools", "bit_identity.py"), "w") as dst,
+        ):
+            dst.write(src.read())
+        env = {**os.environ, "PYTHONPATH": tree}
+        run = [sys.executable, "-m", "tools.bit_identity", "dump"]
+        subprocess.run([*run, base], cwd=tree, env=env, check=True)
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], check=True)
+    subprocess.run([*run, new], cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
+    print(f"dumps: {base} (at {rev}), {new} (working tree)")
+    return compare(load_file(base), load_file(new))
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["against"] and len(argv) in (2, 4) and argv[2:3] in ([], ["--keep"]):
+        return against(argv[1], *argv[3:])
     if len(argv) == 2 and argv[0] == "dump":
         save_file({**dump_single(), **dump_ranks()}, argv[1])
         return 0

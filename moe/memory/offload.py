@@ -80,10 +80,14 @@ def _group_sizes(groups: list[list[Entry]], pick: Callable[[Entry], torch.dtype 
 class HostPipeline:
     """Runs `step_group(g)` for every group with host-resident shadows.
 
-    mode "all": the host shadow (fp32 master or fp32 copy) is authoritative; only gradients
+    mode "all": a host fp32 master (low-precision parameter) is authoritative; only gradients
     go down and updated weights go up (cast to the parameter dtype on the host first, so the
-    upload moves 2 bytes per bf16 parameter). mode "optimizer": the device weights (param or
-    device fp32 master) are authoritative and are fetched with the gradients.
+    upload moves 2 bytes per bf16 parameter). Everywhere else the device weights (param or
+    device fp32 master) are authoritative and are fetched with the gradients: an fp32
+    parameter's host copy is a cache, and a change made on the device by any means (in place
+    through `.data`, `p.data = t`, a load or a rebalance) is invisible to autograd's version
+    counter, so the copy is refreshed every step rather than trusted (the copy runs on the
+    d2h stream, overlapped with the previous group's CPU step).
     """
 
     def __init__(self, groups: list[list[Entry]], device: torch.device, mode: str):
@@ -100,10 +104,6 @@ class HostPipeline:
         self._d2h_done: list = [None] * len(groups)
         self._h2d_done: list = [None, None]
         self._fetched: list[list[Entry]] = [[] for _ in groups]
-        # "all" with an fp32 host copy as the only weights: a parameter changed in place since
-        # the copy was made or last written back (rebalance_experts moving expert rows, a
-        # load_state_dict) is fetched again; the version counter tells, at no cost
-        self._written = {id(e): _version(e) for entries in groups for e in entries}
 
     @property
     def staging_bytes(self) -> int:
@@ -149,17 +149,12 @@ class HostPipeline:
         with self._stream(self.d2h):
             grads = local_all([e.param.grad for e in entries])
             torch._foreach_copy_(self.grads.views(slot, grads), grads, non_blocking=self.cuda)
-            if self.mode == "optimizer":
-                sources = [e.master if e.master is not None else e.param for e in entries]
-                sources = local_all(sources)
-                shadows = [e.shadow for e in entries]
+            # the device weights, where they are authoritative (every shadow but a host master)
+            copies = [e for e in entries if not self._host_master(e)]
+            if copies:
+                sources = local_all([e.param if e.master is None else e.master for e in copies])
+                shadows = [e.shadow for e in copies]
                 torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
-            else:
-                changed = [e for e in entries if self._changed(e)]
-                if changed:
-                    sources = local_all([e.param for e in changed])
-                    shadows = [e.shadow for e in changed]
-                    torch._foreach_copy_(shadows, sources, non_blocking=self.cuda)
         self._d2h_done[g] = self._record(self.d2h)
 
     def _attach(self, g: int, slot: int, factor: float | None) -> None:
@@ -204,14 +199,8 @@ class HostPipeline:
                 params = local_all([e.param for e in mastered])
                 torch._foreach_copy_(params, local_all([e.master for e in mastered]))
         self._h2d_done[slot] = self._record(self.h2d)
-        for e in entries:
-            self._written[id(e)] = _version(e)
 
-    def _changed(self, e: Entry) -> bool:
-        """Whether `e`'s parameter changed in place since its host copy was last written
-        (only an fp32 host copy without a separate master is refreshed from it)."""
-        return e.master is None and _version(e) != self._written.get(id(e))
-
-
-def _version(e: Entry) -> int:
-    return local(e.param)._version
+    def _host_master(self, e: Entry) -> bool:
+        """`e`'s shadow is its fp32 master kept on the host ("all" with a low-precision
+        parameter): the authoritative weights, never fetched."""
+        return self.mode == "all" and e.master is not None

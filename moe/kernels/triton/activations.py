@@ -88,6 +88,22 @@ def _act_rows_kernel(
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def act_code(activation: str) -> int:
+    """The kernels' code of `activation`; ValueError naming the supported ones."""
+    if activation not in ACT_CODES:
+        raise ValueError(
+            f"activation={activation!r} is not supported; choose one of {tuple(ACT_CODES)}"
+        )
+    return ACT_CODES[activation]
+
+
+def pre_width(F: int, activation: str) -> int:
+    """Columns of the saved pre-activation: [h | g] (2F) for gated activations, else h (F)."""
+    from moe.kernels.activations import GATED
+
+    return 2 * F if activation in GATED else F
+
+
 def act_rows(pre_MP, F: int, activation: str, row_scale_M, offsets_L):
     """a_MF = act(pre) (silu(h) * g for swiglu, pre = [h | g]), times row_scale_M[m] if given:
     the activation recomputed from the saved pre-activation in one pass (read pre, write a).

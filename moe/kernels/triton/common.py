@@ -47,6 +47,19 @@ def autotune_prune(prune=None):
     return early_config_prune
 
 
+def tile_configs(names: tuple[str, ...], table: list[tuple[int, ...]]) -> list[triton.Config]:
+    """A GEMM kernel's autotune configs: under the interpreter one 16-wide tile (fast on CPU),
+    else a triton.Config per row of `table`: (the tile sizes in `names`' order, num_warps,
+    num_stages)."""
+    if interpreting():
+        return [triton.Config(dict.fromkeys(names, 16), num_warps=4, num_stages=1)]
+    n = len(names)
+    return [
+        triton.Config(dict(zip(names, row[:n])), num_warps=row[n], num_stages=row[n + 1])
+        for row in table
+    ]
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     knobs = getattr(triton, "knobs", None)

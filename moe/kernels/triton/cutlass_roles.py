@@ -19,6 +19,11 @@ from moe.kernels.triton.activations import act_rows
 from moe.kernels.triton.row_passes import act_bwd_rows
 
 
+def on(cutlass: str, role: str) -> bool:
+    """`role` is one of the comma-separated roles sent to CUTLASS."""
+    return role in cutlass.split(",")
+
+
 def fits(*mats: Tensor) -> bool:
     """torch._grouped_mm runs on these non-empty operands (the torch backend's rule)."""
     return all(m.numel() > 0 for m in mats) and torch_grouped_mm.fits(*mats)

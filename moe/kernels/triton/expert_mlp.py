@@ -5,7 +5,8 @@ activation, w1 and w3 in one pass for swiglu, times the row's combine weight; st
 pre-activation when grad is needed) and down (+ b2). Only the pre-activation [M, F] ([M, 2F] for
 swiglu) is kept for backward, on ctx (not as a differentiable output: no zero gradient is ever
 materialised for it), and released as soon as the activation backward has read it.
-Backward, three custom ops so each buffer dies as soon as its last reader is done:
+Backward, three custom ops (expert_mlp_backward.py) so each buffer dies as soon as its last
+reader is done; `_backward` here runs them in this order:
   act step:   a = s * act(pre) recomputed (one elementwise pass, kept for dW2: half of pre);
               dpre = act'(pre) * s * (dout @ w2^T), ds = <dout @ w2^T, act(pre)> per row
               (fused in the GEMM epilogue, 16-column partials summed after: no atomics)
@@ -30,23 +31,11 @@ from moe.kernels.kernel_config import kernel_config
 from moe.kernels.saved_tensors import save_for_backward_early_free, saved_early
 from moe.kernels.torch_grouped_mm import zero_tail_rows
 from moe.kernels.triton import cutlass_roles as cutlass_mm
-from moe.kernels.triton.activations import ACT_CODES, act_rows
+from moe.kernels.triton.activations import act_code, pre_width
 from moe.kernels.triton.common import check_device, out_dtype_ok
+from moe.kernels.triton.expert_mlp_backward import backward_act, backward_input, backward_w2
 from moe.kernels.triton.gather_sum import rows_to_tokens
-from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_ACT_BWD, EPI_PLAIN, ragged_mm
-from moe.kernels.triton.grouped_mm_wgrad import busiest_first, ragged_reduce_mm
-
-
-def _act_code(activation: str) -> int:
-    if activation not in ACT_CODES:
-        raise ValueError(
-            f"activation={activation!r} is not supported; choose one of {tuple(ACT_CODES)}"
-        )
-    return ACT_CODES[activation]
-
-
-def _pre_width(F: int, activation: str) -> int:
-    return 2 * F if activation in GATED else F
+from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_PLAIN, ragged_mm
 
 
 def _num_out_rows(x_ND: Tensor, gather_ids_R: Tensor | None, sum_to_tokens: bool) -> int:
@@ -76,25 +65,25 @@ def _fwd_op(
     for swiglu) if `save`, else empty."""
     check_device(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R)
     out_dtype_ok(x_ND.dtype)
-    code = _act_code(activation)
+    code = act_code(activation)
     gated = activation in GATED
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
     w3 = w3_LDF if gated else None
-    if _on(cutlass, "up") and b1_LF is None and cutlass_mm.up_fits(x_ND, w1_LDF, w3):
+    if cutlass_mm.on(cutlass, "up") and b1_LF is None and cutlass_mm.up_fits(x_ND, w1_LDF, w3):
         act, pre = cutlass_mm.up(
             x_ND, w1_LDF, w3, offsets_L, gather_ids_R, row_weights_R, activation, save
         )
     else:
         act = x_ND.new_empty(R, F)
-        pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
+        pre = x_ND.new_empty(R, pre_width(F, activation) if save else 0)
         ragged_mm(
             x_ND, w1_LDF, offsets_L, act, epilogue=EPI_ACT, act=code, b2_EKN=w3, bias_EN=b1_LF,
             idx_M=gather_ids_R, pre=pre if save else None, save_pre=save, gated=gated,
             row_scale_M=row_weights_R,
         )  # fmt: skip
     summed = sum_to_tokens and gather_ids_R is not None
-    if _on(cutlass, "down") and b2_LD is None and cutlass_mm.fits(act, w2_LFD):
+    if cutlass_mm.on(cutlass, "down") and b2_LD is None and cutlass_mm.fits(act, w2_LFD):
         out = cutlass_mm.down(act, w2_LFD, offsets_L)
         if not summed:  # the rows returned: tail rows zero (the sum reads live rows only)
             zero_tail_rows(out, offsets_L)
@@ -108,182 +97,13 @@ def _fwd_op(
     return out, pre
 
 
-def _on(cutlass: str, role: str) -> bool:
-    """`role` is one of the comma-separated roles sent to CUTLASS."""
-    return role in cutlass.split(",")
-
-
 @_fwd_op.register_fake
 def _fwd_fake(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
               activation, save, sum_to_tokens, cutlass=""):  # fmt: skip
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
-    pre = x_ND.new_empty(R, _pre_width(F, activation) if save else 0)
+    pre = x_ND.new_empty(R, pre_width(F, activation) if save else 0)
     return x_ND.new_empty(_num_out_rows(x_ND, gather_ids_R, sum_to_tokens), D), pre
-
-
-@torch.library.custom_op("moe::triton_expert_mlp_backward_act", mutates_args=())
-def _bwd_act_op(
-    d_out_RD: Tensor,
-    offsets_L: Tensor,
-    w2_LFD: Tensor,
-    b2_LD: Tensor | None,
-    pre: Tensor,
-    row_weights_R: Tensor | None,
-    activation: str,
-    need_w: bool,
-    cutlass: str = "",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dpre, a_RF, d_row_weights): the steps that read the pre-activation. a_RF = s * act(pre)
-    (what GEMM2 read, for dW2 in the last step; empty unless need_w) is half of pre, so
-    keeping it instead of pre until dW2 lowers the peak; d_row_weights is empty unless row
-    weights are given."""
-    check_device(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R)
-    gated = activation in GATED
-    L, F, D = w2_LFD.shape
-    R = d_out_RD.shape[0]
-    empty = lambda: d_out_RD.new_empty(0)  # a fresh one per output: outputs must not alias
-    scaled = row_weights_R is not None
-    a_RF = act_rows(pre, F, activation, row_weights_R, offsets_L) if need_w else empty()
-    if _on(cutlass, "dact") and cutlass_mm.fits(d_out_RD, w2_LFD.transpose(1, 2)):
-        dpre, d_rw = cutlass_mm.dact(d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation)
-    else:
-        dpre = pre.new_empty(R, _pre_width(F, activation))
-        rowdot = None
-        if scaled:
-            rowdot = torch.zeros((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
-        ragged_mm(
-            d_out_RD, w2_LFD.transpose(1, 2), offsets_L, dpre, epilogue=EPI_ACT_BWD,
-            act=_act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_R,
-            rowdot_NM=rowdot,
-        )  # fmt: skip
-        d_rw = rowdot.sum(0) if scaled else None
-    if scaled and b2_LD is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM
-        dot_R1 = d_out_RD.new_empty(R, 1)
-        ragged_mm(d_out_RD, b2_LD.unsqueeze(2), offsets_L, dot_R1)
-        d_rw += dot_R1.squeeze(1).float()
-    return dpre, a_RF, d_rw.to(row_weights_R.dtype) if scaled else empty()
-
-
-@_bwd_act_op.register_fake
-def _bwd_act_fake(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R, activation, need_w,
-                  cutlass=""):  # fmt: skip
-    L, F, D = w2_LFD.shape
-    empty = lambda: d_out_RD.new_empty(0)
-    a_RF = pre.new_empty(pre.shape[0], F) if need_w else empty()
-    d_rw = row_weights_R.new_empty(pre.shape[0]) if row_weights_R is not None else empty()
-    return pre.new_empty(pre.shape[0], _pre_width(F, activation)), a_RF, d_rw
-
-
-@torch.library.custom_op("moe::triton_expert_mlp_backward_w2", mutates_args=())
-def _bwd_w2_op(
-    a_RF: Tensor,
-    d_out_RD: Tensor,
-    offsets_L: Tensor,
-    row_weights_R: Tensor | None,
-    need_b2: bool,
-    cutlass: str = "",
-) -> tuple[Tensor, Tensor]:
-    """(dW2, db2): the last step, after dpre is released (db2 empty unless asked for)."""
-    check_device(a_RF, d_out_RD, offsets_L, row_weights_R)
-    L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
-    scaled = row_weights_R is not None
-    db2 = d_out_RD.new_empty(0)
-    db2_f = None
-    if need_b2 and not scaled:
-        db2_f = torch.empty(L, D, device=a_RF.device, dtype=torch.float32)
-    R = a_RF.shape[0]
-    if _on(cutlass, "wgrad2") and db2_f is None and cutlass_mm.wgrad_fits(R, a_RF, d_out_RD):
-        dw2 = cutlass_mm.wgrad2(a_RF, d_out_RD, offsets_L)
-    else:
-        dw2 = a_RF.new_empty(L, F, D)
-        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
-    if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
-        db2_L1D = a_RF.new_empty(L, 1, D)
-        s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
-        ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D)
-        db2 = db2_L1D.view(L, D)
-    elif need_b2:
-        db2 = db2_f.to(d_out_RD.dtype)
-    return dw2, db2
-
-
-@_bwd_w2_op.register_fake
-def _bwd_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, need_b2, cutlass=""):
-    L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
-    db2 = d_out_RD.new_empty(L, D) if need_b2 else d_out_RD.new_empty(0)
-    return a_RF.new_empty(L, F, D), db2
-
-
-@torch.library.custom_op("moe::triton_expert_mlp_backward_input", mutates_args=())
-def _bwd_input_op(
-    dpre: Tensor,
-    x_ND: Tensor,
-    offsets_L: Tensor,
-    w1_LDF: Tensor,
-    w3_LDF: Tensor | None,
-    gather_ids_R: Tensor | None,
-    activation: str,
-    need_x: bool,
-    need_w: bool,
-    need_b1: bool,
-    cutlass: str = "",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty."""
-    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R)
-    gated = activation in GATED
-    L, D, F = w1_LDF.shape
-    R = dpre.shape[0]
-    empty = lambda: x_ND.new_empty(0)
-    dx = empty()
-    if need_x:  # first: the weight gradients are not alive yet while dx_RD is
-        if _on(cutlass, "dx") and cutlass_mm.dx_fits(dpre, w1_LDF, w3_LDF, gated):
-            dx_RD = cutlass_mm.dx(dpre, w1_LDF, w3_LDF if gated else None, offsets_L)
-            if gather_ids_R is None:
-                zero_tail_rows(dx_RD, offsets_L)  # returned as is: tail rows zero
-        else:
-            dx_RD = x_ND.new_empty(R, D)
-            w3_t = w3_LDF.transpose(1, 2) if gated else None
-            ragged_mm(dpre, w1_LDF.transpose(1, 2), offsets_L, dx_RD, b2_EKN=w3_t, gated=gated)
-        if gather_ids_R is None:
-            dx = dx_RD
-        else:
-            dx = rows_to_tokens(dx_RD, gather_ids_R, offsets_L[-1], x_ND.shape[0])
-        del dx_RD
-    dw1, dw3, db1 = empty(), empty(), empty()
-    parts = cutlass_mm.halves(dpre, F, gated)
-    if (
-        need_w
-        and _on(cutlass, "wgrad13")
-        and not need_b1
-        and cutlass_mm.wgrad_fits(R, x_ND, *parts)
-    ):
-        dw1, dw3 = cutlass_mm.wgrad13(x_ND, dpre, offsets_L, gather_ids_R, F, gated)
-        dw3 = dw3 if gated else empty()
-    elif need_w:
-        db1_f = torch.empty(L, F, device=x_ND.device, dtype=torch.float32) if need_b1 else None
-        order = busiest_first(offsets_L)
-        dw1 = w1_LDF.new_empty(L, D, F)
-        dw3 = w1_LDF.new_empty(L, D, F) if gated else dw3  # one launch: dpre = [dh | dg]
-        ragged_reduce_mm(
-            x_ND, dpre if gated else dpre[:, :F], offsets_L, dw1, idx_M=gather_ids_R,
-            dbias_EJ=db1_f, order_E=order, out2_EIJ=dw3 if gated else None,
-        )  # fmt: skip
-        db1 = db1_f.to(x_ND.dtype) if need_b1 else db1
-    return dx, dw1, dw3, db1
-
-
-@_bwd_input_op.register_fake
-def _bwd_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activation, need_x,
-                    need_w, need_b1, cutlass=""):  # fmt: skip
-    L, D, F = w1_LDF.shape
-    empty = lambda: x_ND.new_empty(0)
-    dx = x_ND.new_empty(x_ND.shape) if need_x else empty()
-    if not need_w:
-        return dx, empty(), empty(), empty()
-    dw3 = x_ND.new_empty(L, D, F) if activation in GATED else empty()
-    db1 = x_ND.new_empty(L, F) if need_b1 else empty()
-    return dx, x_ND.new_empty(L, D, F), dw3, db1
 
 
 def _setup_context(ctx, inputs, output):
@@ -315,18 +135,18 @@ def _backward(ctx, dy, _d_pre):
         dy.index_select(0, gather_ids_R) if ctx.sum_to_tokens and gather_ids_R is not None else dy
     )
     del dy
-    dpre, a_RF, d_rw = _bwd_act_op(
+    dpre, a_RF, d_rw = backward_act(
         d_out_RD, offsets_L, w2, b2, pre, row_weights_R, ctx.activation, need_w, ctx.cutlass
     )
     del pre  # the pre-activation is released here, before the input step
-    dx, dw1, dw3, db1 = _bwd_input_op(
+    dx, dw1, dw3, db1 = backward_input(
         dpre, x_ND, offsets_L, w1, w3, gather_ids_R, ctx.activation, need_x, need_w,
         ctx.has_b1 and need[5], ctx.cutlass,
     )  # fmt: skip
     del dpre  # released before the last weight gradient exists: dW2 comes last
     dw2 = db2 = None
     if need_w:
-        dw2, db2 = _bwd_w2_op(
+        dw2, db2 = backward_w2(
             a_RF, d_out_RD, offsets_L, row_weights_R, ctx.has_b2 and need[6], ctx.cutlass
         )
     del a_RF, d_out_RD

@@ -23,6 +23,16 @@ def _blocks() -> tuple[int, int]:
 
 
 @triton.jit
+def _rows_f32(ptr, rows, stride, offs_d, row_ok, d_ok):
+    """The [rows, BLOCK_D] tile of a row-major matrix as fp32; masked-off entries 0."""
+    return tl.load(
+        ptr + rows[:, None] * stride + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _gather_sum_kernel(
     src_ptr, rows_ptr, seg_ptr, w_ptr, out_ptr, T, D, M, KF, stride_s, stride_o,
     FIXED_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -42,11 +52,7 @@ def _gather_sum_kernel(
         ok = j < count
         row = tl.load(rows_ptr + start + j, mask=ok, other=0).to(tl.int64)
         ok = ok & (row >= 0) & (row < M)
-        v = tl.load(
-            src_ptr + row[:, None] * stride_s + offs_d[None, :],
-            mask=ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        v = _rows_f32(src_ptr, row, stride_s, offs_d, ok, d_ok)
         if WEIGHTED:
             w = tl.load(w_ptr + start + j, mask=ok, other=0.0).to(tl.float32)
             v = v * w[:, None]
@@ -68,20 +74,12 @@ def _combine_bwd_kernel(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        dy = tl.load(
-            dy_ptr + toks[:, None] * stride_dy + offs_d[None, :],
-            mask=t_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        dy = _rows_f32(dy_ptr, toks, stride_dy, offs_d, t_ok, d_ok)
         for j in range(0, KF):
             row = tl.load(rows_ptr + toks * KF + j, mask=t_ok, other=-1).to(tl.int64)
             w = tl.load(w_ptr + toks * KF + j, mask=t_ok, other=0.0).to(tl.float32)
             ok = t_ok & (row >= 0) & (row < M)
-            v = tl.load(
-                out_ptr + row[:, None] * stride_out + offs_d[None, :],
-                mask=ok[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            v = _rows_f32(out_ptr, row, stride_out, offs_d, ok, d_ok)
             dw += tl.where(kcol[None, :] == j, tlx.vsum(dy * v, 1)[:, None], 0.0)
             # Zero-weight pairs (dropped pairs share one zero row) are skipped: their gradient
             # is 0, already there, and skipping keeps every row written by one pair at most.

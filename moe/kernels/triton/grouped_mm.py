@@ -25,7 +25,14 @@ import triton.language as tl
 
 from moe.kernels.triton import lang as tlx
 from moe.kernels.triton.activations import act_bwd, act_fwd
-from moe.kernels.triton.common import autotune_prune, dot_flags, e_pow2, interpreting, m_bucket
+from moe.kernels.triton.common import (
+    autotune_prune,
+    dot_flags,
+    e_pow2,
+    interpreting,
+    m_bucket,
+    tile_configs,
+)
 from moe.kernels.triton.mma import mma
 from moe.kernels.triton.schedule import expert_tile, max_row_tiles
 from moe.kernels.triton.tma import ensure_allocator, persistent_programs, tma_default, tma_ok
@@ -34,19 +41,10 @@ EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
 
 
 def _configs() -> list[triton.Config]:
-    if interpreting():
-        return [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)
-        ]
-    c = triton.Config
-    return [
-        c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-        c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-    ]
+    # rows: the tile sizes (in the names' order), num_warps, num_stages
+    table = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]
+    table += [(128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+    return tile_configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), table)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -100,6 +98,24 @@ def weight_tile(desc, e, k0, n0, B_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK
     else:
         tile = desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
     return tile
+
+
+@triton.jit
+def _a_tile(a_ptrs, live, k_ok, EVEN_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of the rows: rows not live and (unless EVEN_K) columns past K
+    read as 0."""
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=live[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _b_tile(b_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile: columns past N and (unless EVEN_K) rows past K read
+    as 0."""
+    if EVEN_K:
+        return tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+    return tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -178,19 +194,11 @@ def _rows_tile(
                     acc = mma(a, b2, acc, DOT_F32, PRECISION)
         else:
             for kk in range(0, num_k):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < K - kk * BLOCK_K
-                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc = mma(a, b, acc, DOT_F32, PRECISION)
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = _a_tile(a_ptrs, live, k_ok, EVEN_K)
+                acc = mma(a, _b_tile(b_ptrs, n_ok, k_ok, EVEN_K), acc, DOT_F32, PRECISION)
                 if GATED and EPILOGUE == 1:
-                    if EVEN_K:
-                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
-                    else:
-                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    b2 = _b_tile(b2_ptrs, n_ok, k_ok, EVEN_K)
                     acc2 = mma(a, b2, acc2, DOT_F32, PRECISION)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
@@ -200,14 +208,9 @@ def _rows_tile(
                 a_ptrs = a_ptr + src[:, None] * stride_am + (K + offs_k)[None, :] * stride_ak
                 b2_ptrs = b2_ptr + b_off
                 for kk in range(0, num_k):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                        b2 = tl.load(b2_ptrs, mask=n_ok[None, :], other=0.0)
-                    else:
-                        k_ok = offs_k < K - kk * BLOCK_K
-                        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                        b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = mma(a, b2, acc, DOT_F32, PRECISION)
+                    k_ok = offs_k < K - kk * BLOCK_K
+                    a = _a_tile(a_ptrs, live, k_ok, EVEN_K)
+                    acc = mma(a, _b_tile(b2_ptrs, n_ok, k_ok, EVEN_K), acc, DOT_F32, PRECISION)
                     a_ptrs += BLOCK_K * stride_ak
                     b2_ptrs += BLOCK_K * stride_bk
 

@@ -21,22 +21,21 @@ import triton
 import triton.language as tl
 
 from moe.kernels.triton import lang as tlx
-from moe.kernels.triton.common import autotune_prune, dot_flags, interpreting, m_bucket
+from moe.kernels.triton.common import (
+    autotune_prune,
+    dot_flags,
+    interpreting,
+    m_bucket,
+    tile_configs,
+)
 from moe.kernels.triton.mma import mma
 
 
 def _configs() -> list[triton.Config]:
-    if interpreting():
-        return [
-            triton.Config({"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_M": 16}, num_warps=4, num_stages=1)
-        ]
-    c = triton.Config
-    return [
-        c({"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_M": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_M": 32}, num_warps=4, num_stages=4),
-        c({"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_M": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_M": 64}, num_warps=8, num_stages=3),
-    ]
+    # rows: the tile sizes (in the names' order), num_warps, num_stages
+    table = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)]
+    table += [(128, 256, 64, 8, 3)]
+    return tile_configs(("BLOCK_I", "BLOCK_J", "BLOCK_M"), table)
 
 
 def _prune(configs, named_args, **kwargs):
