@@ -66,6 +66,16 @@ WEIGHT_FORMAT_NAMES = _Names(WEIGHT_FORMATS, ("dense",))  # MoEConfig.weight_for
 ROW_FORMAT_NAMES = _Names(ROW_FORMATS, ("plain",))  # MoEConfig.row_format
 
 
+def register(table: dict, entry, kind: str):
+    """Put `entry` (an object with a `name`) in one of the tables above; a second entry of
+    another type under the same name is a ValueError (re-registering the same type replaces)."""
+    old = table.get(entry.name)
+    if old is not None and type(old) is not type(entry):
+        raise ValueError(f"{kind} {entry.name!r} is already registered ({type(old).__name__})")
+    table[entry.name] = entry
+    return entry
+
+
 def register_router(name: str):
     """Class decorator: make a router constructible by `MoEConfig(router=name)`."""
 

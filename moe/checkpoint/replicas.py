@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moe.layer import MoELayer, moe_layers
-from moe.shards import local
+from moe.shards import dtensor_like, local
 from moe.slots.layout import with_copies
 
 
@@ -84,15 +84,7 @@ def to_slots(model: nn.Module, key: str, canonical: torch.Tensor, like: torch.Te
     shape, offset = compute_local_shape_and_global_offset(
         like.shape, like.device_mesh, like.placements
     )
-    rows = full[offset[0] : offset[0] + shape[0]].to(like.dtype).contiguous()
-    return DTensor.from_local(
-        rows,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return dtensor_like(full[offset[0] : offset[0] + shape[0]].to(like.dtype).contiguous(), like)
 
 
 def live_layout(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from moe.comm.alltoall import exchange
-from moe.names import ROW_FORMAT_NAMES, ROW_FORMATS
+from moe.names import ROW_FORMAT_NAMES, ROW_FORMATS, register
 
 DIRECTIONS = ("dispatch", "dispatch_grad", "combine", "combine_grad")
 
@@ -68,11 +68,7 @@ def register_row_format(fmt: RowFormat) -> RowFormat:
     """Make `fmt` selectable as MoEConfig(row_format=fmt.name) (or claimable by its settings)."""
     if not isinstance(fmt, RowFormat):
         raise TypeError(f"register_row_format takes a RowFormat, got {type(fmt).__name__}")
-    old = ROW_FORMATS.get(fmt.name)
-    if old is not None and type(old) is not type(fmt):
-        raise ValueError(f"row format {fmt.name!r} is already registered ({type(old).__name__})")
-    ROW_FORMATS[fmt.name] = fmt
-    return fmt
+    return register(ROW_FORMATS, fmt, "row format")
 
 
 PLAIN = register_row_format(RowFormat("plain"))

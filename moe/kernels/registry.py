@@ -21,7 +21,7 @@ from moe.kernels.activations import GATED, check_activation
 from moe.kernels.combine import combine_torch
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import DENSE, ExpertWeights
-from moe.names import BACKENDS, KERNELS
+from moe.names import BACKENDS, KERNELS, register
 
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -112,11 +112,7 @@ def register_kernel(kernel: ExpertKernel) -> ExpertKernel:
         raise TypeError(f"register_kernel takes an ExpertKernel, got {type(kernel).__name__}")
     if kernel.name == "auto":
         raise ValueError('"auto" is not a kernel name: it picks one (resolve_kernel)')
-    old = KERNELS.get(kernel.name)
-    if old is not None and type(old) is not type(kernel):
-        raise ValueError(f"kernel {kernel.name!r} is already registered ({type(old).__name__})")
-    KERNELS[kernel.name] = kernel
-    return kernel
+    return register(KERNELS, kernel, "kernel")
 
 
 def get_kernel(name: str) -> ExpertKernel:

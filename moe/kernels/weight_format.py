@@ -18,7 +18,7 @@ from torch import nn
 
 from moe.kernels.expert_weights import DENSE as DENSE_NAME
 from moe.kernels.expert_weights import ExpertWeights
-from moe.names import WEIGHT_FORMAT_NAMES, WEIGHT_FORMATS
+from moe.names import WEIGHT_FORMAT_NAMES, WEIGHT_FORMATS, register
 from moe.shards import local
 
 
@@ -46,11 +46,7 @@ def register_weight_format(fmt: WeightFormat) -> WeightFormat:
     """Make `fmt` selectable as MoEConfig(weight_format=fmt.name); returns it."""
     if not isinstance(fmt, WeightFormat):
         raise TypeError(f"register_weight_format takes a WeightFormat, got {type(fmt).__name__}")
-    old = WEIGHT_FORMATS.get(fmt.name)
-    if old is not None and type(old) is not type(fmt):
-        raise ValueError(f"weight format {fmt.name!r} is already registered ({type(old).__name__})")
-    WEIGHT_FORMATS[fmt.name] = fmt
-    return fmt
+    return register(WEIGHT_FORMATS, fmt, "weight format")
 
 
 DENSE = register_weight_format(WeightFormat(DENSE_NAME))
