@@ -3,10 +3,14 @@ FSDP2 engine, applied from outside a model that was written for one device.
 
 Layout (docs/parallelism.md): routed experts are DTensors sharded Shard(0) over "ep", then
 FSDP-sharded ("fsdp") or replicated ("ddp") over "dp"; every other parameter is sharded over
-all ranks ("fsdp") or replicated ("ddp"). Every parameter keeps the single-process global
-shape, so torch.distributed.checkpoint sees the same keys and shapes at any (dp, ep).
+all of the mesh's ranks ("fsdp") or replicated ("ddp"). Every parameter keeps the
+single-process global shape, so torch.distributed.checkpoint sees the same keys and shapes at
+any (dp, ep). The settings: ParallelConfig (moe/parallel/parallel_config.py). Only the mesh's
+ranks communicate (a pipeline stage's mesh is not the world).
 """
 
+from dataclasses import fields
+from functools import partial
 from typing import Literal
 
 import torch
@@ -113,12 +117,13 @@ def _build_dispatcher(
     )
 
 
-def dispatcher_name(dispatcher: str | None, overlap: int | str | None) -> str | None:
-    """The registered dispatcher parallelize installs: `dispatcher`, else "overlap" when
-    overlap is given, else "expert_parallel" (ParallelConfig.dispatcher_name)."""
-    if dispatcher is not None:
-        return dispatcher
-    return "expert_parallel" if overlap is None else "overlap"
+def _config(config: ParallelConfig | None, keywords: dict) -> ParallelConfig:
+    """`config`, or one built from parallelize's keywords (those not None), not both."""
+    names = [f.name for f in fields(ParallelConfig)]
+    given = {k: keywords[k] for k in names if keywords.get(k) is not None}
+    if config is not None and given:
+        raise ValueError(f"give config= or keywords, not both (got config and {sorted(given)})")
+    return config if config is not None else ParallelConfig(**given)
 
 
 def parallelize(
@@ -162,29 +167,10 @@ def parallelize(
     resolved once (moe.comm.topology.resolve_ranks_per_node) and handed to every dispatcher,
     which passes them to every exchange; the replica split reads the same value.
     """
-    keywords = {
-        "data_parallel": data_parallel,
-        "algorithm": algorithm,
-        "ranks_per_node": ranks_per_node,
-        "mp_policy": mp_policy,
-        "offload_policy": offload_policy,
-        "reshard_after_forward": reshard_after_forward,
-        "grad_dtype": grad_dtype,
-        "sync_params": sync_params,
-        "overlap": overlap,
-        "exchange": exchange,
-        "dispatcher": dispatcher,
-    }
-
-    def build() -> ParallelConfig:  # run inside the check: a bad value is every rank's error
-        given = {name: value for name, value in keywords.items() if value is not None}
-        if config is not None and given:
-            raise ValueError(f"give config= or keywords, not both (got config and {sorted(given)})")
-        return config if config is not None else ParallelConfig(**given)
-
-    # the config as agreed: its ExchangeConfig built now if none was given, environment
-    # overrides read once, so the dispatchers get exactly the agreed one
-    config = check_config(model, mesh, build, blocks)
+    keywords = dict(locals())  # the ParallelConfig fields given as keywords (None: not given)
+    # built inside the check (a bad value is every rank's error); the config as agreed: its
+    # ExchangeConfig built now if none was given, so the dispatchers get exactly that one
+    config = check_config(model, mesh, partial(_config, config, keywords), blocks)
     if config.sync_params:
         _broadcast_from_first_rank(model, mesh_group(mesh))
     wrap, common = _wrapper(config)
