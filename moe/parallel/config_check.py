@@ -44,19 +44,24 @@ def _ranks_per_node(ranks_per_node: int | None, ep: int, exchange: ExchangeConfi
 
 
 def exchange_record(
-    algorithm: str, ranks_per_node: int | None, ep: int, exchange: ExchangeConfig | None = None
+    algorithm: str,
+    ranks_per_node: int | None,
+    ep: int,
+    exchange: ExchangeConfig | None = None,
+    uses_cost_model: bool | None = None,
 ) -> dict[str, Scalar]:
     """What decides how the all-to-all runs: the algorithm and the ExchangeConfig (its
     environment overrides and deprecated setters were read when it was built: parallelize
     builds the one its dispatchers use); the ranks per node (the exchange's and the replica
-    split's); for "auto" every value of the cost model (a loaded profile is validated here,
-    on the rank that reads it)."""
+    split's); where the cost model decides (algorithm "auto", and overlap "auto":
+    uses_cost_model) every value of it (a loaded profile is validated here, on the rank that
+    reads it)."""
     if algorithm not in alltoall.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {alltoall.ALGORITHMS}, got {algorithm!r}")
     exchange = resolved(exchange)  # a bad environment override: a ValueError naming it
     record: dict[str, Scalar] = {"algorithm": algorithm, **exchange.record()}
     record["ranks_per_node"] = _ranks_per_node(ranks_per_node, ep, exchange)
-    if algorithm == "auto":
+    if algorithm == "auto" if uses_cost_model is None else uses_cost_model:
         model = alltoall.cost_model(dist.get_backend(), exchange)
         if model is None:
             record["cost_model"] = None
@@ -72,8 +77,11 @@ def settings_record(
     resolves over the mesh's "ep" dim, the process's KernelConfig and the blocks' names, as
     comparable scalars."""
     record: dict[str, Scalar] = {"data_parallel": config.data_parallel}
+    uses_cost_model = "auto" in (config.algorithm, config.overlap)
     record.update(
-        exchange_record(config.algorithm, config.ranks_per_node, mesh.size(1), config.exchange)
+        exchange_record(
+            config.algorithm, config.ranks_per_node, mesh.size(1), config.exchange, uses_cost_model
+        )
     )
     record.update(config.record())
     kernels = kernel_config()  # built from the environment now if no kernel has run yet
