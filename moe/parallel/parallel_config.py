@@ -127,7 +127,7 @@ def _instance_of(name: str, cls: type):
     def check(value) -> None:
         if value is not None and not isinstance(value, cls):
             raise ValueError(
-                f"ParallelConfig.{name} must be a {cls.__name__} or None, "
+                f"ParallelConfig.{name} must be None or of type {cls.__name__}, "
                 f"got {type(value).__name__}"
             )
 
