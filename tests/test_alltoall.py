@@ -19,8 +19,8 @@ from moe.comm.alltoall import (
     choose_algorithm,
     default_hierarchical_threshold,
     exchange,
-    set_hierarchical_threshold,
 )
+from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.exchange_plan import ExpertExchange, all_to_all, plan_all_to_all
 from moe.comm.topology import Topology
 from tests.distributed import run_ranks
@@ -118,14 +118,12 @@ def _plan_checks(rank: int, world_size: int) -> list[str]:
     chosen = {
         "gloo default": plan_all_to_all(x, C[rank], algorithm="auto", ranks_per_node=4).algorithm
     }
-    set_hierarchical_threshold(1 << 20)
-    chosen["L=4"] = plan_all_to_all(x, C[rank], algorithm="auto", ranks_per_node=4).algorithm
-    chosen["L=8"] = plan_all_to_all(x, C[rank], algorithm="auto", ranks_per_node=8).algorithm
-    set_hierarchical_threshold(0)
-    chosen["L=4,threshold=0"] = plan_all_to_all(
-        x, C[rank], algorithm="auto", ranks_per_node=4
-    ).algorithm
-    set_hierarchical_threshold(None)
+    one_mib, zero = (ExchangeConfig(hierarchical_max_bytes=n) for n in (1 << 20, 0))
+    for name, per_node, config in [("L=4", 4, one_mib), ("L=8", 8, one_mib),
+                                   ("L=4,threshold=0", 4, zero)]:  # fmt: skip
+        chosen[name] = plan_all_to_all(
+            x, C[rank], algorithm="auto", ranks_per_node=per_node, exchange_config=config
+        ).algorithm
     want = {
         "gloo default": "flat",
         "L=4": "hierarchical",

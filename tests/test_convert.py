@@ -106,7 +106,7 @@ README_PUBLIC_NAMES = {
             "save_moe_settings", "swap_ffn_from_settings", "check_moe_settings", "from_hf",
             "to_hf", "load_hf_checkpoint", "save_hf_checkpoint", "record_routing",
             "replay_routing", "recompute_context", "Routes", "RoutingTrace", "read_trace"],
-    "moe.parallel": ["init_mesh", "parallelize", "clip_grad_norm_", "rebalance_experts",
+    "moe.parallel": ["init_mesh", "parallelize", "ParallelConfig", "clip_grad_norm_", "rebalance_experts",
                      "RebalanceReport", "plan_placement", "Placement", "plan_replicas",
                      "ReplicaPlacement", "sum_replica_grads", "expert_parameters",
                      "dense_parameters", "is_expert_parameter"],

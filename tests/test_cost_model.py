@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import set_cost_model
+from moe.comm import ExchangeConfig
 from moe.comm.cost_model import (
     NVLINK_IB,
     CostModel,
@@ -157,37 +157,38 @@ def _auto_body(rank: int, world_size: int) -> list[str]:
     problems = []
     D, elem = 4, 4
     crossover = SMALL.crossover_bytes(2, 2)
-    set_cost_model(SMALL)
-    try:
-        for big_rows, want in [
-            (crossover // (D * elem), "hierarchical"),
-            (crossover // (D * elem) + 1, "flat"),
-        ]:
-            g = torch.Generator().manual_seed(big_rows)
-            totals = torch.randint(0, big_rows, (world_size,), generator=g)
-            totals[big_rows % world_size] = big_rows
-            cuts = [torch.randint(0, int(t) + 1, (world_size - 1,), generator=g) for t in totals]
-            C = torch.stack(
-                [
-                    torch.diff(torch.cat([torch.tensor([0]), c.sort().values, t.view(1)]))
-                    for c, t in zip(cuts, totals)
-                ]
-            )
-            xs = [torch.randn(int(C[s].sum()), D, generator=g) for s in range(world_size)]
-            plan = plan_all_to_all(xs[rank], C[rank], algorithm="auto", ranks_per_node=2)
-            flags = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
-            mine = torch.tensor([int(plan.algorithm == "hierarchical")])
-            dist.all_gather(flags, mine)
-            if plan.algorithm != want:
-                problems.append(f"rows {big_rows}: auto chose {plan.algorithm}, want {want}")
-            if len({int(f) for f in flags}) != 1:
-                problems.append(f"rows {big_rows}: ranks disagree {[int(f) for f in flags]}")
-            y, _ = all_to_all(xs[rank], C[rank], algorithm="auto", ranks_per_node=2)
-            ref = torch.cat([torch.split(xs[s], C[s].tolist())[rank] for s in range(world_size)])
-            if not torch.equal(y, ref):
-                problems.append(f"rows {big_rows}: {want} exchange differs from the reference")
-    finally:
-        set_cost_model(None)
+    small = ExchangeConfig(cost_model=SMALL)
+    for big_rows, want in [
+        (crossover // (D * elem), "hierarchical"),
+        (crossover // (D * elem) + 1, "flat"),
+    ]:
+        g = torch.Generator().manual_seed(big_rows)
+        totals = torch.randint(0, big_rows, (world_size,), generator=g)
+        totals[big_rows % world_size] = big_rows
+        cuts = [torch.randint(0, int(t) + 1, (world_size - 1,), generator=g) for t in totals]
+        C = torch.stack(
+            [
+                torch.diff(torch.cat([torch.tensor([0]), c.sort().values, t.view(1)]))
+                for c, t in zip(cuts, totals)
+            ]
+        )
+        xs = [torch.randn(int(C[s].sum()), D, generator=g) for s in range(world_size)]
+        plan = plan_all_to_all(
+            xs[rank], C[rank], algorithm="auto", ranks_per_node=2, exchange_config=small
+        )
+        flags = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+        mine = torch.tensor([int(plan.algorithm == "hierarchical")])
+        dist.all_gather(flags, mine)
+        if plan.algorithm != want:
+            problems.append(f"rows {big_rows}: auto chose {plan.algorithm}, want {want}")
+        if len({int(f) for f in flags}) != 1:
+            problems.append(f"rows {big_rows}: ranks disagree {[int(f) for f in flags]}")
+        y, _ = all_to_all(
+            xs[rank], C[rank], algorithm="auto", ranks_per_node=2, exchange_config=small
+        )
+        ref = torch.cat([torch.split(xs[s], C[s].tolist())[rank] for s in range(world_size)])
+        if not torch.equal(y, ref):
+            problems.append(f"rows {big_rows}: {want} exchange differs from the reference")
     return problems
 
 
@@ -204,15 +205,13 @@ def _stats_body(rank: int, world_size: int) -> dict[str, int]:
 
     seen = {}
     for name, model in [("gloo default", None), ("small model", SMALL)]:
-        set_cost_model(model)
-        try:
-            torch.manual_seed(0)
-            layer = moe.MoELayer(8, 16, 4, top_k=2)
-            layer = parallelize(layer, init_mesh(dp=1, ep=4), algorithm="auto", ranks_per_node=2)
-            layer(torch.randn(3 + rank, 8))
-            seen[name] = int(layer.stats["a2a_hierarchical"])
-        finally:
-            set_cost_model(None)
+        torch.manual_seed(0)
+        layer = moe.MoELayer(8, 16, 4, top_k=2)
+        exchange = ExchangeConfig(cost_model=model)
+        layer = parallelize(layer, init_mesh(dp=1, ep=4), algorithm="auto", ranks_per_node=2,
+                            exchange=exchange)  # fmt: skip
+        layer(torch.randn(3 + rank, 8))
+        seen[name] = int(layer.stats["a2a_hierarchical"])
     return seen
 
 
@@ -223,7 +222,7 @@ def test_layer_stats_show_the_chosen_algorithm():
 
 def _exchange_config_body(rank: int, world_size: int) -> dict[str, int]:
     """parallelize(exchange=ExchangeConfig(...)): the dispatcher holds it and "auto" follows
-    its threshold and ranks per node (no env variable, no set_hierarchical_threshold)."""
+    its threshold and ranks per node (no env variable)."""
     import moe
     from moe.comm import ExchangeConfig
     from moe.parallel import init_mesh, parallelize

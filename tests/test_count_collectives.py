@@ -10,7 +10,7 @@ collectives on 4 gloo ranks.
 import torch
 import torch.distributed as dist
 
-from moe.comm import set_hierarchical_threshold
+from moe.comm import ExchangeConfig
 from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher, plan_token_choice
 from tests.distributed import run_ranks
 
@@ -97,43 +97,40 @@ def _body(rank, world):
     ]
     seen = {}
     for algorithm, per_node, threshold, want, collective in modes:
-        set_hierarchical_threshold(threshold)
-        try:
-            group, args = dist.group.WORLD, (algorithm, per_node)
-            for name, dispatcher in [
-                ("plain", ExpertParallelDispatcher(group, L, *args)),
-                ("overlap2", OverlappedDispatcher(group, L, *args, degree=2)),
-            ]:
-                key = f"{name}/{algorithm}/per_node={per_node}/threshold={threshold}"
-                for call in range(2):  # the first call may create subgroups, detect topology
-                    x = x_TD.clone().requires_grad_()
-                    w = weights_TK.clone().requires_grad_()
-                    plan = plan_token_choice(ids_TK, w, E, None)
-                    ALGORITHMS_SEEN.clear()
-                    with Recorder() as rec:
-                        y_TD, _ = dispatcher.run(x, plan, experts)
-                        forward = rec.take()
-                        y_TD.sum().backward()
-                        backward = rec.take()
-                    if call == 1:
-                        counts = [c for c, ints in forward if ints]
-                        rows = [c for c, ints in forward + backward if not ints]
-                        seen[key] = {
-                            "count collectives": counts,
-                            "in backward": [c for c, ints in backward if ints],
-                            "algorithm": sorted(set(ALGORITHMS_SEEN)),
-                            "row exchanges": len(rows) > 0,
-                        }
-                        expected = {
-                            "count collectives": [collective],
-                            "in backward": [],
-                            "algorithm": [want],
-                            "row exchanges": True,
-                        }
-                        if seen[key] != expected:
-                            seen[key]["expected"] = expected
-        finally:
-            set_hierarchical_threshold(None)
+        exchange = ExchangeConfig(hierarchical_max_bytes=threshold)
+        group, args = dist.group.WORLD, (algorithm, per_node)
+        for name, dispatcher in [
+            ("plain", ExpertParallelDispatcher(group, L, *args, exchange_config=exchange)),
+            ("overlap2", OverlappedDispatcher(group, L, *args, 2, exchange)),
+        ]:
+            key = f"{name}/{algorithm}/per_node={per_node}/threshold={threshold}"
+            for call in range(2):  # the first call may create subgroups, detect topology
+                x = x_TD.clone().requires_grad_()
+                w = weights_TK.clone().requires_grad_()
+                plan = plan_token_choice(ids_TK, w, E, None)
+                ALGORITHMS_SEEN.clear()
+                with Recorder() as rec:
+                    y_TD, _ = dispatcher.run(x, plan, experts)
+                    forward = rec.take()
+                    y_TD.sum().backward()
+                    backward = rec.take()
+                if call == 1:
+                    counts = [c for c, ints in forward if ints]
+                    rows = [c for c, ints in forward + backward if not ints]
+                    seen[key] = {
+                        "count collectives": counts,
+                        "in backward": [c for c, ints in backward if ints],
+                        "algorithm": sorted(set(ALGORITHMS_SEEN)),
+                        "row exchanges": len(rows) > 0,
+                    }
+                    expected = {
+                        "count collectives": [collective],
+                        "in backward": [],
+                        "algorithm": [want],
+                        "row exchanges": True,
+                    }
+                    if seen[key] != expected:
+                        seen[key]["expected"] = expected
     return {k: v for k, v in seen.items() if "expected" in v}
 
 

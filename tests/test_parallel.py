@@ -145,18 +145,19 @@ def test_frozen_parameters_are_left_alone():
 
 
 def _settings_error(rank, model, mesh, env, cost_model, **kwargs):
-    """parallelize's error message on this rank, with `env` set and `cost_model` in force."""
-    from moe.comm.alltoall import set_cost_model
+    """parallelize's error message on this rank, with `env` set and `cost_model` given in its
+    ExchangeConfig."""
+    from moe.comm import ExchangeConfig
 
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    set_cost_model(cost_model)
     try:
+        if cost_model is not None:
+            kwargs["exchange"] = ExchangeConfig(cost_model=cost_model)
         parallelize(model, mesh, **kwargs)
     except ValueError as e:
         return str(e)
     finally:
-        set_cost_model(None)
         for name, value in saved.items():
             if value is None:
                 del os.environ[name]

@@ -16,10 +16,10 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.comm import (
     NVLINK_IB,
     CrossRankError,
+    ExchangeConfig,
     plan_all_to_all,
     raise_if_any_rank_failed,
     same_error_on_every_rank,
-    set_cost_model,
 )
 from tests.distributed import run_ranks
 
@@ -117,22 +117,22 @@ def _plan_body(rank, world, bad_profile):
     x_ND = torch.randn(world + rank, 4)
     counts = [1] * (world - 1) + [1 + rank]
 
-    def plan():
-        return plan_all_to_all(x_ND, counts, algorithm="auto", ranks_per_node=2)
+    def plan(exchange=None):
+        return plan_all_to_all(
+            x_ND, counts, algorithm="auto", ranks_per_node=2, exchange_config=exchange
+        )
 
     out = {}
-    set_cost_model(SLOW_NETWORK if rank < 2 else None)  # node 0 has a cost model, node 1 none
-    out["models differ"] = _outcome(plan)
-    set_cost_model(None)
+    # node 0 has a cost model, node 1 none
+    mixed = ExchangeConfig(cost_model=SLOW_NETWORK if rank < 2 else None)
+    out["models differ"] = _outcome(lambda: plan(mixed))
     if rank == 3:
         os.environ["MOE_A2A_COST_PROFILE"] = bad_profile
     out["unreadable on rank 3"] = _outcome(plan)
     os.environ["MOE_A2A_COST_PROFILE"] = bad_profile
     out["unreadable everywhere"] = _outcome(plan)
     os.environ.pop("MOE_A2A_COST_PROFILE", None)
-    set_cost_model(SLOW_NETWORK)  # the same everywhere: plans
-    out["same"] = plan_all_to_all(x_ND, counts, algorithm="auto", ranks_per_node=2).algorithm
-    set_cost_model(None)
+    out["same"] = plan(ExchangeConfig(cost_model=SLOW_NETWORK)).algorithm  # the same: plans
     return out
 
 

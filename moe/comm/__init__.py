@@ -10,10 +10,8 @@ from moe.comm.alltoall import (
     exchange_counts,
     gather_count_matrix,
     cost_model,
-    set_cost_model,
-    set_hierarchical_threshold,
 )
-from moe.comm.exchange_config import ExchangeConfig
+from moe.comm.exchange_config import ExchangeConfig, set_cost_model, set_hierarchical_threshold
 from moe.comm.exchange_plan import ExpertExchange, plan_all_to_all, plan_expert_exchange
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile, save_profile
 from moe.comm.consistency import (

@@ -23,55 +23,37 @@ import torch
 import torch.distributed as dist
 
 from moe.comm.cost_model import NVLINK_IB, CostModel
-from moe.comm.exchange_config import ExchangeConfig, env_var, resolved
+from moe.comm.exchange_config import (  # noqa: F401 - the deprecated setters' old path
+    ExchangeConfig,
+    env_var,
+    resolved,
+    set_cost_model,
+    set_hierarchical_threshold,
+    threshold_override,
+)
 from moe.comm.topology import Topology, get_subgroups
 
 ALGORITHMS = ("flat", "hierarchical", "auto")
 ENV_HIERARCHICAL_MAX_BYTES = env_var("hierarchical_max_bytes")
 ENV_COST_PROFILE = env_var("cost_profile")
 ENV_PIPELINE_MIN_BYTES = env_var("pipeline_min_bytes")
-_threshold_override: int | None = None
-_model_override: CostModel | None = None
 MAX_PIPELINE_CHUNKS = 4
 
 Counts = torch.Tensor | Sequence[int]
 
 
-def set_hierarchical_threshold(max_bytes: int | None) -> None:
-    """Fix the per-rank buffer size (bytes) up to which "auto" picks hierarchical, overriding
-    the cost model; None returns to the model."""
-    global _threshold_override
-    if max_bytes is not None and max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    _threshold_override = max_bytes
-
-
-def threshold_override() -> int | None:
-    """What set_hierarchical_threshold fixed (None: not set)."""
-    return _threshold_override
-
-
-def set_cost_model(model: CostModel | None) -> None:
-    """Use this cost model for "auto" on every backend (e.g. load_profile(path)); None resets."""
-    global _model_override
-    if model is not None and not isinstance(model, CostModel):
-        raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
-    _model_override = model
-
-
 def cost_model(
     backend: str = "nccl", exchange_config: ExchangeConfig | None = None
 ) -> CostModel | None:
-    """The model "auto" uses: set_cost_model, then the JSON profile
-    exchange_config.cost_profile (given in code, else MOE_A2A_COST_PROFILE when the config was
-    built), then NVLINK_IB for NCCL. None (always flat) for other backends
-    without a profile: on the emulated two-tier gloo network the per-collective overhead
-    outweighed the saved messages at every size (bench/results/*alltoall*)."""
-    if _model_override is not None:
-        return _model_override
-    profile = resolved(exchange_config).profile()  # read once per config
-    if profile is not None:
-        return profile
+    """The model "auto" uses: exchange_config.cost_model (ExchangeConfig.model: given in code,
+    else the deprecated set_cost_model's), then the JSON profile exchange_config.cost_profile
+    (given in code, else MOE_A2A_COST_PROFILE when the config was built), then NVLINK_IB for
+    NCCL. None (always flat) for other backends without a profile: on the emulated two-tier
+    gloo network the per-collective overhead outweighed the saved messages at every size
+    (bench/results/*alltoall*)."""
+    model = resolved(exchange_config).model()  # a profile is read once per config
+    if model is not None:
+        return model
     return NVLINK_IB if backend == "nccl" else None
 
 
@@ -92,11 +74,10 @@ def hierarchical_threshold(
     backend: str = "nccl",
     exchange_config: ExchangeConfig | None = None,
 ) -> int:
-    """Current "auto" threshold (bytes per rank): set_hierarchical_threshold, then
-    exchange_config.hierarchical_max_bytes (given in code, else MOE_A2A_HIERARCHICAL_MAX_BYTES
-    when the config was built), then default_hierarchical_threshold."""
-    if _threshold_override is not None:
-        return _threshold_override
+    """Current "auto" threshold (bytes per rank): exchange_config.hierarchical_max_bytes (given
+    in code, else the deprecated set_hierarchical_threshold's, else
+    MOE_A2A_HIERARCHICAL_MAX_BYTES when the config was built), then
+    default_hierarchical_threshold."""
     exchange_config = resolved(exchange_config)
     if exchange_config.hierarchical_max_bytes is not None:
         return exchange_config.hierarchical_max_bytes

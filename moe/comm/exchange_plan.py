@@ -232,8 +232,9 @@ def _check_thresholds(thresholds_W: list[int], problem: ValueError | None) -> No
     )
     raise CrossRankError(
         f'algorithm="auto": {message}. Every rank must use the same cost model '
-        "(set_cost_model, MOE_A2A_COST_PROFILE) and threshold (set_hierarchical_threshold, "
-        "MOE_A2A_HIERARCHICAL_MAX_BYTES); a rank whose model failed is named 'unreadable'"
+        "(ExchangeConfig.cost_model / cost_profile, MOE_A2A_COST_PROFILE) and threshold "
+        "(ExchangeConfig.hierarchical_max_bytes, MOE_A2A_HIERARCHICAL_MAX_BYTES); a rank whose "
+        "model failed is named 'unreadable'"
     ) from problem
 
 

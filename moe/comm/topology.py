@@ -9,6 +9,9 @@ dispatchers, a direct exchange); first match wins:
      ExchangeConfig was built (parallelize builds one when given none),
   3. torchrun's ``LOCAL_WORLD_SIZE`` (node of global rank g is g // LOCAL_WORLD_SIZE),
   4. gathering host names over the group (one small collective, done once and cached).
+`resolve_ranks_per_node` is that decision for one group as a number: parallelize resolves it
+once per EP group and hands it to the dispatchers, which pass it to every exchange and expose
+it as `Dispatcher.ranks_per_node` (what the replica split reads), so both read one value.
 Ranks are assumed node-major inside the group (group rank r sits on node r // ranks_per_node),
 which is how torchrun numbers them. A detected layout that is not node-major with equal node
 sizes is treated as one node (so "auto" picks the flat path); results stay correct either way.
@@ -179,6 +182,17 @@ def get_topology(
     topo = Topology(group_size=group_size, ranks_per_node=value, rank=rank, source=source)
     _TOPOLOGY_CACHE[key] = topo
     return topo
+
+
+def resolve_ranks_per_node(
+    group: dist.ProcessGroup | None,
+    ranks_per_node: int | None = None,
+    exchange_config: ExchangeConfig | None = None,
+) -> int:
+    """The ranks per node of `group` the exchange uses (get_topology's, cached): the setting
+    by the precedence above, else detected (host names: a collective over `group`, so every
+    member must call it at the same point)."""
+    return get_topology(group, ranks_per_node, exchange_config).ranks_per_node
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:

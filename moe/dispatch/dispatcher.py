@@ -16,11 +16,16 @@ one whose combine a dispatcher runs when they return rows.
 MoELayer calls `dispatcher.run(x_TD, plan, experts, shared)`, whose default is exactly the
 three lines above (then the shared experts). A new strategy (another all-to-all, a
 node-aware exchange) is one file: a subclass plus `@register_dispatcher("name")`, which
-`parallelize(..., dispatcher="name")` installs as `MoELayer.dispatcher`, constructing it as
-`cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=)` (+ `degree=`
-when `overlap=` is given, + `wire=` when the layer's rows travel in a row format other than
-plain; ExpertParallelDispatcher's signature, so subclassing it is enough: its rows travel by
-`self.wire`, moe/dispatch/wire.py).
+`parallelize(..., dispatcher="name")` installs as `MoELayer.dispatcher`. The constructor
+contract (docs/architecture.md, "A dispatcher"): parallelize calls
+`cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=)`, where
+ranks_per_node is already resolved (an int, moe.comm.topology.resolve_ranks_per_node) and
+exchange_config is the ExchangeConfig the ranks agreed on; plus `degree=` only for a class
+declaring `overlaps = True` (when `overlap=` is given) and `wire=` only for one declaring
+`takes_wire = True` (when the layer's rows travel in a row format other than plain,
+moe/dispatch/wire.py). Those class attributes are the dispatcher's declared capabilities,
+checked before any exchange (as kernels declare devices and dtypes); ExpertParallelDispatcher
+takes all of it, so subclassing it is enough (its rows travel by `self.wire`).
 A strategy that interleaves exchange and compute (the overlapped dispatcher) overrides `run`
 instead and calls the experts in parts (`ExpertFn.call_once` and `ExpertFn.part`). Every rank
 of a distributed dispatcher must call dispatch and combine (or run) once per forward, also
@@ -181,10 +186,16 @@ class DispatchContext:
 class Dispatcher(ABC):
     """Moves rows between token order and expert order (and between ranks).
 
-    `ranks_per_node`: the exchange's ranks per node when set (expert-parallel dispatchers;
-    None: one node, or detected by the exchange); replicas prefer a copy on the sender's node.
+    Declared capabilities (class attributes, read by parallelize's checks):
+    `overlaps`: the constructor takes `degree=` (parallelize's overlap=);
+    `takes_wire`: the constructor takes the layer's row wire (`wire=`, moe.dispatch.wire) and sends
+    the rows in it (without it, a layer whose rows travel in another format is refused).
+    `ranks_per_node`: the ranks per node the exchange uses, resolved (expert-parallel
+    dispatchers; None: one node); replicas prefer a copy on the sender's node by it.
     """
 
+    overlaps: bool = False
+    takes_wire: bool = False
     ranks_per_node: int | None = None
 
     @abstractmethod

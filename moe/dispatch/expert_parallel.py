@@ -9,6 +9,7 @@ import torch.distributed as dist
 from moe.comm.alltoall import ALGORITHMS, AllToAllPlan
 from moe.comm.exchange_config import ExchangeConfig
 from moe.comm.exchange_plan import ExpertExchange, plan_expert_exchange
+from moe.comm.topology import resolve_ranks_per_node
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
     DispatchPlan,
@@ -55,7 +56,13 @@ class ExpertParallelDispatcher(Dispatcher):
 
     wire: the layer's RowWire (moe.dispatch.wire.wire_for(layer.config), which parallelize
     hands over): the rows travel by `self.wire`, each direction in its row format, through
-    whatever algorithm moves them (flat or hierarchical: encoded rows are rows like any)."""
+    whatever algorithm moves them (flat or hierarchical: encoded rows are rows like any).
+
+    ranks_per_node: resolved here once (moe.comm.topology.resolve_ranks_per_node: the argument,
+    else the ExchangeConfig, else detection, a collective over `group` when host names decide)
+    and passed to every exchange; the replica split reads the same attribute."""
+
+    takes_wire = True
 
     def __init__(
         self,
@@ -72,12 +79,13 @@ class ExpertParallelDispatcher(Dispatcher):
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.group, self.num_local = group, num_local_experts
         self.ep_size = dist.get_world_size(group)
-        self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
         if exchange_config is not None and not isinstance(exchange_config, ExchangeConfig):
             raise ValueError(
                 f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
             )
         self.exchange_config = exchange_config or ExchangeConfig()  # the all-to-all's settings
+        self.algorithm = algorithm
+        self.ranks_per_node = resolve_ranks_per_node(group, ranks_per_node, self.exchange_config)
         self.wire = wire  # how the rows travel: each direction's row format
 
     def _check_plan(self, plan: DispatchPlan) -> None:

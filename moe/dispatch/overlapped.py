@@ -77,6 +77,8 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
     without MOE_A2A_COST_PROFILE). `dispatch` / `combine` called directly behave as the plain
     dispatcher; MoELayer calls `run`, which overlaps."""
 
+    overlaps = True
+
     def __init__(
         self,
         group: dist.ProcessGroup,

@@ -1,7 +1,8 @@
 """Expert x data parallelism on a DeviceMesh, applied from outside the model: the mesh,
 parallelize, gradient clipping, and load-aware expert placement.
 
-Public names (one path each, the README's): init_mesh, parallelize, clip_grad_norm_,
+Public names (one path each, the README's): init_mesh, parallelize, ParallelConfig,
+clip_grad_norm_,
 rebalance_experts, RebalanceReport, plan_placement, Placement, plan_replicas,
 ReplicaPlacement, sum_replica_grads, expert_parameters,
 dense_parameters, is_expert_parameter. The memory features live in moe.memory and checkpoint
@@ -10,6 +11,7 @@ I/O in moe.checkpoint.
 
 from moe.experts import dense_parameters, expert_parameters, is_expert_parameter
 from moe.parallel.mesh import init_mesh
+from moe.parallel.parallel_config import ParallelConfig
 from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
 from moe.slots.placement_plan import Placement, plan_placement
@@ -18,6 +20,7 @@ from moe.slots.replica_plan import ReplicaPlacement, plan_replicas
 from moe.parallel.replicas import sum_replica_grads
 
 __all__ = [
+    "ParallelConfig",
     "Placement",
     "RebalanceReport",
     "ReplicaPlacement",

@@ -1,4 +1,9 @@
-"""The (dp, ep) DeviceMesh and the process groups parallel code reduces over."""
+"""The (dp, ep) DeviceMesh and the process groups parallel code reduces over.
+
+`parallelize` acts on the ranks of the mesh it is given, never the world (a pipeline stage
+passes its own mesh["dp", "ep"]): its agreement check, its parameter broadcast and the
+routers' load statistics use `mesh_group(mesh)`, all of the mesh's ranks.
+"""
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -21,3 +26,26 @@ def init_mesh(dp: int | None = None, ep: int = 1, device_type: str | None = None
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
+
+
+def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of all of `mesh`'s ranks (its dims flattened, named by joining the
+    dim names with "_", as parallelize names it): what acts on the mesh and not the world.
+    Every rank of the root mesh must call it at the same point (DeviceMesh creates the
+    flattened groups of every slice)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if not mesh.mesh_dim_names:
+        raise ValueError("mesh must have named dims, e.g. ('dp', 'ep') (moe.parallel.init_mesh)")
+    return mesh._flatten("_".join(mesh.mesh_dim_names)).get_group()
+
+
+def describe_mesh(mesh: DeviceMesh) -> str:
+    """E.g. "mesh ('dp', 'ep') = (1, 2) of global ranks [2, 3] (rank i below: its i-th)":
+    how errors name the mesh, its rank numbers being positions in it."""
+    shape = tuple(mesh.mesh.shape)
+    ranks = mesh.mesh.flatten().tolist()
+    return (
+        f"mesh {tuple(mesh.mesh_dim_names or ())} = {shape} of global ranks {ranks} "
+        "(rank i below: its i-th)"
+    )

@@ -3,10 +3,14 @@ FSDP2 engine, applied from outside a model that was written for one device.
 
 Layout (docs/parallelism.md): routed experts are DTensors sharded Shard(0) over "ep", then
 FSDP-sharded ("fsdp") or replicated ("ddp") over "dp"; every other parameter is sharded over
-all ranks ("fsdp") or replicated ("ddp"). Every parameter keeps the single-process global
-shape, so torch.distributed.checkpoint sees the same keys and shapes at any (dp, ep).
+all of the mesh's ranks ("fsdp") or replicated ("ddp"). Every parameter keeps the
+single-process global shape, so torch.distributed.checkpoint sees the same keys and shapes at
+any (dp, ep). The settings: ParallelConfig (moe/parallel/parallel_config.py). Only the mesh's
+ranks communicate (a pipeline stage's mesh is not the world).
 """
 
+from dataclasses import fields
+from functools import partial
 from typing import Literal
 
 import torch
@@ -22,10 +26,13 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.comm.exchange_config import ExchangeConfig
+from moe.comm.topology import resolve_ranks_per_node
 from moe.dispatch import DISPATCHERS
 from moe.dispatch.wire import wire_for
 from moe.layer import moe_layers
 from moe.parallel.config_check import check_config
+from moe.parallel.mesh import mesh_group
+from moe.parallel.parallel_config import ParallelConfig
 
 
 def _to_ep_dtensors(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
@@ -71,64 +78,73 @@ def _divide_expert_grads(experts: nn.Module, ep: int, sum_only: bool) -> None:
 
 
 @torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module) -> None:
+def _broadcast_from_first_rank(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every parameter and buffer of the group's first rank (the mesh's, not world rank 0)
+    on every rank of the group."""
     for tensor in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(tensor, src=0)
+        dist.broadcast(tensor, group=group, group_src=0)
 
 
-def _wrapper(settings: dict):
-    """(FSDP2's fully_shard or replicate, the keywords each call gets) for these settings."""
-    mp_policy = settings["mp_policy"] or MixedPrecisionPolicy(reduce_dtype=settings["grad_dtype"])
+def _wrapper(config: ParallelConfig):
+    """(FSDP2's fully_shard or replicate, the keywords each call gets) for this config."""
     common = {
-        "mp_policy": mp_policy,
-        "offload_policy": settings["offload_policy"] or OffloadPolicy(),
+        "mp_policy": config.mixed_precision,
+        "offload_policy": config.offload_policy or OffloadPolicy(),
     }
-    if settings["data_parallel"] != "fsdp":
+    if config.data_parallel != "fsdp":
         return replicate, common
-    return fully_shard, {**common, "reshard_after_forward": settings["reshard_after_forward"]}
+    return fully_shard, {**common, "reshard_after_forward": config.reshard_after_forward}
 
 
-def _build_dispatcher(settings: dict, group: dist.ProcessGroup, num_local: int, config):
-    """One layer's dispatcher: the registered class settings["dispatcher"] built as
-    cls(ep_group, num_local_experts, algorithm=, ranks_per_node=, exchange_config=), plus
-    degree= when overlap= is given and wire= (the layer's RowWire, wire_for(config)) when it
-    is not plain (ExpertParallelDispatcher's signature; check_config refused a class without
-    it)."""
-    overlap = settings["overlap"]
-    row_wire = wire_for(config)
+def _build_dispatcher(
+    config: ParallelConfig,
+    group: dist.ProcessGroup,
+    num_local: int,
+    ranks_per_node: int,
+    moe_config,
+):
+    """One layer's dispatcher, by the constructor contract (docs/architecture.md, "A
+    dispatcher"): the registered class config.dispatcher_name built as
+    cls(ep_group, num_local_experts, algorithm=, ranks_per_node= (resolved), exchange_config=),
+    plus degree= when overlap= is given (a class declaring `overlaps`) and wire= (the layer's
+    RowWire, wire_for(moe_config)) when it is not plain (a class declaring `takes_wire`;
+    check_config refused any other)."""
+    row_wire = wire_for(moe_config)
     wire = {} if row_wire.plain else {"wire": row_wire}
-    return DISPATCHERS[settings["dispatcher"]](
+    return DISPATCHERS[config.dispatcher_name](
         group,
         num_local,
-        algorithm=settings["algorithm"],
-        ranks_per_node=settings["ranks_per_node"],
-        exchange_config=settings["exchange"],
-        **({} if overlap is None else {"degree": overlap}),
+        algorithm=config.algorithm,
+        ranks_per_node=ranks_per_node,
+        exchange_config=config.exchange,
+        **({} if config.overlap is None else {"degree": config.overlap}),
         **wire,
     )
 
 
-def dispatcher_name(dispatcher: str | None, overlap: int | str | None) -> str | None:
-    """The registered dispatcher parallelize installs: `dispatcher`, else "overlap" when
-    overlap is given, else "expert_parallel" (checked on every rank by check_config)."""
-    if dispatcher is not None:
-        return dispatcher
-    return "expert_parallel" if overlap is None else "overlap"
+def _config(config: ParallelConfig | None, keywords: dict) -> ParallelConfig:
+    """`config`, or one built from parallelize's keywords (those not None), not both."""
+    names = [f.name for f in fields(ParallelConfig)]
+    given = {k: keywords[k] for k in names if keywords.get(k) is not None}
+    if config is not None and given:
+        raise ValueError(f"give config= or keywords, not both (got config and {sorted(given)})")
+    return config if config is not None else ParallelConfig(**given)
 
 
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
-    data_parallel: Literal["ddp", "fsdp"] = "ddp",
+    data_parallel: Literal["ddp", "fsdp"] | None = None,
     *,
-    algorithm: str = "auto",
+    config: ParallelConfig | None = None,
+    blocks: list[nn.Module] | None = None,
+    algorithm: str | None = None,
     ranks_per_node: int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool = True,
-    blocks: list[nn.Module] | None = None,
+    reshard_after_forward: bool | None = None,
     grad_dtype: torch.dtype | None = None,
-    sync_params: bool = True,
+    sync_params: bool | None = None,
     overlap: int | str | None = None,
     exchange: ExchangeConfig | None = None,
     dispatcher: str | None = None,
@@ -137,57 +153,41 @@ def parallelize(
     e // (E / ep)), install the all-to-all exchange (flat, hierarchical or auto), and apply
     FSDP2 (data_parallel="fsdp": fully_shard) or FSDP2's replicate ("ddp") per unit:
 
-      experts of each MoELayer   over mesh["dp"]   (gradient divided by the world size)
+      experts of each MoELayer   over mesh["dp"]   (gradient divided by the mesh's size)
       each MoELayer (router, shared experts), each module of `blocks`, then the root model
-                                 over all ranks     (mesh flattened to "dp_ep")
+                                 over the mesh's ranks (mesh flattened to "dp_ep")
 
     so gradients are reduced by the time backward() returns and training equals
-    single-process training on the global batch at any (dp, ep) and in any reduce dtype.
+    single-process training on the mesh's global batch at any (dp, ep) and reduce dtype.
+    Only the ranks of `mesh` communicate, never the world: a pipeline stage passes its own
+    mesh["dp", "ep"], and each stage keeps its own weights and settings.
 
-    Before anything else every rank's model and settings (these arguments, the all-to-all's
-    ranks per node from the argument, MOE_RANKS_PER_NODE or LOCAL_WORLD_SIZE, and for "auto"
-    the threshold and cost model) are compared: a difference, or a bad value on any rank, is
-    the same ValueError on every rank naming it (moe/parallel/config_check.py).
-
-    mp_policy / offload_policy / reshard_after_forward are FSDP2's (reshard only applies to
-    "fsdp"); grad_dtype (e.g. torch.bfloat16) is a shorthand for
-    MixedPrecisionPolicy(reduce_dtype=grad_dtype). sync_params broadcasts rank 0's parameters
-    first, so every rank starts from one model. overlap (n chunks or "auto"; None = off)
-    installs the OverlappedDispatcher, which hides the exchange behind the experts.
-    exchange (moe.comm.ExchangeConfig; None: ExchangeConfig() from the environment, read now)
-    is how the all-to-all runs: the dispatchers hold it and pass it to every exchange.
-    dispatcher: a registered dispatcher's name (moe.dispatch.register_dispatcher; None:
-    "overlap" with overlap=, else "expert_parallel"); how it is built: `_build_dispatcher`.
+    The settings are a ParallelConfig (moe/parallel/parallel_config.py: each field's meaning
+    and check): `config=`, or its fields as keywords (data_parallel positional), not both.
+    blocks: submodules of the model wrapped as their own FSDP2 units (agreed by name).
+    Before anything else every rank's model and whole ParallelConfig (with its ExchangeConfig,
+    the ranks per node it resolves to and for "auto" the cost model) are compared over the
+    mesh: a difference, or a bad value on any rank, is the same ValueError on every rank of the
+    mesh naming it and the mesh (moe/parallel/config_check.py). Ranks per node are then
+    resolved once (moe.comm.topology.resolve_ranks_per_node) and handed to every dispatcher,
+    which passes them to every exchange; the replica split reads the same value.
     """
-    settings = {
-        "data_parallel": data_parallel,
-        "algorithm": algorithm,
-        "ranks_per_node": ranks_per_node,
-        "mp_policy": mp_policy,
-        "grad_dtype": grad_dtype,
-        "offload_policy": offload_policy,
-        "reshard_after_forward": reshard_after_forward,
-        "blocks": blocks,
-        "sync_params": sync_params,
-        "overlap": overlap,
-        "exchange": exchange,
-        "dispatcher": dispatcher_name(dispatcher, overlap),
-    }
-    # Validates the settings too: a bad value on one rank is the same error on every rank,
-    # raised before any exchange.
-    # environment overrides read once, agreed: the dispatchers get exactly this ExchangeConfig
-    settings["exchange"] = check_config(model, mesh, settings)
-    if sync_params:
-        _broadcast_from_rank0(model)
-    wrap, common = _wrapper(settings)
+    keywords = dict(locals())  # the ParallelConfig fields given as keywords (None: not given)
+    # built inside the check (a bad value is every rank's error); the config as agreed: its
+    # ExchangeConfig built now if none was given, so the dispatchers get exactly that one
+    config = check_config(model, mesh, partial(_config, config, keywords), blocks)
+    if config.sync_params:
+        _broadcast_from_first_rank(model, mesh_group(mesh))
+    wrap, common = _wrapper(config)
     # Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide (FSDP2's own switch).
     sum_only = dist.get_backend() != "nccl"
-    all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the world
+    all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the mesh
+    group = mesh.get_group("ep")
+    per_node = resolve_ranks_per_node(group, config.ranks_per_node, config.exchange)
     for _, layer in moe_layers(model):
         local = _to_ep_dtensors(layer.experts, mesh["ep"])
-        group = mesh.get_group("ep")
-        layer.dispatcher = _build_dispatcher(settings, group, local, layer.config)
-        layer.router.load_group = dist.group.WORLD  # observed load summed over all ranks
+        layer.dispatcher = _build_dispatcher(config, group, local, per_node, layer.config)
+        layer.router.load_group = all_ranks.get_group()  # observed load summed over the mesh
         layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)
         _divide_expert_grads(layer.experts, mesh["ep"].size(), sum_only)
