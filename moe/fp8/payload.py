@@ -48,13 +48,19 @@ def dequantize_payload(
     return dequantize_blocks(q_RD.view(E4M3), scales_RB, block, dtype)
 
 
+def _dense(t: Tensor) -> Tensor:
+    """t with row-major strides, so that .view(another dtype) works: .contiguous() leaves an
+    empty tensor's strides as they are (a [0, nb] amax can have stride 0 in its last dim)."""
+    return t.new_empty(t.shape) if t.numel() == 0 else t.contiguous()
+
+
 def pack_rows(q_RD: Tensor, scales_RB: Tensor, scale_format: str = "fp32") -> Tensor:
     """One contiguous uint8 [R, D + scale bytes] buffer: the bytes, then the row's scales."""
     if scale_format == "ue8m0":
         s_RS = scales_to_ue8m0(scales_RB)
     else:
-        s_RS = scales_RB.float().contiguous().view(torch.uint8)
-    return torch.cat([q_RD.view(torch.uint8), s_RS], dim=1)
+        s_RS = _dense(scales_RB.float()).view(torch.uint8)
+    return torch.cat([_dense(q_RD).view(torch.uint8), s_RS], dim=1)
 
 
 def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[Tensor, Tensor]:
@@ -62,7 +68,7 @@ def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[
     q_RD, s_RS = packed_RP[:, :D], packed_RP[:, D:]
     if scale_format == "ue8m0":
         return q_RD, ue8m0_to_scales(s_RS)
-    return q_RD, s_RS.contiguous().view(torch.float32)
+    return q_RD, _dense(s_RS).view(torch.float32)
 
 
 def send_fp8(x_ND: Tensor, plan, block: int, scale_format: str, floor: float) -> Tensor:
@@ -97,19 +103,26 @@ class _Exchange(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-def fp8_dispatch(x_ND: Tensor, plan, config: FP8Config, grad_fp8: bool = False) -> Tensor:
-    """The dispatch exchange: FP8 on the wire when config.dispatch (else x's dtype); the
-    gradient goes home in the gradient's dtype, or in FP8 with grad_fp8."""
+def fp8_dispatch(x_ND: Tensor, plan, config: FP8Config | None, grad_fp8: bool = False) -> Tensor:
+    """The dispatch exchange: FP8 on the wire when config.dispatch (else x's dtype; config
+    None: x's dtype both ways); the gradient goes home in the gradient's dtype, or in FP8
+    with grad_fp8."""
     c = config
+    if c is None:
+        if grad_fp8:
+            raise ValueError("fp8_dispatch: grad_fp8=True needs an FP8Config, got None")
+        return _Exchange.apply(x_ND, plan, False, False, 128, "fp32", AMAX_FLOOR)
     return _Exchange.apply(
         x_ND, plan, c.dispatch, grad_fp8, c.block_size, c.scale_format, c.amax_floor
     )
 
 
-def fp8_combine(y_ND: Tensor, plan, config: FP8Config) -> Tensor:
+def fp8_combine(y_ND: Tensor, plan, config: FP8Config | None) -> Tensor:
     """The combine exchange: y's dtype forward; its backward (the gradient before the experts'
-    down-projection) in FP8 when config.grad_before_down_fp8."""
+    down-projection) in FP8 when config.grad_before_down_fp8 (config None: y's dtype)."""
     c = config
+    if c is None:
+        return _Exchange.apply(y_ND, plan, False, False, 128, "fp32", AMAX_FLOOR)
     return _Exchange.apply(
         y_ND, plan, False, c.grad_before_down_fp8, c.block_size, c.scale_format, c.amax_floor
     )
