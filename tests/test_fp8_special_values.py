@@ -401,6 +401,14 @@ def test_config_bounds_are_checked_at_construction(field, value, allowed):
         FP8Config(dispatch=True, **{field: value})
 
 
+def test_fp8_grouped_mm_checks_its_floor():
+    x, w, offsets = torch.randn(4, 8), torch.randn(1, 8, 8), torch.tensor([4], dtype=torch.int32)
+    for floor in (1e-50, 0.0, 2.0, float("nan")):
+        with pytest.raises(ValueError, match="fp8_grouped_mm: floor must be in"):
+            fp8_grouped_mm(x, w, offsets, floor=floor)
+    assert torch.isfinite(fp8_grouped_mm(torch.zeros(4, 8), w, offsets, floor=1e-4)).all()
+
+
 def test_config_bounds_edges_are_accepted_and_a_wide_block_is_the_row():
     for floor in (Q.AMAX_FLOOR, 1e-4, 1.0):
         assert FP8Config(dispatch=True, amax_floor=floor).amax_floor == floor
