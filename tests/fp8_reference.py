@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
+AMAX_FLOOR = 448 * 2.0**-126  # the library's default: the smallest amax with a normal scale
 
 
-def ref_scale(amax: float, pow2: bool, floor: float = 1e-4) -> torch.Tensor:
+def ref_scale(amax: float, pow2: bool, floor: float = AMAX_FLOOR) -> torch.Tensor:
     """max(amax, floor) / 448 in float32, rounded up to a power of two if pow2."""
     s = torch.tensor(max(amax, floor), dtype=torch.float32) / 448.0
     if pow2:

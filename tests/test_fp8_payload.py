@@ -89,8 +89,8 @@ def _exchange_body(rank, world_size):
         ok[fmt, "combine"] = torch.equal(z, back.run(y.detach())) and torch.equal(
             yl.grad, plan.run(fq(gz))
         )
-    plain = fp8_dispatch(x, plan, FP8Config())  # dispatch off: the rows as they are
-    ok["off"] = torch.equal(plain, plan.run(x))
+    plain = fp8_dispatch(x, plan, FP8Config(experts=True))  # dispatch off: the rows as they are
+    ok["off"] = torch.equal(plain, plan.run(x)) and torch.equal(fp8_dispatch(x, plan, None), plain)
     # bytes at d = 7168, counted at the collective
     xb = torch.randn(4, 7168, dtype=torch.bfloat16)
     plan_b = plan_all_to_all(xb, [2, 2])

@@ -31,8 +31,8 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 def test_config_defaults_and_derived_flags():
     c = FP8Config(dispatch=True, scale_format="ue8m0")
     assert c.pow2_dispatch_scales and c.pow2_gemm_scales and c.block_size == 128
-    assert not FP8Config().pow2_dispatch_scales
-    assert not FP8Config(gemm_scale_format="fp32").pow2_gemm_scales
+    assert not FP8Config(experts=True).pow2_dispatch_scales
+    assert not FP8Config(experts=True, gemm_scale_format="fp32").pow2_gemm_scales
 
 
 def _representable(shape, gen):

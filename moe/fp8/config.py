@@ -13,10 +13,18 @@ ValueError naming the field.
 from dataclasses import dataclass, fields
 
 from moe.comm.consistency import check_same_across_ranks
+from moe.fp8.quant import AMAX_FLOOR
 
 RECIPES = ("rowwise", "blockwise")
 DISPATCH_SCALE_FORMATS = ("fp32", "pow2", "ue8m0")
 GEMM_SCALE_FORMATS = ("fp32", "pow2")
+# amax_floor: from the smallest amax whose scale (amax / 448) is a normal float32 (below it a
+# scale underflows: 1e-50 is 0 in float32, and 0 / 0 turns a row of zeros to NaN; UE8M0 has no
+# exponent for it) to 1 (above it the floor coarsens blocks of ordinary O(1) values: 1e29 zeroes
+# every output).
+AMAX_FLOOR_RANGE = (AMAX_FLOOR, 1.0)
+# block_size: a block wider than d_model is the whole row; above 2^20 no layer has such rows.
+BLOCK_SIZE_RANGE = (1, 2**20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +52,13 @@ class FP8Config:
         element plus the row scales, once for the up and gate GEMMs) instead of x itself; the
         down GEMM's input is recomputed from h and g.
     amax_floor: the smallest amax a scale is computed from (scale = max(amax, floor) / 448),
-        so a block of zeros gets a finite scale and stays zero.
+        so a block of zeros gets a finite scale and stays zero. Default 448 * 2^-126 (~5.3e-36),
+        the smallest allowed: every scale a normal float32, so blocks (gradients included) keep
+        e4m3's precision at any float32 / bf16 magnitude. At most 1; a larger floor (DeepEP's
+        1e-4) quantizes every block whose amax is below it with the floor's coarser scale.
+
+    At least one of dispatch, experts and grad_before_down_fp8 must be on (else the config
+    changes nothing: pass fp8=None for no FP8).
     """
 
     dispatch: bool = False
@@ -55,7 +69,7 @@ class FP8Config:
     block_size: int = 128
     grad_before_down_fp8: bool = False
     save_fp8_inputs: bool = True
-    amax_floor: float = 1e-4
+    amax_floor: float = AMAX_FLOOR
 
     def __post_init__(self):
         for f in fields(self):
@@ -65,11 +79,24 @@ class FP8Config:
         _choice("recipe", self.recipe, RECIPES)
         _choice("scale_format", self.scale_format, DISPATCH_SCALE_FORMATS)
         _choice("gemm_scale_format", self.gemm_scale_format, GEMM_SCALE_FORMATS)
-        if type(self.block_size) is not int or self.block_size < 1:
-            raise ValueError(f"FP8Config.block_size must be an int >= 1, got {self.block_size!r}")
+        lo, hi = BLOCK_SIZE_RANGE
+        if type(self.block_size) is not int or not lo <= self.block_size <= hi:
+            raise ValueError(
+                f"FP8Config.block_size must be an int >= 1 and <= 2**20 ({hi}), got "
+                f"{self.block_size!r}"
+            )
         floor = self.amax_floor
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1e30:
-            raise ValueError(f"FP8Config.amax_floor must be a finite float > 0, got {floor!r}")
+        lo, hi = AMAX_FLOOR_RANGE
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not lo <= floor <= hi:
+            raise ValueError(
+                f"FP8Config.amax_floor must be a float in [448 * 2**-126 ({lo:.4g}), {hi:g}] "
+                f"(the smallest amax with a normal float32 scale, to 1), got {floor!r}"
+            )
+        if not (self.dispatch or self.experts or self.grad_before_down_fp8):
+            raise ValueError(
+                "FP8Config turns nothing on: set FP8Config.dispatch, experts or "
+                "grad_before_down_fp8 to True (fp8=None is a layer without FP8)"
+            )
 
     @property
     def pow2_dispatch_scales(self) -> bool:

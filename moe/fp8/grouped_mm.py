@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from moe.fp8 import blockwise
-from moe.fp8.config import RECIPES
+from moe.fp8.config import AMAX_FLOOR_RANGE, RECIPES
 from moe.fp8.quant import (
     AMAX_FLOOR,
     E4M3,
@@ -232,6 +232,9 @@ def fp8_grouped_mm(
     """Ragged grouped GEMM in FP8 (recipe "rowwise" or "blockwise", see the module docstring);
     differentiable in x and w. offsets_E: int32 cumulative row ends on x's device."""
     check_gemm(x_MK.shape, w_EKN, offsets_E, recipe)
+    lo, hi = AMAX_FLOOR_RANGE
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not lo <= floor <= hi:
+        raise ValueError(f"fp8_grouped_mm: floor must be in [{lo:.4g}, {hi:g}], got {floor!r}")
     y, _, _ = _fwd_op(
         x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32), pow2, float(floor),
         save_fp8, recipe,

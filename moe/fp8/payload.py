@@ -44,13 +44,19 @@ def dequantize_payload(
     return dequantize_blocks(q_RD.view(E4M3), scales_RB, block, dtype)
 
 
+def _dense(t: Tensor) -> Tensor:
+    """t with row-major strides, so that .view(another dtype) works: .contiguous() leaves an
+    empty tensor's strides as they are (a [0, nb] amax can have stride 0 in its last dim)."""
+    return t.new_empty(t.shape) if t.numel() == 0 else t.contiguous()
+
+
 def pack_rows(q_RD: Tensor, scales_RB: Tensor, scale_format: str = "fp32") -> Tensor:
     """One contiguous uint8 [R, D + scale bytes] buffer: the bytes, then the row's scales."""
     if scale_format == "ue8m0":
         s_RS = scales_to_ue8m0(scales_RB)
     else:
-        s_RS = scales_RB.float().contiguous().view(torch.uint8)
-    return torch.cat([q_RD.view(torch.uint8), s_RS], dim=1)
+        s_RS = _dense(scales_RB.float()).view(torch.uint8)
+    return torch.cat([_dense(q_RD).view(torch.uint8), s_RS], dim=1)
 
 
 def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[Tensor, Tensor]:
@@ -58,4 +64,4 @@ def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[
     q_RD, s_RS = packed_RP[:, :D], packed_RP[:, D:]
     if scale_format == "ue8m0":
         return q_RD, ue8m0_to_scales(s_RS)
-    return q_RD, s_RS.contiguous().view(torch.float32)
+    return q_RD, _dense(s_RS).view(torch.float32)

@@ -4,7 +4,17 @@ Every scale is max(amax, amax_floor) / 448 (DeepEP's convention; 448 is e4m3's l
 value), optionally rounded UP to a power of two (so |x| / scale <= 448 still holds and the scale
 is exactly a UE8M0 exponent). q = clamp(x / scale, -448, 448) cast to e4m3 (round to nearest
 even), computed in float32; dequantized x = float32(q) * scale. A block of zeros gets the floor's
-finite scale and stays zero; the largest finite float32 or bf16 input does not overflow.
+finite scale and stays zero; the largest finite float32, bf16 or float16 input does not overflow
+(float16: the dequantized value saturates at 65504 where a power-of-two scale rounds it up past).
+
+Special values (issue 49):
+- the default floor, AMAX_FLOOR = 448 * 2^-126 (~5.3e-36), is the smallest amax whose scale is
+  a normal float32 (2^-126, UE8M0 byte 1): a block of any float32 / bf16 magnitude keeps e4m3's
+  relative precision (gradients scaled by 1e-30 included); a block below it (zeros) gets scale
+  2^-126, under which every normal float32 is still a normal e4m3 code. A larger floor
+  (DeepEP's 1e-4) coarsens every block whose amax is below it, gradients included.
+- non-finite in, non-finite out: a block holding Inf or NaN gets a non-finite scale in every
+  scale format (pow2_ceil keeps Inf / NaN, UE8M0 sends them as byte 255) and comes back NaN.
 
 Scale layouts (scales always float32, broadcastable against q where that is natural):
 - along a dim (`quantize_along`): rowwise activations (dim -1: one scale per row), weights per
@@ -21,17 +31,21 @@ from torch import Tensor
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-4
+AMAX_FLOOR = E4M3_MAX * 2.0**-126  # 7 * 2^-120 ~ 5.27e-36: the scale floor is 2^-126, exactly
+UE8M0_NONFINITE = 255  # the E8M0 NaN byte: a block holding Inf or NaN
 
 
 def pow2_ceil(scale: Tensor) -> Tensor:
-    """The smallest power of two >= scale (exact: frexp, no log2 rounding)."""
+    """The smallest power of two >= scale (exact: frexp, no log2 rounding); Inf and NaN stay
+    as they are (frexp gives them exponent 0, which would read as 1)."""
     mant, exp = torch.frexp(scale)
-    return torch.where(mant == 0.5, scale, torch.ldexp(torch.ones_like(scale), exp))
+    keep = (mant == 0.5) | ~torch.isfinite(mant)
+    return torch.where(keep, scale, torch.ldexp(torch.ones_like(scale), exp))
 
 
 def scale_of(amax: Tensor, pow2: bool = False, floor: float = AMAX_FLOOR) -> Tensor:
-    """max(amax, floor) / 448 in float32, rounded up to a power of two if pow2."""
+    """max(amax, floor) / 448 in float32, rounded up to a power of two if pow2. An amax of Inf
+    or NaN (a block holding one) gives an Inf or NaN scale: the block dequantizes to NaN."""
     scale = amax.float().clamp(min=floor) / E4M3_MAX
     return pow2_ceil(scale) if pow2 else scale
 
@@ -54,8 +68,15 @@ def to_e4m3(x: Tensor, scale: Tensor) -> Tensor:
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """float32(q) * scale, cast to dtype (scale broadcasts against q)."""
-    return (q.float() * scale).to(dtype)
+    """float32(q) * scale, cast to dtype (scale broadcasts against q). For a dtype whose range
+    ends below float32's top binade (float16) the product saturates at the dtype's largest
+    finite value: the quantized input was finite there, and a power-of-two scale can round it
+    up past (65504 -> 65536); NaN (a non-finite block) stays NaN."""
+    x = q.float() * scale
+    if dtype.is_floating_point and torch.finfo(dtype).max < 2.0**127:
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)
 
 
 def quantize_along(
@@ -67,8 +88,10 @@ def quantize_along(
 
 
 def _blocks_last(x: Tensor, block: int) -> Tensor:
-    """x [..., D] zero-padded to [..., nb, block] (nb = ceil(D / block))."""
+    """x [..., D] zero-padded to [..., nb, block] (nb = ceil(D / block)); a block wider than
+    the row is the row (no padding to the block's width: the same amax)."""
     D = x.shape[-1]
+    block = min(block, max(D, 1))
     nb = -(-D // block)
     if nb * block != D:
         x = torch.nn.functional.pad(x, (0, nb * block - D))
@@ -88,7 +111,7 @@ def quantize_blocks(
 
 def expand_blocks(scales: Tensor, D: int, block: int = 128) -> Tensor:
     """Scales [..., nb] repeated to one per element [..., D]."""
-    return scales.repeat_interleave(block, dim=-1)[..., :D]
+    return scales.repeat_interleave(min(block, max(D, 1)), dim=-1)[..., :D]
 
 
 def dequantize_blocks(q: Tensor, scales: Tensor, block: int = 128, dtype=torch.float32) -> Tensor:
@@ -109,8 +132,8 @@ def quantize_weight_blocks(
 
 def expand_weight_blocks(scales: Tensor, K: int, N: int, block: int = 128) -> Tensor:
     """Scales [..., kb, nb] repeated to one per element [..., K, N]."""
-    s = scales.repeat_interleave(block, dim=-2)[..., :K, :]
-    return s.repeat_interleave(block, dim=-1)[..., :N]
+    s = scales.repeat_interleave(min(block, max(K, 1)), dim=-2)[..., :K, :]
+    return s.repeat_interleave(min(block, max(N, 1)), dim=-1)[..., :N]
 
 
 def group_of_rows(offsets_E: Tensor, M: int) -> Tensor:
@@ -182,14 +205,17 @@ def quantize_row_tiles(
 
 
 def scales_to_ue8m0(scales: Tensor) -> Tensor:
-    """Power-of-two float32 scales -> their biased exponent as uint8 (2^(byte - 127)). Only
-    for power-of-two scales (pow2_ceil's; not checked: that would read the device)."""
+    """Power-of-two float32 scales -> their biased exponent as uint8 (2^(byte - 127)); an Inf
+    or NaN scale (a non-finite block) -> 255, E8M0's NaN. Only for power-of-two scales
+    (pow2_ceil's, 2^-126 .. 2^120: bytes 1 .. 247; not checked: that would read the device)."""
     _, exp = torch.frexp(scales)
-    return (exp - 1 + 127).to(torch.uint8)
+    byte = exp - 1 + 127
+    return torch.where(torch.isfinite(scales), byte, UE8M0_NONFINITE).to(torch.uint8)
 
 
 def ue8m0_to_scales(byte: Tensor) -> Tensor:
-    """uint8 biased exponents -> float32 scales 2^(byte - 127)."""
+    """uint8 biased exponents -> float32 scales 2^(byte - 127). Byte 255 (non-finite) reads as
+    2^128 = Inf: its block's codes are 0 or NaN, so the block dequantizes to NaN."""
     exp = byte.to(torch.int32) - 127
     return torch.ldexp(torch.ones(exp.shape, device=byte.device), exp)
 

@@ -58,18 +58,22 @@ class FP8Rows(RowFormat):
 FP8_ROWS = register_row_format(FP8Rows("fp8"))
 
 
-def fp8_dispatch(x_ND: Tensor, plan, config: FP8Config, grad_fp8: bool = False) -> Tensor:
-    """The dispatch exchange: FP8 on the wire when config.dispatch (else x's dtype); the
-    gradient goes home in the gradient's dtype, or in FP8 with grad_fp8."""
+def fp8_dispatch(x_ND: Tensor, plan, config: FP8Config | None, grad_fp8: bool = False) -> Tensor:
+    """The dispatch exchange: FP8 on the wire when config.dispatch (else x's dtype; config
+    None: x's dtype both ways); the gradient goes home in the gradient's dtype, or in FP8
+    with grad_fp8."""
+    if config is None and grad_fp8:
+        raise ValueError("fp8_dispatch: grad_fp8=True needs an FP8Config, got None")
     rows = FP8Rows(FP8_ROWS.name, config)
-    fwd = rows if config.dispatch else PLAIN
+    fwd = rows if config is not None and config.dispatch else PLAIN
     return RowWire(dispatch_format=fwd, dispatch_grad_format=rows if grad_fp8 else PLAIN).dispatch(
         x_ND, plan
     )
 
 
-def fp8_combine(y_ND: Tensor, plan, config: FP8Config) -> Tensor:
+def fp8_combine(y_ND: Tensor, plan, config: FP8Config | None) -> Tensor:
     """The combine exchange: y's dtype forward; its backward (the gradient before the experts'
-    down-projection) in FP8 when config.grad_before_down_fp8."""
-    rows = FP8Rows(FP8_ROWS.name, config) if config.grad_before_down_fp8 else PLAIN
+    down-projection) in FP8 when config.grad_before_down_fp8 (config None: y's dtype)."""
+    on = config is not None and config.grad_before_down_fp8
+    rows = FP8Rows(FP8_ROWS.name, config) if on else PLAIN
     return RowWire(combine_grad_format=rows).combine(y_ND, plan)
