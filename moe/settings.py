@@ -10,7 +10,11 @@ The variable is read once, when the config is built (`ExchangeConfig()`, which `
 builds when given none; the process's KernelConfig when a kernel first asks, or after
 `set_kernel_config(None)`), never when the setting is used, so a variable changed later (on one
 rank) changes nothing. `read` parses every variable: it names the variable, accepts the
-spellings the README's "Environment variables" table lists and refuses the rest.
+spellings the README's "Environment variables" table lists and refuses the rest: integers in
+decimal digits up to int64's largest (leading zeros allowed), paths as written (not stripped;
+too long for the file system: refused naming the variable). A `MOE_*` variable that is none of
+these is warned about once per process, naming the known ones (a misspelling is not ignored
+silently).
 `LOCAL_WORLD_SIZE` (torchrun's) and `TRITON_INTERPRET` (Triton's) are read here too.
 """
 
