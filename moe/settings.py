@@ -57,7 +57,7 @@ def parse(name: str, kind: str, text: str) -> bool | int | str:
     them); flags in any case; integers in decimal digits (leading zeros allowed) up to int64's
     largest."""
     if kind == "path":
-        _check_path(name, text)
+        check_path(name, text)
         return text
     value = text.strip()
     if kind == "flag":
@@ -76,8 +76,9 @@ def parse(name: str, kind: str, text: str) -> bool | int | str:
     return int(value)
 
 
-def _check_path(name: str, text: str) -> None:
-    """A path the file system can take: not too long as a whole or in one component, no NUL."""
+def check_path(name: str, text: str) -> None:
+    """A path the file system can take: not too long as a whole or in one component, no NUL;
+    else a ValueError naming `name` (a variable, or a config field given a path in code)."""
     shown = text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
     if "\0" in text:
         raise ValueError(f"{name}={shown!r} is not a path: it holds a NUL character")
