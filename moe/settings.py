@@ -10,16 +10,24 @@ The variable is read once, when the config is built (`ExchangeConfig()`, which `
 builds when given none; the process's KernelConfig when a kernel first asks, or after
 `set_kernel_config(None)`), never when the setting is used, so a variable changed later (on one
 rank) changes nothing. `read` parses every variable: it names the variable, accepts the
-spellings the README's "Environment variables" table lists and refuses the rest.
+spellings the README's "Environment variables" table lists and refuses the rest: integers in
+decimal digits up to int64's largest (leading zeros allowed), paths as written (not stripped;
+too long for the file system: refused naming the variable). A `MOE_*` variable that is none of
+these is warned about once per process, naming the known ones (a misspelling is not ignored
+silently).
 `LOCAL_WORLD_SIZE` (torchrun's) and `TRITON_INTERPRET` (Triton's) are read here too.
 """
 
+import difflib
 import os
 import re
+import warnings
 
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
-MAX_DIGITS = 19  # int64
+MAX_INT = 2**63 - 1  # int64: the largest integer a setting takes
+PATH_MAX = 4096  # Linux's PATH_MAX: longer paths are refused before the file system sees them
+NAME_MAX = 255  # the longest name of one path component
 
 # "Config.field" -> the environment variable that overrides it
 ENV = {
@@ -45,10 +53,13 @@ KIND = {
 
 def parse(name: str, kind: str, text: str) -> bool | int | str:
     """The value of variable `name` holding `text`, or a ValueError naming the variable and
-    what it accepts. Surrounding spaces are ignored; flags in any case."""
-    value = text.strip()
+    what it accepts. Surrounding spaces are ignored, except in a path (a file name may hold
+    them); flags in any case; integers in decimal digits (leading zeros allowed) up to int64's
+    largest."""
     if kind == "path":
-        return value
+        check_path(name, text)
+        return text
+    value = text.strip()
     if kind == "flag":
         if value.lower() in TRUE:
             return True
@@ -59,14 +70,52 @@ def parse(name: str, kind: str, text: str) -> bool | int | str:
             f"{', '.join(FALSE)} (off)"
         )
     low = 1 if kind == "count" else 0
-    if not re.fullmatch(rf"[0-9]{{1,{MAX_DIGITS}}}", value) or int(value) < low:
-        raise ValueError(f"{name}={text!r} is not an integer >= {low}")
+    if not re.fullmatch(r"[0-9]+", value) or not low <= int(value) <= MAX_INT:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"{name}={shown!r} is not an integer >= {low} and <= {MAX_INT} (int64)")
     return int(value)
+
+
+def check_path(name: str, text: str) -> None:
+    """A path the file system can take: not too long as a whole or in one component, no NUL;
+    else a ValueError naming `name` (a variable, or a config field given a path in code)."""
+    shown = text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
+    if "\0" in text:
+        raise ValueError(f"{name}={shown!r} is not a path: it holds a NUL character")
+    if len(os.fsencode(text)) >= PATH_MAX:
+        raise ValueError(f"{name}={shown!r} is not a path: longer than {PATH_MAX - 1} bytes")
+    longest = max(len(os.fsencode(part)) for part in text.split("/"))
+    if longest > NAME_MAX:
+        raise ValueError(
+            f"{name}={shown!r} is not a path: a component longer than {NAME_MAX} bytes"
+        )
+
+
+_warned: set[str] = set()  # unknown MOE_* names already warned about (once per process)
+
+
+def warn_unknown() -> None:
+    """Warn once per name about a MOE_* variable this library does not read (a misspelling
+    would otherwise be ignored silently), naming the closest known one and every known one."""
+    known = sorted(ENV.values())
+    for name in sorted(os.environ):
+        if not name.startswith("MOE_") or name in known or name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(
+            f"{name} is not a setting of moe and is ignored{hint}; the known ones are "
+            f"{', '.join(known)}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def read(key: str) -> bool | int | str | None:
     """The parsed value of the variable that overrides the field `key` ("Config.field"), read
     now; None when unset (empty counts as unset). Configs call it when they are built."""
+    warn_unknown()
     name = ENV[key]
     text = os.environ.get(name, "")
     if not text.strip():

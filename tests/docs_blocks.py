@@ -1,5 +1,7 @@
 """The fenced code blocks of the README files, for tests/test_docs.py: shell commands (one per
-line, backslash continuations joined, trailing comments cut) and python snippets."""
+line, backslash continuations joined, trailing comments cut), python snippets, the commands
+written inline in the prose (`python -m bench.rebalance`), and the output blocks (fences
+without a language)."""
 
 import re
 from pathlib import Path
@@ -23,3 +25,18 @@ def commands(doc: str) -> list[str]:
             if line and not line.startswith("#"):
                 out.append(" ".join(line.split()))
     return out
+
+
+PROSE_COMMAND = re.compile(r"`((?:python3? |torchrun |bash |scripts/)[^`]+)`")
+
+
+def inline_commands(doc: str) -> list[str]:
+    """Every command written inline (in backticks) in `doc`'s prose, outside fenced blocks,
+    starting with python, python3, torchrun, bash or scripts/; whitespace collapsed."""
+    text = FENCE.sub("", (ROOT / doc).read_text())
+    return [" ".join(m.group(1).split()) for m in PROSE_COMMAND.finditer(text)]
+
+
+def outputs(doc: str) -> list[str]:
+    """The fenced blocks without a language: what the docs show a command printing."""
+    return blocks(doc, "")

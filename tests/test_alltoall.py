@@ -8,7 +8,6 @@ descriptions instead of raising, so one wrong result cannot desynchronise the co
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -184,14 +183,11 @@ def _bad_input_body(rank: int, world_size: int) -> list[str]:
             (x, [3, 0], {"algorithm": "hierarchical", "ranks_per_node": 3}),
         ]
         for x_bad, counts, kwargs in bad:
-            start = time.monotonic()
-            try:
-                all_to_all(x_bad, counts, **kwargs)
+            try:  # a call that communicated first would wait for rank 1: the collective's
+                all_to_all(x_bad, counts, **kwargs)  # timeout (not a ValueError) fails the run
                 messages.append("no error")
             except ValueError as e:
                 messages.append(str(e))
-            if time.monotonic() - start > 1.0:
-                messages.append("slow: waited for a peer")
     x = torch.full((2, 2), float(rank))
     y, _ = all_to_all(x, [1, 1])
     messages.append(y[:, 0].tolist())
@@ -219,18 +215,17 @@ def _dead_peer_body(rank: int, world_size: int):
     """Rank 1 leaves without joining; rank 0's exchange must fail, not hang."""
     if rank == 1:
         return None
-    start = time.monotonic()
     try:
         all_to_all(torch.zeros(2, 2), [1, 1])
     except Exception as e:  # noqa: BLE001 - any backend error is the expected outcome
-        return (type(e).__name__, time.monotonic() - start)
-    return ("no error", time.monotonic() - start)
+        return type(e).__name__
+    return "no error"
 
 
 def test_dead_peer_raises_instead_of_hanging():
+    """A hang would end at run_ranks' deadline as "timed out" (an AssertionError here)."""
     outcome, _ = run_ranks(_dead_peer_body, 2, timeout=5)
-    assert outcome[0] != "no error"
-    assert outcome[1] < 15
+    assert outcome != "no error"
 
 
 def _raising_body(rank: int, world_size: int):
@@ -241,11 +236,14 @@ def _raising_body(rank: int, world_size: int):
 
 
 def test_harness_reports_failure_without_hanging():
-    start = time.monotonic()
+    """Rank 0 waits in a barrier with a 600 s collective timeout and an overall deadline past
+    it: the harness must end it after the grace period that follows rank 1's failure (or see
+    gloo notice the closed peer), not wait for the deadline ("timed out")."""
     with pytest.raises(AssertionError, match="boom on purpose") as info:
-        run_ranks(_raising_body, 2, timeout=60, grace=2)
-    assert "rank 1 failed" in str(info.value)
-    assert time.monotonic() - start < 40
+        run_ranks(_raising_body, 2, timeout=600, deadline=1200, grace=2)
+    message = str(info.value)
+    assert "rank 1 failed" in message and "timed out" not in message
+    assert "--- rank 0 was killed after rank 1 failed" in message or "--- rank 0 failed" in message
 
 
 def test_choose_algorithm_needs_more_than_one_node():

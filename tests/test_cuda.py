@@ -18,6 +18,7 @@ from examples.m6 import train
 from moe.kernels.triton.common import autotune_prune
 from tests.distributed import free_port, run_ranks
 from tests.test_layer import layer_params, reference_layer
+from tests.tolerance import assert_close_in
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -184,11 +185,16 @@ def _check_layer(device: str, dtype: torch.dtype, backend: str) -> None:
     cpu.load_state_dict({k: v.cpu() for k, v in layer.state_dict().items()})
     y_ref, x_ref, params, dropped = reference_layer(cpu, x.detach().cpu())
     (y_ref * g).sum().backward()
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
-    torch.testing.assert_close(y.double().cpu(), y_ref, **tol)
-    torch.testing.assert_close(x.grad.double().cpu(), x_ref.grad, **tol)
-    for name, p in layer_params(layer).items():
-        torch.testing.assert_close(p.grad.double().cpu(), params[name].grad, **tol, msg=name)
+    pairs = [("y", y, y_ref), ("dx", x.grad, x_ref.grad)]
+    pairs += [(f"d{n}", p.grad, params[n].grad) for n, p in layer_params(layer).items()]
+    for name, actual, expected in pairs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(actual.double().cpu(), expected, rtol=1e-4, atol=1e-4,
+                                       msg=name)  # fmt: skip
+        else:  # bf16's rounding relative to the values' scale (the CPU measures ~1 eps; the
+            # CUDA kernels accumulate in another order: 6 eps, still below a 10 % error's 13)
+            assert_close_in(dtype, actual, expected, ulps=4.0 if device == "cpu" else 6.0,
+                            msg=name)  # fmt: skip
     assert int(layer.stats["dropped"]) == dropped
 
 

@@ -17,8 +17,9 @@ COMMON = dict(
 )  # fmt: skip
 
 
-def build(family: str):
+def build(family: str, layers: int = 3):
     T = transformers
+    COMMON = {**globals()["COMMON"], "num_hidden_layers": layers}
     if family == "mixtral":
         cfg = T.MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=6)
         return T.MixtralForCausalLM(cfg)
@@ -52,9 +53,9 @@ def build(family: str):
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 
 
-def fresh(family: str):
+def fresh(family: str, layers: int = 3):
     torch.manual_seed(0)
-    model = build(family).float()
+    model = build(family, layers).float()
     with torch.no_grad():  # non-trivial routers, gates and correction biases
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "e_score_correction_bias" in name or name.endswith(
@@ -165,3 +166,88 @@ def test_mixtral_input_jitter_matches_in_training():
     assert relative_error(got, want) <= 1e-5
     torch.manual_seed(6)  # other noise: another output (the jitter is really applied)
     assert relative_error(converted(ids).logits, want) > 1e-4
+
+
+def _aux_losses(family: str, layers: int):
+    """(transformers' model, its output with output_router_logits=True, the converted model,
+    moe.aux_loss of the converted one) for the same tokens, in training mode."""
+    reference = fresh(family, layers).train()
+    converted = moe.from_hf(copy.deepcopy(reference)).train()
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    out_ref = reference(ids, output_router_logits=True)
+    converted(ids)
+    return reference, out_ref, converted, moe.aux_loss(converted)
+
+
+def _same_gradients(reference, converted, family):
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    for p in converted.parameters():  # the experts take no gradient from the aux loss
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    got = hf_grads(converted)
+    assert any(n.endswith("gate.weight") for n in want), "no router gradient to compare"
+    for name, g in want.items():
+        assert relative_error(got[name], g) <= 1e-5, (family, name)
+    for name, g in got.items():  # and none where transformers has none
+        assert name in want or not g.any(), (family, name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_aux_loss_and_its_gradient_equal_transformers_for_one_sparse_layer(family):
+    """transformers' loss term router_aux_loss_coef * aux_loss (output_router_logits=True) and
+    moe.aux_loss of the converted model: equal values, and equal gradients of every parameter
+    (the routers and everything below them) -- issue 49 item 20."""
+    reference, out_ref, converted, aux = _aux_losses(family, layers=1)
+    coef = reference.config.router_aux_loss_coef
+    assert coef > 0 and out_ref.aux_loss is not None
+    expected = coef * out_ref.aux_loss
+    assert abs(aux.item() - expected.item()) <= 1e-6 * expected.item(), (family, aux, expected)
+    expected.backward()
+    aux.backward()
+    _same_gradients(reference, converted, family)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_aux_loss_of_several_layers_is_the_mean_of_transformers_per_layer_terms(family):
+    """With L sparse layers transformers pools f and P over the layers; moe sums per-layer
+    terms: coef * (mean over the layers of transformers' term of each layer alone), exactly,
+    and near the pooled term (within 25 %: the layers' loads differ a little; a factor k or L
+    off is not near)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    reference, out_ref, converted, aux = _aux_losses(family, layers=3)
+    config = reference.config
+    coef, E, k = config.router_aux_loss_coef, len(out_ref.router_logits[0][0]), 2
+    assert len(out_ref.router_logits) == len(moe.moe_layers(converted)) == 3
+    per_layer = [load_balancing_loss_func((g,), E, k) for g in out_ref.router_logits]
+    expected = coef * sum(per_layer) / len(per_layer)
+    assert abs(aux.item() - expected.item()) <= 1e-6 * expected.item(), (family, aux, expected)
+    pooled = coef * out_ref.aux_loss
+    assert abs(aux.item() - pooled.item()) <= 0.25 * pooled.item(), (family, aux, pooled)
+    expected.backward()
+    aux.backward()
+    _same_gradients(reference, converted, family)
+
+
+def test_deepseek_v3_has_no_aux_loss_on_either_side():
+    """DeepSeek-V3 balances by its correction bias: transformers computes no aux loss, and the
+    converted layers' coefficient is 0."""
+    reference, out_ref, converted, aux = _aux_losses("deepseek_v3", layers=3)
+    assert out_ref.aux_loss is None
+    assert all(layer.config.aux_loss_coef == 0.0 for _, layer in moe.moe_layers(converted))
+    assert aux.item() == 0.0
+
+
+def test_the_sparse_layer_count_follows_the_config():
+    """Qwen's mlp_only_layers / decoder_sparse_step leave some layers dense: the coefficient
+    divides by the sparse layers transformers builds."""
+    from moe.interop.hf_families import FAMILIES
+
+    cfg = transformers.Qwen2MoeConfig(
+        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=40, moe_intermediate_size=20,
+        num_experts=6, shared_expert_intermediate_size=28, decoder_sparse_step=2,
+        mlp_only_layers=[3], router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    family = FAMILIES["Qwen2MoeSparseMoeBlock"]
+    assert family.num_sparse_layers(cfg) == len(moe.interop.hf_blocks(model)) == 1
+    assert family.aux_loss_coef(cfg) == pytest.approx(0.01 * 2 / 1)

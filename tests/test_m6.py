@@ -4,6 +4,7 @@ large configs' meta-device parameter counts equal their stated sizes."""
 import contextlib
 import io
 import json
+import math
 import warnings
 
 import pytest
@@ -169,3 +170,83 @@ def test_folder_of_images_and_captions(tmp_path):
     out = train.run(["--data", str(tmp_path), "--steps", "3", "--global-batch", "4",
                      "--run-dir", str(tmp_path / "run"), "--quiet", "--no-plots"])  # fmt: skip
     assert len(out["losses"]) == 3 and out["caption_total"] == 1
+
+
+# -- the held-out evaluation against hand-made cases (issue 49 item 21) ----------------------
+class _Says(torch.nn.Module):
+    """A stand-in model that says `belief[image]` after <bos>: at every position its logits
+    are BIG at the next token of prompt, <bos>, belief, <eos> (teacher-forced or greedy)."""
+
+    BIG = 12.0
+
+    def __init__(self, vocab, beliefs: dict[int, str]):
+        super().__init__()
+        self.vocab, self.beliefs = vocab, beliefs
+
+    def forward(self, images_BCHW, text_BL, prompt_len_B, has_image_B):
+        B, L = text_BL.shape
+        logits = torch.zeros(B, L, len(self.vocab))
+        for b in range(B):
+            p = int(prompt_len_B[b])
+            said = self.vocab.encode(self.beliefs[int(images_BCHW[b, 0, 0, 0])])
+            seq = text_BL[b, :p].tolist() + [self.vocab.bos] + said + [self.vocab.eos]
+            seq += [self.vocab.pad] * (L + 1 - len(seq))
+            for j in range(L):
+                logits[b, j, seq[j + 1]] = self.BIG
+        return logits
+
+
+def _hand_made(truths: list[str]):
+    from examples.m6.data import DESCRIBE, Dataset, Example, Vocab
+
+    images = torch.arange(len(truths), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 1, 2, 2)
+    test = [Example(i, DESCRIBE, t) for i, t in enumerate(truths)]
+    words = " ".join([DESCRIBE, *truths, "a photo of the digit one two three seven extra"]).split()
+    return Dataset("hand-made", Vocab(words), images.contiguous(), [], test, [])
+
+
+@pytest.mark.parametrize(
+    "beliefs, correct",
+    [
+        (["a one", "a two", "a three", "a seven"], 4),  # every caption right
+        (["a one", "a three", "a three", "a one"], 2),  # 2 of 4
+        (["a two", "a one", "a seven", "a three"], 0),  # none
+        (["a", "a two extra", "a three", "one"], 1),  # a prefix or a longer caption is wrong
+    ],
+)
+def test_evaluation_counts_exact_captions(beliefs, correct):
+    from examples.m6.evaluate import evaluate
+    from examples.m6.runtime import Runtime
+
+    truths = ["A one", "a  two", "a three", "a seven"]  # compared lower-cased, spaces collapsed
+    data = _hand_made(truths)
+    model = _Says(data.vocab, dict(enumerate(beliefs)))
+    out = evaluate(model, data, data.test, text_len=8, rt=Runtime(), batch_size=3)
+    assert (out["correct"], out["total"]) == (correct, 4)
+    assert out["accuracy"] == correct / 4
+    assert [s["correct"] for s in out["samples"]] == [b == " ".join(t.lower().split())
+                                                      for b, t in zip(beliefs, truths)]  # fmt: skip
+    assert [s["generated"] for s in out["samples"]] == beliefs
+    # the teacher-forced loss: per target token, -log softmax of BIG where the model agrees
+    V = len(data.vocab)
+    agree = math.log1p((V - 1) * math.exp(-_Says.BIG))  # -log(e^BIG / (e^BIG + V - 1))
+    disagree = math.log(math.exp(_Says.BIG) + V - 1)  # -log(e^0 / (e^BIG + V - 1))
+    total = hits = 0
+    for b, t in zip(beliefs, truths):
+        said = data.vocab.encode(b) + [data.vocab.eos]
+        want = data.vocab.encode(t) + [data.vocab.eos]
+        for j, w in enumerate(want):
+            total += 1
+            hits += j < len(said) and said[j] == w
+    expected = (hits * agree + (total - hits) * disagree) / total
+    assert out["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)  # float32 logits
+
+
+def test_a_short_run_beats_chance_by_a_margin(tmp_path):
+    """120 steps of the tiny config (batch 32): the held-out captions are right well above
+    chance (10 digits: 10 %), where an inverted or broken evaluation would not be."""
+    out = train.run(["--steps", "120", "--global-batch", "32", "--run-dir", str(tmp_path),
+                     "--quiet", "--no-plots", "--eval-every", "1000"])  # fmt: skip
+    assert out["caption_total"] == len(m6data.load_digits().test)
+    assert out["caption_accuracy"] >= 0.25, out["caption_accuracy"]  # measured: 0.47
+    assert out["caption_correct"] == round(out["caption_accuracy"] * out["caption_total"])

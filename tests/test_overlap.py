@@ -4,7 +4,7 @@ rows, dropped rows, shared experts), the pipeline order of forward and backward,
 choice of overlap="auto", and clear errors instead of hangs."""
 
 import contextlib
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from moe.comm.cost_model import CostModel
 from moe.dispatch import (
     OverlappedDispatcher,
     choose_degree,
+    overlap_clock,
     overlapped,
     validate_overlap,
 )
@@ -299,24 +300,27 @@ def test_auto_degree_pipelines_only_where_it_pays():
     assert pipelined_time(1.0, 1.0, 2) == 5.0
 
 
-def test_forward_times_keep_the_fastest_recent_warm_calls():
+def test_forward_times_keep_the_fastest_recent_warm_calls(monkeypatch):
     """auto's measurements: each option's first (cold) call is dropped, the fastest of the last
-    RECENT kept calls counts, and the options alternate until each has EXPLORE kept times."""
+    RECENT kept calls counts, and the options alternate until each has EXPLORE kept times. The
+    host clock is a fixed one here (NOW), so a call of `s` seconds measures exactly `s`."""
+    NOW = 1000.0
+    monkeypatch.setattr(overlap_clock, "time", SimpleNamespace(perf_counter=lambda: NOW))
     times = ForwardTimes()
     order = []
     for piped, seconds in [(False, 9.0), (True, 8.0), (False, 2.0), (True, 3.0), (False, 4.0)]:
         order.append(times.next_to_explore())
-        times.stop(time.perf_counter() - seconds, piped)
+        times.stop(NOW - seconds, piped)
     assert order == [False, True, False, True, False]  # the one run less often goes next
-    assert times.fastest(False) == pytest.approx(2.0, abs=0.01)  # 9 s was the cold call
-    assert times.fastest(True) == pytest.approx(3.0, abs=0.01)
+    assert times.fastest(False) == 2.0  # 9 s was the cold call
+    assert times.fastest(True) == 3.0
     assert times.exploring()
     for seconds in [5.0, 6.0, 7.0, 8.0]:  # the 2 s call leaves the window of RECENT = 4
-        times.stop(time.perf_counter() - seconds, False)
-    assert times.fastest(False) == pytest.approx(5.0, abs=0.01)
+        times.stop(NOW - seconds, False)
+    assert times.fastest(False) == 5.0
     for _ in range(2):
-        times.stop(time.perf_counter() - 1.0, True)
-    assert not times.exploring() and times.fastest(True) == pytest.approx(1.0, abs=0.01)
+        times.stop(NOW - 1.0, True)
+    assert not times.exploring() and times.fastest(True) == 1.0
 
 
 def test_default_run_is_dispatch_experts_combine():

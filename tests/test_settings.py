@@ -5,6 +5,7 @@ ranks agree on what was read, and a variable changed later on one rank changes n
 hung or aborted before)."""
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,53 @@ def test_a_variable_changed_on_one_rank_after_parallelize_changes_nothing():
             "kernel.tma differs across ranks: ranks 0-1, 3 have False, rank 2 has True"
             in (out["kernel"])
         )
+
+
+# Issue 49 item 13: misspelled names, integer bounds, paths as written, long paths.
+
+
+def test_a_misspelled_variable_is_warned_about_once_naming_the_known_ones(clean_env):
+    clean_env.setattr(settings, "_warned", set())
+    clean_env.setenv("MOE_RANK_PER_NODE", "2")  # MOE_RANKS_PER_NODE misspelled
+    with pytest.warns(UserWarning, match="MOE_RANK_PER_NODE is not a setting") as caught:
+        assert ExchangeConfig().ranks_per_node is None  # ignored, but said
+    message = str(caught[0].message)
+    assert "did you mean MOE_RANKS_PER_NODE?" in message
+    assert all(name in message for name in settings.ENV.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second config warns no more
+        ExchangeConfig()
+        KernelConfig()
+
+
+@pytest.mark.parametrize(
+    "raw, value",
+    [("000000000000000000001", 1), ("0" * 30 + "7", 7), (str(2**63 - 1), 2**63 - 1), (" 5 ", 5)],
+)
+def test_integers_with_leading_zeros_are_their_value(clean_env, raw, value):
+    clean_env.setenv("MOE_A2A_PIPELINE_MIN_BYTES", raw)
+    assert ExchangeConfig().pipeline_min_bytes == value
+
+
+@pytest.mark.parametrize("raw", [str(2**63), "9" * 19, "1" + "0" * 19])
+def test_integers_above_int64_are_refused(clean_env, raw):
+    clean_env.setenv("MOE_A2A_HIERARCHICAL_MAX_BYTES", raw)
+    with pytest.raises(
+        ValueError, match="MOE_A2A_HIERARCHICAL_MAX_BYTES=.* <= 9223372036854775807"
+    ):
+        ExchangeConfig()
+
+
+def test_a_path_is_taken_as_written(clean_env, tmp_path):
+    spaced = tmp_path / " p.json "  # a file name with spaces around it is a file name
+    save_profile(NVLINK_IB, spaced)
+    clean_env.setenv("MOE_A2A_COST_PROFILE", str(spaced))
+    config = ExchangeConfig()
+    assert config.cost_profile == str(spaced) and config.profile() == NVLINK_IB
+
+
+@pytest.mark.parametrize("length", [300, 5000])
+def test_a_too_long_path_is_one_clear_error(clean_env, length):
+    clean_env.setenv("MOE_A2A_COST_PROFILE", "/tmp/" + "p" * length)
+    with pytest.raises(ValueError, match=r"MOE_A2A_COST_PROFILE=.*is not a path: .*longer than"):
+        ExchangeConfig()

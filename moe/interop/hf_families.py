@@ -21,6 +21,9 @@ class Family:
     norm_topk: str | None = "norm_topk_prob"  # config attribute; None: always renormalised
     hub_block: str | None = None  # the block's name on the hub when it differs (Mixtral)
     hub_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # w1, w3, w2
+    # Which decoder layers hold the block: "all", or "qwen" (not in mlp_only_layers, and
+    # (i + 1) % decoder_sparse_step == 0, as Qwen2-MoE / Qwen3-MoE decide)
+    sparse_layers: str = "all"
 
     def hub_path(self, path: str) -> str:
         """The block's key prefix in hub checkpoints (model.layers.3.mlp ->
@@ -29,6 +32,30 @@ class Family:
             return path
         parent, _, _ = path.rpartition(".")
         return f"{parent}.{self.hub_block}" if parent else self.hub_block
+
+    def num_sparse_layers(self, config) -> int:
+        """How many of the model's decoder layers hold this block."""
+        L = config.num_hidden_layers
+        if self.sparse_layers == "all":
+            return L
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        experts = getattr(config, self.num_experts)
+        return sum(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(L))
+
+    def aux_loss_coef(self, config) -> float:
+        """The layers' aux_loss_coef for transformers' `router_aux_loss_coef`.
+
+        transformers adds coef * E * sum_e f_e P_e to the loss (load_balancing_loss_func, with
+        output_router_logits=True), f_e the tokens routed to e over all tokens (summing to k
+        over e: k times moe's f_e, pairs over T*k), f and P pooled over the model's L sparse
+        layers; moe.aux_loss sums the L layers' own terms. coef * k / L per layer is then
+        transformers' loss exactly for one sparse layer, and for L the mean of the layers'
+        terms (the pooled term differs from that mean only by how the layers' loads differ).
+        """
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        layers = self.num_sparse_layers(config)
+        return coef * config.num_experts_per_tok / layers if coef and layers else 0.0
 
     @property
     def shared_name(self) -> str:
@@ -50,7 +77,7 @@ class Family:
             normalize_weights=True
             if self.norm_topk is None
             else bool(getattr(config, self.norm_topk)),
-            aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
+            aux_loss_coef=self.aux_loss_coef(config),
         )
         if self.sigmoid_groups:
             options.update(
@@ -85,8 +112,16 @@ FAMILIES = {
             hub_block="block_sparse_moe",
             hub_experts=("w1", "w3", "w2"),
         ),
-        Family("Qwen2MoeSparseMoeBlock", "num_experts", "moe_intermediate_size", shared="qwen2"),
-        Family("Qwen3MoeSparseMoeBlock", "num_experts", "moe_intermediate_size"),
+        Family(
+            "Qwen2MoeSparseMoeBlock",
+            "num_experts",
+            "moe_intermediate_size",
+            shared="qwen2",
+            sparse_layers="qwen",
+        ),
+        Family(
+            "Qwen3MoeSparseMoeBlock", "num_experts", "moe_intermediate_size", sparse_layers="qwen"
+        ),
         Family("OlmoeSparseMoeBlock", "num_experts", "intermediate_size"),
         Family(
             "DeepseekV3MoE",
