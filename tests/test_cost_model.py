@@ -249,3 +249,12 @@ def test_exchange_config_decides_auto():
     results = run_ranks(_exchange_config_body, 4, timeout=60)
     want = {"default": 0, "2 nodes, 1 GiB threshold": 1, "2 nodes, threshold 0": 0}
     assert results == [want] * 4
+
+
+def test_a_too_long_profile_path_given_in_code_is_one_clear_error():
+    """Given in code (not the environment), a path the file system cannot take is a ValueError
+    naming the cost profile, not a raw OSError (issue 49, item 13)."""
+    from moe.comm import ExchangeConfig
+
+    with pytest.raises(ValueError, match="cost profile=.*is not a path: longer than"):
+        ExchangeConfig(cost_profile="/tmp/" + "p" * 5000).profile()

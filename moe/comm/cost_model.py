@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe.settings import check_path
 from moe.untrusted import read_json
 
 PROFILE_VERSION = 1
@@ -207,6 +208,7 @@ def save_profile(model: CostModel, path: str | Path, meta: dict | None = None) -
 
 def load_profile(path: str | Path) -> CostModel:
     """Read a profile written by save_profile; every field checked (ValueError naming it)."""
+    check_path("cost profile", str(path))  # one ValueError, not a raw OSError (too long, NUL)
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"cost profile {str(p)!r} is not a file")
