@@ -251,3 +251,16 @@ def test_the_sparse_layer_count_follows_the_config():
     family = FAMILIES["Qwen2MoeSparseMoeBlock"]
     assert family.num_sparse_layers(cfg) == len(moe.interop.hf_blocks(model)) == 1
     assert family.aux_loss_coef(cfg) == pytest.approx(0.01 * 2 / 1)
+
+
+def test_router_logits_of_a_converted_model_are_one_clear_error_until_to_hf():
+    """transformers collects router logits from the gate modules from_hf replaced (it raised an
+    IndexError deep in its loss): one ValueError naming what to use; to_hf brings them back."""
+    model = fresh("mixtral")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    moe.from_hf(model)
+    with pytest.raises(ValueError, match=r"converted by moe.from_hf.*moe.aux_loss\(model\)"):
+        model(ids, output_router_logits=True)
+    model(ids)  # the default (the config's False) runs
+    moe.to_hf(model)
+    assert model(ids, output_router_logits=True).aux_loss is not None

@@ -16,6 +16,8 @@ Converted block state-dict names (under the block's path, e.g. `model.layers.3.m
 transformers is imported by neither function: they work on the modules they are given.
 """
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -133,7 +135,29 @@ def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
         layer.train(block.training)
         parent, attr = _parent(model, path)
         setattr(parent, attr, layer)
+    if model not in _ROUTER_LOGITS_GUARDS:
+        _ROUTER_LOGITS_GUARDS[model] = model.register_forward_pre_hook(
+            _refuse_router_logits, with_kwargs=True
+        )
     return model
+
+
+# model -> the hook refusing output_router_logits while its blocks are moe layers
+_ROUTER_LOGITS_GUARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_router_logits(model: nn.Module, args, kwargs):
+    """transformers collects router logits from the gate modules from_hf replaced (and would
+    fail with an IndexError): one clear error instead, naming what to use."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None:
+        asked = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if asked:
+        raise ValueError(
+            f"{type(model).__name__} was converted by moe.from_hf: its router loss is computed "
+            "by the MoE layers (moe.aux_loss(model), weighted like transformers' "
+            "router_aux_loss_coef); call it with output_router_logits=False"
+        )
 
 
 def to_hf(model: nn.Module) -> nn.Module:
@@ -152,4 +176,7 @@ def to_hf(model: nn.Module) -> nn.Module:
         block.train(layer.training)
         parent, attr = _parent(model, path)
         setattr(parent, attr, block)
+    guard = _ROUTER_LOGITS_GUARDS.pop(model, None)
+    if guard is not None:  # the gates are back: transformers' router logits work again
+        guard.remove()
     return model
