@@ -50,3 +50,38 @@ def test_a_wrong_sample_shows_the_true_caption():
              "reference": "a photo of the digit nine"}  # fmt: skip
     assert sample_title(wrong).splitlines()[1] == "true [nine]: 'a photo of the digit nine'"
     assert sample_title({**wrong, "correct": True}) == "ok: 'a photo of the digit one'"
+
+
+def _saved_lrs(run_dir):
+    """The learning rates the run's newest checkpoint step recorded, one per step."""
+    from moe.checkpoint.api import checkpoint_dir
+    from moe.checkpoint.storage import read_metadata_json
+
+    step, path = complete_steps(run_dir / "checkpoint")[0]
+    extra = read_metadata_json(checkpoint_dir(str(path)))[1]["extra"]
+    return extra["history"]["lr"]
+
+
+def test_resume_with_another_total_keeps_the_learning_rate(tmp_path, capsys):
+    """Issue 49 item 6: --resume --steps N with a larger N continues the checkpoint's schedule
+    (no jump back up the cosine); --restart-schedule restarts it, and each says which."""
+    run = ["--no-plots", "--eval-every", "1000", "--global-batch", "32", "--warmup", "1"]
+    train.run(["--run-dir", str(tmp_path / "a"), *run, "--steps", "6", "--quiet"])
+    capsys.readouterr()
+    train.run(["--run-dir", str(tmp_path / "a"), *run, "--steps", "9", "--resume"])
+    out = capsys.readouterr().out
+    assert "continuing the checkpoint's schedule" in out and "--restart-schedule" in out, out
+    lrs = _saved_lrs(tmp_path / "a")
+    assert len(lrs) == 9
+    floor = 0.1 * 3e-3
+    assert lrs[6:] == pytest.approx([floor] * 3)  # the floor the 6-step cosine ends at
+    assert all(b <= a + 1e-12 for a, b in zip(lrs, lrs[1:])), lrs
+    train.run(["--run-dir", str(tmp_path / "b"), *run, "--steps", "6", "--quiet"])
+    capsys.readouterr()
+    train.run(["--run-dir", str(tmp_path / "b"), *run, "--steps", "9", "--resume",
+               "--restart-schedule"])  # fmt: skip
+    assert "schedule restarted at step 6" in capsys.readouterr().out
+    lrs = _saved_lrs(tmp_path / "b")
+    assert lrs[6] == pytest.approx(3e-3)  # a new warm-up (one step) to the peak
+    with pytest.raises(train.UsageError, match="--restart-schedule needs --resume"):
+        train.run(["--run-dir", str(tmp_path / "c"), *run, "--restart-schedule"])

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import moe.checkpoint
+from examples.m6 import schedule as lr_schedule
 from examples.m6.cli import UsageError
 from examples.m6.config import M6Config
 from examples.m6.setup import unwrap
@@ -135,6 +136,8 @@ def check_state(state, step: int) -> None:
         raise bad("history.resume_step", "must be a list of numbers")
     if not isinstance(history.get("title"), str):
         raise bad("history.title", "must be a string")
+    if "schedule" in state:
+        lr_schedule.check(state["schedule"])
     if "rng" in state:
         rng, size = state["rng"], torch.get_rng_state().numel()
         ok = isinstance(rng, list) and len(rng) == size
@@ -191,7 +194,9 @@ def resume(root: Path, model, opt, cfg: M6Config, data, args, say) -> tuple[dict
     start = state["step"]
     if start >= args.steps:
         raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
+    args.schedule, which = lr_schedule.on_resume(state.get("schedule"), start, args)
     say(f"resuming from step {start} ({path})")
+    say(which)
     history = state["history"]
     history["resume_step"] = [*history.get("resume_step", []), start]  # marked in loss.png
     return history, start

@@ -124,6 +124,12 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("outputs")
     g.add_argument("--run-dir", help="default runs/<config>")
     g.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
+    g.add_argument(
+        "--restart-schedule",
+        action="store_true",
+        help="with --resume: start a new warm-up + cosine at the resume step over the steps "
+        "left (default: continue the checkpoint's learning-rate schedule)",
+    )
     g.add_argument("--save-every", type=int, default=0, help="also checkpoint every n steps")
     g.add_argument(
         "--stop-after", type=int, help="stop (and checkpoint) after this step, as if preempted"
@@ -312,6 +318,8 @@ def check_args(args, cfg: M6Config, world: int) -> None:
                 top_k=cfg.top_k,
                 **cfg.moe_options(),
             )
+    if args.restart_schedule and not args.resume:
+        raise UsageError("--restart-schedule needs --resume (a fresh run starts its schedule)")
     if args.resume:
         from examples.m6.ckpt_io import complete_steps
 

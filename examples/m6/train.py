@@ -10,7 +10,6 @@ Gradients averaged over ranks are then exactly the gradients of the global-batch
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
+from examples.m6 import schedule as lr_schedule  # noqa: E402
 from examples.m6.ckpt_io import resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     UsageError,
@@ -99,11 +99,10 @@ class StopOnSignal:
 
 
 def lr_at(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to 10%: a pure function of the step (resumable)."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(args.steps - args.warmup, 1)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    """Linear warm-up, then cosine decay to 10%: a pure function of the step (resumable).
+    The run's schedule (examples/m6/schedule.py: a resumed run keeps its checkpoint's)."""
+    schedule = getattr(args, "schedule", None) or lr_schedule.from_args(args)
+    return schedule.lr_at(step)
 
 
 def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Tensor:
@@ -217,6 +216,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     model, mesh = setup_parallel(model, args)
     opt = make_optimizer(model, args)
     history, start = new_history(cfg), 0
+    args.schedule = lr_schedule.from_args(args)
     if args.resume:
         history, start = resume(out / "checkpoint", model, opt, cfg, data, args, say)
     else:
@@ -283,12 +283,14 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                 history["eval_loss"].append(ev["loss"])
                 eval_s += time.perf_counter() - t_eval
             if save_now:
-                save_step(out / "checkpoint", model, opt, _state(step + 1, history, cfg, data))
+                save_step(
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
+                )
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
                 trace.close()
                 ckpt = save_step(
-                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data)
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
             if out_of_time:  # --max-seconds: evaluate what was trained so far
@@ -297,7 +299,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
-    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data))
+    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
     summary = {
         "config": cfg.to_dict(), "world": world, "dp": (args.dp or world // (args.ep or 1)),
         "ep": args.ep or 1, "device": str(device), "steps": stop, "steps_this_run": done,
@@ -363,8 +365,10 @@ def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float,
         history["tokens_per_s"].append(tok_s)
 
 
-def _state(step: int, history: dict, cfg: M6Config, data) -> dict:
-    return {"step": step, "history": history, "config": cfg.to_dict(), "vocab": data.vocab.words}
+def _state(step: int, history: dict, cfg: M6Config, data, args) -> dict:
+    schedule = getattr(args, "schedule", None) or lr_schedule.from_args(args)
+    return {"step": step, "history": history, "config": cfg.to_dict(), "vocab": data.vocab.words,
+            "schedule": schedule.to_dict()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
