@@ -28,7 +28,7 @@ import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
-from examples.m6.ckpt_io import resume, save_step, start_fresh  # noqa: E402
+from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     UsageError,
     check_args,
@@ -43,6 +43,7 @@ from examples.m6.metrics import MetricsLog, Progress, StepMetrics, new_history  
 from examples.m6.model import count_params  # noqa: E402
 from examples.m6.plan import default_ep, plan_report  # noqa: E402
 from examples.m6.report import final_evaluation, make_plots, print_summary  # noqa: E402
+from examples.m6.run_folder import RunLock  # noqa: E402
 from examples.m6.runtime import Runtime  # noqa: E402
 from examples.m6.setup import (  # noqa: E402
     clip_gradients,
@@ -202,7 +203,24 @@ def load_data(args, cfg: M6Config) -> tuple[m6data.Dataset, M6Config]:
 
 
 def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> dict:
+    """One run in its run directory, locked for the run's life (another run there is one
+    error on every rank, before any work)."""
     out = run_dir(args, cfg)
+    lock = rank0_then_all(lambda: _lock(out), world)
+    try:
+        return train_locked(args, cfg, rank, world, device, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock(out: Path) -> RunLock:
+    lock = RunLock(out)
+    lock.acquire()
+    return lock
+
+
+def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) -> dict:
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -220,7 +238,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     if args.resume:
         history, start = resume(out / "checkpoint", model, opt, cfg, data, args, say)
     else:
-        start_fresh(out / "checkpoint", rank, world, say)
+        start_fresh(out, rank, world, say)
     rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
     # read back at the metrics' log interval, so it adds no host sync of its own
