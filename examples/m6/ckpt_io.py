@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import moe.checkpoint
 from examples.m6 import schedule as lr_schedule
-from examples.m6.cli import UsageError
+from examples.m6.cli import RunError, UsageError
 from examples.m6.config import M6Config
 from examples.m6.run_folder import RunFolderError, set_aside
 from examples.m6.setup import unwrap
@@ -74,7 +74,15 @@ def save_step(root: Path, model, opt, state: dict) -> Path:
     folder = root / f"{PREFIX}{state['step']:08d}"
     if world == 1:  # noisy routers draw random numbers: resume them too
         state = dict(state, rng=torch.get_rng_state().tolist())
-    moe.checkpoint.save_checkpoint(str(folder), unwrap(model), opt, extra=state)
+    try:
+        moe.checkpoint.save_checkpoint(str(folder), unwrap(model), opt, extra=state)
+    except (CheckpointError, OSError) as e:  # a full disk, a quota: the same on every rank
+        if rank == 0 and not _has_checkpoint(folder):  # the step's own, now empty, folder
+            shutil.rmtree(folder, ignore_errors=True)
+        kept = complete_steps(root)
+        kept = f"; the newest saved step {kept[0][1]} is intact" if kept else ""
+        why = " ".join(str(e).split())
+        raise RunError(f"checkpoint step {state['step']} not saved: {why}{kept}") from None
     if rank == 0:  # retention only: the save above is already published
         complete = complete_steps(root)
         for _, old in complete[KEEP:]:

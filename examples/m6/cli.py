@@ -4,6 +4,7 @@ check that can fail before any work starts (a bad argument is one `error: ...` l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import uuid
@@ -32,6 +33,11 @@ next --log-every read), saves a checkpoint and exits with status 130 (SIGINT) or
 
 class UsageError(ValueError):
     """A bad command line, reported before any work starts."""
+
+
+class RunError(RuntimeError):
+    """The run could not go on (e.g. a checkpoint could not be saved: the disk is full); one
+    `error: ...` line, exit status 1, the previous checkpoint intact."""
 
 
 @contextmanager
@@ -346,9 +352,11 @@ def probe_run_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
-        probe.unlink()
     except OSError as e:
         raise UsageError(f"--run-dir {path} is not writable: {e}") from None
+    finally:  # a full disk creates the file, then fails the write: never leave it
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 def run_dir(args, cfg: M6Config) -> Path:

@@ -30,6 +30,7 @@ from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
 from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
+    RunError,
     UsageError,
     check_args,
     parse_args,
@@ -54,7 +55,7 @@ from examples.m6.setup import (  # noqa: E402
 )
 from examples.m6.syncs import SyncCounter  # noqa: E402
 
-__all__ = ["Interrupted", "UsageError", "main", "run"]
+__all__ = ["Interrupted", "RunError", "UsageError", "main", "run"]
 
 
 class Interrupted(RuntimeError):
@@ -398,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
