@@ -211,12 +211,12 @@ def config_differences(saved: dict, live: dict) -> str:
 
 def rank0_then_all(fn, world: int):
     """Run `fn()` on rank 0 only and return its result there (None on the other ranks); if it
-    raised a RunFolderError or OSError, every rank raises it as one UsageError line."""
+    raised a RunFolderError, OSError or ValueError, every rank raises it as one UsageError line."""
     result, problem = None, None
     if _world()[0] == 0:
         try:
             result = fn()
-        except (RunFolderError, OSError) as e:
+        except (RunFolderError, OSError, ValueError) as e:
             problem = str(e)
     if world > 1:
         box = [problem]

@@ -41,11 +41,15 @@ def final_evaluation(model, data, cfg, args, rt: Runtime, history) -> dict:
 
 
 def make_plots(history, data, summary, out: Path) -> list[str]:
-    from examples.m6 import plots
+    from examples.m6 import plots, trace_files
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
-        plots.plot_expert_load(out / "routing_trace.jsonl", out / "expert_load.png"),
+        plots.plot_expert_load(
+            trace_files.segments(out),
+            out / "expert_load.png",
+            "expert load per MoE layer (uniform = 1/E)",
+        ),
     ]
     samples = summary["samples"]
     if samples:
