@@ -169,3 +169,24 @@ def test_folder_of_images_and_captions(tmp_path):
     out = train.run(["--data", str(tmp_path), "--steps", "3", "--global-batch", "4",
                      "--run-dir", str(tmp_path / "run"), "--quiet", "--no-plots"])  # fmt: skip
     assert len(out["losses"]) == 3 and out["caption_total"] == 1
+
+
+def test_the_printed_chance_comes_from_the_datas_captions():
+    """Issue 49 item 18: the held-out caption accuracy's chance level is the data's own (1 of
+    its distinct captions; the most common one's share), not a fixed "(chance 10%)"."""
+    from examples.m6.report import print_summary
+
+    test = [m6data.Example(i, "describe the image", c) for i, c in enumerate("aaab")]
+    summary = {"config": {"name": "m6-tiny"}, "steps_this_run": 3, "time_s": 1.0,
+               "tokens_per_s": 1.0, "world": 1, "device": "cpu", "final_loss": 1.0,
+               "caption_accuracy": 0.5, "caption_correct": 2, "caption_total": 4,
+               "heldout_loss": 1.0, "text_accuracy": 1.0, "samples": [], "text_samples": [],
+               "checkpoint": "x"}  # fmt: skip
+    from examples.m6 import report
+
+    lines = []
+    print_summary({**summary, "caption_chance": report.caption_chance(test)}, lines.append)
+    line = next(x for x in lines if "caption accuracy" in x)
+    assert "(chance 50.0%: 1 of 2 captions; always the most common one: 75.0%)" in line, line
+    digits = report.caption_chance(m6data.load_digits().test)
+    assert digits["classes"] == 10
