@@ -3,12 +3,18 @@ file per (dp, ep) layout), samples."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _wrap(title: str, width: int = 95) -> str:
+    """A title's lines wrapped to the figure's width (the settings line is long)."""
+    return "\n".join(textwrap.fill(line, width) for line in title.splitlines())
 
 
 def plot_loss(history: dict, path: Path) -> Path:
@@ -36,7 +42,7 @@ def plot_loss(history: dict, path: Path) -> Path:
     lines = ax2.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
     ax2.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=7)
-    fig.suptitle(history.get("title", "training"))
+    fig.suptitle(_wrap(history.get("title", "training")), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -82,10 +88,12 @@ def plot_expert_load(files: list[Path], path: Path, title: str) -> Path | None:
     )
     axes = axes[:, 0]
     vmax = tp.shared_vmax(shown)
+    panels = {}  # layer -> its rank-share panel
     for i, (name, d) in enumerate(shown.items()):
         im = tp._heatmap(axes[per_layer * i], name, d, vmax)
         if ranks:
-            _rank_shares(axes[per_layer * i + 1], name, d["segments"])
+            panels[name] = axes[per_layer * i + 1]
+            _rank_shares(panels[name], name, d["segments"])
     bar = fig.colorbar(im, ax=list(axes), location="top", shrink=0.6, aspect=40, pad=0.01)
     bar.set_label("heatmaps: share of the layer's routed (token, expert) pairs", fontsize=8)
     for ax, (metric, label) in zip(axes[per_layer * len(shown) :], tp.METRICS.items()):
@@ -95,13 +103,15 @@ def plot_expert_load(files: list[Path], path: Path, title: str) -> Path | None:
         ax.grid(alpha=0.3)
         if metric == "dead_experts":
             ax.yaxis.get_major_locator().set_params(integer=True)
-    _markers(axes, pieces, rebalances)
+    _markers(axes, pieces, rebalances, panels)
+    for ax in panels.values():
+        ax.legend(fontsize=6, ncol=4, loc="upper right")
     for ax in axes[per_layer * len(shown) :]:
         ax.legend(fontsize=6, ncol=min(len(shown) + 2, 4), loc="upper right")
     axes[-1].set_xlabel("step")
     if len(shown) < len(layers):
         title = f"{title} ({len(shown)} of {len(layers)} layers shown)"
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_wrap(title), fontsize=9)
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
@@ -126,14 +136,15 @@ def _rank_shares(ax, name: str, segments: list[dict]) -> None:
         label = f"even (1/{ep})" if f"even {ep}" not in labelled else None
         labelled.add(f"even {ep}")
         ax.hlines(1 / ep, steps[0], steps[-1], color="0.5", lw=0.8, ls=(0, (1, 3)), label=label)
-    ax.legend(fontsize=6, ncol=6, loc="upper right")
     ax.set_ylabel(f"{name}\nrank share")
     ax.grid(alpha=0.3)
 
 
-def _markers(axes, pieces: list[dict], rebalances: list[dict]) -> None:
-    """Vertical lines on every panel: where the (dp, ep) layout changed, and each rebalance
-    (its largest / mean EP-rank load before -> after, from the trace's rebalance record)."""
+def _markers(axes, pieces: list[dict], rebalances: list[dict], panels: dict) -> None:
+    """Vertical lines on every panel: a dashed one where the (dp, ep) layout changed, a dotted
+    red one after each expert rebalance; on each layer's rank-share panel the rebalance
+    record's largest / mean rank load before -> after (of the loads the plan used: the pairs
+    each expert computed since the previous rebalance). One legend entry each."""
     first = [next(iter(p.values())) for p in pieces]
     for before, after in zip(first, first[1:]):
         ep0, ep1 = before["rank_load"].shape[1], after["rank_load"].shape[1]
@@ -141,14 +152,20 @@ def _markers(axes, pieces: list[dict], rebalances: list[dict]) -> None:
         for j, ax in enumerate(axes):
             ax.axvline(at, color="0.2", ls="--", lw=1,
                        label=f"resumed at ep={ep1} (was {ep0})" if j else None)  # fmt: skip
+    steps = sorted({r["step"] for r in rebalances})
+    for k, step in enumerate(steps):
+        for ax in axes:
+            label = "expert rebalance (after the step; red numbers: the plan's max/mean rank load)"
+            label = label if k == 0 else None
+            ax.axvline(step + 0.5, color="tab:red", ls=":", lw=1.2, label=label)
     for rec in rebalances:
-        label = (
-            f"rebalance at step {rec['step']}: max/mean rank load "
-            f"{rec['max_over_mean_before']:.2f} -> {rec['max_over_mean_after']:.2f}"
-        )
-        for j, ax in enumerate(axes):
-            ax.axvline(rec["step"] + 0.5, color="tab:red", ls=":", lw=1.2,
-                       label=label if j else None)  # fmt: skip
+        ax = panels.get(rec["layer"])
+        if ax is not None:
+            ax.annotate(
+                f"{rec['max_over_mean_before']:.2f}->{rec['max_over_mean_after']:.2f}",
+                (rec["step"] + 0.5, 0.03), xycoords=("data", "axes fraction"), fontsize=6,
+                color="tab:red", ha="left", va="bottom", rotation=90,
+            )  # fmt: skip
 
 
 def plot_samples(images_NCHW, titles: list[str], path: Path) -> Path:

@@ -60,7 +60,7 @@ def make_plots(history, data, summary, out: Path) -> list[str]:
         plots.plot_expert_load(
             trace_files.segments(out),
             out / "expert_load.png",
-            "expert load per MoE layer (uniform = 1/E)",
+            f"expert load per MoE layer (uniform = 1/E)\n{history.get('title', '')}",
         ),
     ]
     samples = summary["samples"]

@@ -55,6 +55,7 @@ from examples.m6.setup import (  # noqa: E402
     topology,
 )
 from examples.m6.syncs import SyncCounter  # noqa: E402
+from examples.settings import settings_line  # noqa: E402
 
 __all__ = ["Interrupted", "RunError", "UsageError", "main", "run"]
 
@@ -140,6 +141,26 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
     opt.step()
     moe.update_router_biases(model)
     return metrics.row(global_targets)
+
+
+def run_settings(args, cfg: M6Config, world: int, device) -> str:
+    """The settings that change the math of this run, in one line (examples/settings.py)."""
+    fp8 = cfg.moe_options().get("fp8") if cfg.is_moe else None
+    ep = args.ep or 1
+    extra = []
+    if cfg.is_moe:
+        cf = cfg.capacity_factor
+        extra.append(f"{cfg.num_experts} experts top-{cfg.top_k} {cfg.router}, capacity "
+                     + ("dropless" if cf is None else f"factor {cf:g}"))  # fmt: skip
+    else:
+        extra.append("dense FFNs")
+    if args.checkpointing:
+        extra.append("activation checkpointing")
+    return settings_line(
+        precision=args.precision, device=device, fp8=fp8, dp=args.dp or world // ep, ep=ep,
+        data_parallel=args.data_parallel if world > 1 else None, offload=args.offload,
+        groups=args.groups, replicas=args.spare_slots, extra=tuple(extra),
+    )  # fmt: skip
 
 
 def rebalance(model, opt, step: int, trace) -> None:
@@ -242,6 +263,9 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     else:
         start_fresh(out, rank, world, say)
     rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
+    settings = run_settings(args, cfg, world, device)
+    say(f"settings: {settings}")
+    history["title"] = f"{cfg.name}: {settings}"  # the plots' titles name them
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
     # read back at the metrics' log interval, so it adds no host sync of its own
     trace = open_trace(model, out / "routing_trace.jsonl", args, start)
@@ -266,9 +290,12 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
-            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
-                rebalance(model, opt, step + 1, trace)
             trace.step(step + 1)
+            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+                # the trace's buffered steps first: their rank loads with the placement they
+                # ran on (RoutingTrace maps experts to ranks when it writes)
+                trace.flush()
+                rebalance(model, opt, step + 1, trace)
             done += 1
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
             save_now = args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop
@@ -328,6 +355,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
         "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
         "host_syncs": syncs.count, "out_of_time": out_of_time,
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
+        "settings": settings, "global_batch": args.global_batch,
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
@@ -345,6 +373,9 @@ class _NoTrace:
     """A dense model (--dense, --experts 0) has no expert load to trace."""
 
     def step(self, step: int) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def record_rebalance(self, step: int, report) -> None:
