@@ -190,3 +190,34 @@ def test_the_printed_chance_comes_from_the_datas_captions():
     assert "(chance 50.0%: 1 of 2 captions; always the most common one: 75.0%)" in line, line
     digits = report.caption_chance(m6data.load_digits().test)
     assert digits["classes"] == 10
+
+
+def test_the_settings_that_change_the_math_are_printed_once_and_titled(tmp_path, capsys):
+    """Issue 49 item 15: precision, FP8 parts and scale formats, dp x ep, offload, groups and
+    replicas in one printed line, in summary.json, and in the plots' titles."""
+    from examples.m6 import plots
+
+    titles = []
+    real_close = plots.plt.close
+
+    def close(fig):
+        titles.append(fig._suptitle.get_text() if fig._suptitle else "")
+        real_close(fig)
+
+    plots.plt.close = close
+    try:
+        s = train.run(["--steps", "2", "--run-dir", str(tmp_path), "--eval-every", "1000",
+                       "--global-batch", "8", "--fp8", "all", "--groups", "2",
+                       "--offload", "optimizer"])  # fmt: skip
+    finally:
+        plots.plt.close = real_close
+    out = capsys.readouterr().out
+    expected = (
+        "fp32, FP8 dispatch e4m3 (1x128 blocks, fp32 scales) + expert GEMMs e4m3 (rowwise, "
+        "pow2 scales), dp 1 x ep 1 (1 rank), offload optimizer, 2 optimizer groups, no replicas"
+    )
+    assert out.count("settings: ") == 1 and f"settings: {expected}" in out, out
+    assert s["settings"].startswith(expected)
+    assert len(titles) >= 2
+    for title in titles[:2]:  # loss.png and expert_load.png
+        assert "FP8 dispatch e4m3" in title.replace("\n", " "), title
