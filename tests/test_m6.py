@@ -221,3 +221,18 @@ def test_the_settings_that_change_the_math_are_printed_once_and_titled(tmp_path,
     assert len(titles) >= 2
     for title in titles[:2]:  # loss.png and expert_load.png
         assert "FP8 dispatch e4m3" in title.replace("\n", " "), title
+
+
+def test_the_m6_benchmark_report_names_each_runs_settings():
+    import argparse
+
+    from examples.m6 import bench
+
+    r = {"config": {"name": "m6-tiny"}, "label": "MoE", "world": 4, "dp": 2, "ep": 2,
+         "device": "cpu", "params": 1, "active_params": 1, "tokens_per_s": 1.0,
+         "caption_accuracy": 0.9, "heldout_loss": 0.1, "text_accuracy": 1.0, "time_s": 1.0,
+         "load": (1, 1), "settings": "fp32, FP8 off, dp 2 x ep 2 (4 ranks), ddp",
+         "global_batch": 32, "caption_total": 7, "caption_chance": {"classes": 4, "share": 0.5}}  # fmt: skip
+    text = bench.report([r], argparse.Namespace(steps=5))
+    assert "- MoE (4 rank(s)): fp32, FP8 off, dp 2 x ep 2 (4 ranks), ddp" in text
+    assert "global batch 32" in text and "on the 7 held-out images (chance 25.0%" in text
