@@ -236,3 +236,24 @@ def test_the_m6_benchmark_report_names_each_runs_settings():
     text = bench.report([r], argparse.Namespace(steps=5))
     assert "- MoE (4 rank(s)): fp32, FP8 off, dp 2 x ep 2 (4 ranks), ddp" in text
     assert "global batch 32" in text and "on the 7 held-out images (chance 25.0%" in text
+
+
+def test_plan_says_what_offload_and_groups_do():
+    """Issue 49 item 18: with --offload optimizer the plan's on-device "optimizer state" row is
+    the fp32 master weights (said so, with the host's share), and --groups under offload
+    leaves the device rows as they are (said so); without offload, groups cut the step's
+    temporaries."""
+    base = ["--config", "m6-1t", "--plan", "--world-size", "480", "--device-memory-gb", "32"]
+    off = train.run([*base, "--offload", "optimizer", "--groups", "4"])["report"]
+    assert "'optimizer state' row (8.36 GiB) is the fp32 master weights" in off, off
+    assert "groups=4 with offload: the step runs on the host one group at a time" in off
+    grouped = train.run([*base, "--groups", "4"])["report"]
+    plain = train.run(base)["report"]
+
+    def row(report, name):
+        return float(next(x for x in report.splitlines() if x.startswith(name)).split()[-1])
+
+    assert row(grouped, "step temporaries") == pytest.approx(
+        row(plain, "step temporaries") / 4, rel=1e-3
+    )
+    assert row(off, "optimizer state") < row(plain, "optimizer state")
