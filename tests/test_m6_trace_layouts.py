@@ -101,3 +101,28 @@ def test_expert_load_marks_rebalances_and_layout_changes(tmp_path, monkeypatch):
     assert any(x.startswith("expert rebalance") for x in labels), labels
     assert "resumed at ep=2 (was 1)" in labels
     assert "settings here" in fig._suptitle.get_text()
+
+
+def test_a_trace_mixing_layouts_from_an_earlier_release_is_split_on_resume(tmp_path):
+    """A routing_trace.jsonl written before the split (ep=1 then ep=2 lines in one file, which
+    read_trace refuses) is split into per-layout files on the next resume; lines past the
+    resume step are dropped; a damaged line stays one ValueError naming file:line."""
+    import pytest
+
+    from examples.m6.trace_files import prepare_resume, segments
+
+    def line(step, ep):
+        return {"step": step, "layer": "b.ffn", "tokens_per_expert": [1, 1],
+                "routed_per_expert": [1, 1], "dropped": 0, "load_cv": 0.0,
+                "max_over_mean": 1.0, "dead_experts": 0, "ep": ep, "rank_load": [2 // ep] * ep}  # fmt: skip
+
+    lines = [line(1, 1), line(2, 1), line(3, 2), line(4, 2), line(5, 2)]
+    (tmp_path / "routing_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    prepare_resume(tmp_path, 4, (2, 1))  # resumed at step 4 on one process
+    assert [f.name for f in segments(tmp_path)] == [
+        "routing_trace.steps-1-2.jsonl", "routing_trace.steps-3-4.jsonl", "routing_trace.jsonl"
+    ]  # fmt: skip
+    assert (tmp_path / "routing_trace.jsonl").read_text() == ""
+    (tmp_path / "routing_trace.jsonl").write_text(json.dumps(line(5, 1)) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"routing_trace.jsonl:2: "):
+        prepare_resume(tmp_path, 5, (2, 1))

@@ -21,6 +21,8 @@ import os
 import re
 from pathlib import Path
 
+from moe.trace.routing_trace import read_trace
+
 CURRENT = "routing_trace.jsonl"
 _SEGMENT = re.compile(r"routing_trace\.steps-(\d+)-(\d+)\.jsonl")
 
@@ -48,8 +50,14 @@ def segments(out: Path) -> list[Path]:
 
 
 def _lines(path: Path) -> list[dict]:
-    """The JSON objects of a trace file (read_trace checks them when the plot or RoutingTrace
-    reads the segment; here only the step and layout are needed)."""
+    """The lines of a trace file, checked by moe.trace's read_trace (a damaged line is its
+    ValueError naming file:line); a file from before this split, whose layout changes part-way
+    (read_trace refuses that), is read line by line for its steps and layouts."""
+    try:
+        return read_trace(path)
+    except ValueError as e:
+        if " here and " not in str(e):  # not the layout change: damaged
+            raise
     records = []
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         if raw.strip():
