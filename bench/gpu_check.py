@@ -16,10 +16,14 @@ even when a stage fails or the budget runs out.
   f. FP8 (issue 40): the FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 at the four
      shapes: the up-projection grouped GEMM and the whole layer; ms, peak, SQNR);
   e. the decision rules of bench/gpu_decide.py applied to what was measured (after f).
-Exit status: 1 when a stage failed (rehearsal: also when one was skipped), else 0.
+Exit status: 1 when a stage failed or was skipped (named on stderr; --allow-skips accepts
+skips, except in the rehearsal), else 0. A --budget below the stages' sum is refused unless
+--allow-skips; --out refuses /, system folders, the home folder, the repository, and a folder
+holding report files this check did not write (it marks its own with .made-by-gpu-check).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -49,8 +53,11 @@ STAGES = (
 class Check:
     """Runs the stages inside the budget; owns the report."""
 
-    def __init__(self, out_dir: Path, budget_s: float, rehearse: bool, carry: Path):
+    def __init__(
+        self, out_dir: Path, budget_s: float, rehearse: bool, carry: Path, allow_skips=False
+    ):
         self.out, self.budget_s, self.rehearse, self.carry = out_dir, budget_s, rehearse, carry
+        self.allow_skips = allow_skips  # a skipped stage still exits 0 (the run said so)
         self.t0 = time.monotonic()
         self.work = Path(tempfile.mkdtemp(prefix="moe-gpu-check."))
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), MOE_TRITON_AUTOTUNE="0")
@@ -104,14 +111,23 @@ class Check:
         self.write_report()
         shutil.rmtree(self.work, ignore_errors=True)
         bad = [s for s in self.stages if s["status"] == "failed"]
-        if self.rehearse:
-            bad += [s for s in self.stages if s["status"] == "skipped"]
+        skipped = [s for s in self.stages if s["status"] == "skipped"]
         print(f"report: {self.out / 'gpu-check.md'}")
         if all(s["status"] == "skipped" for s in self.stages):
             print("error: every stage was skipped: nothing was checked", file=sys.stderr)
             return 1
         for p in self.problems:
             print(f"problem: {p}", file=sys.stderr)
+        if skipped:  # said once, whatever the exit status
+            names = "; ".join(f"{s['stage']} ({s['title']}: {s['detail']})" for s in skipped)
+            accepted = self.allow_skips and not self.rehearse
+            print(
+                f"{'note' if accepted else 'error'}: skipped stage(s) {names}"
+                + ("" if accepted else ": the check is incomplete (--allow-skips accepts that)"),
+                file=sys.stderr,
+            )
+            if not accepted:
+                bad += skipped
         return 1 if bad or self.problems else 0
 
     def write_report(self) -> None:
@@ -171,6 +187,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--carry", default=str(ROOT / ".gpu-carry"), help="scripts/gpu_carry.sh's folder"
     )
+    p.add_argument(
+        "--allow-skips",
+        action="store_true",
+        help="exit 0 when stages that do not fit the budget are skipped (they are still named); "
+        "without it a --budget below the stages' sum is refused and a skipped stage exits 1",
+    )
     args = p.parse_args(argv)
     if args.budget is None:
         args.budget = REHEARSAL_BUDGET_S if args.rehearse else DEFAULT_BUDGET_S
@@ -178,21 +200,56 @@ def main(argv=None) -> int:
     if not (first <= args.budget < 3600):
         p.error(f"--budget must be in [{first}, 3600) seconds (stage a alone needs {first} s), "
                 f"got {args.budget:g}")  # fmt: skip
+    need = sum(st[3] if args.rehearse else st[2] for st in STAGES)
+    if args.budget < need and not args.allow_skips:
+        p.error(
+            f"--budget {args.budget:g} is less than the {need} s the stages need (" + ", ".join(
+                f"{k} {c if args.rehearse else g} s" for k, _, g, c in STAGES
+            ) + "): stages would be skipped; pass --allow-skips to run only what fits"
+        )  # fmt: skip
     out = Path(args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-check."))
     problem = report_folder_problem(out)
     if problem:
         p.error(f"--out {out}: {problem}")
-    return Check(out, args.budget, args.rehearse, Path(args.carry)).main()
+    return Check(out, args.budget, args.rehearse, Path(args.carry), args.allow_skips).main()
+
+
+REPORT_FILES = ("gpu-check.md", "gpu-check.json", "gpu-check-log.txt", "gpu-layer.md")
+MARK = ".made-by-gpu-check"  # in a folder whose report files this check wrote
+# refused, and (all but the last four) everything under them
+SYSTEM = ("/bin", "/boot", "/etc", "/lib", "/lib64", "/sbin", "/usr", "/dev", "/proc", "/sys",
+          "/var")  # fmt: skip
 
 
 def report_folder_problem(out: Path) -> str | None:
-    """Why the report cannot be written into the folder `out` (made if missing), or None."""
+    """Why the report cannot be written into the folder `out` (made if missing), or None:
+    a filesystem root, a system folder, the home folder or the repository itself are refused,
+    and so is a folder holding report files (gpu-check.md, ...) this check did not write."""
+    real = Path(os.path.realpath(out))
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    system = str(real) in SYSTEM or any(str(real).startswith(d + "/") for d in SYSTEM[:-4])
+    if real == real.parent or system:
+        return "a filesystem root or system folder: pass a folder of its own (e.g. $OUT)"
+    if real in (home, ROOT):
+        return "the home folder or the repository itself: pass a folder of its own"
+    if real.exists() and not real.is_dir():
+        return "cannot write the report there (it exists and is not a folder)"
+    theirs = [n for n in REPORT_FILES if (real / n).exists()] if real.is_dir() else []
+    if theirs and not (real / MARK).is_file():
+        return (
+            f"already holds {', '.join(theirs)}, not written by this check: refusing to "
+            "replace them (pass an empty or new folder)"
+        )
+    probe = real / f".gpu-check-probe-{os.getpid()}"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / "gpu-check.json"
-        probe.write_text("{}")
+        real.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        (real / MARK).write_text("report files written by bench/gpu_check.py\n")
     except OSError as e:
         return f"cannot write the report there ({e.strerror or type(e).__name__})"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
     return None
 
 

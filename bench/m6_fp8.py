@@ -15,8 +15,11 @@ quantized products a GPU's e4m3 GEMMs compute, not their speed.
 
 import argparse
 import datetime
+import os
+import platform
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -40,29 +43,58 @@ def train_all(args, work: Path) -> dict[str, dict]:
         t0 = time.perf_counter()
         s = train.run(argv)
         s["wall_s"] = time.perf_counter() - t0
+        print(f"{name}: settings: {s['settings']}", flush=True)
         print(f"{name}: final loss {s['final_loss']:.4f}, held-out accuracy "
-              f"{s['caption_accuracy']:.4f}, {s['wall_s']:.0f} s", flush=True)  # fmt: skip
+              f"{100 * s['caption_accuracy']:.1f}% ({s['caption_correct']}/{s['caption_total']}), "
+              f"{s['wall_s']:.0f} s", flush=True)  # fmt: skip
         out[name] = s
     return out
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def smoothed(losses: list[float], window: int = TAIL) -> list[float]:
+    """Mean of the last `window` losses at each step (the curves' noise averaged out)."""
+    out, total = [], 0.0
+    for i, v in enumerate(losses):
+        total += v - (losses[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(results: dict[str, dict], path: Path, config: str) -> None:
+    """Top: every run's training loss (log scale), where the four curves lie on top of each
+    other; bottom: each run's loss relative to bf16's (both smoothed over TAIL steps), in %,
+    where their differences show."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    base = smoothed(results["bf16"]["losses"])
     for name, s in results.items():
-        ax.plot(range(1, len(s["losses"]) + 1), s["losses"], lw=0.8, label=name)
+        steps = range(1, len(s["losses"]) + 1)
+        ax.plot(steps, s["losses"], lw=0.8, label=name)
+        if name != "bf16":
+            rel = [100 * (a / b - 1) for a, b in zip(smoothed(s["losses"]), base)]
+            diff.plot(steps, rel, lw=1, label=f"{name} vs bf16")
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy / token)")
+    ax.set_ylabel("training loss\n(cross-entropy / token)")
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("M6 tiny on digits: FP8 (dispatch + experts) against bf16 and fp32, CPU")
+    ax.legend(fontsize=8)
+    diff.axhline(0, color="0.4", lw=0.8)
+    diff.set_ylabel(f"loss vs bf16, %\n(means of {TAIL} steps)")
+    diff.set_xlabel("step")
+    diff.grid(alpha=0.3)
+    diff.legend(fontsize=8)
+    fp8 = next((s["settings"] for n, s in results.items() if "FP8" in n), "")
+    fig.suptitle(
+        f"{config} on digits: FP8 against bf16 and fp32, one process on the CPU\n"
+        + textwrap.fill(f"FP8 runs: {fp8}", 100),
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report(results: dict[str, dict], args, png: str) -> str:
@@ -78,17 +110,17 @@ def report(results: dict[str, dict], args, png: str) -> str:
             f"{s['heldout_loss']:.4f} | {s['wall_s']:.0f} |"
         )
     today = datetime.date.today().isoformat()
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.platform(terse=True)})"
+    settings = [f"- {name}: {s['settings']}" for name, s in results.items()]
     return "\n".join([
         f"# M6 example with FP8 against bf16 ({today}, CPU)", "",
-        f"Command: `PYTHONPATH=. python -m bench.m6_fp8 {' '.join(args.argv)}` on the 2-core "
-        "CPU machine (shared with other jobs: the wall times are not a speed comparison).",
-        f"Config {args.config}, {args.steps} steps, seed {args.seed}, global batch 64 (the "
-        "example's defaults otherwise), one process. FP8 = `--fp8 all`: token rows quantized "
-        "as the FP8 dispatch sends them (e4m3, 1x128 fp32 scales) and every expert GEMM in "
-        "e4m3 (rowwise, power-of-two scales), emulated on the CPU (the same quantized "
-        "products, float32 accumulation). **bf16 here is the example's `--precision bf16`** "
-        "(bf16 autocast of the forward passes, fp32 masters and optimizer state); the CPU "
-        "default is fp32 (`--precision auto`).", "",
+        f"Command: `PYTHONPATH=. python -m bench.m6_fp8 {' '.join(args.argv)}` on {machine} "
+        "(wall times are not a speed comparison: the CPU emulates FP8, and other jobs may share it).",
+        f"Config {args.config}, {args.steps} steps, seed {args.seed}, global batch "
+        f"{base['global_batch']} (the example's defaults otherwise), one process. FP8 = "
+        "`--fp8 all`, emulated on the CPU (the same quantized products, float32 accumulation). "
+        "What each run computed (the example's settings line):", "",
+        *settings, "",
         f"![loss curves]({png})", "",
         f"Final loss: the last step's; tail: the mean of the last {TAIL} steps' training "
         "losses (vs bf16: relative); held-out: caption accuracy on the held-out digits "
@@ -113,7 +145,7 @@ def main(argv=None) -> int:
     if args.report:
         md = Path(args.report)
         png = md.with_suffix(".png")
-        plot(results, png)
+        plot(results, png, args.config)
         md.write_text(report(results, args, png.name))
         print(f"wrote {md} and {png}")
     return 0

@@ -8,7 +8,8 @@
 #   package index; its CUDA extension is built on the GPU machine, in the background).
 # Under 40 MiB in all (checked). FOLDER must be missing, empty, or made by this script (it holds
 # .made-by-gpu-carry); the script replaces only its own wheels/ and tutel/ there, never a
-# folder it did not make. On the GPU machine scripts/gpu_check.sh installs them:
+# folder it did not make, and refuses a FOLDER that holds (or is inside) the Tutel checkout.
+# On the GPU machine scripts/gpu_check.sh installs them:
 #   pip install --no-index --no-deps --target DIR FOLDER/wheels/*.whl   (seconds)
 #   pip install --no-build-isolation --no-deps --target DIR FOLDER/tutel (about 70 s)
 set -euo pipefail
@@ -36,7 +37,14 @@ if [ -d "$DEST" ] && [ ! -f "$DEST/$MARK" ] && [ -n "$(ls -A "$DEST")" ]; then
 fi
 case "$(realpath -m "$DEST")/" in
 "$(realpath "$TUTEL")"/*)
-    echo "error: $DEST is inside the Tutel checkout $TUTEL: refusing to write there" >&2
+    echo "error: $DEST is inside the Tutel checkout $TUTEL (or is it): refusing to write there" >&2
+    exit 2
+    ;;
+esac
+case "$(realpath "$TUTEL")/" in
+"$(realpath -m "$DEST")"/*)  # e.g. .gpu-carry/tutel: the rm -rf below would delete the source
+    echo "error: the Tutel checkout $TUTEL is inside $DEST, whose tutel/ and wheels/ this" \
+        "script replaces: copy the checkout elsewhere first, or pass another FOLDER" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,9 @@
 # shapes; d. the M6 GPU preset for 45 s; f. FP8 CUDA tests and FP8 vs bf16 grouped GEMMs at the
 # four shapes (bench/gpu_fp8.py); e. decisions. Writes DIR/gpu-check.md, gpu-check.json,
 # gpu-check-log.txt, gpu-layer.md, even when a stage fails or the budget ends.
-# Exit status 1 when a stage failed (rehearsal: also when one was skipped or a check failed).
+# Exit status 1 when a stage failed or was skipped (--allow-skips accepts skips, and a --budget
+# below the stages' 415 s), or (rehearsal) a check failed. --out refuses /, system folders,
+# $HOME, the repository and a folder with a gpu-check.md this check did not write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -218,3 +218,62 @@ def test_nan_in_the_saved_training_state_is_refused_on_resume(saved_run, tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --resume: ") and "\n" not in err, err
     assert "extra.history.loss[1] is NaN, not a finite number" in err, err
+
+
+def _disk_full_after(nbytes: int):
+    """A JsonStorageWriter.write_data that writes `nbytes` of the rank's file, then finds the
+    disk full (ENOSPC), as a real full disk does part-way through a save."""
+    import errno
+
+    def write_data(self, plan, planner):
+        with open(os.path.join(self.directory, f"data-{self.rank:05d}.bin"), "wb") as f:
+            f.write(b"\0" * nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    return write_data
+
+
+def _partial(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.name.startswith((".tmp-", ".probe-", "LATEST."))]
+
+
+def test_a_full_disk_ends_the_save_with_one_error_and_nothing_partial(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 49 item 10: ENOSPC in the middle of a save is one `error:` line (exit 1), no
+    staging folder or probe file is left, the previous step stays loadable and --resume
+    finishes the run once there is room again."""
+    from moe.checkpoint import storage
+
+    run = ["--run-dir", str(tmp_path), *FAST, "--quiet", "--steps", "4"]
+    train.run([*run, "--stop-after", "2"])
+    before = _metadata(complete_steps(tmp_path / "checkpoint")[0][1]).read_bytes()
+    monkeypatch.setattr(storage.JsonStorageWriter, "write_data", _disk_full_after(100))
+    capsys.readouterr()
+    assert train.main([*run, "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: checkpoint step 4 not saved"), err
+    assert "no space left on device (errno 28: ENOSPC)" in err and "is intact" in err, err
+    assert "Traceback" not in err
+    assert _partial(tmp_path) == []
+    steps = complete_steps(tmp_path / "checkpoint")
+    assert [s for s, _ in steps] == [2] and _metadata(steps[0][1]).read_bytes() == before
+    step_dirs = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert step_dirs == ["step-00000002"], step_dirs  # no step-4 folder without a checkpoint
+    monkeypatch.undo()
+    assert train.run([*run, "--resume"])["steps"] == 4
+
+
+def test_a_full_disk_at_the_run_dir_probe_leaves_no_probe_file(tmp_path, monkeypatch):
+    import errno
+
+    from examples.m6 import cli
+
+    def full(self, text, *a, **k):
+        open(self, "w").close()  # the file is created, its bytes find no room
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli.Path, "write_text", full)
+    with pytest.raises(train.UsageError, match="No space left on device"):
+        cli.probe_run_dir(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@ the backward than the same GEMMs keeping their high-precision inputs, the emulat
 ops run on gloo ranks, and the reports of bench.fp8_step and bench.m6_fp8 say what they compare."""
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -62,14 +63,53 @@ def test_fp8_step_report_names_the_variants(tmp_path):
     assert "layer fp8 dispatch" in text
 
 
-def test_m6_fp8_report_compares_with_bf16():
-    def summary(final, acc):
+def _m6_results():
+    def summary(final, acc, settings):
         return {"final_loss": final, "losses": [2.0] * 30 + [final] * 20,
-                "caption_accuracy": acc, "heldout_loss": 0.5, "wall_s": 10.0}  # fmt: skip
+                "caption_accuracy": acc, "heldout_loss": 0.5, "wall_s": 10.0,
+                "settings": settings, "global_batch": 48}  # fmt: skip
 
-    results = {"fp32": summary(0.99, 0.95), "bf16": summary(1.0, 0.95),
-               "FP8 + bf16": summary(1.01, 0.94), "FP8 + fp32": summary(1.0, 0.95)}  # fmt: skip
+    fp8 = "FP8 dispatch e4m3 (1x128 blocks, fp32 scales) + expert GEMMs e4m3 (rowwise, pow2 scales)"
+    return {"fp32": summary(0.99, 0.95, "fp32, FP8 off"),
+            "bf16": summary(1.0, 0.95, "bf16 autocast (fp32 masters), FP8 off"),
+            "FP8 + bf16": summary(1.01, 0.94, f"bf16 autocast (fp32 masters), {fp8}"),
+            "FP8 + fp32": summary(1.0, 0.95, f"fp32, {fp8}")}  # fmt: skip
+
+
+def test_m6_fp8_report_compares_with_bf16():
+    """The report's facts come from the runs (issue 49 item 18): each run's settings line, the
+    global batch it used, this machine; nothing about them is written in by hand."""
     args = argparse.Namespace(argv=["--steps", "50"], config="m6-tiny", steps=50, seed=0)
-    text = m6_fp8.report(results, args, "x.png")
+    text = m6_fp8.report(_m6_results(), args, "x.png")
     assert "| FP8 + bf16 | 1.0100 | +1.00% | 1.0100 | +1.00% | 94.00 | -1.00 |" in text
-    assert "`--precision bf16`" in text
+    assert "- bf16: bf16 autocast (fp32 masters), FP8 off" in text
+    assert "- FP8 + fp32: fp32, FP8 dispatch e4m3 (1x128 blocks, fp32 scales)" in text
+    assert "global batch 48" in text and "2-core" not in text
+    assert f"{os.cpu_count()} cores" in text
+
+
+def test_m6_fp8_plot_shows_the_differences_to_bf16(tmp_path, monkeypatch):
+    """The four loss curves lie on top of each other: a second panel draws each run's
+    (smoothed) loss relative to bf16's, where the differences show."""
+    figures = []
+    monkeypatch.setattr("matplotlib.pyplot.close", figures.append)
+    m6_fp8.plot(_m6_results(), tmp_path / "p.png", "m6-tiny")
+    top, diff = figures[0].axes
+    assert len(top.lines) == 4
+    labels = [line.get_label() for line in diff.lines]
+    assert labels[:3] == ["fp32 vs bf16", "FP8 + bf16 vs bf16", "FP8 + fp32 vs bf16"]
+    assert diff.lines[1].get_ydata()[-1] == pytest.approx(1.0)  # +1% at the end
+    assert "FP8 runs: bf16 autocast" in figures[0]._suptitle.get_text()
+    assert m6_fp8.smoothed([1.0, 3.0, 5.0], window=2) == [1.0, 2.0, 4.0]
+
+
+def test_m6_fp8_prints_each_runs_settings_and_accuracy_in_percent(monkeypatch, capsys, tmp_path):
+    from examples.m6 import train
+
+    fake = dict(_m6_results()["bf16"], caption_correct=341, caption_total=359)
+    monkeypatch.setattr(train, "run", lambda argv: dict(fake))
+    args = argparse.Namespace(config="m6-tiny", steps=5, seed=0)
+    m6_fp8.train_all(args, tmp_path)
+    out = capsys.readouterr().out
+    assert "bf16: settings: bf16 autocast (fp32 masters), FP8 off" in out
+    assert "held-out accuracy 95.0% (341/359)" in out and "0.9500" not in out

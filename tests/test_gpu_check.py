@@ -3,6 +3,7 @@ the report is written when a stage fails), the decision rules of issue 35 on syn
 the GEMM-role table, and the M6 example's --max-seconds / --count-syncs."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -301,3 +302,75 @@ def test_stage_f_names_shapes_skipped_for_time(tmp_path, monkeypatch, rehearse):
     status, detail = gpu_check_stages.stage_f(check, 40)
     assert status == "passed" and "shapes skipped for time: DeepSeek-V3" in detail
     assert bool(check.problems) == rehearse
+
+
+def test_a_skipped_stage_is_named_and_exits_1_unless_allowed(tmp_path, monkeypatch, capsys):
+    """Issue 49 item 11: stages skipped for the budget make the check incomplete: named on
+    stderr, exit 1; --allow-skips (Check(allow_skips=True)) accepts them, still naming them."""
+    ok = lambda check, limit: ("passed", "")  # noqa: E731
+    _fake_stages(monkeypatch, {k: ok for k in "abcdf"})
+    assert gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path).main() == 1
+    err = capsys.readouterr().err
+    assert "error: skipped stage(s) c (layer benchmark at four shapes: needs 160 s" in err, err
+    assert "--allow-skips" in err
+    check = gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path, allow_skips=True)
+    assert check.main() == 0
+    assert "note: skipped stage(s) c (" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["45", "100", "134", "414"])
+def test_a_budget_below_the_stages_sum_is_refused_before_work(tmp_path, capsys, budget):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--budget", budget, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--budget {budget} is less than the 415 s" in err, err
+    assert "--allow-skips" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["root", "usr", "home", "repo", "users_report"])
+def test_a_dangerous_out_is_refused_and_a_users_report_kept(tmp_path, capsys, monkeypatch, where):
+    """--out / (or a system folder, $HOME, the repository) and a folder holding a gpu-check.md
+    this check did not write are one error line; nothing there is written or replaced. (The
+    test itself writes nowhere outside tmp_path, even against a check that would.)"""
+    real_write = Path.write_text
+
+    def guarded(self, *a, **k):
+        assert str(self).startswith(str(tmp_path)), f"wrote {self}"
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", guarded)
+    monkeypatch.setattr(gpu_check, "Check", None)  # no stage ever starts here
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "gpu-check.md").write_text("a user's notes")
+    out = {"root": "/", "usr": "/usr/lib", "home": str(Path.home()),
+           "repo": str(gpu_check.ROOT), "users_report": str(mine)}[where]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", out, "--budget", "420"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: --out {out}: " in err and "Traceback" not in err
+    assert (mine / "gpu-check.md").read_text() == "a user's notes"
+    assert not os.path.lexists(Path(out) / ".made-by-gpu-check") or where == "repo"
+
+
+def test_the_checks_own_report_folder_is_reused(tmp_path):
+    assert gpu_check.report_folder_problem(tmp_path / "out") is None
+    (tmp_path / "out" / "gpu-check.md").write_text("# GPU check")  # its own, from a run
+    assert gpu_check.report_folder_problem(tmp_path / "out") is None
+    assert [p.name for p in (tmp_path / "out").iterdir() if "probe" in p.name] == []
+
+
+def test_gpu_carry_refuses_a_folder_holding_the_tutel_source(tmp_path):
+    """Issue 49 item 11: `gpu_carry.sh .gpu-carry/tutel .gpu-carry` deleted its own source
+    (the rm -rf of FOLDER/tutel); a FOLDER holding the checkout is refused, the source kept."""
+    folder = tmp_path / "carry"
+    tutel = folder / "tutel"  # an earlier run's snapshot, used as the source
+    (tutel / "tutel").mkdir(parents=True)
+    (tutel / "setup.py").write_text("# setup")
+    (folder / ".made-by-gpu-carry").write_text("")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_carry.sh"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "false"}  # no download either way
+    run = subprocess.run(["bash", str(script), str(tutel), str(folder)], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and "is inside" in run.stderr and "copy the checkout" in run.stderr
+    assert (tutel / "setup.py").read_text() == "# setup" and (tutel / "tutel").is_dir()

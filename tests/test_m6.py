@@ -250,3 +250,91 @@ def test_a_short_run_beats_chance_by_a_margin(tmp_path):
     assert out["caption_total"] == len(m6data.load_digits().test)
     assert out["caption_accuracy"] >= 0.25, out["caption_accuracy"]  # measured: 0.47
     assert out["caption_correct"] == round(out["caption_accuracy"] * out["caption_total"])
+
+
+def test_the_printed_chance_comes_from_the_datas_captions():
+    """Issue 49 item 18: the held-out caption accuracy's chance level is the data's own (1 of
+    its distinct captions; the most common one's share), not a fixed "(chance 10%)"."""
+    from examples.m6.report import print_summary
+
+    test = [m6data.Example(i, "describe the image", c) for i, c in enumerate("aaab")]
+    summary = {"config": {"name": "m6-tiny"}, "steps_this_run": 3, "time_s": 1.0,
+               "tokens_per_s": 1.0, "world": 1, "device": "cpu", "final_loss": 1.0,
+               "caption_accuracy": 0.5, "caption_correct": 2, "caption_total": 4,
+               "heldout_loss": 1.0, "text_accuracy": 1.0, "samples": [], "text_samples": [],
+               "checkpoint": "x"}  # fmt: skip
+    from examples.m6 import report
+
+    lines = []
+    print_summary({**summary, "caption_chance": report.caption_chance(test)}, lines.append)
+    line = next(x for x in lines if "caption accuracy" in x)
+    assert "(chance 50.0%: 1 of 2 captions; always the most common one: 75.0%)" in line, line
+    digits = report.caption_chance(m6data.load_digits().test)
+    assert digits["classes"] == 10
+
+
+def test_the_settings_that_change_the_math_are_printed_once_and_titled(tmp_path, capsys):
+    """Issue 49 item 15: precision, FP8 parts and scale formats, dp x ep, offload, groups and
+    replicas in one printed line, in summary.json, and in the plots' titles."""
+    from examples.m6 import plots
+
+    titles = []
+    real_close = plots.plt.close
+
+    def close(fig):
+        titles.append(fig._suptitle.get_text() if fig._suptitle else "")
+        real_close(fig)
+
+    plots.plt.close = close
+    try:
+        s = train.run(["--steps", "2", "--run-dir", str(tmp_path), "--eval-every", "1000",
+                       "--global-batch", "8", "--fp8", "all", "--groups", "2",
+                       "--offload", "optimizer"])  # fmt: skip
+    finally:
+        plots.plt.close = real_close
+    out = capsys.readouterr().out
+    expected = (
+        "fp32, FP8 dispatch e4m3 (1x128 blocks, fp32 scales) + expert GEMMs e4m3 (rowwise, "
+        "pow2 scales), dp 1 x ep 1 (1 rank), offload optimizer, 2 optimizer groups, no replicas"
+    )
+    assert out.count("settings: ") == 1 and f"settings: {expected}" in out, out
+    assert s["settings"].startswith(expected)
+    assert len(titles) >= 2
+    for title in titles[:2]:  # loss.png and expert_load.png
+        assert "FP8 dispatch e4m3" in title.replace("\n", " "), title
+
+
+def test_the_m6_benchmark_report_names_each_runs_settings():
+    import argparse
+
+    from examples.m6 import bench
+
+    r = {"config": {"name": "m6-tiny"}, "label": "MoE", "world": 4, "dp": 2, "ep": 2,
+         "device": "cpu", "params": 1, "active_params": 1, "tokens_per_s": 1.0,
+         "caption_accuracy": 0.9, "heldout_loss": 0.1, "text_accuracy": 1.0, "time_s": 1.0,
+         "load": (1, 1), "settings": "fp32, FP8 off, dp 2 x ep 2 (4 ranks), ddp",
+         "global_batch": 32, "caption_total": 7, "caption_chance": {"classes": 4, "share": 0.5}}  # fmt: skip
+    text = bench.report([r], argparse.Namespace(steps=5))
+    assert "- MoE (4 rank(s)): fp32, FP8 off, dp 2 x ep 2 (4 ranks), ddp" in text
+    assert "global batch 32" in text and "on the 7 held-out images (chance 25.0%" in text
+
+
+def test_plan_says_what_offload_and_groups_do():
+    """Issue 49 item 18: with --offload optimizer the plan's on-device "optimizer state" row is
+    the fp32 master weights (said so, with the host's share), and --groups under offload
+    leaves the device rows as they are (said so); without offload, groups cut the step's
+    temporaries."""
+    base = ["--config", "m6-1t", "--plan", "--world-size", "480", "--device-memory-gb", "32"]
+    off = train.run([*base, "--offload", "optimizer", "--groups", "4"])["report"]
+    assert "'optimizer state' row (8.36 GiB) is the fp32 master weights" in off, off
+    assert "groups=4 with offload: the step runs on the host one group at a time" in off
+    grouped = train.run([*base, "--groups", "4"])["report"]
+    plain = train.run(base)["report"]
+
+    def row(report, name):
+        return float(next(x for x in report.splitlines() if x.startswith(name)).split()[-1])
+
+    assert row(grouped, "step temporaries") == pytest.approx(
+        row(plain, "step temporaries") / 4, rel=1e-3
+    )
+    assert row(off, "optimizer state") < row(plain, "optimizer state")

@@ -2,6 +2,7 @@
 trace at a damaged file or a FIFO is one `error:` line naming it, before any training."""
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from examples.m6 import train
+from examples.m6.ckpt_io import complete_steps
 
 FAST = ["--quiet", "--no-plots", "--eval-every", "1000", "--global-batch", "8"]
 TRAIN = str(Path(train.__file__))
@@ -48,15 +50,23 @@ def test_resume_with_a_damaged_trace_is_one_error_line(damage, message, tmp_path
 
 
 def test_a_fifo_as_the_trace_is_one_error_line_not_a_hang(tmp_path):
-    os.mkfifo(tmp_path / "routing_trace.jsonl")
+    """--resume with a FIFO as the trace is one error line, never a hang; a fresh run sets
+    the FIFO aside with the rest of the earlier run (issue 49 item 9) without opening it."""
     argv = [sys.executable, TRAIN, "--steps", "2", "--run-dir", str(tmp_path), *FAST]
     root = str(Path(train.__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run([*argv, "--stop-after", "1"], capture_output=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "routing_trace.jsonl").unlink()
+    os.mkfifo(tmp_path / "routing_trace.jsonl")
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: routing trace") and "not a regular file" in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
-    assert not (tmp_path / "checkpoint").exists()
+    assert [s for s, _ in complete_steps(tmp_path / "checkpoint")] == [1]  # nothing trained
+    fresh = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert fresh.returncode == 0, fresh.stderr
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "old-1" / "routing_trace.jsonl").st_mode)
 
 
 def _rebalancing_ranks(rank, world, run_dir):

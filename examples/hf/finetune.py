@@ -34,6 +34,7 @@ from examples.device import (  # noqa: E402
     backend,
     resolve_device,
 )
+from examples.settings import settings_line  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -131,6 +132,11 @@ def main(argv=None) -> dict:
     if world > 1:
         mesh = moe.parallel.init_mesh(dp=world // args.ep, ep=args.ep)
         moe.parallel.parallelize(model, mesh)
+    settings = settings_line(
+        precision=args.precision, device=device, dp=world // args.ep, ep=args.ep,
+        data_parallel="ddp" if world > 1 else None,
+    )  # fmt: skip
+    say(f"settings: {settings}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     vocab = model.config.get_text_config().vocab_size
     losses, pending = [], []  # pending: losses of the steps since the last read, on device
@@ -153,16 +159,32 @@ def main(argv=None) -> dict:
     model.eval()
     with torch.no_grad():  # fp32, no autocast: compared with transformers' fp32 CPU reload
         ours = model(probe.to(device)).logits.cpu()
-    result = {"first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:])}
+    result = {"first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+              "settings": settings}  # fmt: skip
     if rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(args.out).float().eval()
         with torch.no_grad():
             theirs = reloaded(probe).logits
+        # moe's layers against transformers' blocks: the same function, float32 rounding apart
+        # (moe sums the k chosen experts' outputs in its own order, transformers per expert)
         result["max_logit_diff"] = float((ours - theirs).abs().max())
-        say(
+        line = (
             f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}; saved {args.out}; "
-            f"transformers reloads it: max |logit difference| {result['max_logit_diff']:.2e}"
+            f"transformers reloads it: max |logit difference| "
         )
+        if world == 1:  # our trained weights in transformers' own blocks: the same code
+            moe.to_hf(model)
+            with torch.no_grad():
+                same_code = model.cpu()(probe).logits
+            result["max_logit_diff_same_code"] = float((same_code - theirs).abs().max())
+            line += (
+                f"{result['max_logit_diff_same_code']:.2e} against our weights in transformers' "
+                f"blocks (moe.to_hf: the file holds them exactly), "
+                f"{result['max_logit_diff']:.2e} against moe's layers (float32 rounding)"
+            )
+        else:
+            line += f"{result['max_logit_diff']:.2e} against moe's layers (float32 rounding)"
+        say(line)
     if world > 1:
         dist.barrier()
     return result

@@ -57,6 +57,7 @@ def run_one(label: str, procs: int, extra: list[str], args, workdir: Path) -> di
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     summary.update(label=label, procs=procs, wall_s=wall, load=(load_before, os.getloadavg()[0]))
+    print(f"{label:<16} settings: {summary.get('settings', '?')}", flush=True)
     print(
         f"{label:<16} {procs} proc  {summary['device']:<6} {summary['tokens_per_s']:>9,.0f} tok/s  "
         f"caption acc {100 * summary['caption_accuracy']:5.1f}%  held-out loss "
@@ -66,17 +67,23 @@ def run_one(label: str, procs: int, extra: list[str], args, workdir: Path) -> di
     return summary
 
 
+def _chance(summary: dict) -> str:
+    c = summary.get("caption_chance")
+    return f" (chance {100 / c['classes']:.1f}%: 1 of {c['classes']} captions)" if c else ""
+
+
 def report(results: list[dict], args) -> str:
     first = results[0]["config"]
     lines = [
         f"# M6 example benchmark ({datetime.date.today().isoformat()})",
         "",
         f"Command: `python examples/m6/bench.py --steps {args.steps}`. Each row is one run of "
-        f"`examples/m6/train.py` ({first['name']}, {args.steps} steps, global batch 64, "
+        f"`examples/m6/train.py` ({first['name']}, {args.steps} steps, global batch "
+        f"{results[0].get('global_batch', 64)}, "
         "digits data); tokens/s counts every sequence position (16 image patches + 12 text "
         "positions) of the global batch over the training loop's wall time (evaluation excluded). "
-        "Caption accuracy: exact match of the greedy caption on the 359 held-out images "
-        "(chance 10%). MoE: 8 experts in blocks 1 and 3, expert prototyping (2 prototypes of "
+        f"Caption accuracy: exact match of the greedy caption on the {results[0]['caption_total']} "
+        f"held-out images{_chance(results[0])}. MoE: 8 experts in blocks 1 and 3, expert prototyping (2 prototypes of "
         "4 experts, top-1 in each), capacity factor 1.25; on 4 ranks through "
         "moe.parallel.parallelize. Dense: each MoE FFN replaced by one dense FFN of width "
         "top_k x d_ff = 256, the same active FLOPs per token (active parameters differ only by "
@@ -91,6 +98,9 @@ def report(results: list[dict], args) -> str:
         "held-out loss | text-to-text acc | train time s | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    settings = [f"- {r['label']} ({r['world']} rank(s)): {r.get('settings', '?')}" for r in results]
+    at = lines.index("|---|---|---|---|---|---|---|---|---|---|---|") - 1  # the table's head
+    lines[at:at] = ["Settings of each run (the example's settings line):", "", *settings, ""]
     for r in results:
         layout = f"dp={r['dp']} ep={r['ep']}"
         lines.append(

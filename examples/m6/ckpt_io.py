@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 import moe.checkpoint
-from examples.m6.cli import UsageError
+from examples.m6 import schedule as lr_schedule
+from examples.m6.cli import RunError, UsageError
 from examples.m6.config import M6Config
+from examples.m6.run_folder import RunFolderError, set_aside
 from examples.m6.setup import unwrap
 from moe.checkpoint import CheckpointError, CheckpointNotFoundError
 
@@ -66,28 +68,21 @@ def complete_steps(root: Path) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in _step_folders(root) if _has_checkpoint(path)]
 
 
-def set_aside(root: Path) -> tuple[int, Path] | None:
-    """A fresh run into a run directory holding another run's checkpoints: move that run's
-    `root` to `<root>.old-K` (K the least unused) so the runs never mix and nothing is
-    deleted; returns (its newest step, the new path), or None when `root` holds no step.
-    Rank 0 only (the caller orders the other ranks after it)."""
-    steps = complete_steps(root)
-    if not steps:
-        return None
-    k = 1
-    while (aside := root.with_name(f"{root.name}.old-{k}")).exists():
-        k += 1
-    root.rename(aside)
-    return steps[0][0], aside
-
-
 def save_step(root: Path, model, opt, state: dict) -> Path:
     """Collective: save step `state["step"]` through moe.checkpoint; returns its folder."""
     rank, world = _world()
     folder = root / f"{PREFIX}{state['step']:08d}"
     if world == 1:  # noisy routers draw random numbers: resume them too
         state = dict(state, rng=torch.get_rng_state().tolist())
-    moe.checkpoint.save_checkpoint(str(folder), unwrap(model), opt, extra=state)
+    try:
+        moe.checkpoint.save_checkpoint(str(folder), unwrap(model), opt, extra=state)
+    except (CheckpointError, OSError) as e:  # a full disk, a quota: the same on every rank
+        if rank == 0 and not _has_checkpoint(folder):  # the step's own, now empty, folder
+            shutil.rmtree(folder, ignore_errors=True)
+        kept = complete_steps(root)
+        kept = f"; the newest saved step {kept[0][1]} is intact" if kept else ""
+        why = " ".join(str(e).split())
+        raise RunError(f"checkpoint step {state['step']} not saved: {why}{kept}") from None
     if rank == 0:  # retention only: the save above is already published
         complete = complete_steps(root)
         for _, old in complete[KEEP:]:
@@ -135,6 +130,8 @@ def check_state(state, step: int) -> None:
         raise bad("history.resume_step", "must be a list of numbers")
     if not isinstance(history.get("title"), str):
         raise bad("history.title", "must be a string")
+    if "schedule" in state:
+        lr_schedule.check(state["schedule"])
     if "rng" in state:
         rng, size = state["rng"], torch.get_rng_state().numel()
         ok = isinstance(rng, list) and len(rng) == size
@@ -191,7 +188,9 @@ def resume(root: Path, model, opt, cfg: M6Config, data, args, say) -> tuple[dict
     start = state["step"]
     if start >= args.steps:
         raise UsageError(f"--resume: the checkpoint is at step {start}; pass --steps > {start}")
+    args.schedule, which = lr_schedule.on_resume(state.get("schedule"), start, args)
     say(f"resuming from step {start} ({path})")
+    say(which)
     history = state["history"]
     history["resume_step"] = [*history.get("resume_step", []), start]  # marked in loss.png
     return history, start
@@ -210,15 +209,35 @@ def config_differences(saved: dict, live: dict) -> str:
     )
 
 
-def start_fresh(root: Path, rank: int, world: int, say) -> None:
-    """A fresh run never mixes with an earlier run's checkpoints in the same --run-dir:
-    rank 0 moves them aside (nothing is deleted); every rank waits for it."""
-    moved = set_aside(root) if rank == 0 else None
+def rank0_then_all(fn, world: int):
+    """Run `fn()` on rank 0 only and return its result there (None on the other ranks); if it
+    raised a RunFolderError, OSError or ValueError, every rank raises it as one UsageError line."""
+    result, problem = None, None
+    if _world()[0] == 0:
+        try:
+            result = fn()
+        except (RunFolderError, OSError, ValueError) as e:
+            problem = str(e)
     if world > 1:
-        dist.barrier()
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise UsageError(problem)
+    return result
+
+
+def start_fresh(out: Path, rank: int, world: int, say) -> None:
+    """A fresh run never mixes with, or overwrites, an earlier run in the same --run-dir:
+    rank 0 moves the whole earlier run into <run-dir>/old-K (nothing is deleted); every
+    rank waits for it."""
+    moved = rank0_then_all(lambda: set_aside(out), world)
     if moved is not None:
-        step, aside = moved
+        aside, names = moved
+        steps = complete_steps(Path(aside) / "checkpoint")
+        newest = f" (newest checkpoint step {steps[0][0]})" if steps else ""
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
         say(
-            f"note: {root} held an earlier run's checkpoints (newest step {step}): moved to "
-            f"{aside}; a fresh run starts at step 0 (--resume continues a run)"
+            f"note: {out} held an earlier run{newest}: moved it ({shown}) to {aside}; a fresh "
+            "run starts at step 0 (--resume continues a run)"
         )

@@ -4,6 +4,7 @@ check that can fail before any work starts (a bad argument is one `error: ...` l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import uuid
@@ -32,6 +33,11 @@ next --log-every read), saves a checkpoint and exits with status 130 (SIGINT) or
 
 class UsageError(ValueError):
     """A bad command line, reported before any work starts."""
+
+
+class RunError(RuntimeError):
+    """The run could not go on (e.g. a checkpoint could not be saved: the disk is full); one
+    `error: ...` line, exit status 1, the previous checkpoint intact."""
 
 
 @contextmanager
@@ -124,6 +130,12 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("outputs")
     g.add_argument("--run-dir", help="default runs/<config>")
     g.add_argument("--resume", action="store_true", help="continue from <run-dir>/checkpoint")
+    g.add_argument(
+        "--restart-schedule",
+        action="store_true",
+        help="with --resume: start a new warm-up + cosine at the resume step over the steps "
+        "left (default: continue the checkpoint's learning-rate schedule)",
+    )
     g.add_argument("--save-every", type=int, default=0, help="also checkpoint every n steps")
     g.add_argument(
         "--stop-after", type=int, help="stop (and checkpoint) after this step, as if preempted"
@@ -312,6 +324,8 @@ def check_args(args, cfg: M6Config, world: int) -> None:
                 top_k=cfg.top_k,
                 **cfg.moe_options(),
             )
+    if args.restart_schedule and not args.resume:
+        raise UsageError("--restart-schedule needs --resume (a fresh run starts its schedule)")
     if args.resume:
         from examples.m6.ckpt_io import complete_steps
 
@@ -338,9 +352,11 @@ def probe_run_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
-        probe.unlink()
     except OSError as e:
         raise UsageError(f"--run-dir {path} is not writable: {e}") from None
+    finally:  # a full disk creates the file, then fails the write: never leave it
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 def run_dir(args, cfg: M6Config) -> Path:

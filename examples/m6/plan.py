@@ -63,6 +63,33 @@ def static_memory(
     }
 
 
+def offload_notes(plan) -> list[str]:
+    """What --offload and --groups did to the plan's rows (issue 49 item 18): the row named
+    "optimizer state" under --offload optimizer holds the fp32 master weights the device keeps
+    (GroupedApply's masters of low-precision parameters), and under offload the step runs on
+    the host group by group, so --groups leaves the device's rows as they are."""
+    notes = []
+    if plan.offload == "optimizer" and plan.optimizer_state:
+        notes.append(
+            f"  offload=optimizer: the 'optimizer state' row ({plan.optimizer_state / GiB:.2f} "
+            "GiB) is the fp32 master weights, which stay on the device; the optimizer's moments "
+            f"are in host memory ({plan.host_bytes / GiB:.2f} GiB with the host copies); "
+            "--offload all moves the masters too"
+        )
+    if plan.offload and plan.groups > 1:
+        notes.append(
+            f"  groups={plan.groups} with offload: the step runs on the host one group at a "
+            "time, so the device holds no step temporaries with or without groups; the groups "
+            "bound the gradients and weights in flight between device and host"
+        )
+    elif plan.groups > 1:
+        notes.append(
+            f"  groups={plan.groups}: the step's temporaries are one group's, 1/{plan.groups} "
+            "of a one-group step's"
+        )
+    return notes
+
+
 def plan_report(
     cfg: M6Config,
     *,
@@ -121,6 +148,7 @@ def plan_report(
             **({"device_memory_bytes": device_memory_bytes} if device_memory_bytes else {}),
         )
         lines.append(str(result))
+        lines += offload_notes(result)
         return "\n".join(lines)
     mem = static_memory(dense, experts, ep, dtype, offload, groups)
     lines.append(

@@ -35,17 +35,33 @@ def final_evaluation(model, data, cfg, args, rt: Runtime, history) -> dict:
     ]
     return {
         "caption_accuracy": caption["accuracy"], "caption_correct": caption["correct"],
+        "caption_chance": caption_chance(data.test),
         "caption_total": caption["total"], "heldout_loss": caption["loss"],
         "text_accuracy": text["accuracy"], "samples": samples, "text_samples": text_samples,
     }  # fmt: skip
 
 
+def caption_chance(examples) -> dict:
+    """Chance level of the held-out caption accuracy from the data's own classes (not a fixed
+    10%): the number of distinct held-out captions (a uniform guess: 1 / classes) and the
+    share of the most common one (what always writing that caption scores)."""
+    counts: dict[str, int] = {}
+    for ex in examples:
+        counts[ex.target] = counts.get(ex.target, 0) + 1
+    total = sum(counts.values())
+    return {"classes": len(counts), "share": max(counts.values()) / total if total else 0.0}
+
+
 def make_plots(history, data, summary, out: Path) -> list[str]:
-    from examples.m6 import plots
+    from examples.m6 import plots, trace_files
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
-        plots.plot_expert_load(out / "routing_trace.jsonl", out / "expert_load.png"),
+        plots.plot_expert_load(
+            trace_files.segments(out),
+            out / "expert_load.png",
+            f"expert load per MoE layer (uniform = 1/E)\n{history.get('title', '')}",
+        ),
     ]
     samples = summary["samples"]
     if samples:
@@ -64,7 +80,13 @@ def sample_title(s: dict) -> str:
 
 
 def print_summary(s: dict, say) -> None:
-    chance = " (chance 10%)" if s["config"]["name"].startswith("m6-tiny") else ""
+    c = s.get("caption_chance")
+    chance = (
+        f" (chance {100 / c['classes']:.1f}%: 1 of {c['classes']} captions; always the most "
+        f"common one: {100 * c['share']:.1f}%)"
+        if c and c["classes"]
+        else ""
+    )
     say(
         f"\n{s['config']['name']}: {s['steps_this_run']} steps in {s['time_s']:.1f} s, "
         f"{s['tokens_per_s']:,.0f} tokens/s on {s['world']} rank(s) ({s['device']}); "

@@ -10,7 +10,6 @@ Gradients averaged over ranks are then exactly the gradients of the global-batch
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -28,8 +27,11 @@ import torch.nn.functional as F  # noqa: E402
 import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
-from examples.m6.ckpt_io import resume, save_step, start_fresh  # noqa: E402
+from examples.m6 import schedule as lr_schedule  # noqa: E402
+from examples.m6 import trace_files  # noqa: E402
+from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
+    RunError,
     UsageError,
     check_args,
     parse_args,
@@ -43,6 +45,7 @@ from examples.m6.metrics import MetricsLog, Progress, StepMetrics, new_history  
 from examples.m6.model import count_params  # noqa: E402
 from examples.m6.plan import default_ep, plan_report  # noqa: E402
 from examples.m6.report import final_evaluation, make_plots, print_summary  # noqa: E402
+from examples.m6.run_folder import RunLock  # noqa: E402
 from examples.m6.runtime import Runtime  # noqa: E402
 from examples.m6.setup import (  # noqa: E402
     clip_gradients,
@@ -52,8 +55,9 @@ from examples.m6.setup import (  # noqa: E402
     topology,
 )
 from examples.m6.syncs import SyncCounter  # noqa: E402
+from examples.settings import settings_line  # noqa: E402
 
-__all__ = ["Interrupted", "UsageError", "main", "run"]
+__all__ = ["Interrupted", "RunError", "UsageError", "main", "run"]
 
 
 class Interrupted(RuntimeError):
@@ -99,11 +103,10 @@ class StopOnSignal:
 
 
 def lr_at(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to 10%: a pure function of the step (resumable)."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(args.steps - args.warmup, 1)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    """Linear warm-up, then cosine decay to 10%: a pure function of the step (resumable).
+    The run's schedule (examples/m6/schedule.py: a resumed run keeps its checkpoint's)."""
+    schedule = getattr(args, "schedule", None) or lr_schedule.from_args(args)
+    return schedule.lr_at(step)
 
 
 def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Tensor:
@@ -138,6 +141,26 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
     opt.step()
     moe.update_router_biases(model)
     return metrics.row(global_targets)
+
+
+def run_settings(args, cfg: M6Config, world: int, device) -> str:
+    """The settings that change the math of this run, in one line (examples/settings.py)."""
+    fp8 = cfg.moe_options().get("fp8") if cfg.is_moe else None
+    ep = args.ep or 1
+    extra = []
+    if cfg.is_moe:
+        cf = cfg.capacity_factor
+        extra.append(f"{cfg.num_experts} experts top-{cfg.top_k} {cfg.router}, capacity "
+                     + ("dropless" if cf is None else f"factor {cf:g}"))  # fmt: skip
+    else:
+        extra.append("dense FFNs")
+    if args.checkpointing:
+        extra.append("activation checkpointing")
+    return settings_line(
+        precision=args.precision, device=device, fp8=fp8, dp=args.dp or world // ep, ep=ep,
+        data_parallel=args.data_parallel if world > 1 else None, offload=args.offload,
+        groups=args.groups, replicas=args.spare_slots, extra=tuple(extra),
+    )  # fmt: skip
 
 
 def rebalance(model, opt, step: int, trace) -> None:
@@ -203,7 +226,24 @@ def load_data(args, cfg: M6Config) -> tuple[m6data.Dataset, M6Config]:
 
 
 def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> dict:
+    """One run in its run directory, locked for the run's life (another run there is one
+    error on every rank, before any work)."""
     out = run_dir(args, cfg)
+    lock = rank0_then_all(lambda: _lock(out), world)
+    try:
+        return train_locked(args, cfg, rank, world, device, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock(out: Path) -> RunLock:
+    lock = RunLock(out)
+    lock.acquire()
+    return lock
+
+
+def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) -> dict:
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -217,11 +257,15 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     model, mesh = setup_parallel(model, args)
     opt = make_optimizer(model, args)
     history, start = new_history(cfg), 0
+    args.schedule = lr_schedule.from_args(args)
     if args.resume:
         history, start = resume(out / "checkpoint", model, opt, cfg, data, args, say)
     else:
-        start_fresh(out / "checkpoint", rank, world, say)
+        start_fresh(out, rank, world, say)
     rt = Runtime(rank, world, device, mesh, autocast(args.precision, device))
+    settings = run_settings(args, cfg, world, device)
+    say(f"settings: {settings}")
+    history["title"] = f"{cfg.name}: {settings}"  # the plots' titles name them
     # expert load per step and layer (moe.RoutingTrace), drawn into expert_load.png at the end;
     # read back at the metrics' log interval, so it adds no host sync of its own
     trace = open_trace(model, out / "routing_trace.jsonl", args, start)
@@ -246,9 +290,12 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     with signals, syncs:
         for step in range(start, stop):
             log.append(train_step(model, opt, data, enc, step, args, rt))
-            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
-                rebalance(model, opt, step + 1, trace)
             trace.step(step + 1)
+            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+                # the trace's buffered steps first: their rank loads with the placement they
+                # ran on (RoutingTrace maps experts to ranks when it writes)
+                trace.flush()
+                rebalance(model, opt, step + 1, trace)
             done += 1
             evaluate_now = (step + 1) % eval_every == 0 and step + 1 < args.steps
             save_now = args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop
@@ -283,12 +330,14 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
                 history["eval_loss"].append(ev["loss"])
                 eval_s += time.perf_counter() - t_eval
             if save_now:
-                save_step(out / "checkpoint", model, opt, _state(step + 1, history, cfg, data))
+                save_step(
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
+                )
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
                 trace.close()
                 ckpt = save_step(
-                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data)
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
             if out_of_time:  # --max-seconds: evaluate what was trained so far
@@ -297,7 +346,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
-    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data))
+    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
     summary = {
         "config": cfg.to_dict(), "world": world, "dp": (args.dp or world // (args.ep or 1)),
         "ep": args.ep or 1, "device": str(device), "steps": stop, "steps_this_run": done,
@@ -306,6 +355,7 @@ def train(args, cfg: M6Config, rank: int, world: int, device: torch.device) -> d
         "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
         "host_syncs": syncs.count, "out_of_time": out_of_time,
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
+        "settings": settings, "global_batch": args.global_batch,
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
@@ -325,6 +375,9 @@ class _NoTrace:
     def step(self, step: int) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def record_rebalance(self, step: int, report) -> None:
         pass
 
@@ -338,6 +391,11 @@ def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTra
     if not moe.moe_layers(model):
         return _NoTrace()
     resume_from = start if args.resume else None
+    if args.resume:  # the lines of other layouts go to their own segment files
+        _, layer = moe.moe_layers(model)[0]
+        layout = (layer.config.num_experts, layer.num_slots // layer.experts.num_experts)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank0_then_all(lambda: trace_files.prepare_resume(path.parent, start, layout), world)
     try:
         return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
     except ValueError as e:
@@ -363,8 +421,10 @@ def _add_to_history(history: dict, records: list[dict], last: int, tok_s: float,
         history["tokens_per_s"].append(tok_s)
 
 
-def _state(step: int, history: dict, cfg: M6Config, data) -> dict:
-    return {"step": step, "history": history, "config": cfg.to_dict(), "vocab": data.vocab.words}
+def _state(step: int, history: dict, cfg: M6Config, data, args) -> dict:
+    schedule = getattr(args, "schedule", None) or lr_schedule.from_args(args)
+    return {"step": step, "history": history, "config": cfg.to_dict(), "vocab": data.vocab.words,
+            "schedule": schedule.to_dict()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,6 +15,8 @@ CheckpointError saying so (no legacy reader): load them with the release that wr
 save again with this one.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -139,6 +141,8 @@ def _begin(path: str) -> tuple[FolderLock | None, str]:
             ident = new_id()
             make_staging(path, STAGING, ident)
         except (CheckpointError, OSError) as e:
+            if lock is not None and ident:  # a staging directory begun on a full disk
+                shutil.rmtree(os.path.join(path, f"{STAGING}{ident}"), ignore_errors=True)
             if lock is not None:
                 lock.release()
             lock, problem = None, str(e)
@@ -168,11 +172,16 @@ def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
     lock, ident = _begin(path)
+    tmp, final = os.path.join(path, f"{STAGING}{ident}"), os.path.join(path, f"ckpt-{ident}")
     try:
-        tmp, final = os.path.join(path, f"{STAGING}{ident}"), os.path.join(path, f"ckpt-{ident}")
-        with warnings.catch_warnings():  # "assuming ... a single process": intended
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(tensors, storage_writer=JsonStorageWriter(tmp, objects), no_dist=not _dist())
+        try:
+            with warnings.catch_warnings():  # "assuming ... a single process": intended
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.save(
+                    tensors, storage_writer=JsonStorageWriter(tmp, objects), no_dist=not _dist()
+                )
+        except CheckpointException as e:  # every rank raises it, after every rank wrote
+            raise _write_failure(e, path) from e
         failed = torch.zeros(1, dtype=torch.int64)
         error = None
         if lock is not None:
@@ -185,11 +194,59 @@ def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None
             failed = failed.to(_device())
             dist.all_reduce(failed)
         if int(failed.item()):
-            raise OSError(f"save_checkpoint: committing {final} failed on rank 0: {error}")
+            raise CheckpointError(
+                f"save_checkpoint: publishing {final} failed on rank 0 ({_os_reason(error)}); "
+                f"{_kept(path)}"
+            ) from error
+    except BaseException:
+        if lock is not None:  # rank 0: nothing of this save is left behind
+            _discard(path, tmp, final)
+        raise
     finally:
         if lock is not None:
             lock.release()
     return final
+
+
+def _os_reason(e) -> str:
+    """'no space left on device (errno 28: ENOSPC)' for an OSError, else its text."""
+    if isinstance(e, OSError) and e.errno:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        return f"{(e.strerror or name).lower()} (errno {e.errno}: {name})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _kept(path: str) -> str:
+    previous = _latest_name(path)
+    kept = (
+        f"the previous checkpoint {previous} is intact"
+        if previous
+        else f"{path} held no earlier checkpoint"
+    )
+    return f"nothing of this save was kept; {kept}"
+
+
+def _write_failure(e: CheckpointException, path: str) -> CheckpointError:
+    """DCP's failure of the write (an OSError on a rank: a full disk, a quota, EIO) as one line
+    naming the rank and the reason; any other failure as _dcp_failure's lines."""
+    oserrors = {r: exc for r, (exc, _) in e.failures.items() if isinstance(exc, OSError)}
+    if not oserrors:
+        return _dcp_failure(e)
+    where = ", ".join(f"rank {r}" for r in sorted(oserrors)) if _dist() else "this process"
+    reason = _os_reason(next(iter(oserrors.values())))
+    return CheckpointError(
+        f"save_checkpoint: writing into {path} failed on {where}: {reason}; {_kept(path)}"
+    )
+
+
+def _discard(path: str, tmp: str, final: str) -> None:
+    """Remove what a failed save wrote: its staging directory, its LATEST.tmp, and its
+    published directory unless LATEST already names it. Never raises."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(path, LATEST + ".tmp"))
+    if _latest_name(path) != os.path.basename(final):
+        shutil.rmtree(final, ignore_errors=True)
 
 
 def checkpoint_dir(path: str) -> str:
