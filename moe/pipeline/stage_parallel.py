@@ -1,0 +1,86 @@
+"""EP + FSDP2 on one pipeline stage, over the stage's own ("dp", "ep") mesh only.
+
+Each child of the stage that holds an MoE layer is parallelized by moe.parallel.parallelize
+on the stage's mesh (its MoE layers and the child become FSDP2 units, as
+parallelize(stage, blocks=...) would make them); every other child with parameters and then
+the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
+with no MoE layer never calls parallelize: it joins no MoE collective.
+
+Until parallelize acts on its mesh's ranks only (today it compares settings over the world and
+its sync_params broadcasts from world rank 0), parallelize is called with sync_params=False
+(the pipeline broadcasts within each stage itself) and one block at a time, so the world-wide
+comparison pairs the stages' k-th MoE blocks, which must then be alike (names inside the
+block, shapes, settings), and every stage must hold the same number of them (checked first,
+by moe.pipeline.runner, as a ValueError on every rank).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from moe.layer import moe_layers
+from moe.parallel import parallelize
+
+# parallelize() keywords the dense units take too (the rest are MoE-only)
+_DENSE_KEYS = ("mp_policy", "grad_dtype", "offload_policy", "reshard_after_forward")
+_REFUSED = ("sync_params", "blocks")  # the pipeline decides these
+
+
+def check_parallel_kwargs(parallel: dict) -> None:
+    for key in _REFUSED:
+        if key in parallel:
+            raise ValueError(
+                f"parallel={{{key!r}: ...}}: the pipeline sets {key} itself "
+                "(PipelineConfig.sync_params broadcasts within each stage; blocks are the "
+                "stage's children)"
+            )
+    data_parallel = parallel.get("data_parallel", "ddp")
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+
+
+def stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """All ranks of the stage's ("dp", "ep") mesh (flattened as parallelize names it)."""
+    return mesh._flatten("dp_ep").get_group()
+
+
+@torch.no_grad()
+def broadcast_in_stage(stage: nn.Module, mesh: DeviceMesh) -> None:
+    """The stage's first rank's parameters and buffers on every rank of the stage."""
+    group = stage_group(mesh)
+    for tensor in [*stage.parameters(), *stage.buffers()]:
+        dist.broadcast(tensor, group=group, group_src=0)
+
+
+def _dense_wrap(parallel: dict):
+    mp_policy = parallel.get("mp_policy")
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy(reduce_dtype=parallel.get("grad_dtype"))
+    common = {"mp_policy": mp_policy, "offload_policy": parallel.get("offload_policy") or OffloadPolicy()}
+    if parallel.get("data_parallel", "ddp") != "fsdp":
+        return replicate, common
+    return fully_shard, {**common, "reshard_after_forward": parallel.get("reshard_after_forward", True)}
+
+
+def parallelize_stage(stage: nn.Module, mesh: DeviceMesh, parallel: dict) -> nn.Module:
+    """EP + FSDP2 on `stage` over `mesh` (the stage's ("dp", "ep") mesh); `parallel`:
+    parallelize()'s keywords (data_parallel, algorithm, grad_dtype, ...)."""
+    check_parallel_kwargs(parallel)
+    flat = mesh._flatten("dp_ep")
+    wrap, common = _dense_wrap(parallel)
+    sum_only = dist.get_backend() != "nccl"  # gloo: no AVG / PREMUL_SUM (as parallelize)
+    units = []
+    for _, child in stage.named_children():
+        if moe_layers(child):
+            parallelize(child, mesh, sync_params=False, **parallel)
+            for _, layer in moe_layers(child):  # the stage's ranks, not the world's
+                layer.router.load_group = flat.get_group()
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    for module in [*units, stage]:
+        wrap(module, mesh=flat, **common)
+        module.set_force_sum_reduction_for_comms(sum_only)
+    return stage
