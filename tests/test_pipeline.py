@@ -53,7 +53,10 @@ def batches(world):
     """STEPS global batches of (tokens, targets): `world` pipelines x ROWS sequences."""
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randint(V, (world * ROWS, S), generator=g), torch.randint(V, (world * ROWS, S), generator=g))
+        (
+            torch.randint(V, (world * ROWS, S), generator=g),
+            torch.randint(V, (world * ROWS, S), generator=g),
+        )
         for _ in range(STEPS)
     ]
 
@@ -64,6 +67,7 @@ def loss_fn(logits, target, scale):
     return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="sum") * scale
 
 
+@functools.lru_cache
 def reference(width):
     """One process, the same micro-batches: loss = sum over the `width` pipelines' micro-batches
     of (task + aux / M) / width, SGD; step 0's outputs, losses, aux and grads; final params."""
@@ -94,8 +98,14 @@ def reference(width):
     return first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@functools.lru_cache
+def _mesh(pp, dp, ep):
+    """One mesh per shape in a rank (each new mesh creates its process groups)."""
+    return init_pipeline_mesh(pp, dp, ep)
+
+
 def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None):
-    mesh = init_pipeline_mesh(pp, dp, ep)
+    mesh = _mesh(pp, dp, ep)
     width = dp * ep
     config = PipelineConfig(schedule=schedule, microbatches=M, stages=stages)
     scale = width / (width * ROWS * S)
@@ -150,7 +160,7 @@ def _body(rank, world):
         out["no_moe_stage"] = _run_case(rank, *NO_MOE_STAGE)
     except ValueError as e:
         out["no_moe_stage"] = str(e)
-    mesh = init_pipeline_mesh(2, 1, 2)
+    mesh = _mesh(2, 1, 2)
     loss = functools.partial(loss_fn, scale=1.0)
     odd = PipelineConfig(microbatches=3 if rank == 3 else 2)
     out["differs"] = _error(lambda: Pipeline(build_model(), mesh, odd, loss))
@@ -215,7 +225,9 @@ def test_differences_and_bad_values_are_one_error_on_every_rank(results):
         out = results[rank]
         assert "pipeline.microbatches differs across ranks" in out["differs"], out["differs"]
         assert "rank 3 has 3" in out["differs"]
-        assert "rank 1: data_parallel must be 'ddp' or 'fsdp'" in out["bad_setting"], out["bad_setting"]
+        assert "rank 1: data_parallel must be 'ddp' or 'fsdp'" in out["bad_setting"], out[
+            "bad_setting"
+        ]
         assert "rank 0: x has 3 rows, not a multiple of microbatches=2" in out["bad_input"]
 
 

@@ -31,13 +31,17 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or self.schedule.lower() not in SCHEDULES:
             names = ", ".join(cls.__name__.removeprefix("Schedule") for cls in SCHEDULES.values())
-            raise ValueError(f"PipelineConfig.schedule must be one of {names}, got {self.schedule!r}")
+            raise ValueError(
+                f"PipelineConfig.schedule must be one of {names}, got {self.schedule!r}"
+            )
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"PipelineConfig.microbatches must be an int >= 1, got {m!r}")
         for name in ("scale_grads", "sync_params"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PipelineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"PipelineConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         if self.stages is not None:
             object.__setattr__(self, "stages", _stage_names(self.stages))
 
@@ -77,7 +81,9 @@ def _stage_names(stages) -> tuple[tuple[str, ...], ...]:
     out = []
     for i, stage in enumerate(stages):
         if isinstance(stage, str) or not isinstance(stage, (list, tuple)) or not stage:
-            raise ValueError(f"PipelineConfig.stages[{i}] must be a non-empty list of names, got {stage!r}")
+            raise ValueError(
+                f"PipelineConfig.stages[{i}] must be a non-empty list of names, got {stage!r}"
+            )
         if not all(isinstance(n, str) for n in stage):
             raise ValueError(f"PipelineConfig.stages[{i}] must hold module names, got {stage!r}")
         out.append(tuple(stage))

@@ -22,7 +22,9 @@ def init_pipeline_mesh(
         raise ValueError(f"pp={pp} x ep={ep} does not divide the world size {world}")
     dp = world // (pp * ep) if dp is None else dp
     if pp * dp * ep != world:
-        raise ValueError(f"pp={pp} x dp={dp} x ep={ep} = {pp * dp * ep} is not the world size {world}")
+        raise ValueError(
+            f"pp={pp} x dp={dp} x ep={ep} = {pp * dp * ep} is not the world size {world}"
+        )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS)

@@ -61,7 +61,9 @@ class Pipeline:
                 raise ValueError(f"config must be a PipelineConfig, got {type(config).__name__}")
             check_pipeline_mesh(mesh)
             if mesh.size() != dist.get_world_size():
-                raise ValueError(f"the mesh has {mesh.size()} ranks, the world {dist.get_world_size()}")
+                raise ValueError(
+                    f"the mesh has {mesh.size()} ranks, the world {dist.get_world_size()}"
+                )
             pp = mesh.size(0)
             config.check_stages(pp)
             plan = plan_stages(model, pp, config.stages)
@@ -134,7 +136,9 @@ class Pipeline:
     def _check_batch(self, name: str, t) -> None:
         m = self.config.microbatches
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ValueError(f"stage {self.stage_index} needs {name} (a batched tensor), got {t!r:.60}")
+            raise ValueError(
+                f"stage {self.stage_index} needs {name} (a batched tensor), got {t!r:.60}"
+            )
         if t.shape[0] % m or t.shape[0] < m:
             raise ValueError(
                 f"{name} has {t.shape[0]} rows, not a multiple of microbatches={m} (the stages "

@@ -59,10 +59,16 @@ def _dense_wrap(parallel: dict):
     mp_policy = parallel.get("mp_policy")
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy(reduce_dtype=parallel.get("grad_dtype"))
-    common = {"mp_policy": mp_policy, "offload_policy": parallel.get("offload_policy") or OffloadPolicy()}
+    common = {
+        "mp_policy": mp_policy,
+        "offload_policy": parallel.get("offload_policy") or OffloadPolicy(),
+    }
     if parallel.get("data_parallel", "ddp") != "fsdp":
         return replicate, common
-    return fully_shard, {**common, "reshard_after_forward": parallel.get("reshard_after_forward", True)}
+    return fully_shard, {
+        **common,
+        "reshard_after_forward": parallel.get("reshard_after_forward", True),
+    }
 
 
 def parallelize_stage(stage: nn.Module, mesh: DeviceMesh, parallel: dict) -> nn.Module:
