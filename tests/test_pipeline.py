@@ -4,6 +4,7 @@ every rank, before any work."""
 
 import functools
 from collections import OrderedDict
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -104,11 +105,12 @@ def _mesh(pp, dp, ep):
     return init_pipeline_mesh(pp, dp, ep)
 
 
-def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None):
+def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grads=False):
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
-    config = PipelineConfig(schedule=schedule, microbatches=M, stages=stages)
-    scale = width / (width * ROWS * S)
+    config = PipelineConfig(schedule, microbatches=M, stages=stages, scale_grads=scale_grads)
+    # scale_grads: PyTorch divides the gradients by M, and the aux losses enter with weight 1
+    scale = width / (width * ROWS * S) * (M if scale_grads else 1)
     pipe = Pipeline(
         build_model(),
         mesh,
@@ -132,16 +134,27 @@ def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None):
     return {"stage": pipe.stage_index, "first": first, "params": params}
 
 
-CASES = {  # name: (pp, dp, ep, data_parallel, schedule)
-    "pp2_dp1_ep2_ddp_gpipe": (2, 1, 2, "ddp", "GPipe"),
-    "pp2_dp1_ep2_ddp_1f1b": (2, 1, 2, "ddp", "1F1B"),
-    "pp2_dp1_ep2_fsdp_gpipe": (2, 1, 2, "fsdp", "GPipe"),
-    "pp2_dp1_ep2_fsdp_1f1b": (2, 1, 2, "fsdp", "1F1B"),
-    "pp2_dp2_ep1_ddp_1f1b": (2, 2, 1, "ddp", "1F1B"),
-    "pp2_dp2_ep1_fsdp_gpipe": (2, 2, 1, "fsdp", "GPipe"),
+class Case(NamedTuple):
+    pp: int
+    dp: int
+    ep: int
+    data_parallel: str
+    schedule: str
+    stages: list | None = None
+    scale_grads: bool = False
+
+
+CASES = {
+    "pp2_dp1_ep2_ddp_gpipe": Case(2, 1, 2, "ddp", "GPipe"),
+    "pp2_dp1_ep2_ddp_1f1b": Case(2, 1, 2, "ddp", "1F1B"),
+    "pp2_dp1_ep2_fsdp_gpipe": Case(2, 1, 2, "fsdp", "GPipe"),
+    "pp2_dp1_ep2_fsdp_1f1b": Case(2, 1, 2, "fsdp", "1F1B"),
+    "pp2_dp2_ep1_ddp_1f1b": Case(2, 2, 1, "ddp", "1F1B"),
+    "pp2_dp2_ep1_fsdp_gpipe": Case(2, 2, 1, "fsdp", "GPipe"),
+    "pp2_dp1_ep2_ddp_1f1b_scale_grads": Case(2, 1, 2, "ddp", "1F1B", None, True),
 }
 # stage 0 without any MoE layer (embed, b0 | b1, b2, b3, head)
-NO_MOE_STAGE = (2, 1, 2, "fsdp", "1F1B", [["embed", "b0"], ["b1", "b2", "b3", "head"]])
+NO_MOE_STAGE = Case(2, 1, 2, "fsdp", "1F1B", [["embed", "b0"], ["b1", "b2", "b3", "head"]])
 
 
 def _error(fn):
@@ -183,14 +196,14 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _check_case(result, width, rank):
+def _check_case(result, width, rank, loss_factor=1):
     (outs, losses, auxes, grads), params = reference(width)
     r = rank % width
     out, got_losses, aux, got_grads = result["first"]
     if result["stage"] == 1:  # the last stage: the schedule's merged output and losses
         assert _rel(out, outs[r]) <= 1e-12
         for got, want in zip(got_losses, losses[r]):
-            assert _rel(got, want) <= 1e-12
+            assert _rel(got / loss_factor, want) <= 1e-12
     assert _rel(aux, torch.as_tensor(auxes[r])) <= 1e-12, (aux, auxes[r])
     assert got_grads, "no parameters on this stage"
     for name, g in got_grads.items():
@@ -201,9 +214,10 @@ def _check_case(result, width, rank):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_equals_one_process(results, name):
-    pp, dp, ep, _, _ = CASES[name]
+    case = CASES[name]
+    factor = M if case.scale_grads else 1  # loss_fn returns M x the loss then
     for rank in range(4):
-        _check_case(results[rank][name], dp * ep, rank)
+        _check_case(results[rank][name], case.dp * case.ep, rank, factor)
     # together the stages hold every parameter of the model
     names = set(results[0][name]["params"]) | set(results[-1][name]["params"])
     assert names == {n for n, _ in build_model().named_parameters()}
