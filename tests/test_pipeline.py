@@ -105,10 +105,12 @@ def _mesh(pp, dp, ep):
     return init_pipeline_mesh(pp, dp, ep)
 
 
-def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grads=False):
+def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grads=False, v=1):
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
-    config = PipelineConfig(schedule, microbatches=M, stages=stages, scale_grads=scale_grads)
+    config = PipelineConfig(
+        schedule, microbatches=M, stages_per_rank=v, stages=stages, scale_grads=scale_grads
+    )
     # scale_grads: PyTorch divides the gradients by M, and the aux losses enter with weight 1
     scale = width / (width * ROWS * S) * (M if scale_grads else 1)
     pipe = Pipeline(
@@ -118,7 +120,7 @@ def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grad
         functools.partial(loss_fn, scale=scale),
         parallel={"data_parallel": data_parallel, "algorithm": "flat"},
     )
-    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     r = rank % width
     first = None
     for x, y in batches(width):
@@ -127,11 +129,11 @@ def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grad
         out, losses = pipe.step(x[rows], y[rows])
         aux = pipe.aux_loss()
         if first is None:
-            grads = {n: p.grad.full_tensor() for n, p in pipe.module.named_parameters()}
+            grads = {n: p.grad.full_tensor() for n, p in pipe.named_parameters()}
             first = (None if out is None else out.detach(), losses, aux, grads)
         opt.step()
-    params = {n: p.detach().full_tensor() for n, p in pipe.module.named_parameters()}
-    return {"stage": pipe.stage_index, "first": first, "params": params}
+    params = {n: p.detach().full_tensor() for n, p in pipe.named_parameters()}
+    return {"first": first, "params": params}
 
 
 class Case(NamedTuple):
@@ -142,6 +144,7 @@ class Case(NamedTuple):
     schedule: str
     stages: list | None = None
     scale_grads: bool = False
+    v: int = 1  # stages per rank
 
 
 CASES = {
@@ -152,6 +155,13 @@ CASES = {
     "pp2_dp2_ep1_ddp_1f1b": Case(2, 2, 1, "ddp", "1F1B"),
     "pp2_dp2_ep1_fsdp_gpipe": Case(2, 2, 1, "fsdp", "GPipe"),
     "pp2_dp1_ep2_ddp_1f1b_scale_grads": Case(2, 1, 2, "ddp", "1F1B", None, True),
+    # 2 stages per rank: embed b0 | b1 b2 | b3 | head (loop: rank 0 holds stages 0 and 2)
+    "pp2_dp1_ep2_fsdp_interleaved1f1b": Case(2, 1, 2, "fsdp", "Interleaved1F1B", v=2),
+    "pp2_dp1_ep2_ddp_interleavedzerobubble": Case(2, 1, 2, "ddp", "InterleavedZeroBubble", v=2),
+    # V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    "pp2_dp1_ep2_ddp_zbv": Case(
+        2, 1, 2, "ddp", "ZBVZeroBubble", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2
+    ),
 }
 # stage 0 without any MoE layer (embed, b0 | b1, b2, b3, head)
 NO_MOE_STAGE = Case(2, 1, 2, "fsdp", "1F1B", [["embed", "b0"], ["b1", "b2", "b3", "head"]])
@@ -200,7 +210,7 @@ def _check_case(result, width, rank, loss_factor=1):
     (outs, losses, auxes, grads), params = reference(width)
     r = rank % width
     out, got_losses, aux, got_grads = result["first"]
-    if result["stage"] == 1:  # the last stage: the schedule's merged output and losses
+    if out is not None:  # the last stage: the schedule's merged output and losses
         assert _rel(out, outs[r]) <= 1e-12
         for got, want in zip(got_losses, losses[r]):
             assert _rel(got / loss_factor, want) <= 1e-12
@@ -218,6 +228,10 @@ def test_pipeline_equals_one_process(results, name):
     factor = M if case.scale_grads else 1  # loss_fn returns M x the loss then
     for rank in range(4):
         _check_case(results[rank][name], case.dp * case.ep, rank, factor)
+    # one merged output per pipeline, on the rank holding the last stage
+    assert (
+        sum(results[rank][name]["first"][0] is not None for rank in range(4)) == case.dp * case.ep
+    )
     # together the stages hold every parameter of the model
     names = set(results[0][name]["params"]) | set(results[-1][name]["params"])
     assert names == {n for n, _ in build_model().named_parameters()}
@@ -246,11 +260,26 @@ def test_differences_and_bad_values_are_one_error_on_every_rank(results):
 
 
 def test_config_and_stage_plan_are_checked_before_any_work():
-    with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B"):
+    with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B, Interleaved1F1B"):
         PipelineConfig(schedule="ZB")
+    assert (
+        PipelineConfig(schedule="interleaved1f1b", stages_per_rank=3).schedule == "Interleaved1F1B"
+    )
+    with pytest.raises(ValueError, match="ZBVZeroBubble runs two stages per rank"):
+        PipelineConfig(schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match="1F1B runs one stage per rank"):
+        PipelineConfig(stages_per_rank=2)
+    with pytest.raises(ValueError, match="DualPipeV needs at least 4 micro-batches at pp=2"):
+        PipelineConfig("DualPipeV", microbatches=2, stages_per_rank=2).check_stages(2)
+    with pytest.raises(ValueError, match="needs a multiple of its 2 rounds"):
+        PipelineConfig("Interleaved1F1B", microbatches=5, stages_per_rank=2).check_stages(2)
+    with pytest.raises(ValueError, match="stages has 2 stages, but pp=2 x stages_per_rank=2 = 4"):
+        PipelineConfig("Interleaved1F1B", stages_per_rank=2, stages=[["a"], ["b"]]).check_stages(2)
+    with pytest.raises(ValueError, match="loses the last stage's weight gradients"):
+        PipelineConfig("ZBVZeroBubble", stages_per_rank=2).check_data_parallel("fsdp")
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         PipelineConfig(microbatches=0)
-    with pytest.raises(ValueError, match="1F1B needs at least one micro-batch per stage"):
+    with pytest.raises(ValueError, match="1F1B needs at least 2 micro-batches at pp=2"):
         PipelineConfig(microbatches=1).check_stages(2)
     model = build_model()
     assert plan_stages(model, 2) == [["embed", "b0", "b1"], ["b2", "b3", "head"]]

@@ -24,7 +24,10 @@ class AuxLossToBackward(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.aux_shape, ctx.aux_dtype, ctx.aux_device = aux.shape, aux.dtype, aux.device
-        return y.view_as(y)
+        # an alias, not a view: PyTorch's split backward (zero-bubble schedules) detaches the
+        # stage outputs in place, which a view refuses; it shares y's version counter, so an
+        # in-place change of y that autograd needs is still caught
+        return y.detach()
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):

@@ -3,17 +3,39 @@ ValueError naming the field) and agreed across ranks before any work (moe.pipeli
 
 from dataclasses import dataclass, fields
 
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
-# name (case-insensitive) -> PyTorch's schedule class; one stage per pp rank. The multi-stage
-# schedules (Interleaved1F1B, ZBV, DualPipeV) need virtual stages: not supported yet.
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# PyTorch's schedules by name (the class name without "Schedule", case-insensitive) and how
+# they place stages: "single" one stage per rank; "loop" stage s on pp rank s % pp;
+# "v" two stages per rank, rank r holding stages r and 2 pp - 1 - r.
+_CLASSES = {
+    ScheduleGPipe: "single",
+    Schedule1F1B: "single",
+    ScheduleInterleaved1F1B: "loop",
+    ScheduleInterleavedZeroBubble: "loop",
+    ScheduleZBVZeroBubble: "v",
+    ScheduleDualPipeV: "v",
+}
+SCHEDULES = {cls.__name__.removeprefix("Schedule"): cls for cls in _CLASSES}
+# the schedules that split the backward into input and weight gradients (zero bubble)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_BY_KEY = {name.lower(): name for name in SCHEDULES}
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """schedule: "GPipe" or "1F1B" (PyTorch's ScheduleGPipe / Schedule1F1B).
+    """schedule: one of SCHEDULES (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV: PyTorch's Schedule<name>), case-insensitive.
     microbatches: micro-batches per step; every stage's batch must split into equal ones.
+    stages_per_rank: virtual stages per pp rank (1 for GPipe / 1F1B, 2 for the V schedules,
+    any for the interleaved ones); the model is split into pp * stages_per_rank stages.
     stages: the model's child names per stage, in order, each child once (None: an even split
     by child count, earlier stages taking the remainder).
     scale_grads: False (default): the loss function's micro-batch losses are summed, so it
@@ -24,19 +46,28 @@ class PipelineConfig:
 
     schedule: str = "1F1B"
     microbatches: int = 2
+    stages_per_rank: int = 1
     stages: tuple[tuple[str, ...], ...] | None = None
     scale_grads: bool = False
     sync_params: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.schedule, str) or self.schedule.lower() not in SCHEDULES:
-            names = ", ".join(cls.__name__.removeprefix("Schedule") for cls in SCHEDULES.values())
+        if not isinstance(self.schedule, str) or self.schedule.lower() not in _BY_KEY:
             raise ValueError(
-                f"PipelineConfig.schedule must be one of {names}, got {self.schedule!r}"
+                f"PipelineConfig.schedule must be one of {', '.join(SCHEDULES)}, "
+                f"got {self.schedule!r}"
             )
-        m = self.microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"PipelineConfig.microbatches must be an int >= 1, got {m!r}")
+        object.__setattr__(self, "schedule", _BY_KEY[self.schedule.lower()])
+        for name in ("microbatches", "stages_per_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PipelineConfig.{name} must be an int >= 1, got {v!r}")
+        style, v = self.style, self.stages_per_rank
+        if (style == "single" and v != 1) or (style == "v" and v != 2):
+            raise ValueError(
+                f"PipelineConfig.stages_per_rank={v}: {self.schedule} runs "
+                f"{'one stage' if style == 'single' else 'two stages'} per rank"
+            )
         for name in ("scale_grads", "sync_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
@@ -47,7 +78,19 @@ class PipelineConfig:
 
     @property
     def schedule_class(self) -> type:
-        return SCHEDULES[self.schedule.lower()]
+        return SCHEDULES[self.schedule]
+
+    @property
+    def style(self) -> str:
+        """How the schedule places stages on ranks: "single", "loop" or "v"."""
+        return _CLASSES[SCHEDULES[self.schedule]]
+
+    def stage_ranks(self, pp: int) -> list[int]:
+        """The pp rank of each of the pp * stages_per_rank stages."""
+        n = pp * self.stages_per_rank
+        if self.style == "v":
+            return [s if s < pp else n - 1 - s for s in range(n)]
+        return [s % pp for s in range(n)]
 
     @property
     def aux_scale(self) -> float:
@@ -56,20 +99,42 @@ class PipelineConfig:
         return 1.0 if self.scale_grads else 1.0 / self.microbatches
 
     def check_stages(self, pp: int) -> None:
-        """What depends on the number of stages: one stage list per pp rank; 1F1B needs at
-        least as many micro-batches as stages (PyTorch's rule, checked here before any work)."""
-        if self.stages is not None and len(self.stages) != pp:
-            raise ValueError(f"PipelineConfig.stages has {len(self.stages)} stages, but pp={pp}")
-        if self.schedule.lower() == "1f1b" and self.microbatches < pp:
+        """What depends on the number of ranks per pipeline (PyTorch's rules, checked here
+        before any work): pp * stages_per_rank stage lists; 1F1B at least pp micro-batches,
+        DualPipeV at least 2 pp; the interleaved ones a multiple of the rounds."""
+        n, m = pp * self.stages_per_rank, self.microbatches
+        if self.stages is not None and len(self.stages) != n:
             raise ValueError(
-                f"PipelineConfig.microbatches={self.microbatches} is fewer than the {pp} stages: "
-                "1F1B needs at least one micro-batch per stage"
+                f"PipelineConfig.stages has {len(self.stages)} stages, but pp={pp} x "
+                f"stages_per_rank={self.stages_per_rank} = {n}"
+            )
+        least = {"1F1B": pp, "DualPipeV": n}.get(self.schedule, 1)
+        if m < least:
+            raise ValueError(
+                f"PipelineConfig.microbatches={m}: {self.schedule} needs at least {least} "
+                f"micro-batches at pp={pp}"
+            )
+        rounds = max(1, m // pp)
+        if self.style == "loop" and m % rounds:
+            raise ValueError(
+                f"PipelineConfig.microbatches={m}: {self.schedule} needs a multiple of its "
+                f"{rounds} rounds (microbatches // pp)"
+            )
+
+    def check_data_parallel(self, data_parallel: str) -> None:
+        """PyTorch 2.13 drops the last stage's weight gradients when a split-backward schedule
+        meets nested fully_shard units (a plain nn.Linear stage too; replicate is fine), and
+        an MoE stage always nests (its experts are their own unit): refused before any work."""
+        if self.schedule in SPLIT_BACKWARD and data_parallel == "fsdp":
+            raise ValueError(
+                f"schedule={self.schedule} with data_parallel='fsdp': PyTorch's split backward "
+                "loses the last stage's weight gradients under nested fully_shard units; use "
+                "data_parallel='ddp' or a schedule without zero bubble"
             )
 
     def record(self) -> dict:
         """Every field as a JSON scalar (compared across ranks)."""
         out = {f"pipeline.{f.name}": getattr(self, f.name) for f in fields(self)}
-        out["pipeline.schedule"] = self.schedule.lower()
         stages = self.stages
         out["pipeline.stages"] = None if stages is None else "|".join(",".join(s) for s in stages)
         return out

@@ -66,11 +66,16 @@ class Pipeline:
                 )
             pp = mesh.size(0)
             config.check_stages(pp)
-            plan = plan_stages(model, pp, config.stages)
+            plan = plan_stages(model, pp * config.stages_per_rank, config.stages)
             check_parallel_kwargs(parallel)
+            config.check_data_parallel(parallel.get("data_parallel", "ddp"))
             if not callable(loss_fn):
                 raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
-            counts = [_moe_blocks(model, names) for names in plan]
+            ranks = config.stage_ranks(pp)
+            counts = [
+                sum(_moe_blocks(model, names) for names, r in zip(plan, ranks) if r == rank)
+                for rank in range(pp)
+            ]
             values = {
                 **config.record(),
                 "mesh": str(tuple(mesh.mesh.shape)),
@@ -80,23 +85,29 @@ class Pipeline:
             }
             if not PARALLELIZE_ON_MESH and len(set(counts)) > 1:
                 raise ValueError(
-                    f"the stages hold {counts} blocks with MoE layers: every stage needs the "
-                    "same number while parallelize compares its settings over the whole world "
+                    f"the pp ranks' stages hold {counts} blocks with MoE layers: every pp rank "
+                    "needs the same number while parallelize compares its settings over the "
+                    "whole world "
                     "(until it acts on its mesh's ranks only)"
                 )
         except Exception as e:  # every rank learns of it, before any other communication
             problem = e
         raise_if_any_rank_failed(problem, error=ValueError, what="pipeline", values=values)
         self.config, self.loss_fn, self.mesh = config, loss_fn, mesh
-        self.num_stages = mesh.size(0)
-        self.stage_index = mesh.get_local_rank("pp")
-        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        pp = mesh.size(0)
+        self.stage_ranks = config.stage_ranks(pp)  # pp rank of each stage
+        self.num_stages = len(self.stage_ranks)
+        rank = mesh.get_local_rank("pp")
+        self.stage_indices = [s for s, r in enumerate(self.stage_ranks) if r == rank]
+        self.is_first = 0 in self.stage_indices
+        self.is_last = self.num_stages - 1 in self.stage_indices
         self.pp_group = mesh.get_group("pp")
         stage_mesh = mesh["dp", "ep"]
-        self.module = build_stage(model, plan[self.stage_index], config.aux_scale)
-        if config.sync_params:
-            broadcast_in_stage(self.module, stage_mesh)
-        parallelize_stage(self.module, stage_mesh, parallel)
+        self.modules = [build_stage(model, plan[s], config.aux_scale) for s in self.stage_indices]
+        for module in self.modules:
+            if config.sync_params:
+                broadcast_in_stage(module, stage_mesh)
+            parallelize_stage(module, stage_mesh, parallel)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend() == "nccl"
@@ -104,6 +115,15 @@ class Pipeline:
         )
         self.schedule = None
         self._input_meta: tuple | None = None  # (shape, dtype) of one first-stage micro-batch
+
+    def named_parameters(self):
+        """This rank's stages' parameters, under their names in the whole model."""
+        for module in self.modules:
+            yield from module.named_parameters()
+
+    def parameters(self):
+        for _, p in self.named_parameters():
+            yield p
 
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None):
         """One step over `microbatches` micro-batches: x on the first stage, target on the last
@@ -127,7 +147,8 @@ class Pipeline:
         raise_if_any_rank_failed(problem, error=ValueError, what="pipeline step")
         if self.schedule is None:
             self._build(x)
-        self.module.aux_values.clear()
+        for module in self.modules:
+            module.aux_values.clear()
         losses: list | None = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         output = self.schedule.step(*args, target=target if self.is_last else None, losses=losses)
@@ -137,7 +158,7 @@ class Pipeline:
         m = self.config.microbatches
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             raise ValueError(
-                f"stage {self.stage_index} needs {name} (a batched tensor), got {t!r:.60}"
+                f"stage {self.stage_indices} needs {name} (a batched tensor), got {t!r:.60}"
             )
         if t.shape[0] % m or t.shape[0] < m:
             raise ValueError(
@@ -149,7 +170,7 @@ class Pipeline:
         """The last step's aux loss of the whole model on this pipeline (every stage's MoE
         layers), the mean over micro-batches (float64), the same on each of its stages. Every
         rank calls it (one all-reduce over the "pp" group; no MoE collective)."""
-        values = self.module.aux_values
+        values = [v for module in self.modules for v in module.aux_values]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if values:
             total = torch.stack([v.double() for v in values]).sum().to(self.device)
@@ -158,55 +179,66 @@ class Pipeline:
         return total
 
     def _build(self, x: torch.Tensor | None) -> None:
-        """Each stage's input and output shape, stage by stage, then PipelineStage and the
-        schedule; an error on any stage is the same ValueError on every rank."""
-        s, m = self.stage_index, self.config.microbatches
+        """Each stage's input and output shape, stage by stage (its rank broadcasts them over
+        "pp"), then one PipelineStage per local stage and the schedule; an error on any stage
+        is the same ValueError on every rank."""
+        m = self.config.microbatches
         metas: list = [None] * self.num_stages
         problem = None
-        for r in range(self.num_stages):
+        for s, owner in enumerate(self.stage_ranks):
             box = [None]
-            if r == s:
+            if s in self.stage_indices:
                 try:
                     if s == 0:
                         inp = x.tensor_split(m)[0]
+                    elif isinstance(metas[s - 1], str):
+                        raise ValueError("the previous stage failed")
                     else:
                         shape, dtype = metas[s - 1]
                         inp = torch.zeros(shape, dtype=dtype, device=self.device)
-                    box = [self._trial_forward(inp)]
+                    box = [self._trial_forward(self.modules[self.stage_indices.index(s)], inp)]
                 except Exception as e:  # noqa: BLE001 - reported on every rank below
-                    problem = e
+                    problem = problem or e
                     box = [f"stage {s}: {type(e).__name__}: {e}"]
-            dist.broadcast_object_list(box, group=self.pp_group, group_src=r)
-            metas[r] = box[0]
+            dist.broadcast_object_list(box, group=self.pp_group, group_src=owner)
+            metas[s] = box[0]
             if isinstance(box[0], str) and problem is None:
                 problem = ValueError(box[0])
         raise_if_any_rank_failed(problem, error=ValueError, what="pipeline (stage shapes)")
-        if s == 0:
-            self._input_meta = (tuple(x.tensor_split(m)[0].shape), str(x.dtype))
-            inputs = x.tensor_split(m)[0]
-        else:
-            inputs = _empty(*metas[s - 1], self.device)
-        stage = PipelineStage(
-            self.module,
-            s,
-            self.num_stages,
-            self.device,
-            input_args=inputs,
-            output_args=_empty(*metas[s], self.device),
-            group=self.pp_group,
-        )
+        stages = []
+        for s, module in zip(self.stage_indices, self.modules):
+            if s == 0:
+                self._input_meta = (tuple(x.tensor_split(m)[0].shape), str(x.dtype))
+                inputs = x.tensor_split(m)[0]
+            else:
+                inputs = _empty(*metas[s - 1], self.device)
+            stages.append(
+                PipelineStage(
+                    module,
+                    s,
+                    self.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=_empty(*metas[s], self.device),
+                    group=self.pp_group,
+                )
+            )
+        single = self.config.style == "single"
         self.schedule = self.config.schedule_class(
-            stage, n_microbatches=m, loss_fn=self.loss_fn, scale_grads=self.config.scale_grads
+            stages[0] if single else stages,
+            n_microbatches=m,
+            loss_fn=self.loss_fn,
+            scale_grads=self.config.scale_grads,
         )
 
     @torch.no_grad()
-    def _trial_forward(self, inp: torch.Tensor) -> tuple:
-        training = self.module.training
-        self.module.eval()
+    def _trial_forward(self, module: nn.Module, inp: torch.Tensor) -> tuple:
+        training = module.training
+        module.eval()
         try:
-            out = self.module(inp)
+            out = module(inp)
         finally:
-            self.module.train(training)
+            module.train(training)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"a stage must return one tensor, got {type(out).__name__}")
         return tuple(out.shape), out.dtype
