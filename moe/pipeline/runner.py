@@ -27,7 +27,12 @@ from moe.parallel import mesh as parallel_mesh
 from moe.pipeline.config import PipelineConfig
 from moe.pipeline.mesh import check_pipeline_mesh
 from moe.pipeline.split import build_stage, plan_stages
-from moe.pipeline.stage_parallel import broadcast_in_stage, check_parallel_kwargs, parallelize_stage
+from moe.pipeline.stage_parallel import (
+    broadcast_in_stage,
+    check_parallel_kwargs,
+    parallel_keywords,
+    parallelize_stage,
+)
 
 # parallelize acts on its mesh's ranks only once moe.parallel.mesh has mesh_group (the
 # ParallelConfig rework); before that its settings check spans the world (see stage_parallel).
@@ -41,10 +46,12 @@ def _moe_blocks(model: nn.Module, names: list[str]) -> int:
 
 class Pipeline:
     """`model` (an nn.Sequential, identical on every rank) split by `config` over `mesh`
-    (moe.pipeline.init_pipeline_mesh), this rank keeping its stage (`module`), parallelized
-    over the stage's ("dp", "ep") mesh with `parallel` (parallelize()'s keywords).
+    (moe.pipeline.init_pipeline_mesh); this rank keeps its stages (`modules`, one per stage
+    index in `stage_indices`), each parallelized over the rank's ("dp", "ep") mesh with
+    `parallel` (parallelize()'s keywords as a dict, or a settings dataclass with those fields).
     loss_fn(output, target) -> one micro-batch's loss on the last stage (summed over the
-    micro-batches unless config.scale_grads)."""
+    micro-batches unless config.scale_grads). A routing recorder active at the first step
+    also records the stage-shape forwards (see the module docstring)."""
 
     def __init__(
         self,
@@ -52,11 +59,11 @@ class Pipeline:
         mesh: DeviceMesh,
         config: PipelineConfig,
         loss_fn: Callable,
-        parallel: dict | None = None,
+        parallel=None,
     ):
-        parallel = dict(parallel or {})
         problem, values = None, None
         try:
+            parallel = parallel_keywords(parallel)
             if not isinstance(config, PipelineConfig):
                 raise ValueError(f"config must be a PipelineConfig, got {type(config).__name__}")
             check_pipeline_mesh(mesh)

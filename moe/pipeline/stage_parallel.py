@@ -14,6 +14,8 @@ block, shapes, settings), and every stage must hold the same number of them (che
 by moe.pipeline.runner, as a ValueError on every rank).
 """
 
+from dataclasses import fields, is_dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,6 +29,19 @@ from moe.parallel import parallelize
 # parallelize() keywords the dense units take too (the rest are MoE-only)
 _DENSE_KEYS = ("mp_policy", "grad_dtype", "offload_policy", "reshard_after_forward")
 _REFUSED = ("sync_params", "blocks")  # the pipeline decides these
+
+
+def parallel_keywords(parallel) -> dict:
+    """parallelize()'s settings as keywords: a dict of them, or a settings dataclass with those
+    fields (the typed ParallelConfig), whose sync_params the pipeline replaces by its own."""
+    if parallel is None:
+        return {}
+    if is_dataclass(parallel) and not isinstance(parallel, type):
+        given = {f.name: getattr(parallel, f.name) for f in fields(parallel)}
+        return {k: v for k, v in given.items() if k != "sync_params" and v is not None}
+    if not isinstance(parallel, dict):
+        raise ValueError(f"parallel must be a dict of parallelize() keywords, got {parallel!r:.80}")
+    return dict(parallel)
 
 
 def check_parallel_kwargs(parallel: dict) -> None:
