@@ -69,8 +69,8 @@ def loss_fn(logits, target, scale):
 
 
 @functools.lru_cache
-def reference(width):
-    """One process, the same micro-batches: loss = sum over the `width` pipelines' micro-batches
+def reference(width, M=M):
+    """One process, the same micro-batches: loss = sum over the `width` pipelines' M micro-batches
     of (task + aux / M) / width, SGD; step 0's outputs, losses, aux and grads; final params."""
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -105,7 +105,7 @@ def _mesh(pp, dp, ep):
     return init_pipeline_mesh(pp, dp, ep)
 
 
-def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grads=False, v=1):
+def _run_case(rank, pp, dp, ep, data_parallel, schedule, stages=None, scale_grads=False, v=1, M=M):
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
     config = PipelineConfig(
@@ -145,6 +145,7 @@ class Case(NamedTuple):
     stages: list | None = None
     scale_grads: bool = False
     v: int = 1  # stages per rank
+    M: int = M  # micro-batches
 
 
 CASES = {
@@ -161,6 +162,9 @@ CASES = {
     # V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
     "pp2_dp1_ep2_ddp_zbv": Case(
         2, 1, 2, "ddp", "ZBVZeroBubble", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2
+    ),
+    "pp2_dp1_ep2_ddp_dualpipev": Case(  # at least 2 pp micro-batches
+        2, 1, 2, "ddp", "DualPipeV", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2, M=4
     ),
 }
 # Stages without any MoE layer: they need parallelize acting on its mesh's ranks only.
@@ -212,8 +216,8 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _check_case(result, width, rank, loss_factor=1):
-    (outs, losses, auxes, grads), params = reference(width)
+def _check_case(result, width, rank, loss_factor=1, M=M):
+    (outs, losses, auxes, grads), params = reference(width, M)
     r = rank % width
     out, got_losses, aux, got_grads = result["first"]
     if out is not None:  # the last stage: the schedule's merged output and losses
@@ -233,7 +237,7 @@ def test_pipeline_equals_one_process(results, name):
     case = CASES[name]
     factor = M if case.scale_grads else 1  # loss_fn returns M x the loss then
     for rank in range(4):
-        _check_case(results[rank][name], case.dp * case.ep, rank, factor)
+        _check_case(results[rank][name], case.dp * case.ep, rank, factor, case.M)
     # one merged output per pipeline, on the rank holding the last stage
     assert (
         sum(results[rank][name]["first"][0] is not None for rank in range(4)) == case.dp * case.ep
