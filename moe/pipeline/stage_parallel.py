@@ -6,12 +6,14 @@ parallelize(stage, blocks=...) would make them); every other child with paramete
 the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
 with no MoE layer never calls parallelize: it joins no MoE collective.
 
-Until parallelize acts on its mesh's ranks only (today it compares settings over the world and
-its sync_params broadcasts from world rank 0), parallelize is called with sync_params=False
-(the pipeline broadcasts within each stage itself) and one block at a time, so the world-wide
-comparison pairs the stages' k-th MoE blocks, which must then be alike (names inside the
-block, shapes, settings), and every stage must hold the same number of them (checked first,
-by moe.pipeline.runner, as a ValueError on every rank).
+parallelize is called with sync_params=False (on today's main it broadcasts from world rank
+0; the pipeline broadcasts within each stage itself, broadcast_in_stage). Until parallelize
+acts on its mesh's ranks only (today its settings check spans the world), calling it one
+block at a time makes that world-wide check pair the pp ranks' k-th MoE blocks, which must then
+be alike (names inside the block, shapes, settings), and every pp rank's stages must hold the
+same number of them (checked first by moe.pipeline.runner, a ValueError on every rank). The
+dense units take parallelize's mp_policy / grad_dtype, offload_policy and
+reshard_after_forward.
 """
 
 from dataclasses import fields, is_dataclass
@@ -26,8 +28,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from moe.layer import moe_layers
 from moe.parallel import parallelize
 
-# parallelize() keywords the dense units take too (the rest are MoE-only)
-_DENSE_KEYS = ("mp_policy", "grad_dtype", "offload_policy", "reshard_after_forward")
 _REFUSED = ("sync_params", "blocks")  # the pipeline decides these
 
 
