@@ -176,6 +176,22 @@ NO_MOE_CASES = {
 }
 
 
+class Picky(nn.Module):
+    """Fails its forward on world rank 2 only."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 2:
+            raise ValueError("picky on rank 2")
+        return x
+
+
+def _dense_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)).double()
+
+
 def _error(fn):
     try:
         fn()
@@ -203,6 +219,14 @@ def _body(rank, world):
     x, y = batches(2)[0]
     rows = 3 if rank == 0 else ROWS  # stage 0, rank 0: 3 rows do not split into 2 micro-batches
     out["bad_input"] = _error(lambda: pipe.step(x[:rows], y[:ROWS]))
+    # sync_params: each stage's ranks start from the stage's first rank's weights
+    synced = Pipeline(_dense_model(seed=rank), mesh, PipelineConfig(), loss)
+    out["synced"] = {n: p.detach().full_tensor() for n, p in synced.named_parameters()}
+    # a stage failing in its first forward (finding the stage shapes): one error everywhere
+    model = nn.Sequential(nn.Linear(D, D), Picky()).double()
+    failing = Pipeline(model, mesh, PipelineConfig(), loss)
+    xd = torch.randn(4, D, dtype=torch.float64)
+    out["stage_fails"] = _error(lambda: failing.step(xd, xd))
     dist.barrier()  # still in step after every refusal
     return out
 
@@ -271,6 +295,14 @@ def test_differences_and_bad_values_are_one_error_on_every_rank(results):
             "bad_setting"
         ]
         assert "rank 0: x has 3 rows, not a multiple of microbatches=2" in out["bad_input"]
+        assert "pipeline (stage shapes)" in out["stage_fails"], out["stage_fails"]
+        assert "rank 2: picky on rank 2" in out["stage_fails"], out["stage_fails"]
+    # stage s = ranks 2s, 2s + 1: both hold the weights of the stage's first rank's model
+    for rank in range(4):
+        first = 2 * (rank // 2)
+        want = dict(_dense_model(seed=first).named_parameters())
+        for name, p in results[rank]["synced"].items():
+            assert torch.equal(p, want[name].detach()), (rank, name)
 
 
 def test_config_and_stage_plan_are_checked_before_any_work():
