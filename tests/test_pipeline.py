@@ -20,12 +20,20 @@ ROWS, M, STEPS, LR = 4, 2, 3, 0.1  # sequences per pipeline per step, micro-batc
 MOE = dict(top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01)
 
 
+# model variants: the dtype, or float64 MoE layers recomputed in backward and dropping pairs
+VARIANTS = {
+    "float64": {},
+    "float32": {},
+    "recompute_drops": {"recompute": True, "capacity_factor": 1.0},
+}
+
+
 class Block(nn.Module):
-    def __init__(self, moe_ffn: bool):
+    def __init__(self, moe_ffn: bool, **options):
         super().__init__()
         self.norm = nn.LayerNorm(D)
         if moe_ffn:
-            self.ffn = moe.MoELayer(D, FF, E, **MOE)
+            self.ffn = moe.MoELayer(D, FF, E, **MOE, **options)
         else:
             self.ffn = nn.Sequential(nn.Linear(D, FF), nn.GELU(), nn.Linear(FF, D))
 
@@ -42,12 +50,12 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(dtype="float64"):
+def build_model(variant="float64"):
     """Embedding, 4 blocks (b1 and b3 MoE), head; the same weights on every rank."""
     torch.manual_seed(0)
-    blocks = [(f"b{i}", Block(moe_ffn=i % 2 == 1)) for i in range(4)]
+    blocks = [(f"b{i}", Block(i % 2 == 1, **VARIANTS[variant])) for i in range(4)]
     model = nn.Sequential(OrderedDict([("embed", nn.Embedding(V, D)), *blocks, ("head", Head())]))
-    return model.to(getattr(torch, dtype))
+    return model.to(torch.float32 if variant == "float32" else torch.float64)
 
 
 def batches(world):
@@ -69,10 +77,10 @@ def loss_fn(logits, target, scale):
 
 
 @functools.lru_cache
-def reference(width, M=M, dtype="float64"):
+def reference(width, M=M, variant="float64"):
     """One process, the same micro-batches: loss = sum over the `width` pipelines' M micro-batches
     of (task + aux / M) / width, SGD; step 0's outputs, losses, aux and grads; final params."""
-    model = build_model(dtype)
+    model = build_model(variant)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scale = width / (width * ROWS * S)
     first = None
@@ -116,7 +124,7 @@ def _run_case(
     scale_grads=False,
     v=1,
     M=M,
-    dtype="float64",
+    variant="float64",
 ):
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
@@ -126,7 +134,7 @@ def _run_case(
     # scale_grads: PyTorch divides the gradients by M, and the aux losses enter with weight 1
     scale = width / (width * ROWS * S) * (M if scale_grads else 1)
     pipe = Pipeline(
-        build_model(dtype),
+        build_model(variant),
         mesh,
         config,
         functools.partial(loss_fn, scale=scale),
@@ -158,7 +166,7 @@ class Case(NamedTuple):
     scale_grads: bool = False
     v: int = 1  # stages per rank
     M: int = M  # micro-batches
-    dtype: str = "float64"
+    variant: str = "float64"
 
 
 CASES = {
@@ -176,7 +184,8 @@ CASES = {
     "pp2_dp1_ep2_ddp_zbv": Case(
         2, 1, 2, "ddp", "ZBVZeroBubble", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2
     ),
-    "pp2_dp1_ep2_fsdp_1f1b_float32": Case(2, 1, 2, "fsdp", "1F1B", dtype="float32"),
+    "pp2_dp1_ep2_fsdp_1f1b_float32": Case(2, 1, 2, "fsdp", "1F1B", variant="float32"),
+    "pp2_dp1_ep2_ddp_1f1b_recompute_drops": Case(2, 1, 2, "ddp", "1F1B", variant="recompute_drops"),
     "pp2_dp1_ep2_ddp_dualpipev": Case(  # at least 2 pp micro-batches
         2, 1, 2, "ddp", "DualPipeV", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2, M=4
     ),
@@ -254,9 +263,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _check_case(result, width, rank, loss_factor=1, M=M, dtype="float64"):
-    (outs, losses, auxes, grads), params = reference(width, M, dtype)
-    tol = 1e-12 if dtype == "float64" else 1e-5
+def _check_case(result, width, rank, loss_factor=1, M=M, variant="float64"):
+    (outs, losses, auxes, grads), params = reference(width, M, variant)
+    tol = 1e-5 if variant == "float32" else 1e-12
     r = rank % width
     out, got_losses, aux, got_grads = result["first"]
     if out is not None:  # the last stage: the schedule's merged output and losses
@@ -276,7 +285,7 @@ def test_pipeline_equals_one_process(results, name):
     case = CASES[name]
     factor = M if case.scale_grads else 1  # loss_fn returns M x the loss then
     for rank in range(4):
-        _check_case(results[rank][name], case.dp * case.ep, rank, factor, case.M, case.dtype)
+        _check_case(results[rank][name], case.dp * case.ep, rank, factor, case.M, case.variant)
     # one merged output per pipeline, on the rank holding the last stage
     assert (
         sum(results[rank][name]["first"][0] is not None for rank in range(4)) == case.dp * case.ep
