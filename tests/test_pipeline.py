@@ -107,25 +107,27 @@ def reference(width, M=M, variant="float64"):
     return first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+class Case(NamedTuple):
+    pp: int
+    dp: int
+    ep: int
+    data_parallel: str
+    schedule: str
+    stages: list | None = None
+    scale_grads: bool = False
+    v: int = 1  # stages per rank
+    M: int = M  # micro-batches
+    variant: str = "float64"
+
+
 @functools.lru_cache
 def _mesh(pp, dp, ep):
     """One mesh per shape in a rank (each new mesh creates its process groups)."""
     return init_pipeline_mesh(pp, dp, ep)
 
 
-def _run_case(
-    rank,
-    pp,
-    dp,
-    ep,
-    data_parallel,
-    schedule,
-    stages=None,
-    scale_grads=False,
-    v=1,
-    M=M,
-    variant="float64",
-):
+def _run_case(rank, case):
+    pp, dp, ep, data_parallel, schedule, stages, scale_grads, v, M, variant = case
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
     config = PipelineConfig(
@@ -154,19 +156,6 @@ def _run_case(
         opt.step()
     params = {n: p.detach().full_tensor() for n, p in pipe.named_parameters()}
     return {"first": first, "params": params}
-
-
-class Case(NamedTuple):
-    pp: int
-    dp: int
-    ep: int
-    data_parallel: str
-    schedule: str
-    stages: list | None = None
-    scale_grads: bool = False
-    v: int = 1  # stages per rank
-    M: int = M  # micro-batches
-    variant: str = "float64"
 
 
 CASES = {
@@ -226,10 +215,10 @@ def _error(fn):
 def _body(rank, world):
     import torch.distributed as dist
 
-    out = {name: _run_case(rank, *case) for name, case in CASES.items()}
+    out = {name: _run_case(rank, case) for name, case in CASES.items()}
     for name, case in NO_MOE_CASES.items():
         try:
-            out[name] = _run_case(rank, *case)
+            out[name] = _run_case(rank, case)
         except ValueError as e:  # refused before any work on today's parallelize
             out[name] = str(e)
     mesh = _mesh(2, 1, 2)
