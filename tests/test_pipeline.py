@@ -159,6 +159,7 @@ def _run_case(rank, case):
 
 
 CASES = {
+    "pp1_dp2_ep2_fsdp_gpipe": Case(1, 2, 2, "fsdp", "GPipe"),  # one stage: pp = 1 agrees
     "pp2_dp1_ep2_ddp_gpipe": Case(2, 1, 2, "ddp", "GPipe"),
     "pp2_dp1_ep2_ddp_1f1b": Case(2, 1, 2, "ddp", "1F1B"),
     "pp2_dp1_ep2_fsdp_gpipe": Case(2, 1, 2, "fsdp", "GPipe"),
