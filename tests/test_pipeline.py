@@ -176,16 +176,14 @@ CASES = {
     ),
     "pp2_dp1_ep2_fsdp_1f1b_float32": Case(2, 1, 2, "fsdp", "1F1B", variant="float32"),
     "pp2_dp1_ep2_ddp_1f1b_recompute_drops": Case(2, 1, 2, "ddp", "1F1B", variant="recompute_drops"),
+    # stages without any MoE layer join no MoE collective: embed, b0 | b1, b2, b3, head
+    "pp2_dp1_ep2_fsdp_1f1b_no_moe_stage": Case(
+        2, 1, 2, "fsdp", "1F1B", [["embed", "b0"], ["b1", "b2", "b3", "head"]]
+    ),
+    "pp4_dp1_ep1_ddp_gpipe": Case(4, 1, 1, "ddp", "GPipe"),  # embed b0 | b1 b2 | b3 | head
     "pp2_dp1_ep2_ddp_dualpipev": Case(  # at least 2 pp micro-batches
         2, 1, 2, "ddp", "DualPipeV", [["embed", "b0", "b1"], ["b2"], ["b3"], ["head"]], v=2, M=4
     ),
-}
-# Stages without any MoE layer: they need parallelize acting on its mesh's ranks only.
-NO_MOE_CASES = {
-    # embed, b0 | b1, b2, b3, head
-    "no_moe_stage": Case(2, 1, 2, "fsdp", "1F1B", [["embed", "b0"], ["b1", "b2", "b3", "head"]]),
-    # embed, b0 | b1, b2 | b3 | head: stages 0 and 3 without MoE
-    "pp4_dp1_ep1_gpipe": Case(4, 1, 1, "ddp", "GPipe"),
 }
 
 
@@ -217,11 +215,6 @@ def _body(rank, world):
     import torch.distributed as dist
 
     out = {name: _run_case(rank, case) for name, case in CASES.items()}
-    for name, case in NO_MOE_CASES.items():
-        try:
-            out[name] = _run_case(rank, case)
-        except ValueError as e:  # refused before any work on today's parallelize
-            out[name] = str(e)
     mesh = _mesh(2, 1, 2)
     loss = functools.partial(loss_fn, scale=1.0)
     odd = PipelineConfig(microbatches=3 if rank == 3 else 2)
@@ -283,21 +276,6 @@ def test_pipeline_equals_one_process(results, name):
     # together the stages hold every parameter of the model
     names = set().union(*(results[rank][name]["params"] for rank in range(4)))
     assert names == {n for n, _ in build_model().named_parameters()}
-
-
-@pytest.mark.parametrize("name", list(NO_MOE_CASES))
-def test_stage_without_moe_layer(results, name):
-    first = results[0][name]
-    if isinstance(first, str):
-        # Today's parallelize compares its settings over the whole world, so stages with
-        # different numbers of MoE blocks are refused (the same error on every rank); this
-        # passes once parallelize acts on its mesh's ranks only (checked on that branch).
-        for rank in range(4):
-            assert "compares its settings over the whole world" in results[rank][name]
-        pytest.skip("parallelize still checks its settings over the world (not the stage's mesh)")
-    case = NO_MOE_CASES[name]
-    for rank in range(4):
-        _check_case(results[rank][name], case.dp * case.ep, rank)
 
 
 def test_differences_and_bad_values_are_one_error_on_every_rank(results):

@@ -22,8 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from moe.comm.consistency import raise_if_any_rank_failed
-from moe.layer import moe_layers
-from moe.parallel import mesh as parallel_mesh
 from moe.pipeline.config import PipelineConfig
 from moe.pipeline.mesh import check_pipeline_mesh
 from moe.pipeline.split import build_stage, plan_stages
@@ -33,15 +31,6 @@ from moe.pipeline.stage_parallel import (
     parallel_keywords,
     parallelize_stage,
 )
-
-# parallelize acts on its mesh's ranks only once moe.parallel.mesh has mesh_group (the
-# ParallelConfig rework); before that its settings check spans the world (see stage_parallel).
-PARALLELIZE_ON_MESH = hasattr(parallel_mesh, "mesh_group")
-
-
-def _moe_blocks(model: nn.Module, names: list[str]) -> int:
-    children = dict(model.named_children())
-    return sum(1 for n in names if moe_layers(children[n]))
 
 
 class Pipeline:
@@ -78,25 +67,12 @@ class Pipeline:
             config.check_data_parallel(parallel.get("data_parallel", "ddp"))
             if not callable(loss_fn):
                 raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
-            ranks = config.stage_ranks(pp)
-            counts = [
-                sum(_moe_blocks(model, names) for names, r in zip(plan, ranks) if r == rank)
-                for rank in range(pp)
-            ]
             values = {
                 **config.record(),
                 "mesh": str(tuple(mesh.mesh.shape)),
                 "plan": "|".join(",".join(names) for names in plan),
-                "moe_blocks": str(counts),
                 **{f"parallel.{k}": repr(v) for k, v in sorted(parallel.items())},
             }
-            if not PARALLELIZE_ON_MESH and len(set(counts)) > 1:
-                raise ValueError(
-                    f"the pp ranks' stages hold {counts} blocks with MoE layers: every pp rank "
-                    "needs the same number while parallelize compares its settings over the "
-                    "whole world "
-                    "(until it acts on its mesh's ranks only)"
-                )
         except Exception as e:  # every rank learns of it, before any other communication
             problem = e
         raise_if_any_rank_failed(problem, error=ValueError, what="pipeline", values=values)

@@ -6,14 +6,11 @@ parallelize(stage, blocks=...) would make them); every other child with paramete
 the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
 with no MoE layer never calls parallelize: it joins no MoE collective.
 
-parallelize is called with sync_params=False (on today's main it broadcasts from world rank
-0; the pipeline broadcasts within each stage itself, broadcast_in_stage). Until parallelize
-acts on its mesh's ranks only (today its settings check spans the world), calling it one
-block at a time makes that world-wide check pair the pp ranks' k-th MoE blocks, which must then
-be alike (names inside the block, shapes, settings), and every pp rank's stages must hold the
-same number of them (checked first by moe.pipeline.runner, a ValueError on every rank). The
-dense units take parallelize's mp_policy / grad_dtype, offload_policy and
-reshard_after_forward.
+parallelize acts on the ranks of the mesh it is given only (its agreement check, its broadcast,
+the routers' load group), so each stage checks and reduces over its own ranks. It is called
+with sync_params=False: the pipeline broadcasts each whole stage, dense children included,
+from the stage's first rank itself (broadcast_in_stage). The dense units take parallelize's
+mp_policy / grad_dtype, offload_policy and reshard_after_forward.
 """
 
 from dataclasses import fields, is_dataclass
@@ -97,8 +94,6 @@ def parallelize_stage(stage: nn.Module, mesh: DeviceMesh, parallel: dict) -> nn.
     for _, child in stage.named_children():
         if moe_layers(child):
             parallelize(child, mesh, sync_params=False, **parallel)
-            for _, layer in moe_layers(child):  # the stage's ranks, not the world's
-                layer.router.load_group = flat.get_group()
         elif any(True for _ in child.parameters()):
             units.append(child)
     for module in [*units, stage]:
