@@ -29,10 +29,15 @@ _REFUSED = ("sync_params", "blocks")  # the pipeline decides these
 
 
 def parallel_keywords(parallel) -> dict:
-    """parallelize()'s settings as keywords: a dict of them, or a settings dataclass with those
-    fields (the typed ParallelConfig), whose sync_params the pipeline replaces by its own."""
+    """parallelize()'s settings as keywords: a dict of them, a ParallelConfig (any settings
+    dataclass with those fields) or {"config": ParallelConfig}; the config's sync_params is
+    replaced by the pipeline's own."""
     if parallel is None:
         return {}
+    if isinstance(parallel, dict) and "config" in parallel:
+        if len(parallel) > 1:
+            raise ValueError(f"parallel: give config or keywords, not both, got {sorted(parallel)}")
+        return parallel_keywords(parallel["config"])
     if is_dataclass(parallel) and not isinstance(parallel, type):
         given = {f.name: getattr(parallel, f.name) for f in fields(parallel)}
         return {k: v for k, v in given.items() if k != "sync_params" and v is not None}
