@@ -1,0 +1,24 @@
+"""Pipeline stages for MoE models (issue 47): split a sequential stack at block boundaries
+from outside the model, EP + FSDP2 per stage over its own ("dp", "ep") mesh, PyTorch's
+pipelining engine for the schedule, and the MoE aux losses of every stage in the backward.
+
+Public names: PipelineConfig, Pipeline, init_pipeline_mesh, plan_stages, attach_aux.
+"""
+
+from moe.pipeline.aux import AuxLossToBackward, attach_aux
+from moe.pipeline.config import SCHEDULES, PipelineConfig
+from moe.pipeline.mesh import init_pipeline_mesh
+from moe.pipeline.runner import Pipeline
+from moe.pipeline.split import PipelineStageModule, build_stage, plan_stages
+
+__all__ = [
+    "SCHEDULES",
+    "AuxLossToBackward",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineStageModule",
+    "attach_aux",
+    "build_stage",
+    "init_pipeline_mesh",
+    "plan_stages",
+]
