@@ -15,7 +15,7 @@ from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan
 from moe.dispatch.replica_split import copy_candidates, plan_expert_choice_slots, plan_slots
-from moe.dispatch.wire import wire_for
+from moe.dispatch.wire import DIRECTIONS, wire_for
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
@@ -333,11 +333,15 @@ class MoELayer(nn.Module):
         return self.balance.global_balance
 
     def extra_repr(self) -> str:
-        c = self.config
-        return (
-            f"name={self.name}, router={c.router}, top_k={c.top_k}, "
-            f"capacity_factor={c.capacity_factor}"
-        )
+        """Routing, and the kernel / weight and row formats when the settings chose them."""
+        c, kernel = self.config, kernel_for_layer(self.config)
+        text = f"name={self.name}, router={c.router}, top_k={c.top_k}, "
+        text += f"capacity_factor={c.capacity_factor}"
+        text += "" if isinstance(kernel, str) else f", kernel={kernel.name} ({kernel.selected_by})"
+        text += "" if c.weight_format == "dense" else f", weight_format={c.weight_format}"
+        wire = wire_for(c)
+        rows = [f"{d}={f.name}" for d, f in zip(DIRECTIONS, wire.formats) if not f.plain]
+        return text + (f", rows on the wire: {' '.join(rows)}" if rows else "")
 
 
 def _shared_experts(config: MoEConfig, device, dtype) -> SharedExperts | None:

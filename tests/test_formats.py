@@ -165,3 +165,16 @@ def test_plain_bf16_layer_loads_nothing_of_fp8():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_layers_repr_names_the_formats_its_settings_chose():
+    """Issue 49 item 15: what changes the math shows in the layer's repr (FP8 included)."""
+    from moe.fp8 import FP8Config
+
+    fp8 = FP8Config(dispatch=True, experts=True, grad_before_down_fp8=True)
+    text = repr(moe.MoELayer(D, F, E, fp8=fp8))
+    assert "kernel=fp8 (MoEConfig.fp8" in text, text
+    assert "rows on the wire: dispatch=fp8 combine_grad=fp8" in text, text
+    assert "rows on the wire" not in repr(moe.MoELayer(D, F, E))
+    toy = repr(_layer({"weight_format": SCALED.name, "row_format": INT8.name}))
+    assert f"weight_format={SCALED.name}" in toy and f"dispatch={INT8.name}" in toy, toy
