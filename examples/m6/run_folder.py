@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 from pathlib import Path
+
+from moe.checkpoint.folder import lock_file
 
 LOCK = ".m6-run.lock"
 OLD = re.compile(r"old-\d+")
@@ -37,20 +38,18 @@ class RunLock:
 
     def acquire(self) -> None:
         path = self.folder / LOCK
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = lock_file(str(path))
         except OSError as e:
             raise RunFolderError(f"--run-dir {self.folder}: cannot create {path}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        if fd is None:
+            holder = "unknown"
+            with contextlib.suppress(OSError):  # the holder's pid, as it wrote it
+                holder = path.read_bytes()[:64].decode(errors="replace").strip() or holder
             raise RunFolderError(
                 f"--run-dir {self.folder} is in use by another run (process {holder}): wait "
                 "for it to finish, or pass another --run-dir"
-            ) from None
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd

@@ -26,6 +26,24 @@ def new_id() -> str:
     return os.urandom(8).hex()
 
 
+def lock_file(path: str) -> int | None:
+    """A descriptor of `path` (created if needed; a link is not followed) holding an exclusive
+    flock, or None when another process holds it (or replaced the file meanwhile). OSError
+    when it cannot be created. Closing the descriptor (or the process ending) drops the lock."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        current = os.stat(path, follow_symlinks=False)
+        mine = os.fstat(fd)
+        if (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+            raise BlockingIOError
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        return None
+    return fd
+
+
 class FolderLock:
     """Exclusive, non-blocking lock on a save folder (created if needed)."""
 
@@ -35,19 +53,11 @@ class FolderLock:
     def acquire(self) -> None:
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, LOCK)
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = lock_file(path)
         except OSError as e:
             raise CheckpointError(f"cannot create the lock file {path!r}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            current = os.stat(path, follow_symlinks=False)
-            mine = os.fstat(fd)
-            if (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
-                raise BlockingIOError
-        except (BlockingIOError, FileNotFoundError):
-            os.close(fd)
+        if fd is None:
             raise CheckpointError(
                 f"another save into {self.folder!r} is in progress (it holds {path!r}); "
                 "nothing was written: save again when it has finished, or into another folder"
