@@ -1,5 +1,5 @@
 """A run resumed at another (dp, ep) layout finishes with its plots and report (issue 49
-item 7): the routing trace is kept as one file per layout (examples/m6/trace_files.py) and
+item 7): the routing trace is kept as one file per layout (moe/trace/segments.py) and
 expert_load.png draws them all, in both directions (1 process -> ep=2 -> 1 process)."""
 
 import json
@@ -33,9 +33,9 @@ def test_resume_at_another_layout_keeps_the_trace_and_plots_it(tmp_path):
     assert summary["steps"] == 9
     assert (tmp_path / "expert_load.png").stat().st_size > 0
     assert str(tmp_path / "expert_load.png") in summary["plots"]
-    from examples.m6.trace_files import segments  # (after the run: base 7b9a55a fails above)
+    from moe.trace.segments import segments  # (after the run: base 7b9a55a fails above)
 
-    files = segments(tmp_path)
+    files = segments(tmp_path / "routing_trace.jsonl")
     assert [f.name for f in files] == [
         "routing_trace.steps-1-3.jsonl",
         "routing_trace.steps-4-6.jsonl",
@@ -47,7 +47,7 @@ def test_resume_at_another_layout_keeps_the_trace_and_plots_it(tmp_path):
     plots, steps = run_ranks(_two_ranks, 2, run_dir, ["--resume", "--steps", "11"],
                              timeout=300)[0]  # fmt: skip
     assert steps == 11 and str(tmp_path / "expert_load.png") in plots
-    assert [_eps(f) for f in segments(tmp_path)] == [[1], [2], [1], [2]]
+    assert [_eps(f) for f in segments(tmp_path / "routing_trace.jsonl")] == [[1], [2], [1], [2]]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 11 and summary["ep"] == 2
 
@@ -109,7 +109,7 @@ def test_a_trace_mixing_layouts_from_an_earlier_release_is_split_on_resume(tmp_p
     resume step are dropped; a damaged line stays one ValueError naming file:line."""
     import pytest
 
-    from examples.m6.trace_files import prepare_resume, segments
+    from moe.trace.segments import prepare_resume, segments
 
     def line(step, ep):
         return {"step": step, "layer": "b.ffn", "tokens_per_expert": [1, 1],
@@ -118,11 +118,12 @@ def test_a_trace_mixing_layouts_from_an_earlier_release_is_split_on_resume(tmp_p
 
     lines = [line(1, 1), line(2, 1), line(3, 2), line(4, 2), line(5, 2)]
     (tmp_path / "routing_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    prepare_resume(tmp_path, 4, (2, 1))  # resumed at step 4 on one process
-    assert [f.name for f in segments(tmp_path)] == [
+    trace = tmp_path / "routing_trace.jsonl"
+    prepare_resume(trace, 4, 1)  # resumed at step 4 on one process
+    assert [f.name for f in segments(trace)] == [
         "routing_trace.steps-1-2.jsonl", "routing_trace.steps-3-4.jsonl", "routing_trace.jsonl"
     ]  # fmt: skip
     assert (tmp_path / "routing_trace.jsonl").read_text() == ""
     (tmp_path / "routing_trace.jsonl").write_text(json.dumps(line(5, 1)) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"routing_trace.jsonl:2: "):
-        prepare_resume(tmp_path, 5, (2, 1))
+        prepare_resume(trace, 5, 1)

@@ -161,9 +161,13 @@ def test_plot_tool_writes_a_png(tmp_path, capsys):
     assert plot_trace.main([str(path), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from examples.m6 import plots  # the M6 example draws expert_load.png from its trace
+    from moe.trace.segments import segments
 
-    assert plots.plot_expert_load(path, tmp_path / "m6.png").read_bytes()[:4] == b"\x89PNG"
-    assert plots.plot_expert_load(tmp_path / "none.jsonl", tmp_path / "no.png") is None
+    drawn = plots.plot_expert_load(segments(path), tmp_path / "m6.png", "t")
+    assert drawn.read_bytes()[:4] == b"\x89PNG"
+    assert (
+        plots.plot_expert_load(segments(tmp_path / "none.jsonl"), tmp_path / "no.png", "t") is None
+    )
 
 
 def test_plot_of_a_thousand_layers_is_bounded_and_writes_the_path_it_prints(tmp_path, capsys):

@@ -35,3 +35,38 @@ def test_bad_steps_and_foreign_reports_are_clear_errors(tmp_path):
     assert [r["step"] for r in records] == [0, 1]
     assert records[1]["kind"] == "rebalance" and records[1]["layer"] == "0"
     assert sum(records[0]["routed_per_expert"]) == 10 * 2  # top-2 of 10 tokens
+
+
+def test_a_trace_resumed_at_another_ep_keeps_one_layout_per_file(tmp_path):
+    """Issue 49 item 7, in the library: a RoutingTrace resumed at another EP size (here: lines
+    written at ep=2, resumed in one process) moves the earlier layout's lines into a file of
+    their own, so every file reads back (read_trace refuses a layout change within one file,
+    which the resumed run used to append); moe.trace.segments lists them in step order."""
+    import json
+
+    from moe.trace.segments import segments
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(moe.MoELayer(8, 16, 4))
+    path = tmp_path / "trace.jsonl"
+    trace = RoutingTrace(model, path, every=1)
+    for _ in range(3):
+        model(torch.randn(6, 8))
+        trace.step()
+    trace.close()
+    lines = read_trace(path)  # rewritten as if recorded at ep=2 (two ranks of 2 experts)
+    for r in lines:
+        r["ep"], r["rank_load"] = (
+            2,
+            [sum(r["routed_per_expert"][:2]), sum(r["routed_per_expert"][2:])],
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    trace = RoutingTrace(model, path, every=1, resume_from=2)  # one process: ep=1
+    model(torch.randn(6, 8))
+    trace.step()
+    trace.close()
+    files = segments(path)
+    assert [f.name for f in files] == ["trace.steps-1-2.jsonl", "trace.jsonl"]
+    parts = [read_trace(f) for f in files]
+    assert [[r["step"] for r in part] for part in parts] == [[1, 2], [3]]
+    assert [{r["ep"] for r in part} for part in parts] == [{2}, {1}]

@@ -50,8 +50,8 @@ def plot_loss(history: dict, path: Path) -> Path:
 
 
 def plot_expert_load(files: list[Path], path: Path, title: str) -> Path | None:
-    """The run's routing trace (examples/m6/trace_files.py: one file per (dp, ep) layout, in
-    step order) drawn with moe.trace.plot's panels: per MoE layer a heatmap of canonical
+    """The run's routing trace (moe.trace.segments: one file per EP layout, in step
+    order) drawn with moe.trace.plot's panels: per MoE layer a heatmap of canonical
     experts x steps (share of routed pairs: the same E in every layout, so one heatmap spans
     them all), each EP rank's share of the layer's pairs (each layout's own ranks over its own
     steps), the load metrics; a dashed line where the layout changed and a dotted red line at

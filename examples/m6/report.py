@@ -53,12 +53,13 @@ def caption_chance(examples) -> dict:
 
 
 def make_plots(history, data, summary, out: Path) -> list[str]:
-    from examples.m6 import plots, trace_files
+    from examples.m6 import plots
+    from moe.trace.segments import segments
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
         plots.plot_expert_load(
-            trace_files.segments(out),
+            segments(out / "routing_trace.jsonl"),
             out / "expert_load.png",
             f"expert load per MoE layer (uniform = 1/E)\n{history.get('title', '')}",
         ),

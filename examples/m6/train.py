@@ -28,7 +28,6 @@ import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
-from examples.m6 import trace_files  # noqa: E402
 from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     RunError,
@@ -390,12 +389,7 @@ def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTra
     path that is not a regular file is a UsageError naming it (file:line) on every rank."""
     if not moe.moe_layers(model):
         return _NoTrace()
-    resume_from = start if args.resume else None
-    if args.resume:  # the lines of other layouts go to their own segment files
-        _, layer = moe.moe_layers(model)[0]
-        layout = (layer.config.num_experts, layer.num_slots // layer.experts.num_experts)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank0_then_all(lambda: trace_files.prepare_resume(path.parent, start, layout), world)
+    resume_from = start if args.resume else None  # other layouts' lines: files of their own
     try:
         return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
     except ValueError as e:
