@@ -244,3 +244,32 @@ def test_weights_changed_through_data_between_steps_are_kept(offload, form):
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["mul_", "assign", "copy_"])
+@pytest.mark.parametrize("offload", [None, "optimizer", "all"])
+def test_bf16_weights_changed_through_data_are_taken_into_their_masters(offload, form):
+    """bf16 parameters with fp32 masters: an edit through `.data` between steps is what the
+    next step starts from (the master takes the edited elements) in every offload mode; it
+    used to be overwritten by the master at the next step. The reference is fp32 AdamW on the
+    masters' values, with the edit as the bf16 parameter stored it."""
+    model, ref = small_model(torch.bfloat16), small_model()
+    with torch.no_grad():
+        for q, p in zip(ref.parameters(), model.parameters()):
+            q.copy_(p.float())
+    opt = GroupedApply(model.parameters(), torch.optim.AdamW, 2, offload, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        if step == 1:
+            _change_through_data(model, form)
+            _change_through_data(ref, form)
+            with torch.no_grad():  # what the bf16 parameter holds after the edit
+                for q in ref.parameters():
+                    q.copy_(q.to(torch.bfloat16).float())
+        set_grads(list(model.parameters()), step)
+        for q, p in zip(ref.parameters(), model.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.float(), q.to(torch.bfloat16).float(), rtol=2**-6, atol=2e-3)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from moe.memory.grouped_state import GroupedState, StateView, hyper
-from moe.memory.offload import Entry, HostPipeline, host_empty
+from moe.memory.offload import Entry, HostPipeline, adopt_edits, host_empty
 from moe.memory.precision import LOW_PRECISION, LossScaler
 from moe.shards import local, local_all
 
@@ -230,6 +230,9 @@ class GroupedApply(GroupedState, torch.optim.Optimizer):
         if direct and factor is not None:
             torch._foreach_mul_(local_all(direct), factor)
         if mastered:  # this group's fp32 gradient copies: the only ones alive at a time
+            adopt_edits(
+                local_all([e.shadow for e in mastered]), local_all([e.param for e in mastered])
+            )
             grads = [torch.empty_like(e.shadow) for e in mastered]
             torch._foreach_copy_(local_all(grads), local_all([e.param.grad for e in mastered]))
             if factor is not None:

@@ -35,6 +35,16 @@ class Entry:
     master: torch.Tensor | None = None
 
 
+def adopt_edits(masters: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """Each fp32 master takes the elements of its low-precision parameter that changed since
+    the master was last rounded into it (an edit through `.data`: an init, an EMA, a load);
+    the other elements keep the master's precision. One compare-and-select pass per step: an
+    edit is invisible to autograd's version counter, so it is found by value."""
+    for m, p in zip(masters, params):
+        edited = p != m.to(p.dtype)  # NaN compares unequal: a NaN parameter is taken too
+        m.copy_(torch.where(edited, p.to(m.dtype), m))
+
+
 def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
@@ -104,6 +114,7 @@ class HostPipeline:
         self._d2h_done: list = [None] * len(groups)
         self._h2d_done: list = [None, None]
         self._fetched: list[list[Entry]] = [[] for _ in groups]
+        self._sent: list[list[torch.Tensor]] = [[] for _ in groups]  # parameters fetched
 
     @property
     def staging_bytes(self) -> int:
@@ -149,8 +160,21 @@ class HostPipeline:
         with self._stream(self.d2h):
             grads = local_all([e.param.grad for e in entries])
             torch._foreach_copy_(self.grads.views(slot, grads), grads, non_blocking=self.cuda)
-            # the device weights, where they are authoritative (every shadow but a host master)
+            # the device weights, where they are authoritative (every shadow but a host master),
+            # after a device master takes its parameter's edits
             copies = [e for e in entries if not self._host_master(e)]
+            mastered = [e for e in copies if e.master is not None]
+            adopt_edits(
+                local_all([e.master for e in mastered]), local_all([e.param for e in mastered])
+            )
+            hosted = [e for e in entries if self._host_master(e)]
+            if hosted:  # the parameters, to find their edits against the host masters
+                if self._h2d_done[slot] is not None and self.cuda:  # the upload reading it
+                    self.d2h.wait_event(self._h2d_done[slot])
+                params = local_all([e.param for e in hosted])
+                views = self.casts.views(slot, params)
+                torch._foreach_copy_(views, params, non_blocking=self.cuda)
+                self._sent[g] = views
             if copies:
                 sources = local_all([e.param if e.master is None else e.master for e in copies])
                 shadows = [e.shadow for e in copies]
@@ -159,6 +183,8 @@ class HostPipeline:
 
     def _attach(self, g: int, slot: int, factor: float | None) -> None:
         entries = self._fetched[g]
+        hosted = [e for e in entries if self._host_master(e)]
+        adopt_edits([e.master for e in hosted], self._sent[g])  # the parameters' edits
         staged = self.grads.views(slot, local_all([e.param.grad for e in entries]))
         convert = [i for i, e in enumerate(entries) if e.shadow.dtype != staged[i].dtype]
         if convert:
