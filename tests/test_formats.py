@@ -203,3 +203,24 @@ def test_formats_meet_recompute_accumulation_and_a_state_dict_round_trip(kind):
     fresh.router.double()
     fresh.load_state_dict(layer.state_dict())
     torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+
+
+def test_a_checkpoint_loads_across_row_formats_but_not_weight_formats(tmp_path):
+    """A row format changes how rows travel, not the weights: a checkpoint saved with one loads
+    without it and back. A weight format changes what the layer stores: another one is
+    refused as a changed layer setting, naming it."""
+    from moe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    rows = torch.nn.Sequential(_layer(FORMATS["rows"]))
+    save_checkpoint(str(tmp_path / "rows"), rows)
+    plain = torch.nn.Sequential(_layer({}))
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)  # loading must bring the saved values back
+    load_checkpoint(str(tmp_path / "rows"), plain)
+    for a, b in zip(rows.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    weights = torch.nn.Sequential(_layer(FORMATS["weights"]))
+    save_checkpoint(str(tmp_path / "weights"), weights)
+    with pytest.raises((CheckpointError, ValueError), match="weight_format"):
+        load_checkpoint(str(tmp_path / "weights"), torch.nn.Sequential(_layer({})))

@@ -15,9 +15,18 @@ NOT_RESTORED = {"params", "foreach", "fused", "capturable", "differentiable"}
 # MoEConfig fields that choose how a layer runs, not what it computes: they may differ.
 # "checkpoint": recompute's old name, in checkpoints saved before the rename; spare slots:
 # checkpoints are canonical
-# fp8: FP8 changes how a layer computes (its number format), not its weights: a checkpoint
-# saved with FP8 on loads with it off and back (the masters are stored in their dtype).
-MOE_RUNTIME_FIELDS = {"backend", "recompute", "checkpoint", "check_finite", "spare_slots", "fp8"}
+# fp8, row_format: how a layer computes or sends its rows (a number format), not its weights: a
+# checkpoint saved with FP8 or a row format on loads with it off and back (the masters are
+# stored in their dtype). weight_format is not here: it changes what the layer stores.
+MOE_RUNTIME_FIELDS = {
+    "backend",
+    "recompute",
+    "checkpoint",
+    "check_finite",
+    "spare_slots",
+    "fp8",
+    "row_format",
+}
 _NONNEGATIVE = {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha"}
 # No optimizer trains with a larger step; lr=1e308 makes the parameters non-finite in one step.
 MAX_LR = 1e4
