@@ -53,25 +53,9 @@ def segments(path: str | Path) -> list[Path]:
 
 
 def _lines(path: Path) -> list[dict]:
-    """The lines of a trace file, checked by moe.trace's read_trace (a damaged line is its
-    ValueError naming file:line); a file from before this split, whose layout changes part-way
-    (read_trace refuses that), is read line by line for its steps and layouts."""
-    try:
-        return read_trace(path)
-    except ValueError as e:
-        if " here and " not in str(e):  # not the layout change: damaged
-            raise
-    records = []
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        if raw.strip():
-            try:
-                r = json.loads(raw)
-            except ValueError as e:
-                raise ValueError(f"{path}:{number}: not JSON ({e})") from None
-            if not isinstance(r, dict) or type(r.get("step")) is not int:
-                raise ValueError(f"{path}:{number}: not a routing-trace line")
-            records.append(r)
-    return records
+    """The lines of a trace file, each checked by read_trace (a damaged line is its ValueError
+    naming file:line); a file from before this split may change its layout part-way."""
+    return read_trace(path, one_layout=False)
 
 
 def _write(path: Path, records: list[dict]) -> None:

@@ -27,10 +27,12 @@ FIELDS = {
 }
 
 
-def read_trace(path: str | Path) -> list[dict]:
+def read_trace(path: str | Path, *, one_layout: bool = True) -> list[dict]:
     """The lines of a trace file, each checked (fields, types, ranges, lengths; one layer keeps
-    its E and ep); a bad line is a ValueError naming the file and line number. Time is linear
-    in the file: JSON is parsed with bounded nesting and integers of at most 19 digits."""
+    its E, and its ep unless `one_layout` is False: a file written before traces were kept one
+    layout per file, segments.py); a bad line is a ValueError naming the file and line number.
+    Time is linear in the file: JSON is parsed with bounded nesting and integers of at most 19
+    digits."""
     path = Path(path)
     records, shape_of = [], {}
     with open_regular(path, error=ValueError, what="routing trace") as f:  # no FIFO, device
@@ -43,11 +45,12 @@ def read_trace(path: str | Path) -> list[dict]:
                 continue
             record = _check_line(raw, where)
             E = len(record.get("routed_per_expert", record.get("copies_per_expert", ())))
-            shape = (E, record["ep"])
+            shape = (E, record["ep"] if one_layout else None)
             if shape_of.setdefault(record["layer"], shape) != shape:
+                here, above = ((f"E={E}, ep={ep}" if ep else f"E={E}") for E, ep in
+                               (shape, shape_of[record["layer"]]))  # fmt: skip
                 raise ValueError(
-                    f"{where}: layer {record['layer']!r} has E={shape[0]}, ep={shape[1]} here and "
-                    f"E={shape_of[record['layer']][0]}, ep={shape_of[record['layer']][1]} above"
+                    f"{where}: layer {record['layer']!r} has {here} here and {above} above"
                 )
             records.append(record)
     return records
