@@ -1,0 +1,5 @@
+import sys
+
+from moe.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,162 @@
+"""Cluster: the machines a layout is planned for, from datasheet presets or a measured profile.
+
+A preset's figures are vendor datasheet numbers (dense, no sparsity), clearly presets: the
+achieved fraction of peak is `gemm_efficiency` (large GEMMs) with grouped expert GEMMs falling
+off for few rows per expert as rows / (rows + `gemm_half_rows`); links are per GPU and per
+direction. A profile (`python -m moe.plan profile`) replaces these with measured values on the
+machines it ran on (`Cluster.load`), the all-to-all as the fitted moe.comm CostModel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+
+from moe.comm.cost_model import CostModel, check_physical_ranges
+from moe.settings import check_path
+from moe.untrusted import read_json
+
+GB = 1e9
+GiB = 2**30
+CLUSTER_VERSION = 1
+_MAX_CLUSTER_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x gpus_per_node devices of `device_memory_gib` each. TFLOP/s per device (dense
+    peak) by dtype, HBM and host-link bandwidths (bytes/s), and the links: per-GPU bandwidth
+    (bytes/s, one direction) and per-message latency (s) inside a node and across nodes."""
+
+    nodes: int
+    gpus_per_node: int
+    device_memory_gib: float
+    tflops_bf16: float
+    tflops_fp8: float
+    hbm_bw: float
+    host_bw: float  # device <-> host (PCIe), for offload
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    gemm_efficiency: float = 0.6
+    gemm_half_rows: float = 128.0
+    name: str = "custom"
+    source: str = "datasheet preset"
+
+    def __post_init__(self) -> None:
+        for f in ("nodes", "gpus_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Cluster.{f} must be an int >= 1, got {v!r}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("nodes", "gpus_per_node", "name", "source"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"Cluster.{f.name} must be a finite number, got {v!r}")
+            if v < 0 or (v == 0 and not f.name.endswith("latency")):
+                raise ValueError(f"Cluster.{f.name} must be > 0, got {v!r}")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ValueError(
+                f"Cluster.gemm_efficiency must be in (0, 1], got {self.gemm_efficiency}"
+            )
+        self.cost_model()  # the links' figures in their physical ranges
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return int(self.device_memory_gib * GiB)
+
+    def flops(self, fp8: bool = False) -> float:
+        return (self.tflops_fp8 if fp8 else self.tflops_bf16) * 1e12
+
+    def gemm_rate(self, rows: float, fp8: bool = False) -> float:
+        """Achieved FLOP/s of GEMMs with `rows` rows (per expert, for grouped ones)."""
+        return self.flops(fp8) * self.gemm_efficiency * rows / (rows + self.gemm_half_rows)
+
+    def cost_model(self) -> CostModel:
+        """The all-to-all's alpha-beta model from the links (moe.comm.cost_model's form)."""
+        values = dict(
+            a_coll=self.intra_latency,
+            a_intra=self.intra_latency,
+            bw_intra=self.intra_bw,
+            a_inter=self.inter_latency,
+            bw_inter=self.inter_bw,
+            bw_copy=self.hbm_bw / 2,
+            a_ring=self.inter_latency,
+        )
+        check_physical_ranges(values)
+        return CostModel(**values)
+
+    def link(self, ranks: int, span_nodes: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of `ranks` consecutive ranks: across nodes when it
+        spans them (span_nodes), else NVLink-class."""
+        if span_nodes and ranks > 1:
+            return self.inter_bw, self.inter_latency
+        return self.intra_bw, self.intra_latency
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"version": CLUSTER_VERSION, **asdict(self)}, indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> Cluster:
+        """A cluster file (a profile or a saved preset): untrusted JSON, every field checked."""
+        check_path("cluster file", str(path))
+        doc = read_json(path, max_bytes=_MAX_CLUSTER_BYTES, what="cluster file")
+        if not isinstance(doc, dict) or doc.get("version") != CLUSTER_VERSION:
+            raise ValueError(f"{path}: not a moe.plan cluster file (version {CLUSTER_VERSION})")
+        names = {f.name for f in fields(Cluster)}
+        unknown = sorted(set(doc) - names - {"version"})
+        if unknown:
+            raise ValueError(f"{path}: unknown cluster fields {unknown}")
+        missing = sorted(
+            f.name for f in fields(Cluster) if f.name not in doc and f.default is MISSING
+        )
+        if missing:
+            raise ValueError(f"{path}: cluster fields missing: {missing}")
+        return Cluster(**{k: v for k, v in doc.items() if k != "version"})
+
+    def with_nodes(self, nodes: int, gpus_per_node: int | None = None) -> Cluster:
+        return replace(self, nodes=nodes, gpus_per_node=gpus_per_node or self.gpus_per_node)
+
+
+def _node(name, tflops_bf16, mem_gib, hbm_tbs, nvlink_gbs, ib_gbs, **kw) -> Cluster:
+    return Cluster(
+        nodes=1,
+        gpus_per_node=8,
+        device_memory_gib=mem_gib,
+        tflops_bf16=tflops_bf16,
+        tflops_fp8=2 * tflops_bf16,
+        hbm_bw=hbm_tbs * 1e12,
+        host_bw=kw.pop("host_gbs", 55) * GB,
+        intra_bw=nvlink_gbs * GB,
+        intra_latency=3e-6,
+        inter_bw=ib_gbs * GB,
+        inter_latency=10e-6,
+        name=name,
+        source="datasheet preset (NVIDIA dense peak; links per GPU, one direction)",
+        **kw,
+    )
+
+
+# 8-GPU nodes: NVLink bandwidth per GPU per direction (H100/H200 NVLink 4: 900 GB/s both ways;
+# H800: 400 GB/s both ways; B200 NVLink 5: 1.8 TB/s), one 400 Gb/s NIC per GPU (50 GB/s).
+PRESETS: dict[str, Cluster] = {
+    "h100": _node("h100", 989, 80, 3.35, 450, 50),
+    "h800": _node("h800", 989, 80, 3.35, 200, 50),
+    "h200": _node("h200", 989, 141, 4.8, 450, 50),
+    "b200": _node("b200", 2250, 180, 8.0, 900, 50),
+}
+
+
+def preset(name: str, nodes: int = 1, gpus_per_node: int | None = None, **changes) -> Cluster:
+    """A datasheet preset scaled to `nodes` (unknown names: one error listing the presets)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}: one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name].with_nodes(nodes, gpus_per_node), **changes)

@@ -1,0 +1,119 @@
+"""Named model presets: the published configs (config.json fields, as the model cards give
+them) the planner is checked against, and the M6 example's presets (`m6-<name>`)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from moe.plan.spec import ModelSpec, from_hf_config, from_planner_model
+from moe.settings import check_path
+from moe.untrusted import read_json
+
+_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128)  # fmt: skip
+# huggingface.co/<repo>/blob/main/config.json, read 2026-11-28
+HF_CONFIGS: dict[str, dict] = {
+    # deepseek-ai/DeepSeek-V3 (671B total, 37B active; the MTP module not counted)
+    "deepseek-v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        **_MLA,
+    ),  # fmt: skip
+    # moonshotai/Kimi-K2-Instruct (1.04T total, 32B active)
+    "kimi-k2": dict(
+        model_type="kimi_k2",
+        vocab_size=163840,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=384,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        **_MLA,
+    ),  # fmt: skip
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+    ),  # fmt: skip
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": dict(
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),  # fmt: skip
+    # a Mixtral-shaped tiny config (the planner's measured runs on CPU)
+    "mixtral-tiny": dict(
+        model_type="mixtral",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),  # fmt: skip
+}
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def m6_presets() -> dict:
+    """The M6 example's configs, when the examples package is importable (a repository
+    checkout); {} otherwise."""
+    try:
+        config = importlib.import_module("examples.m6.config")
+    except ImportError:
+        return {}
+    return dict(config.CONFIGS)
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A ModelSpec from a preset name (HF_CONFIGS, or `m6-<preset>`) or a transformers
+    config.json path (untrusted: size-limited JSON). Unknown names: one error listing them."""
+    if name_or_path in HF_CONFIGS:
+        return from_hf_config(HF_CONFIGS[name_or_path], name_or_path)
+    if name_or_path.startswith("m6-"):
+        presets = m6_presets()
+        key = name_or_path.removeprefix("m6-")
+        if key in presets:
+            return from_planner_model(presets[key], name_or_path)
+    check_path("model", name_or_path)
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.is_file():
+        doc = read_json(path, max_bytes=_MAX_CONFIG_BYTES, what="model config")
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: a model config must be a JSON object")
+        return from_hf_config(doc, path.stem if path.stem != "config" else path.parent.name)
+    names = [*HF_CONFIGS, *(f"m6-{k}" for k in m6_presets())]
+    raise ValueError(
+        f"unknown model {name_or_path!r}: a config.json path or one of {', '.join(names)}"
+    )

@@ -1,0 +1,254 @@
+"""Predicted per-device peak memory (by category) and step time (by term) of one Layout.
+
+Per pp rank (the slowest and the fullest rank are reported), with t = tokens per micro-batch
+(micro_batch_seqs x seq_len), m micro-batches, its chunks' parameters P (dense) and X
+(routed experts, x (E + spare) / E), bf16 weights with fp32 masters and Adam:
+  memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units (fsdp: s_d =
+                      dp ep, s_e = dp; ddp: s_d = s_e = 1); gradients the same + 1 unit;
+          optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
+                      the 4 B masters, "all" nothing; temporaries 8 B x local / groups
+          activations per micro-batch t x (saved bytes per token of the rank's chunks, by
+                      recompute) x micro-batches in flight (GPipe m; 1F1B min(m, p - r);
+                      interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) / v chunk units;
+                      ZBV min(m, p); DualPipeV min(m, p + 1)); full recompute keeps block
+                      inputs plus one block's activations
+          comms       all-to-all send + receive 2 t k c h (1 B / element for FP8 dispatch,
+                      x2 hierarchical); stage p2p 2 t h per chunk; ddp one flat gradient copy,
+                      fsdp one unit
+  time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
+                      t k c ep / E rows per expert (x the busiest rank's routing imbalance);
+                      x3 (forward + backward), + a forward for full recompute, + the routed
+                      experts' forward for MoE recompute
+          all-to-all  moe.comm CostModel (flat or hierarchical) of 4 exchanges per MoE block
+                      and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
+                      behind the routed experts' compute
+          dp comms    fsdp: all-gather forward and backward per micro-batch, one
+                      reduce-scatter a step, overlapped with compute beyond one unit; ddp one
+                      all-reduce a step, overlapped with the last micro-batch's backward
+                      except a tenth (the last bucket)
+          bubble      (p - 1) / v micro-batch times of the rank x the schedule's factor (1; 1/3
+                      for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
+                      (Qi et al. 2024; DeepSeek-V3 report) when m >= 2p)
+          p2p         2 (p - 1) sends of t h bf16 on the critical path + a latency each per
+                      micro-batch and chunk
+          optimizer   32 B per local parameter over HBM; offload: 4 B over the host link and
+                      the host's Adam at the same 32 B per parameter over the host link's rate
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe.plan.cluster import Cluster
+from moe.plan.layout import Layout
+from moe.plan.skew import imbalance
+from moe.plan.spec import ModelSpec
+from moe.plan.stages import ACT_BYTES, rank_sums, representative_ranks
+
+STYLE = {"none": "single", "GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop",
+         "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v", "DualPipeV": "v"}  # fmt: skip
+BUBBLE_FACTOR = {"none": 0.0, "GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 1.0,
+                 "InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 0.0, "DualPipeV": 0.0}  # fmt: skip
+OPT_BYTES_PER_PARAM = 32
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "temporaries", "activations", "comms")
+TIME_TERMS = ("compute", "all_to_all", "dp_comms", "bubble", "p2p", "optimizer", "offload")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict[str, float]  # bytes per device, the fullest rank
+    time: dict[str, float]  # seconds per step, the slowest rank
+    tokens_per_s_per_device: float
+    mfu: float
+    device_memory: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory(self) -> float:
+        return sum(self.memory[k] for k in MEMORY_TERMS)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.device_memory
+
+    def record(self) -> dict:
+        return {
+            "layout": self.layout.record(),
+            "memory": self.memory,
+            "peak_memory": self.peak_memory,
+            "time": self.time,
+            "step_time": self.step_time,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "notes": self.notes,
+        }
+
+
+def in_flight(schedule: str, m: int, p: int, v: int, r: int) -> float:
+    """Micro-batches whose activations pp rank r holds at its peak (in units of all its
+    chunks' activations of one micro-batch)."""
+    if schedule == "none":
+        return 1.0
+    if schedule == "GPipe":
+        return float(m)
+    if STYLE[schedule] == "loop":
+        return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
+    if schedule == "DualPipeV":
+        return float(min(m, p + 1))
+    if schedule == "ZBVZeroBubble":
+        return float(min(m, p))
+    return float(min(m, p - r))
+
+
+def _group_link(cluster: Cluster, ranks: int, stride_span: int) -> tuple[float, float]:
+    """A group of `ranks` ranks within a block of `stride_span` consecutive ranks."""
+    return cluster.link(ranks, span_nodes=stride_span > cluster.gpus_per_node)
+
+
+def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float) -> float:
+    """Ring collective over `ranks`: factor x nbytes x (n - 1) / n / bw + (n - 1) latencies."""
+    if ranks <= 1:
+        return 0.0
+    return factor * nbytes * (ranks - 1) / ranks / bw + (ranks - 1) * lat
+
+
+def predict(
+    spec: ModelSpec,
+    cluster: Cluster,
+    layout: Layout,
+    seq_len: int,
+    global_batch_tokens: int,
+    load: list[float] | None = None,
+) -> Prediction:
+    """The Prediction of `layout` (checked by moe.plan.search, not here)."""
+    L, p, v, m = layout, layout.pp, layout.stages_per_rank, layout.microbatches
+    cf = L.capacity_factor or 1.0
+    t = L.micro_batch_seqs * seq_len
+    style = STYLE[L.schedule]
+    spare = (spec.num_experts + L.replicas) / spec.num_experts
+    imb = imbalance(load, L.ep, L.replicas) if load is not None else 1.0
+    cm = cluster.cost_model()
+    nodes_ep = max(1, math.ceil(L.ep / cluster.gpus_per_node))
+    per_node_ep = min(L.ep, cluster.gpus_per_node)
+    a2a_bytes = t * spec.top_k * cf * spec.d_model
+    dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
+    exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
+    rows_per_expert = max(t * spec.top_k * cf * L.ep / spec.num_experts * imb, 1.0)
+    rate_dense = cluster.gemm_rate(t)
+    rate_exp = cluster.gemm_rate(rows_per_expert, fp8=L.fp8_experts)
+
+    def exchange(nbytes: float) -> float:
+        if L.ep <= 1:
+            return 0.0
+        if L.exchange == "hierarchical":
+            return cm.hier_time(nbytes, nodes_ep, per_node_ep)
+        return cm.flat_time(nbytes, nodes_ep, per_node_ep)
+
+    sums = rank_sums(spec, seq_len, p, v, style, L.capacity_factor)
+    per_rank = []
+    for r in representative_ranks(p):
+        mine = sums[r]
+        P, X = mine.dense_params, mine.expert_params * spare
+        blocks, moe_blocks = mine.blocks, mine.moe_blocks
+        fsdp = L.data_parallel == "fsdp"
+        local = P / (L.dp * L.ep) + X / (L.ep * L.dp) if fsdp else P + X / L.ep
+        unit = 0.0
+        if fsdp and blocks:
+            unit = max(P / max(blocks, 1), X / max(moe_blocks, 1) / L.ep)
+        memory = {
+            "parameters": 2 * (local + 2 * unit),
+            "gradients": 2 * (local + unit),
+            "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
+            "temporaries": 0.0 if L.offload else 8 * local / L.groups,
+        }
+        act_tok = mine.act
+        if L.recompute == "moe":
+            act_tok = mine.act_moe_recompute
+        elif L.recompute == "full":
+            act_tok = mine.act_input
+        elif L.recompute.startswith("blocks:"):
+            n = min(int(L.recompute.split(":")[1]), blocks)
+            act_tok -= n * (mine.act - mine.act_input) / max(blocks, 1)
+        head = mine.head_act * t  # the loss's logits, one micro-batch
+        transient = mine.act_block_max * t if L.recompute != "none" else 0.0
+        memory["activations"] = act_tok * t * in_flight(L.schedule, m, p, v, r) + head + transient
+        comms = 0.0
+        if L.ep > 1 and moe_blocks:
+            elem = 1.03 if L.fp8_dispatch else ACT_BYTES
+            comms += 2 * a2a_bytes * elem * (2 if L.exchange == "hierarchical" else 1)
+        if p > 1:
+            comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
+        if L.dp * L.ep > 1:
+            comms += 2 * (unit if fsdp else local)
+        memory["comms"] = comms
+
+        dense_f = mine.dense_flops * t
+        routed_f = mine.routed_flops * t * cf * imb
+        fwd_dense, fwd_routed = dense_f / rate_dense, routed_f / rate_exp
+        fwd = fwd_dense + fwd_routed
+        extra = {"none": 0.0, "moe": fwd_routed, "full": fwd}.get(L.recompute, 0.0)
+        if L.recompute.startswith("blocks:"):
+            extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
+        per_mb = 3 * fwd + extra
+        compute = m * per_mb
+        exchanges = 4 + (2 if L.recompute != "none" else 0)
+        send = exchange(a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
+        plain = exchange(a2a_bytes * ACT_BYTES)
+        a2a = m * moe_blocks * (send + (exchanges - 1) * plain)
+        hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
+        a2a_exposed = a2a - hidden
+        dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
+        if fsdp:
+            gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
+                exp_bytes, L.dp, exp_bw, exp_lat, 1
+            )
+            total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
+            units = 2 * m * max(blocks, 1) + 1
+            dp_exposed = max(0.0, total - compute) + total / units
+        else:
+            reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
+                exp_bytes, L.dp, exp_bw, exp_lat, 2
+            )
+            dp_exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
+        bubble = BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb
+        p2p = 0.0
+        if p > 1:
+            bw, lat = _group_link(cluster, 2, 2 * L.dp * L.ep)
+            one = lat + t * spec.d_model * ACT_BYTES / bw
+            p2p = 2 * (p - 1) * one + 2 * m * v * lat
+        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw
+        offload = 0.0
+        if L.offload:
+            optimizer = 0.0
+            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw
+        times = {
+            "compute": compute,
+            "all_to_all": a2a_exposed,
+            "dp_comms": dp_exposed,
+            "bubble": bubble,
+            "p2p": p2p,
+            "optimizer": optimizer,
+            "offload": offload,
+        }
+        per_rank.append((memory, times))
+    memory = max((mem for mem, _ in per_rank), key=lambda mem: sum(mem.values()))
+    times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
+    step = sum(times.values())
+    whole = sum(x.dense_flops + x.routed_flops * cf for x in sums)
+    model_flops = 3 * whole * global_batch_tokens
+    world = L.world
+    return Prediction(
+        layout=L,
+        memory=memory,
+        time=times,
+        tokens_per_s_per_device=global_batch_tokens / step / world,
+        mfu=model_flops / (step * world * cluster.flops()),
+        device_memory=cluster.device_memory_bytes,
+    )

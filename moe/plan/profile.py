@@ -1,0 +1,160 @@
+"""python -m moe.plan profile --out cluster.json: measure the machines it runs on (every rank
+under torchrun, or one process) and write a cluster file the planner reads (--cluster).
+
+Measured: matmul throughput at the expert GEMM's shape for growing row counts, fitted to
+rate(rows) = R rows / (rows + h) (1 / rate is linear in 1 / rows); device memory bandwidth
+(a large copy); the host link (a device-to-host copy on CUDA; on CPU the same copy); and
+point-to-point time per size between two ranks of one node and of two nodes (torchrun's
+LOCAL_WORLD_SIZE ranks per node), fitted to latency + bytes / bandwidth. What one process
+cannot measure (links without a second rank or node, FP8 throughput) keeps the preset's
+figure, and the file's `source` says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe.plan.cluster import PRESETS, Cluster
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def fit_rate(rows: list[int], rates: list[float]) -> tuple[float, float]:
+    """(R, h) of rate = R rows / (rows + h), least squares on 1 / rate = 1/R + h/R / rows."""
+    A = np.stack([np.ones(len(rows)), 1 / np.asarray(rows, float)], 1)
+    inv = 1 / np.asarray(rates, float)
+    (a, b), *_ = np.linalg.lstsq(A, inv, rcond=None)
+    a = max(a, float(inv.min()) / 2)  # a peak above twice the best measured rate is noise
+    return 1 / a, max(b / a, 1e-3)
+
+
+def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(bandwidth, latency) of t = latency + bytes / bandwidth, least squares, clamped."""
+    A = np.stack([np.ones(len(sizes)), np.asarray(sizes, float)], 1)
+    (lat, inv_bw), *_ = np.linalg.lstsq(A, np.asarray(seconds, float), rcond=None)
+    inv_bw = max(inv_bw, 1e-14)
+    return 1 / inv_bw, min(max(lat, 0.0), 1.0)
+
+
+def measure_gemm(d: int, f: int, device, dtype, rows=(16, 64, 256, 1024)) -> tuple[float, float]:
+    x = {r: torch.randn(r, d, device=device, dtype=dtype) for r in rows}
+    w = torch.randn(d, f, device=device, dtype=dtype)
+    rates = [2 * r * d * f / _timed(lambda r=r: x[r] @ w, 20) for r in rows]
+    return fit_rate(list(rows), rates)
+
+
+def measure_copy(nbytes: int, device) -> tuple[float, float]:
+    """(device memory bytes/s, host link bytes/s)."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    mem = 2 * nbytes / _timed(lambda: dst.copy_(src), 10)
+    if device.type != "cuda":
+        return mem, mem
+    host = torch.empty(src.shape, pin_memory=True)
+    return mem, nbytes / _timed(lambda: host.copy_(src, non_blocking=False), 10)
+
+
+def measure_p2p(peer_a: int, peer_b: int, device, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22)):
+    """Ping-pong between two ranks (every rank calls; the others wait at the barrier)."""
+    rank, out = dist.get_rank(), []
+    for n in sizes:
+        buf = torch.empty(n // 4, device=device)
+        dist.barrier()
+        if rank in (peer_a, peer_b):
+            other = peer_b if rank == peer_a else peer_a
+
+            def ping(buf=buf, other=other):
+                if rank == peer_a:
+                    dist.send(buf, other)
+                    dist.recv(buf, other)
+                else:
+                    dist.recv(buf, other)
+                    dist.send(buf, other)
+
+            out.append(_timed(ping, 10) / 2)
+    dist.barrier()
+    return fit_link(list(sizes), out) if out else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m moe.plan profile", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", required=True, help="the cluster file to write (JSON)")
+    p.add_argument("--preset", default="h100", choices=sorted(PRESETS),
+                   help="figures that cannot be measured here")  # fmt: skip
+    p.add_argument(
+        "--device-mem", type=float, help="GiB per device (default: CUDA's, else the preset's)"
+    )
+    p.add_argument("--d-model", type=int, default=1024, help="the expert GEMM's input width")
+    p.add_argument("--d-ff", type=int, default=1024, help="the expert GEMM's output width")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    R, h = measure_gemm(args.d_model, args.d_ff, device, dtype)
+    mem_bw, host_bw = measure_copy(1 << 26, device)
+    base = PRESETS[args.preset]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    kept = ["fp8 throughput (2x bf16)"]
+    intra = inter = None
+    if world > 1 and local > 1:
+        intra = measure_p2p(0, 1, device)
+    if world > local:
+        inter = measure_p2p(0, local, device)
+    if intra is None:
+        kept.append("intra-node link")
+    if inter is None:
+        kept.append("inter-node link")
+    intra = intra or (base.intra_bw, base.intra_latency)
+    inter = inter or (base.inter_bw, base.inter_latency)
+    mem = args.device_mem or (
+        torch.cuda.get_device_properties(device).total_memory / 2**30
+        if cuda
+        else base.device_memory_gib
+    )
+    cluster = replace(
+        base,
+        nodes=max(world // local, 1),
+        gpus_per_node=local if world > 1 else base.gpus_per_node,
+        device_memory_gib=mem,
+        tflops_bf16=R / 1e12,
+        tflops_fp8=2 * R / 1e12,
+        hbm_bw=mem_bw,
+        host_bw=host_bw,
+        intra_bw=intra[0],
+        intra_latency=intra[1],
+        inter_bw=inter[0],
+        inter_latency=inter[1],
+        gemm_efficiency=1.0,
+        gemm_half_rows=h,
+        name="profile",
+        source=f"measured by python -m moe.plan profile on {platform.node()} "
+        f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "
+        + ", ".join(kept),
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Cluster.__post_init__(cluster)
+        cluster.save(args.out)
+        print(f"moe.plan profile: wrote {args.out}: {cluster.source}")
+    return 0

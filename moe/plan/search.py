@@ -1,0 +1,258 @@
+"""search(): every layout of a model on a cluster that the library can run, predicted and
+ranked by step time; the ones that do not fit say why.
+
+Searched: pp (and, for the interleaved / V schedules, 2 stages per rank), every schedule that
+PyTorch's rules allow for the micro-batch count (moe.pipeline.PipelineConfig's checks), ep
+dividing the experts, dp the rest, ddp / fsdp, sequences per micro-batch, capacity factors,
+FP8 dispatch / experts (when asked: they change numerics), spare expert slots, and per layout
+the cheapest memory savers that fit: recompute (none, MoE-only, the fewest whole blocks,
+full; Whale's automatic gradient checkpointing), offload (none, optimizer, all) and grouped
+apply groups; flat or hierarchical exchange (when the EP group spans nodes) and the overlap
+degree are picked by predicted time. Pruned before any prediction: pp beyond the block
+count, ep not dividing the experts, batches that do not split into the layout's pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from moe.plan.cluster import Cluster
+from moe.plan.layout import Layout
+from moe.plan.predict import MEMORY_TERMS, Prediction, predict
+from moe.plan.skew import check_load, zipf_load
+from moe.plan.spec import ModelSpec
+
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What search() tries (each a tuple of choices)."""
+
+    pp: tuple[int, ...] | None = None  # None: every divisor of the world up to the blocks
+    schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV",
+                                  "GPipe", "InterleavedZeroBubble")  # fmt: skip
+    data_parallel: tuple[str, ...] = ("ddp", "fsdp")
+    micro_batch_seqs: tuple[int, ...] = (1, 2, 4, 8)
+    capacity_factors: tuple[float | None, ...] = (None,)
+    overlap: tuple[int, ...] = (1, 2, 4)
+    fp8: bool = False  # also FP8 dispatch and FP8 experts
+    replicas: tuple[int, ...] = (0,)  # spare slots per MoE layer (multiples of ep are kept)
+    groups: tuple[int, ...] = (1, 4, 16)
+    recompute: tuple[str, ...] = ("none", "moe", "blocks", "full")
+    offload: tuple[str | None, ...] = (None, "optimizer", "all")
+    virtual: tuple[int, ...] = (2,)  # stages per rank of the interleaved schedules
+
+
+@dataclass
+class SearchResult:
+    fits: list[Prediction]  # fastest first
+    misfits: list[tuple[Prediction, str]]  # the closest ones that do not fit, and why
+    searched: int  # predictions made
+
+    def best(self) -> Prediction:
+        return self.fits[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(space: SearchSpace, pp: int, m: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs PyTorch runs at pp ranks and m micro-batches."""
+    if pp == 1:
+        return [("none", 1)]
+    out = []
+    for name in space.schedules:
+        least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(name, 1)
+        if m < least:
+            continue
+        if name in ("GPipe", "1F1B"):
+            out.append((name, 1))
+        elif name in ("ZBVZeroBubble", "DualPipeV"):
+            out.append((name, 2))
+        elif m % max(1, m // pp) == 0:  # the interleaved ones: a multiple of their rounds
+            out += [(name, v) for v in space.virtual]
+    return out
+
+
+def _binding(pred: Prediction) -> str:
+    """The largest memory category and the shortfall."""
+    top = max(MEMORY_TERMS, key=lambda k: pred.memory[k])
+    need, have = pred.peak_memory / GiB, pred.device_memory / GiB
+    return (
+        f"needs {need:.1f} GiB of {have:.1f} GiB (largest: {top} {pred.memory[top] / GiB:.1f} GiB)"
+    )
+
+
+def check_inputs(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int):
+    for name, v in (("seq_len", seq_len), ("global_batch_tokens", global_batch_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if global_batch_tokens % seq_len:
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is not a whole number of sequences of "
+            f"seq_len={seq_len}"
+        )
+    seqs = global_batch_tokens // seq_len
+    if seqs < cluster.world:
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is {seqs} sequences of {seq_len}, fewer "
+            f"than the {cluster.world} devices: every data-parallel rank needs one at least"
+        )
+
+
+def _memory_variants(space: SearchSpace, blocks: int) -> list[tuple[str, str | None]]:
+    """(recompute, offload) pairs in order of expected cost (cheapest first)."""
+    recompute = []
+    for r in space.recompute:
+        if r == "blocks":
+            recompute += [f"blocks:{n}" for n in range(1, blocks)]
+        else:
+            recompute.append(r)
+    return [(r, o) for o in space.offload for r in recompute]
+
+
+def search(
+    spec: ModelSpec,
+    cluster: Cluster,
+    global_batch_tokens: int,
+    seq_len: int,
+    *,
+    space: SearchSpace | None = None,
+    load=None,
+    skew: float | None = None,
+    top: int = 10,
+) -> SearchResult:
+    """Ranked layouts of `spec` on `cluster` for `global_batch_tokens` tokens a step in
+    sequences of `seq_len`; `load` (per-expert token counts, e.g. a RoutingTrace's) or
+    `skew` (Zipf) sets the routing imbalance (uniform if neither). Raises ValueError when
+    no layout fits, naming the closest one and what binds it."""
+    space = space or SearchSpace()
+    check_inputs(spec, cluster, seq_len, global_batch_tokens)
+    if load is not None and skew is not None:
+        raise ValueError("give load or skew, not both")
+    if load is not None:
+        load = check_load(load, spec.num_experts)
+    elif skew is not None:
+        load = zipf_load(spec.num_experts, skew)
+    world, seqs = cluster.world, global_batch_tokens // seq_len
+    fits, misfits, searched = [], [], 0
+    pps = space.pp or [p for p in _divisors(world) if p <= spec.n_layers]
+    for pp in pps:
+        if world % pp or pp > spec.n_layers:
+            raise ValueError(f"pp={pp} does not divide the world {world} or exceeds the blocks")
+        for ep in _divisors(world // pp):
+            if spec.num_experts % ep:
+                continue
+            dp = world // (pp * ep)
+            if seqs % (dp * ep):
+                continue
+            per_pipe = seqs // (dp * ep)
+            for mbs in space.micro_batch_seqs:
+                if per_pipe % mbs:
+                    continue
+                m = per_pipe // mbs
+                for schedule, v in _schedules(space, pp, m):
+                    if pp * v > spec.n_layers:
+                        continue
+                    for dpm in space.data_parallel:
+                        if dpm == "fsdp" and schedule in SPLIT_BACKWARD:
+                            continue  # refused by moe.pipeline on PyTorch 2.13
+                        base = Layout(pp, dp, ep, dpm, schedule, v, m, mbs)
+                        got, n = _best_variant(spec, cluster, base, space, seq_len,
+                                               global_batch_tokens, load)  # fmt: skip
+                        searched += n
+                        (fits if got.fits else misfits).append(got)
+    fits.sort(key=lambda p: p.step_time)
+    misfits.sort(key=lambda p: p.peak_memory / p.device_memory)
+    if not fits:
+        if not misfits:
+            raise ValueError(
+                f"no layout of {spec.name} on {world} devices splits {seqs} sequences: "
+                f"choose a global batch divisible by the data-parallel ranks"
+            )
+        near = misfits[0]
+        raise ValueError(
+            f"{spec.name} fits no layout on {cluster.nodes} x {cluster.gpus_per_node} devices "
+            f"of {cluster.device_memory_gib:g} GiB: the closest, {near.layout.short()}, "
+            f"{_binding(near)} even with full recompute and offload"
+        )
+    return SearchResult(fits[:top], [(p, _binding(p)) for p in misfits[:top]], searched)
+
+
+def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Prediction, int]:
+    """The fastest fitting variant of `base`, or the one closest to fitting; and how many
+    predictions it took. Memory savers cost time only, so the first offload level at which
+    some recompute fits is kept (the fastest recompute there, the fewest groups that fit);
+    the exchange, overlap and FP8 options are then tried on it."""
+    count = 0
+
+    def run(**changes) -> Prediction:
+        nonlocal count
+        count += 1
+        return predict(spec, cluster, replace(base, **changes), seq_len, tokens, load)
+
+    blocks = math.ceil(spec.n_layers / (base.pp * base.stages_per_rank)) * base.stages_per_rank
+    least = max(space.groups)
+    best = closest = None
+    for cf in space.capacity_factors:
+        for offload in space.offload:
+            fitting = []
+            for recompute in space.recompute:
+                if recompute == "blocks":
+                    lo, hi = 1, blocks - 1  # the fewest recomputed blocks that fit
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if run(recompute=f"blocks:{mid}", offload=offload, groups=least,
+                               capacity_factor=cf).fits:  # fmt: skip
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    if lo < 1 or blocks < 2:
+                        continue
+                    recompute = f"blocks:{lo}"
+                pred = run(recompute=recompute, offload=offload, groups=least, capacity_factor=cf)
+                if closest is None or pred.peak_memory < closest.peak_memory:
+                    closest = pred
+                if pred.fits:
+                    fitting.append(pred)
+            if fitting:
+                pick = min(fitting, key=lambda p: p.step_time).layout
+                for groups in sorted(space.groups):
+                    got = run(recompute=pick.recompute, offload=offload, groups=groups,
+                              capacity_factor=cf)  # fmt: skip
+                    if got.fits:
+                        break
+                if best is None or got.step_time < best.step_time:
+                    best = got
+                break
+    if best is None:
+        return closest, count
+    for o, x, fd, fe, r in _ep_options(space, base, cluster):
+        got = run(**{**_memory_of(best.layout), "overlap": o, "exchange": x,
+                     "fp8_dispatch": fd, "fp8_experts": fe, "replicas": r})  # fmt: skip
+        if got.fits and got.step_time < best.step_time:
+            best = got
+    return best, count
+
+
+def _memory_of(layout: Layout) -> dict:
+    keys = ("recompute", "offload", "groups", "capacity_factor")
+    return {k: getattr(layout, k) for k in keys}
+
+
+def _ep_options(space: SearchSpace, base: Layout, cluster: Cluster) -> list[tuple]:
+    """(overlap, exchange, fp8 dispatch, fp8 experts, spare slots) to try."""
+    fp8 = [(False, False)]
+    if space.fp8:
+        fp8 += [(True, False), (True, True)] if base.ep > 1 else [(False, True)]
+    if base.ep == 1:
+        return [(1, "flat", fd, fe, 0) for fd, fe in fp8]
+    exchanges = ("flat", "hierarchical") if base.ep > cluster.gpus_per_node else ("flat",)
+    reps = [r for r in space.replicas if r % base.ep == 0]
+    return [
+        (o, x, fd, fe, r) for o in space.overlap for x in exchanges for fd, fe in fp8 for r in reps
+    ]
