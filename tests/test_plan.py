@@ -246,3 +246,24 @@ def test_hf_presets_cover_the_search():
         spec = load_model(name)
         assert spec.total_params() > spec.active_params() > 0
         assert math.isfinite(spec.layer_flops(spec.n_layers - 1, 4096)[0])
+
+
+def test_profile_writes_a_cluster_the_planner_reads(tmp_path, capsys):
+    from moe.plan.profile import main as profile
+
+    out = tmp_path / "cluster.json"
+    assert profile(["--out", str(out), "--d-model", "64", "--d-ff", "64", "--device-mem", "4"]) == 0
+    cluster = Cluster.load(out)
+    assert cluster.name == "profile" and "measured" in cluster.source
+    assert cluster.device_memory_gib == 4 and cluster.tflops_bf16 > 0
+    argv = ["--model", "mixtral-tiny", "--cluster", str(out), "--tokens", "4K", "--seq-len", "64"]
+    assert main(argv) == 0
+    assert "| 1 | pp" in capsys.readouterr().out
+
+
+def test_published_report_runs():
+    from bench.plan_published import CASES, run_case
+
+    text = run_case(next(c for c in CASES if c.model == "mixtral-8x7b"))
+    assert "**Published layout**" in text and ": fits," in text and "Verdict:" in text
+    assert "NEITHER" not in text

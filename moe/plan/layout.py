@@ -85,7 +85,13 @@ class Layout:
             + (f", overlap={self.overlap}" if self.overlap > 1 else "")
             + ")"
         )
-        lines = [f"# MoELayer / MoEConfig: {', '.join(moe_cfg) or 'defaults'}"]
+        lines = ["import moe.memory, moe.parallel" + (", moe.pipeline" if self.pp > 1 else "")]
+        lines.append("from moe.parallel import ParallelConfig")
+        if self.fp8_dispatch or self.fp8_experts:
+            lines.append("from moe.fp8 import FP8Config")
+        if self.recompute.startswith("blocks:"):
+            lines.append("from moe.memory.recompute import find_repeated_blocks")
+        lines.append(f"# MoELayer / MoEConfig: {', '.join(moe_cfg) or 'defaults'}")
         if self.recompute == "full":
             lines.append("moe.memory.recompute_blocks(model)  # every block recomputed")
         elif self.recompute.startswith("blocks:"):
@@ -107,10 +113,9 @@ class Layout:
                 f"microbatches={self.microbatches}, stages_per_rank={self.stages_per_rank})",
                 f"pipe = moe.pipeline.Pipeline(model, mesh, config, loss_fn, parallel={parallel})",
             ]
-        if self.offload or self.groups > 1:
-            lines.append(
-                f"opt = moe.memory.GroupedApply(params, groups={self.groups}, offload={self.offload!r})"
-            )
+        lines.append(  # AdamW applied in `groups` groups (moe.memory), state offloaded or not
+            f"opt = moe.memory.GroupedApply(params, groups={self.groups}, offload={self.offload!r})"
+        )
         return "\n".join(lines)
 
     def m6_flags(self) -> str:
