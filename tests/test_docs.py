@@ -96,6 +96,9 @@ PROSE = {
     "python train.py --micro-batch 16": ("run", []),  # examples/m6/train.py, tiny steps
     "python -m moe.trace.plot runs/m6-tiny/routing_trace.jsonl out.png": ("run", []),
     "python examples/m6/bench.py": ("help", "trains 4 models x 500 steps: " + TOO_BIG),
+    "python -m moe.plan --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem 80 "
+    "--tokens 4M": ("run", []),  # a search on paper: seconds
+    "python -m moe.plan profile --out cluster.json": ("run", ["--d-model", "64", "--d-ff", "64"]),
     "python -m bench.m6_fp8": ("help", "trains m6-tiny 500 steps x 3 seeds x 2: " + TOO_BIG),
     "python -m examples.launch": ("help", "torchrun's launcher: tests/test_launch.py runs it"),
     "python -m examples.launch --nproc-per-node 2 examples/m6/train.py --ep 2": (
