@@ -363,3 +363,43 @@ def test_split_setting_is_checked_and_recorded():
     assert plan_stages(stack, 4, by="params") == [
         ["embed", "layer_0"], ["layer_1"], ["layer_2"], ["layer_3", "head"],
     ]  # fmt: skip
+
+
+def test_stack_is_every_family():
+    """Every family from_hf reads (transformers' tiny float32 models of tests/test_hf_parity.py),
+    plain and converted: the stack's logits are the model's, bit for bit (each family's own
+    mask choice: Qwen2-MoE by layer_types, Mixtral / Qwen3-MoE by sliding_window)."""
+    from tests.test_hf_parity import FAMILIES, fresh
+
+    for family in FAMILIES:
+        model = fresh(family)
+        x = torch.randint(
+            model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4)
+        )
+        for _ in ("plain", "converted"):
+            with torch.no_grad():
+                assert torch.equal(hf_stack(model)(x), model(input_ids=x).logits), family
+            if not moe.interop.hf_blocks(model):
+                break
+            moe.from_hf(model)
+        assert hf_stack(model).spare_slots == 0
+
+
+def test_export_rebuilds_spare_slots(tmp_path):
+    """save_hf's writer on rank 0 (one process here): a model converted with spare expert
+    slots is rebuilt with them, loaded from the gathered state and written as to_hf writes."""
+    from moe.pipeline.hf_export import _write
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=12, num_experts=4)
+    model = moe.from_hf(transformers.Qwen3MoeForCausalLM(cfg).double(), spare_slots=2)
+    stack = hf_stack(model)
+    assert stack.spare_slots == 2
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    _write(stack, dict(model.state_dict()), str(tmp_path / "got"), {})
+    moe.to_hf(model).save_pretrained(str(tmp_path / "want"))
+    for name in ("config.json", "model.safetensors"):
+        with open(tmp_path / "got" / name, "rb") as f, open(tmp_path / "want" / name, "rb") as g:
+            assert f.read() == g.read(), name
