@@ -28,7 +28,6 @@ from moe.pipeline import (
     plan_stages,
     save_hf,
 )
-from moe.pipeline.split import balance
 from tests.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +77,7 @@ def loss_fn(logits, target, scale):
 
 
 @functools.lru_cache
-def reference(family, width):
+def reference(family, width, M=M):
     """One process, the converted model itself, the same micro-batches (as tests/
     test_pipeline.py): step 0's logits, losses, aux and grads, the parameters after one SGD
     step, and the model before / after it with its transformers blocks back (moe.to_hf)."""
@@ -114,12 +113,16 @@ class Case(NamedTuple):
     ep: int
     data_parallel: str
     split: str = "children"
+    M: int = M  # micro-batches
 
 
 CASES = {
     "qwen3_pp2_dp1_ep2_fsdp": Case("qwen3_moe", 2, 1, 2, "fsdp"),
-    "qwen3_pp2_dp2_ep1_ddp_params": Case("qwen3_moe", 2, 2, 1, "ddp", "params"),
-    "mixtral_pp2_dp1_ep2_ddp_params": Case("mixtral", 2, 1, 2, "ddp", "params"),
+    "qwen3_pp2_dp2_ep1_fsdp": Case("qwen3_moe", 2, 2, 1, "fsdp"),
+    "mixtral_pp2_dp1_ep2_ddp": Case("mixtral", 2, 1, 2, "ddp"),
+    # by parameters: embed layer_0 | layer_1 | layer_2 (dense) | layer_3 head (by children:
+    # embed layer_0 | layer_1 layer_2 | layer_3 | head); 1F1B takes at least pp micro-batches
+    "qwen3_pp4_dp1_ep1_ddp_params": Case("qwen3_moe", 4, 1, 1, "ddp", "params", M=4),
 }
 
 
@@ -129,7 +132,7 @@ def _mesh(pp, dp, ep):
 
 
 def _run_case(rank, case, folder):
-    family, pp, dp, ep, data_parallel, split = case
+    family, pp, dp, ep, data_parallel, split, M = case
     width = dp * ep
     stack = hf_stack(build(family))
     config = PipelineConfig("1F1B", microbatches=M, split=split)
@@ -188,7 +191,7 @@ def test_hf_pipeline_equals_one_process(results, name):
     _, ranks = results
     case = CASES[name]
     width = case.dp * case.ep
-    (outs, losses, auxes, grads), params, _, _ = reference(case.family, width)
+    (outs, losses, auxes, grads), params, _, _ = reference(case.family, width, case.M)
     names = set()
     for rank in range(4):
         got = ranks[rank][name]
@@ -205,10 +208,10 @@ def test_hf_pipeline_equals_one_process(results, name):
         names |= set(got["grads"])
     assert names == set(grads), sorted(set(grads) ^ names)
     assert sum(ranks[rank][name]["out"] is not None for rank in range(4)) == width
-    # the plan: stage 0 on ranks 0..width-1, stage 1 on the others
-    stack = hf_stack(build(case.family))
-    plan = plan_stages(stack, 2, by=case.split)
-    assert ranks[0][name]["plan"] == [plan[0]] and ranks[3][name]["plan"] == [plan[1]]
+    # the plan (PipelineConfig.split): stage s on ranks s * width .. (s + 1) * width - 1
+    plan = plan_stages(hf_stack(build(case.family)), case.pp, by=case.split)
+    for rank in range(4):
+        assert ranks[rank][name]["plan"] == [plan[rank // width]], (rank, plan)
 
 
 def _tensors(folder):
@@ -222,7 +225,7 @@ def _tensors(folder):
 def test_save_hf_writes_what_to_hf_writes(results, name, tmp_path):
     root, _ = results
     case = CASES[name]
-    _, _, start, stepped = reference(case.family, case.dp * case.ep)
+    _, _, start, stepped = reference(case.family, case.dp * case.ep, case.M)
     for label, model in (("start", start), ("stepped", stepped)):
         want_dir, got_dir = str(tmp_path / label), os.path.join(root, name, label)
         model.save_pretrained(want_dir)
@@ -295,58 +298,7 @@ def test_hf_stack_refusals():
         build_stage(stack, ["x", "y"], 1.0)
 
 
-def _linear_stack(widths):
-    """nn.Linear(w, 1, bias=False) children: child i holds widths[i] parameters."""
-    return nn.Sequential(*[nn.Linear(w, 1, bias=False) for w in widths])
-
-
-def test_split_by_params_hand_computed():
-    # 10 | 1 1 1 1 | 10: the largest stage at 3 stages is 10, earlier stages as full as allowed
-    stack = _linear_stack([10, 1, 1, 1, 1, 10])
-    assert plan_stages(stack, 3, by="params") == [["0"], ["1", "2", "3", "4"], ["5"]]
-    assert plan_stages(stack, 3) == [["0", "1"], ["2", "3"], ["4", "5"]]  # by child count
-    # 4 4 4 4 8 in 2: 12 | 12 (child count would give 4 4 4 | 4 8 = 12 | 12 too)
-    assert balance([4, 4, 4, 4, 8], 2) == [3, 2]
-    # 8 1 1 1 1 1 1 in 2: 8 | 6 (child count: 8 1 1 1 | 1 1 1 = 11 | 3)
-    assert balance([8, 1, 1, 1, 1, 1, 1], 2) == [1, 6]
-    # ties: 2 2 2 2 in 3 -> largest 4; earlier stages take two: 4 | 2 | 2
-    assert balance([2, 2, 2, 2], 3) == [2, 1, 1]
-    assert balance([5, 5, 5], 3) == [1, 1, 1]
-    assert balance([3, 1, 1, 1, 1, 1, 3], 1) == [7]
-    with pytest.raises(ValueError, match="cannot split 2 items into 3"):
-        balance([1, 1], 3)
-
-
-def _largest(w, sizes):
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return max(sum(w[a : a + s]) for a, s in zip(starts, sizes))
-
-
-def test_split_by_params_is_least_largest_stage():
-    """Every split of random weights: balance's largest stage is the least (exhaustive)."""
-    import itertools
-
-    g = torch.Generator().manual_seed(3)
-    for _ in range(30):
-        n = int(torch.randint(2, 8, (1,), generator=g))
-        k = int(torch.randint(1, n + 1, (1,), generator=g))
-        w = torch.randint(1, 50, (n,), generator=g).tolist()
-        sizes = balance(w, k)
-        assert len(sizes) == k and sum(sizes) == n and min(sizes) >= 1
-
-        best = min(
-            _largest(w, [b - a for a, b in zip((0, *cut), (*cut, n))])
-            for cut in itertools.combinations(range(1, n), k - 1)
-        )
-        assert _largest(w, sizes) == best, (w, k, sizes)
-
-
-def test_split_setting_is_checked_and_recorded():
-    with pytest.raises(ValueError, match="PipelineConfig.split must be one of"):
-        PipelineConfig(split="layers")
-    assert PipelineConfig(split="params").record()["pipeline.split"] == "params"
-    with pytest.raises(ValueError, match="split must be one of"):
-        plan_stages(_linear_stack([1, 2]), 2, by="flops")
+def test_hf_stack_split_by_params():
     # Qwen3-MoE stack: embed 37 x 16 = 592; attention 256 + 128 + 128 + 256 + 8 + 8 = 784 and
     # norms 32 per layer; MoE FFN 4 x 16 + 3 x 4 x 16 x 12 = 2368, dense FFN 3 x 16 x 24 = 1152;
     # head 16 + 592. Children: 592, 3184, 3184, 1968 (dense), 3184, 608.
