@@ -50,10 +50,10 @@ class Embed(Rooted):
 
     def __init__(self, base_path: str, embed: nn.Module):
         super().__init__({f"{base_path}.embed_tokens": embed})
-        self.embed = [embed]  # the called module (a list: registered by Rooted only)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[0](ids)
+        (embed,) = self.parts
+        return embed(ids)
 
 
 class Layer(Rooted):
@@ -62,11 +62,10 @@ class Layer(Rooted):
 
     def __init__(self, base_path, index, layer, rotary, config, mask_fn):
         super().__init__({f"{base_path}.layers.{index}": layer, f"{base_path}.rotary_emb": rotary})
-        self.modules_ = [layer, rotary]
         self.config, self.mask_fn = config, mask_fn
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        layer, rotary = self.modules_
+        layer, rotary = self.parts
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = self.mask_fn(
             config=self.config,
@@ -91,10 +90,9 @@ class Head(Rooted):
 
     def __init__(self, base_path: str, norm: nn.Module, lm_head: nn.Module):
         super().__init__({f"{base_path}.norm": norm, "lm_head": lm_head})
-        self.pair = [norm, lm_head]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm, lm_head = self.pair
+        norm, lm_head = self.parts
         return lm_head(norm(hidden))
 
 

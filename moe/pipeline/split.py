@@ -103,7 +103,8 @@ class Rooted(nn.Module):
     def __init__(self, paths: dict[str, nn.Module]):
         super().__init__()
         graft(self, paths)
-        self.paths = dict(paths)  # a plain dict: the modules are registered by graft only
+        # plain containers: the modules are registered by graft only
+        self.paths, self.parts = dict(paths), tuple(paths.values())
 
 
 def graft(root: nn.Module, paths: dict[str, nn.Module]) -> None:
