@@ -2,9 +2,9 @@
 
 Each child of the stage (its `units()`; a stage of Rooted children names the modules at
 their paths, each called in the forward) that holds an MoE layer is parallelized by
-moe.parallel.parallelize on the stage's mesh (its MoE layers and the child become FSDP2 units, as
-parallelize(stage, blocks=...) would make them); every other child with parameters and then
-the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
+moe.parallel.parallelize on the stage's mesh (its MoE layers and the child become FSDP2
+units, as parallelize(stage, blocks=...) would make them); every other child with parameters
+and then the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
 with no MoE layer never calls parallelize: it joins no MoE collective.
 
 parallelize acts on the ranks of the mesh it is given only (its agreement check, its broadcast,
