@@ -66,10 +66,11 @@ def build(family: str, convert: bool = True) -> nn.Module:
 def batches(width):
     """Two global batches of (tokens, targets): `width` pipelines x ROWS sequences."""
     g = torch.Generator().manual_seed(1)
+    shape = (width * ROWS, S)
     return [
-        (torch.randint(V, (width * ROWS, S), generator=g), torch.randint(V, (width * ROWS, S), generator=g))
+        (torch.randint(V, shape, generator=g), torch.randint(V, shape, generator=g))
         for _ in range(2)
-    ]  # fmt: skip
+    ]
 
 
 def loss_fn(logits, target, scale):
