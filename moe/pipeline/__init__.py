@@ -2,7 +2,8 @@
 from outside the model, EP + FSDP2 per stage over its own ("dp", "ep") mesh, PyTorch's
 pipelining engine for the schedule, and the MoE aux losses of every stage in the backward.
 
-Public names: PipelineConfig, Pipeline, init_pipeline_mesh, plan_stages, attach_aux.
+Public names: PipelineConfig, Pipeline, init_pipeline_mesh, plan_stages, attach_aux, hf_stack
+(a transformers decoder as a stack of stages), save_hf (its files from a pipeline).
 """
 
 from moe.pipeline.aux import AuxLossToBackward, attach_aux
@@ -10,6 +11,9 @@ from moe.pipeline.config import SCHEDULES, PipelineConfig
 from moe.pipeline.mesh import init_pipeline_mesh
 from moe.pipeline.runner import Pipeline
 from moe.pipeline.split import PipelineStageModule, build_stage, plan_stages
+from moe.pipeline.split import Rooted, RootedStageModule
+from moe.pipeline.hf_stack import HFStack, hf_stack
+from moe.pipeline.hf_export import save_hf
 
 __all__ = [
     "SCHEDULES",
@@ -21,4 +25,9 @@ __all__ = [
     "build_stage",
     "init_pipeline_mesh",
     "plan_stages",
+    "HFStack",
+    "Rooted",
+    "RootedStageModule",
+    "hf_stack",
+    "save_hf",
 ]

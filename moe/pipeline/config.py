@@ -12,6 +12,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from moe.pipeline.split import SPLITS
+
 # PyTorch's schedules by name (the class name without "Schedule", case-insensitive) and how
 # they place stages: "single" one stage per rank; "loop" stage s on pp rank s % pp;
 # "v" two stages per rank, rank r holding stages r and 2 pp - 1 - r.
@@ -42,7 +44,9 @@ class PipelineConfig:
     normalises them itself; True: PyTorch divides every gradient by `microbatches` after the
     step (loss_fn then returns a mean per micro-batch).
     sync_params: broadcast each stage's parameters and buffers from the stage's first rank
-    (its dp x ep ranks only) before it is parallelized, so its ranks start from one model."""
+    (its dp x ep ranks only) before it is parallelized, so its ranks start from one model.
+    split: how stages=None splits the model: "children" (even child counts) or "params"
+    (contiguous stages minimising the largest stage's parameter count; embedding first)."""
 
     schedule: str = "1F1B"
     microbatches: int = 2
@@ -50,6 +54,7 @@ class PipelineConfig:
     stages: tuple[tuple[str, ...], ...] | None = None
     scale_grads: bool = False
     sync_params: bool = True
+    split: str = "children"
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or self.schedule.lower() not in _BY_KEY:
@@ -75,6 +80,8 @@ class PipelineConfig:
                 )
         if self.stages is not None:
             object.__setattr__(self, "stages", _stage_names(self.stages))
+        if self.split not in SPLITS:
+            raise ValueError(f"PipelineConfig.split must be one of {SPLITS}, got {self.split!r}")
 
     @property
     def schedule_class(self) -> type:

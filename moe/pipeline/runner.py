@@ -62,7 +62,7 @@ class Pipeline:
                 )
             pp = mesh.size(0)
             config.check_stages(pp)
-            plan = plan_stages(model, pp * config.stages_per_rank, config.stages)
+            plan = plan_stages(model, pp * config.stages_per_rank, config.stages, config.split)
             check_parallel_kwargs(parallel)
             config.check_data_parallel(parallel.get("data_parallel", "ddp"))
             if not callable(loss_fn):

@@ -1,9 +1,10 @@
 """EP + FSDP2 on one pipeline stage, over the stage's own ("dp", "ep") mesh only.
 
-Each child of the stage that holds an MoE layer is parallelized by moe.parallel.parallelize
-on the stage's mesh (its MoE layers and the child become FSDP2 units, as
-parallelize(stage, blocks=...) would make them); every other child with parameters and then
-the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
+Each child of the stage (its `units()`; a stage of Rooted children names the modules at
+their paths, each called in the forward) that holds an MoE layer is parallelized by
+moe.parallel.parallelize on the stage's mesh (its MoE layers and the child become FSDP2
+units, as parallelize(stage, blocks=...) would make them); every other child with parameters
+and then the stage itself are FSDP2 units (fully_shard or replicate) over the stage's ranks. A stage
 with no MoE layer never calls parallelize: it joins no MoE collective.
 
 parallelize acts on the ranks of the mesh it is given only (its agreement check, its broadcast,
@@ -96,7 +97,8 @@ def parallelize_stage(stage: nn.Module, mesh: DeviceMesh, parallel: dict) -> nn.
     wrap, common = _dense_wrap(parallel)
     sum_only = dist.get_backend() != "nccl"  # gloo: no AVG / PREMUL_SUM (as parallelize)
     units = []
-    for _, child in stage.named_children():
+    pieces = stage.units() if hasattr(stage, "units") else list(stage.children())
+    for child in pieces:
         if moe_layers(child):
             parallelize(child, mesh, sync_params=False, **parallel)
         elif any(True for _ in child.parameters()):
