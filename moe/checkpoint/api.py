@@ -342,7 +342,8 @@ def load_checkpoint(
         )
         _add_layout_note(model, objects, problems)
         if problems:
-            raise CheckpointError(f"{REFUSED}:\n  " + "\n  ".join(problems[:20]))
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise CheckpointError(f"{REFUSED}:\n  " + "\n  ".join(problems[:20]) + more)
     try:
         reader = JsonStorageReader(directory, stored)
         with warnings.catch_warnings():

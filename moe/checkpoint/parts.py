@@ -165,9 +165,9 @@ def unclaimed(stored: dict, objects: dict, claims: dict[str, set], has_opt: bool
     One all-reduce over the world of a 0/1 per stored name; the same list on every rank (the
     metadata was agreed before)."""
     opt_meta = objects.get("optimizer") if isinstance(objects.get("optimizer"), dict) else {}
-    names = {
-        "tensors": sorted(stored),
+    names = {  # layers first: a refusal's first lines say which part of the model differs
         "layers": sorted(objects.get("moe_layers") or {}),
+        "tensors": sorted(stored),
         "states": sorted(opt_meta.get("state_values") or {}),
     }
     flags = [float(has_opt)]
