@@ -52,11 +52,13 @@ def _mesh(pp, dp, ep):
     return init_pipeline_mesh(pp, dp, ep)
 
 
-def _pipeline(layout, model=None, data_parallel="fsdp"):
+def _pipeline(layout, model=None, data_parallel="fsdp", schedule=None):
     pp, dp, ep = layout
     width = dp * ep
     m = MICROBATCHES // width
-    config = PipelineConfig("1F1B" if pp > 1 and m >= pp else "GPipe", microbatches=m)
+    schedule = schedule or ("1F1B" if pp > 1 and m >= pp else "GPipe")
+    v = 2 if schedule == "Interleaved1F1B" else 1  # two stages on each rank
+    config = PipelineConfig(schedule, microbatches=m, stages_per_rank=v)
     scale = width / (G * S)  # summed cross-entropy; the mean over the stage's ranks
     pipe = Pipeline(
         _fresh(build_model()) if model is None else model,
@@ -115,7 +117,8 @@ def _refused(fn) -> str:
 
 def _first_body(rank, world, path):
     """(2, 1, 2): train, save A, train on (uninterrupted); resume from A at (2, 1, 2) and at
-    (1, 2, 2) (which saves B), load A at (2, 2, 1); a GroupedApply pipeline saves D; refusals."""
+    (1, 2, 2) (which saves B), load A at (2, 2, 1) and at (2, 1, 2) with two stages per rank;
+    a GroupedApply pipeline saves D; refusals."""
     steps, out = _batches(), {}
     a, b, d = (os.path.join(path, n) for n in "abd")
     pipe, opt = _pipeline((2, 1, 2))
@@ -135,6 +138,10 @@ def _first_body(rank, world, path):
     pipe, opt = _pipeline((2, 2, 1))
     load_checkpoint(a, pipe, opt)
     out["loaded 221"] = _snapshot(pipe.named_parameters(), opt)
+    # 4 stages, two on each rank: embed b0 | b1 b2 | b3 | head (rank 0: stages 0 and 2)
+    pipe, opt = _pipeline((2, 1, 2), schedule="Interleaved1F1B")
+    load_checkpoint(a, pipe, opt)
+    out["loaded 212 v2"] = _snapshot(pipe.named_parameters(), opt)
     # GroupedApply over the pipeline's parameters (another optimizer class than A's)
     pipe, _ = _pipeline((2, 1, 2))
     grouped = GroupedApply(pipe.named_parameters(), torch.optim.Adam, 2, lr=LR)
@@ -219,7 +226,7 @@ def test_checkpoint_hops_across_pipeline_layouts_exactly(runs):
     assert any(k.endswith(" exp_avg_sq") for k in saved) and any(k.endswith(" step") for k in saved)
     assert {k.split()[1] for k in saved} == {n for n, _ in build_model().named_parameters()}
     # A (2,1,2) -> (2,1,2), (1,2,2), (2,2,1); (1,2,2) -> B -> (1,1,1) -> C -> (2,1,2)
-    for name in ("212", "122", "221", "111", "back 212"):
+    for name in ("212", "122", "221", "212 v2", "111", "back 212"):
         _assert_equal(runs[f"loaded {name}"], saved, name)
     for name in ("212", "122", "111", "back 212"):
         assert runs[f"extra {name}"] == {"step": SAVED_AT}, name

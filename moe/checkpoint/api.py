@@ -313,7 +313,7 @@ def load_checkpoint(
     ValueError's or TypeError's text as is, another's with its type's name)."""
     model = as_model(model)
     problems: list[str] = []
-    stored, objects, loaded = {}, {}, {}
+    stored, objects, loaded, claims = {}, {}, {}, {}
     cls, cause = CheckpointError, None
     try:
         directory = checkpoint_dir(path)
@@ -328,6 +328,7 @@ def load_checkpoint(
                 )
                 raise CheckpointError(f"extra: {why}") from e
         loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
+        claims = st.claims(model, opt, stored) if is_partial(model) else {}
         _add_layout_note(model, objects, problems)
     except CheckpointError as e:
         problems.append(str(e))
@@ -337,9 +338,7 @@ def load_checkpoint(
         cause = e
     _agree(problems, cls, cause, _identity(directory) if not problems else None)
     if is_partial(model):  # the same metadata on every rank: what no rank holds
-        problems = unclaimed_names(
-            stored, objects, st.claims(model, opt, stored), has_opt=opt is not None
-        )
+        problems = unclaimed_names(stored, objects, claims, has_opt=opt is not None)
         _add_layout_note(model, objects, problems)
         if problems:
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
