@@ -19,8 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import moe
 from moe.checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, save_checkpoint
+from moe.checkpoint.parts import ModelParts
 from moe.checkpoint.storage import read_metadata_json
 from moe.memory import GroupedApply
+from moe.parallel import init_mesh, parallelize
 from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh
 from tests.distributed import run_ranks
 from tests.test_pipeline import FF, MOE, D, S, V, build_model, loss_fn
@@ -117,8 +119,9 @@ def _refused(fn) -> str:
 
 def _first_body(rank, world, path):
     """(2, 1, 2): train, save A, train on (uninterrupted); resume from A at (2, 1, 2) and at
-    (1, 2, 2) (which saves B), load A at (2, 2, 1) and at (2, 1, 2) with two stages per rank;
-    a GroupedApply pipeline saves D; refusals."""
+    (1, 2, 2) (which saves B), load A at (2, 2, 1), at (2, 1, 2) with two stages per rank and
+    into a plain (dp, ep) = (2, 2) model (which saves E); a GroupedApply pipeline saves D;
+    refusals."""
     steps, out = _batches(), {}
     a, b, d = (os.path.join(path, n) for n in "abd")
     pipe, opt = _pipeline((2, 1, 2))
@@ -142,6 +145,12 @@ def _first_body(rank, world, path):
     pipe, opt = _pipeline((2, 1, 2), schedule="Interleaved1F1B")
     load_checkpoint(a, pipe, opt)
     out["loaded 212 v2"] = _snapshot(pipe.named_parameters(), opt)
+    # a plain (dp, ep)-parallelized model (no pipeline) reads and writes the same format: E
+    plain = parallelize(_fresh(build_model()), init_mesh(dp=2, ep=2), "fsdp", algorithm="flat")
+    opt = torch.optim.Adam(plain.parameters(), lr=LR)
+    load_checkpoint(a, plain, opt)
+    out["loaded plain 122"] = _snapshot(plain.named_parameters(), opt)
+    save_checkpoint(os.path.join(path, "e"), plain, opt)
     # GroupedApply over the pipeline's parameters (another optimizer class than A's)
     pipe, _ = _pipeline((2, 1, 2))
     grouped = GroupedApply(pipe.named_parameters(), torch.optim.Adam, 2, lr=LR)
@@ -214,6 +223,10 @@ def runs(tmp_path_factory):
     grouped = GroupedApply(model.named_parameters(), torch.optim.Adam, 3, lr=LR)
     load_checkpoint(os.path.join(path, "d"), model, grouped)
     results["grouped 111"] = _snapshot(model.named_parameters(), grouped)
+    model = _fresh(build_model())
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    load_checkpoint(os.path.join(path, "e"), model, opt)
+    results["loaded plain 111"] = _snapshot(model.named_parameters(), opt)
     second = run_ranks(_second_body, 4, path, timeout=120)
     results["extra back 212"] = second[0][0]
     results["loaded back 212"] = _union([s for _, s in second])
@@ -226,12 +239,12 @@ def test_checkpoint_hops_across_pipeline_layouts_exactly(runs):
     assert any(k.endswith(" exp_avg_sq") for k in saved) and any(k.endswith(" step") for k in saved)
     assert {k.split()[1] for k in saved} == {n for n, _ in build_model().named_parameters()}
     # A (2,1,2) -> (2,1,2), (1,2,2), (2,2,1); (1,2,2) -> B -> (1,1,1) -> C -> (2,1,2)
-    for name in ("212", "122", "221", "212 v2", "111", "back 212"):
+    for name in ("212", "122", "221", "212 v2", "plain 122", "plain 111", "111", "back 212"):
         _assert_equal(runs[f"loaded {name}"], saved, name)
     for name in ("212", "122", "111", "back 212"):
         assert runs[f"extra {name}"] == {"step": SAVED_AT}, name
     # the metadata records the layout each was saved at
-    for name, layout in (("a", (2, 1, 2)), ("b", (1, 2, 2)), ("c", (1, 1, 1))):
+    for name, layout in (("a", (2, 1, 2)), ("b", (1, 2, 2)), ("c", (1, 1, 1)), ("e", (1, 2, 2))):
         _, objects = read_metadata_json(checkpoint_dir(os.path.join(runs["path"], name)))
         assert objects["layout"] == dict(zip(("pp", "dp", "ep"), layout)), name
         assert set(objects["moe_layers"]) == {"b1.ffn", "b3.ffn"}  # both stages' layers
@@ -285,3 +298,16 @@ def test_malformed_layout_record_is_refused(runs, tmp_path):
     model = build_model()
     with pytest.raises(CheckpointError, match="objects.layout must map pp, dp, ep to ints >= 1"):
         load_checkpoint(str(forged), model)
+
+
+def test_model_parts_and_bad_models_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="model must be an nn.Module or a moe.pipeline.Pipeline"):
+        save_checkpoint(str(tmp_path), object())
+    with pytest.raises(ValueError, match="model must be an nn.Module or a moe.pipeline.Pipeline"):
+        load_checkpoint(str(tmp_path), [build_model()])
+    with pytest.raises(ValueError, match="'b0' is in two parts"):
+        model = build_model()
+        ModelParts([nn.Sequential(OrderedDict(b0=model.b0)), model], {"pp": 2, "dp": 1, "ep": 1})
+    with pytest.raises(ValueError, match="holds parameters or buffers of its own"):
+        ModelParts([nn.Linear(2, 2)], {"pp": 1, "dp": 1, "ep": 1})
+    assert list(os.listdir(tmp_path)) == []  # nothing written
