@@ -151,7 +151,8 @@ def _first_body(rank, world, path):
     load_checkpoint(a, plain, opt)
     out["loaded plain 122"] = _snapshot(plain.named_parameters(), opt)
     save_checkpoint(os.path.join(path, "e"), plain, opt)
-    # GroupedApply over the pipeline's parameters (another optimizer class than A's)
+    # GroupedApply (2 apply groups per stage) over the pipeline's parameters; D loads into a
+    # one-process GroupedApply with 3
     pipe, _ = _pipeline((2, 1, 2))
     grouped = GroupedApply(pipe.named_parameters(), torch.optim.Adam, 2, lr=LR)
     _train_pipeline(pipe, grouped, steps[:1], rank)
@@ -170,7 +171,9 @@ def _first_body(rank, world, path):
     out["other model"] = _refused(lambda: load_checkpoint(a, pipe5, opt5))
     # one optimizer value per group: stages with other learning rates cannot be saved
     odd = torch.optim.Adam(pipe.parameters(), lr=LR * (1 + rank // 2))
+    listing = sorted(os.listdir(a))
     out["odd lr"] = _refused(lambda: save_checkpoint(a, pipe, odd))
+    out["odd lr wrote nothing"] = sorted(os.listdir(a)) == listing
     dist.barrier()
     return out
 
@@ -286,6 +289,7 @@ def test_incompatible_checkpoints_are_refused_on_every_rank(runs):
         assert (
             "optimizer param_groups[0]: hyper-parameters differ across stages" in (out["odd lr"])
         ), out["odd lr"]
+        assert out["odd lr wrote nothing"]
         assert out["other experts"] == runs["ranks"][0]["other experts"]  # the same everywhere
 
 
