@@ -2,8 +2,8 @@
 a whole model's, so a checkpoint written at any (pp, dp, ep) loads at any other.
 
 A rank's parts are checkpointed as one module, ModelParts, whose children are the parts'
-children under their names in the whole model: torch's state-dict helpers (get/set_model_
-and _optimizer_state_dict) then give the single-process keys and global shapes on every stage,
+children under their names in the whole model: torch's state-dict helpers (get_/set_model_
+state_dict, get_/set_optimizer_state_dict) then give the single-process keys and global shapes,
 with one optimizer over all of this rank's parts, and DCP writes and reads each stage's keys
 from that stage's ranks (every rank of every stage takes part in one dcp.save / dcp.load).
 
