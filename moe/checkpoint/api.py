@@ -35,7 +35,9 @@ from moe.checkpoint import slots as slot_files
 from moe.checkpoint import state as st
 from moe.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from moe.checkpoint.folder import MARKER, FolderLock, make_staging, new_id, remove_stale_staging
-from moe.checkpoint.metadata import METADATA
+from moe.checkpoint.metadata import LAYOUT, METADATA, parse_layout
+from moe.checkpoint.parts import as_model, is_partial, layout_note, layout_of, merge_objects
+from moe.checkpoint.parts import unclaimed as unclaimed_names
 from moe.checkpoint.storage import (
     MAX_METADATA_BYTES,
     JsonStorageReader,
@@ -157,7 +159,9 @@ def _begin(path: str) -> tuple[FolderLock | None, str]:
 
 def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
     """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
-    Collective: every rank calls it and writes only its own shards. `extra` is the caller's
+    Collective: every rank calls it and writes only its own shards. `model` may be a
+    moe.pipeline.Pipeline (`opt` over its parameters): every rank of every stage saves its
+    stages' part, in the format of the whole model (moe.checkpoint.parts). `extra` is the caller's
     metadata (e.g. the step, a training loop's state): a JSON object (finite numbers),
     published atomically with the tensors and returned by load_checkpoint. Returns the
     directory of the new checkpoint. Only the save's own entries in `path` are written or
@@ -166,11 +170,20 @@ def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None
         raise ValueError(
             f"save_checkpoint: extra must be a dict (a JSON object), got {type(extra)}"
         )
-    tensors, objects = st.collect(model, opt)
+    model = as_model(model)
+    tensors, objects, problem = {}, None, None
     try:
-        objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+        tensors, objects = st.collect(model, opt)
+        try:
+            objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a model in parts: every rank learns of it below
+        if not is_partial(model):
+            raise
+        problem = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    if is_partial(model):  # every stage's MoE settings and optimizer groups, or one error
+        objects = merge_objects(objects, problem)
     lock, ident = _begin(path)
     tmp, final = os.path.join(path, f"{STAGING}{ident}"), os.path.join(path, f"ckpt-{ident}")
     try:
@@ -249,6 +262,13 @@ def _discard(path: str, tmp: str, final: str) -> None:
         shutil.rmtree(final, ignore_errors=True)
 
 
+def _add_layout_note(model: nn.Module, objects: dict, problems: list) -> None:
+    """A refused load of (or into) a model in parts also names both layouts."""
+    saved = parse_layout(objects.get(LAYOUT))
+    if problems and (is_partial(model) or (saved and saved["pp"] > 1)):
+        problems.insert(0, layout_note(saved, layout_of(model)))  # first: never cut off
+
+
 def checkpoint_dir(path: str) -> str:
     """The directory of the current complete checkpoint under `path` (or `path` itself)."""
     if os.path.isfile(os.path.join(path, METADATA)):
@@ -282,7 +302,8 @@ def load_checkpoint(
     allow_config_change: bool = False,
     check_extra: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Load the checkpoint under `path` into `model` and `opt` at any layout. Collective.
+    """Load the checkpoint under `path` into `model` and `opt` at any layout (a Pipeline too,
+    any (pp, dp, ep): see save_checkpoint). Collective.
     Validates everything first (tensors, optimizer hyper-parameters and state, and the MoE
     settings each layer was saved with: a difference is an error unless
     `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
@@ -290,8 +311,9 @@ def load_checkpoint(
     without pickle). `check_extra(extra)` validates the caller's own metadata in that first
     phase: an exception it raises refuses the checkpoint the same way, on every rank (a
     ValueError's or TypeError's text as is, another's with its type's name)."""
+    model = as_model(model)
     problems: list[str] = []
-    stored, objects, loaded = {}, {}, {}
+    stored, objects, loaded, claims = {}, {}, {}, {}
     cls, cause = CheckpointError, None
     try:
         directory = checkpoint_dir(path)
@@ -306,6 +328,8 @@ def load_checkpoint(
                 )
                 raise CheckpointError(f"extra: {why}") from e
         loaded = st.targets(model, opt, stored, objects, problems, allow_config_change)
+        claims = st.claims(model, opt, stored) if is_partial(model) else {}
+        _add_layout_note(model, objects, problems)
     except CheckpointError as e:
         problems.append(str(e))
         cls, cause = type(e), e
@@ -313,6 +337,12 @@ def load_checkpoint(
         problems.append(f"{type(e).__name__}: {e}")
         cause = e
     _agree(problems, cls, cause, _identity(directory) if not problems else None)
+    if is_partial(model):  # the same metadata on every rank: what no rank holds
+        problems = unclaimed_names(stored, objects, claims, has_opt=opt is not None)
+        _add_layout_note(model, objects, problems)
+        if problems:
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise CheckpointError(f"{REFUSED}:\n  " + "\n  ".join(problems[:20]) + more)
     try:
         reader = JsonStorageReader(directory, stored)
         with warnings.catch_warnings():

@@ -5,7 +5,10 @@
      "tensors": {key: {"dtype": "float32", "shape": [...],
                        "chunks": [{"offsets": [...], "sizes": [...], "file": "data-00000.bin",
                                    "offset": 0, "length": 24, "crc32": 123}]}},
-     "objects": {... every non-tensor value: hyperparameters, `extra`, ...}}
+     "objects": {... every non-tensor value: hyperparameters, `extra`, ...,
+                 "layout": {"pp": 2, "dp": 1, "ep": 2}}}
+`layout` is the (pp, dp, ep) the checkpoint was saved at (absent before issue 47): any
+layout loads any checkpoint, it is recorded to name both layouts when a load is refused.
 Validation checks every field's type, that every chunk lies inside its tensor, that the chunks
 tile it exactly (no overlap, no gap), that each chunk's byte length equals dtype x shape and
 lies inside a regular file inside the checkpoint directory, all before any tensor is allocated.
@@ -21,6 +24,7 @@ from moe.checkpoint.errors import CheckpointError
 
 FORMAT, VERSION = "moe-dcp", 2
 METADATA = "metadata.json"
+LAYOUT, LAYOUT_DIMS = "layout", ("pp", "dp", "ep")
 DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (
@@ -194,3 +198,17 @@ def parse(raw, directory: str) -> tuple[dict[str, TensorEntry], dict]:
         _check_tiling(key, entry)
         tensors[key] = entry
     return tensors, objects
+
+
+def parse_layout(raw) -> dict[str, int] | None:
+    """objects.layout validated: None (not recorded) or {"pp", "dp", "ep"} ints >= 1."""
+    if raw is None:
+        return None
+    ok = isinstance(raw, dict) and set(raw) == set(LAYOUT_DIMS)
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in raw.values())
+    if not ok:
+        raise CheckpointError(
+            f"metadata: objects.{LAYOUT} must map {', '.join(LAYOUT_DIMS)} to ints >= 1, "
+            f"got {raw!r:.80}"
+        )
+    return {k: raw[k] for k in LAYOUT_DIMS}

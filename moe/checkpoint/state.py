@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from moe.checkpoint import replicas, slots, validate
 from moe.checkpoint.errors import CheckpointError
-from moe.checkpoint.metadata import TensorEntry, dtype_name
+from moe.checkpoint.metadata import LAYOUT, TensorEntry, dtype_name
+from moe.checkpoint.parts import is_partial, layout_of
 from moe.checkpoint.validate import NOT_RESTORED
 from moe.memory.grouped_apply import GroupedApply
 
@@ -81,6 +82,7 @@ def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
     objects[slots.KEY] = layouts
+    objects[LAYOUT] = layout_of(model)
     if opt is None:
         replicas.to_canonical(model, tensors)
         return tensors, objects
@@ -125,9 +127,13 @@ def targets(
 ) -> dict:
     """Empty tensors (same layout as the live ones) to load into, after checking every
     stored key, shape and dtype against the model and optimizer, and every JSON value that
-    `apply` will set (moe.checkpoint.validate)."""
+    `apply` will set (moe.checkpoint.validate). A model in parts (moe.checkpoint.parts)
+    checks its own keys here; what no rank holds is found across ranks (claims)."""
+    partial = is_partial(model)
     check_layout(model)
-    validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
+    validate.check_saved_layer_configs(
+        model, objects.get("moe_layers"), allow_change, problems, partial
+    )
     slots.check_objects(model, objects, problems)
     out = {}
     for k, v in get_model_state_dict(model).items():
@@ -140,6 +146,8 @@ def targets(
             out[f"model/{k}"] = torch.empty_like(v)
     model_keys = {f"model/{k}" for k in get_model_state_dict(model)}
     unknown = [k for k in stored if k.startswith("model/") and k not in model_keys]
+    if partial:  # another rank's part, or no rank's: checked across ranks
+        unknown = []
     problems += [f"{k}: in the checkpoint but not in the model" for k in unknown]
     if opt is None:
         return out
@@ -151,13 +159,13 @@ def targets(
     for k in stored:
         if k.startswith("optim/"):
             fqn, _, key = k[len("optim/") :].rpartition("/")
-            if fqn not in named:
+            if fqn not in named and not partial:
                 problems.append(f"{k}: in the checkpoint but not a parameter of this optimizer")
             saved.setdefault(fqn, set()).add(key)
     grouped = _is_grouped(opt)
     live = {} if grouped else get_optimizer_state_dict(model, opt)["state"]
     live_state = {n: opt.state_of(p) for n, p in named.items()} if grouped else live
-    validate.check_optimizer(opt, objects, named, live_state, problems)
+    validate.check_optimizer(opt, objects, named, live_state, problems, partial)
     for fqn, p in named.items():
         for key in sorted(saved.get(fqn, ())):
             k, entry = f"optim/{fqn}/{key}", stored[f"optim/{fqn}/{key}"]
@@ -185,6 +193,18 @@ def targets(
     return out
 
 
+def claims(model, opt, stored: dict[str, TensorEntry]) -> dict[str, set]:
+    """What this rank holds of the stored names (moe.checkpoint.parts.unclaimed)."""
+    model_keys = {f"model/{k}" for k in get_model_state_dict(model)}
+    named = _named_managed(model, opt) if opt is not None else {}
+    optim = {k for k in stored if k.startswith("optim/") and k[6:].rpartition("/")[0] in named}
+    return {
+        "tensors": (model_keys & set(stored)) | optim,
+        "layers": set(validate.moe_settings(model)),
+        "states": set(named),
+    }
+
+
 def _restore_group(saved: dict, live: dict) -> dict:
     hyper = {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in saved.items()}
     return {**live, **{k: v for k, v in hyper.items() if k not in NOT_RESTORED}}
@@ -209,15 +229,16 @@ def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
         if k.startswith("optim/"):
             fqn, _, key = k[len("optim/") :].rpartition("/")
             state.setdefault(fqn, {})[key] = v
+    named = _named_managed(model, opt)
     for fqn, values in meta.get("state_values", {}).items():
-        state.setdefault(fqn, {}).update(values)
+        if fqn in named:  # a model in parts: this rank's parameters only
+            state.setdefault(fqn, {}).update(values)
     for fqn, values in state.items():
         for key, v in values.items():
             if isinstance(v, torch.Tensor):
                 values[key] = _to_slots(model, fqn, v, live, saved_slots, f"optim/{fqn}/{key}")
     saved_groups = meta.get("param_groups", [])
     if _is_grouped(opt):
-        named = _named_managed(model, opt)
         opt.load_param_states({opt.index_of(named[f]): s for f, s in state.items()})
         opt.load_hyperparameters([_restore_group(g, {}) for g in saved_groups])
         scaler = meta.get("loss_scaler")

@@ -100,10 +100,11 @@ def _groups(opt, saved: list, problems: list) -> None:
                 problems.append(problem)
 
 
-def _state_values(opt, values: dict, named: dict, live: dict, problems: list) -> None:
+def _state_values(opt, values: dict, named: dict, live: dict, problems: list, partial) -> None:
     for fqn, state in values.items():
-        if fqn not in named:
-            problems.append(f"optimizer state of {fqn!r}: not a parameter of this optimizer")
+        if fqn not in named:  # a model in parts: another rank's, or none's (moe.checkpoint.parts)
+            if not partial:
+                problems.append(f"optimizer state of {fqn!r}: not a parameter of this optimizer")
             continue
         for key, value in state.items():
             where = f"optimizer state {fqn}/{key}"
@@ -133,8 +134,11 @@ def _loss_scaler(saved, problems: list) -> None:
             problems.append(f"optimizer loss_scaler.{key}: expected an int >= 0, got {value!r:.80}")
 
 
-def check_optimizer(opt, objects: dict, named: dict, live_state: dict, problems: list) -> None:
-    """Hyper-parameters, JSON state values and the loss scaler that `apply` will set."""
+def check_optimizer(
+    opt, objects: dict, named: dict, live_state: dict, problems: list, partial: bool = False
+) -> None:
+    """Hyper-parameters, JSON state values and the loss scaler that `apply` will set (`partial`:
+    the model is this rank's part of it, state of other parameters is not this rank's)."""
     meta = objects.get("optimizer")
     if opt is None or not isinstance(meta, dict):
         return
@@ -149,7 +153,7 @@ def check_optimizer(opt, objects: dict, named: dict, live_state: dict, problems:
         problems.append("optimizer param_groups: empty (a saved optimizer has at least one group)")
         return
     _groups(opt, meta.get("param_groups", []), problems)
-    _state_values(opt, meta.get("state_values", {}), named, live_state, problems)
+    _state_values(opt, meta.get("state_values", {}), named, live_state, problems, partial)
     if loss_scaler_of(opt) is not None:
         _loss_scaler(meta.get("loss_scaler"), problems)
 
@@ -161,9 +165,12 @@ def moe_settings(model: nn.Module) -> dict:
     return {name: asdict(layer.config) for name, layer in moe_layers(model)}
 
 
-def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
+def check_saved_layer_configs(
+    model: nn.Module, saved, allow_change: bool, problems: list, partial: bool = False
+) -> None:
     """The model's MoE layers must have the settings they were saved with (a checkpoint
-    without them, from an older release, is not checked)."""
+    without them, from an older release, is not checked); `partial`: the model is this rank's
+    part of it (saved layers it lacks are checked across ranks, moe.checkpoint.parts)."""
     if saved is None:
         return
     if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
@@ -172,7 +179,7 @@ def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, probl
     if allow_change:
         return
     live = moe_settings(model)
-    for name in sorted(set(saved) - set(live)):
+    for name in [] if partial else sorted(set(saved) - set(live)):
         problems.append(f"MoE layer {name!r}: in the checkpoint but not in the model")
     for name, config in live.items():
         if name not in saved:
@@ -196,7 +203,9 @@ def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, probl
 def check_objects(objects: dict) -> None:
     """The JSON structure of the optimizer and `extra` objects (raises CheckpointError)."""
     from moe.checkpoint.errors import CheckpointError
+    from moe.checkpoint.metadata import LAYOUT, parse_layout
 
+    parse_layout(objects.get(LAYOUT))
     opt = objects.get("optimizer")
     if not isinstance(objects.get("extra", {}), dict):
         raise CheckpointError("metadata: objects.extra is not a JSON object")

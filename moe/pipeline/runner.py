@@ -226,6 +226,13 @@ class Pipeline:
             raise ValueError(f"a stage must return one tensor, got {type(out).__name__}")
         return tuple(out.shape), out.dtype
 
+    def checkpoint_module(self) -> nn.Module:
+        """This rank's stages as one module for moe.checkpoint (save_checkpoint /
+        load_checkpoint take the Pipeline itself): see moe.pipeline.checkpoint."""
+        from moe.pipeline.checkpoint import stage_parts
+
+        return stage_parts(self)
+
 
 def _empty(shape, dtype, device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
