@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from moe.comm.consistency import raise_if_any_rank_failed
 from moe.pipeline.config import PipelineConfig
+from moe.pipeline.features import local_model, without_routes
 from moe.pipeline.mesh import check_pipeline_mesh
 from moe.pipeline.split import build_stage, plan_stages
 from moe.pipeline.stage_parallel import (
@@ -39,8 +40,8 @@ class Pipeline:
     index in `stage_indices`), each parallelized over the rank's ("dp", "ep") mesh with
     `parallel` (parallelize()'s keywords as a dict, or a settings dataclass with those fields).
     loss_fn(output, target) -> one micro-batch's loss on the last stage (summed over the
-    micro-batches unless config.scale_grads). A routing recorder active at the first step
-    also records the stage-shape forwards (see the module docstring)."""
+    micro-batches unless config.scale_grads). The MoE features per stage (bias updates,
+    router record / replay, routing traces, rebalance, replicas): moe.pipeline.features."""
 
     def __init__(
         self,
@@ -107,6 +108,11 @@ class Pipeline:
     def parameters(self):
         for _, p in self.named_parameters():
             yield p
+
+    def local_model(self) -> nn.Module:
+        """This rank's stages' children in one module, under their whole-model names (the same
+        modules): for calls that take a model (moe.pipeline.features)."""
+        return local_model(self)
 
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None):
         """One step over `microbatches` micro-batches: x on the first stage, target on the last
@@ -219,7 +225,8 @@ class Pipeline:
         training = module.training
         module.eval()
         try:
-            out = module(inp)
+            with without_routes(module):  # not a forward of the run: no record, no replay
+                out = module(inp)
         finally:
             module.train(training)
         if not isinstance(out, torch.Tensor):
