@@ -32,26 +32,27 @@ class Case(NamedTuple):
     schedule: str
     options: tuple = ()  # MoELayer settings of both MoE blocks
     v: int = 1
-    opt: str = "sgd"  # "sgd", "momentum" (SGD, momentum 0.9) or "grouped" (AdamW)
+    opt: str = "sgd"  # "sgd", "momentum" (SGD, momentum 0.9), "grouped[_optimizer]" (AdamW)
     balance: bool = False  # update_router_biases + reset_global_balance after each step
     replicas: bool = False  # sum_replica_grads before, rebalance_experts after each step
     replay: bool = False  # record on the model, replay on a perturbed one
     trace: bool = False  # routing traces per stage
+    accum: int = 1  # Pipeline.step calls per optimizer step (gradient accumulation)
 
 
 CASES = {
-    "balance_1f1b_recompute": Case(
-        2, 1, 2, "ddp", "1F1B", (*BALANCE, ("recompute", True)), trace=True, balance=True
+    "balance_1f1b_recompute_accum": Case(
+        2, 1, 2, "ddp", "1F1B", (*BALANCE, ("recompute", True)), trace=True, balance=True, accum=2
     ),
     "balance_dp2_fsdp_gpipe": Case(2, 2, 1, "fsdp", "GPipe", BALANCE, balance=True),
     "replay_interleaved_recompute": Case(
         2, 1, 2, "fsdp", "Interleaved1F1B", (("recompute", True),), v=2, replay=True, trace=True
     ),
-    "replay_1f1b": Case(2, 1, 2, "ddp", "1F1B", replay=True),
-    "replicas_rebalance_momentum": Case(
-        2, 1, 2, "ddp", "1F1B", (("spare_slots", 2),), opt="momentum", replicas=True
+    "replay_1f1b_accum": Case(2, 1, 2, "ddp", "1F1B", replay=True, accum=2),
+    "replicas_rebalance_momentum_accum": Case(
+        2, 1, 2, "ddp", "1F1B", (("spare_slots", 2),), opt="momentum", replicas=True, accum=2
     ),
-    "grouped_offload_dp2": Case(2, 2, 1, "fsdp", "1F1B", opt="grouped"),
+    "grouped_offload_optimizer_dp2": Case(2, 2, 1, "fsdp", "1F1B", opt="grouped_optimizer"),
     "grouped_offload_ep2": Case(2, 1, 2, "fsdp", "GPipe", opt="grouped"),
     "fp8_dispatch": Case(2, 1, 2, "ddp", "1F1B", (("fp8", FP8),)),
 }
@@ -74,8 +75,9 @@ def _optimizer(kind, named, grouped_ok=True):
         return torch.optim.SGD(params, lr=LR)
     if kind == "momentum":
         return torch.optim.SGD(params, lr=LR, momentum=0.9)
-    if grouped_ok:
-        return moe.memory.GroupedApply(named, torch.optim.AdamW, groups=2, offload="all", lr=0.01)
+    if grouped_ok:  # "grouped": offload "all"; "grouped_optimizer": offload "optimizer"
+        offload = kind.removeprefix("grouped_") if "_" in kind else "all"
+        return moe.memory.GroupedApply(named, torch.optim.AdamW, groups=2, offload=offload, lr=0.01)
     return torch.optim.AdamW(params, lr=0.01)
 
 
@@ -91,16 +93,17 @@ def _train_reference(model, case, width, routes=None, replay=None, trace=None):
     opt = _optimizer(case.opt, model.named_parameters(), grouped_ok=False)
     scale = 1 / (ROWS * S)
     concat = dict(case.options).get("balance_loss") == "global"
+    Mr = M * case.accum  # the micro-batches of all Pipeline.step calls of an optimizer step
     steps = []
     for x, y in batches(width):
         opt.zero_grad()
         outs = [[] for _ in range(width)]
         losses = [[] for _ in range(width)]
-        xs = [x[r * ROWS : (r + 1) * ROWS].tensor_split(M) for r in range(width)]
-        ys = [y[r * ROWS : (r + 1) * ROWS].tensor_split(M) for r in range(width)]
-        groups = [[(r, m)] for r in range(width) for m in range(M)]
+        xs = [x[r * ROWS : (r + 1) * ROWS].tensor_split(Mr) for r in range(width)]
+        ys = [y[r * ROWS : (r + 1) * ROWS].tensor_split(Mr) for r in range(width)]
+        groups = [[(r, m)] for r in range(width) for m in range(Mr)]
         if concat:
-            groups = [[(r, m) for r in range(width)] for m in range(M)]
+            groups = [[(r, m) for r in range(width)] for m in range(Mr)]
         for group in groups:
             xm = torch.cat([xs[r][m] for r, m in group])
             out = model(xm)
@@ -168,8 +171,14 @@ def _train_pipeline(pipe, case, rank, trace_dir=None):
     r, steps, moved = rank % width, [], 0
     for x, y in batches(width):
         opt.zero_grad()
-        rows = slice(r * ROWS, (r + 1) * ROWS)
-        out, losses = pipe.step(x[rows], y[rows])
+        per_call = ROWS // case.accum
+        outs, losses = [], []
+        for a in range(case.accum):  # gradients accumulate over the calls
+            rows = slice(r * ROWS + a * per_call, r * ROWS + (a + 1) * per_call)
+            out, part = pipe.step(x[rows], y[rows])
+            outs.append(out)
+            losses += part or []
+        out = None if outs[0] is None else torch.cat(outs)
         if case.replicas:
             features.sum_replica_grads(pipe)
         grads = {n: p.grad.full_tensor() for n, p in pipe.named_parameters()}
@@ -230,7 +239,7 @@ def _check(name, got, rank, want):
     case = CASES[name]
     width = case.dp * case.ep
     steps, params, biases, want_slots, routes = want
-    r = rank % width
+    r, Mr = rank % width, M * case.accum
     slots = got["slots"]
     for t, (out, losses, grads, stats) in enumerate(got["steps"]):
         w_outs, w_losses, w_grads, w_stats = steps[t]
@@ -257,9 +266,9 @@ def _check(name, got, rank, want):
         for n, recs in got["routes"].items():
             want_recs = routes[n]
             mine = [
-                want_recs[(t * width + r) * M + m].expert_ids_TK
+                want_recs[(t * width + r) * Mr + m].expert_ids_TK
                 for t in range(len(steps))
-                for m in range(M)
+                for m in range(Mr)
             ]
             # ep ranks of one pipeline split nothing: each routes its own tokens
             assert len(recs) == len(mine), (name, n, len(recs), len(mine))
@@ -304,3 +313,36 @@ def _check_traces(stage_dir, ref_path, case):
             assert abs(a["load_cv"] - b["load_cv"]) <= 1e-9
     assert seen == {line["layer"] for line in ref} == {"b1.ffn", "b3.ffn"}
     assert len(files) == 2  # b1 and b3 on different stages
+
+
+def test_fp8_reference_quantizes():
+    """The FP8 case compares a format, not a no-op: FP8 dispatch changes the outputs."""
+    fp8 = reference("fp8_dispatch", 2)[0][0][0]
+    plain = reference("replay_interleaved_recompute", 2)[0][0][
+        0
+    ]  # replay of its own routes: the plain model
+    assert all(_rel(a, b) > 1e-6 for a, b in zip(fp8, plain))
+
+
+@pytest.mark.parametrize("balance_loss", ["sequence", "global"])
+def test_recompute_with_balance_loss_equals_no_recompute(balance_loss):
+    """MoEConfig.recompute with the sequence / global balance loss (computed in the original
+    forward only): no CheckpointError, and the gradients of two forwards equal no recompute."""
+    grads = []
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        layer = moe.MoELayer(
+            8, 12, 4, top_k=2, aux_loss_coef=0.1, recompute=recompute, balance_loss=balance_loss
+        ).double()
+        x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+        for _ in range(2):
+            y = layer(x)
+            (y.square().sum() + layer.aux_loss).backward()
+        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    for a, b in zip(*grads):
+        assert _rel(a, b) <= TOL
+
+
+def test_routing_traces_need_one_file_per_stage():
+    with pytest.raises(ValueError, match="path must hold '{stage}'"):
+        features.routing_traces(None, "trace.jsonl")

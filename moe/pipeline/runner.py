@@ -6,8 +6,9 @@ settings, agreed across every rank (a bad value or a difference on any rank is t
 ValueError on every rank); each step's inputs likewise before the schedule runs.
 
 The stages' activation shapes are found once, at the first step, by a forward of each stage
-in turn (eval mode, no grad: no load is counted, no aux loss kept) on the first micro-batch
-and then zeros of the previous stage's output shape, and handed to PipelineStage as static
+in turn (eval mode, no grad: no load is counted, no aux loss kept, no route recorded or
+replayed) on the first micro-batch and then zeros of the previous stage's output shape,
+and handed to PipelineStage as static
 metadata: PyTorch's own inference would run an extra training forward and backward, on
 uninitialised inputs for every stage but the first (a NaN there fails the router's finite
 check on one rank).
