@@ -16,6 +16,7 @@ import torch
 import moe
 from moe.fp8 import FP8Config
 from moe.pipeline import Pipeline, PipelineConfig, features
+from moe.trace.replay import Routes
 from tests.distributed import run_ranks
 from tests.test_pipeline import LR, ROWS, M, S, _mesh, _rel, batches, build_model, loss_fn
 
@@ -38,6 +39,7 @@ class Case(NamedTuple):
     replay: bool = False  # record on the model, replay on a perturbed one
     trace: bool = False  # routing traces per stage
     accum: int = 1  # Pipeline.step calls per optimizer step (gradient accumulation)
+    stages: tuple | None = None  # PipelineConfig.stages
 
 
 CASES = {
@@ -49,6 +51,10 @@ CASES = {
         2, 1, 2, "fsdp", "Interleaved1F1B", (("recompute", True),), v=2, replay=True, trace=True
     ),
     "replay_1f1b_accum": Case(2, 1, 2, "ddp", "1F1B", replay=True, accum=2),
+    # ranks 0 and 1 hold no MoE layer: they record nothing and join replay's agreement
+    "replay_no_moe_stage": Case(
+        2, 1, 2, "fsdp", "GPipe", replay=True, stages=(("embed", "b0"), ("b1", "b2", "b3", "head"))
+    ),
     "replicas_rebalance_momentum_accum": Case(
         2, 1, 2, "ddp", "1F1B", (("spare_slots", 2),), opt="momentum", replicas=True, accum=2
     ),
@@ -155,7 +161,9 @@ def reference(name, width, trace_path=None):
 
 
 def _pipeline(case, model):
-    config = PipelineConfig(case.schedule, microbatches=M, stages_per_rank=case.v)
+    config = PipelineConfig(
+        case.schedule, microbatches=M, stages_per_rank=case.v, stages=case.stages
+    )
     scale = 1 / (ROWS * S)
     mesh = _mesh(case.pp, case.dp, case.ep)
     parallel = {"data_parallel": case.data_parallel, "algorithm": "flat"}
@@ -217,6 +225,13 @@ def _run_case(rank, name, case, trace_dir):
     with features.replay_routing(pipe, routes), features.record_routing(pipe) as again:
         out = _train_pipeline(pipe, case, rank, trace_dir)
     out["routes"] = {n: [rec.expert_ids_TK for rec in recs] for n, recs in routes.layers.items()}
+    # a problem on one rank (rank 2's routes miss its layers) is every rank's ValueError
+    bad = Routes({}, rank=rank, world=4) if rank == 2 else routes
+    try:
+        with features.replay_routing(pipe, bad):
+            out["bad_replay"] = "entered"
+    except ValueError as e:
+        out["bad_replay"] = str(e)
     out["again"] = {n: [rec.expert_ids_TK for rec in recs] for n, recs in again.layers.items()}
     return out
 
@@ -291,6 +306,13 @@ def test_feature_per_stage_equals_one_process(run, name, tmp_path):
         assert sum(results[rank][name]["moved"] for rank in range(4)) > 0  # something moved
     if case.trace:
         _check_traces(tmp / name, tmp_path / "ref.jsonl", case)
+    if case.replay:
+        for rank in range(4):
+            error = results[rank][name]["bad_replay"]
+            assert "the routes have no records for this MoE layer" in error, (rank, error)
+            assert rank == 2 or error.startswith("rank 2: "), (rank, error)
+    if case.stages is not None:  # the ranks of the stage without MoE layers recorded nothing
+        assert not results[0][name]["routes"] and not results[1][name]["routes"]
 
 
 def _check_traces(stage_dir, ref_path, case):
