@@ -3,7 +3,8 @@ the same global batch, float64 to 1e-12: global balance statistics and aux-loss-
 updates (with the global balance loss, recompute), router record / replay (virtual stages,
 recompute, 1F1B's micro-batch order) with routing traces per stage, rebalance_experts with
 expert replicas and momentum, GroupedApply with CPU offload, FP8 dispatch. Outputs, losses,
-gradients and the parameters after three steps; 4 gloo ranks, one start."""
+gradients and the parameters after three steps; FSDP2 CPU offload per stage too; 4 gloo ranks,
+one start."""
 
 import contextlib
 import functools
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import moe
 from moe.fp8 import FP8Config
@@ -40,6 +42,7 @@ class Case(NamedTuple):
     trace: bool = False  # routing traces per stage
     accum: int = 1  # Pipeline.step calls per optimizer step (gradient accumulation)
     stages: tuple | None = None  # PipelineConfig.stages
+    parallel: tuple = ()  # more parallelize() keywords
 
 
 CASES = {
@@ -60,6 +63,10 @@ CASES = {
     ),
     "grouped_offload_optimizer_dp2": Case(2, 2, 1, "fsdp", "1F1B", opt="grouped_optimizer"),
     "grouped_offload_ep2": Case(2, 1, 2, "fsdp", "GPipe", opt="grouped"),
+    # FSDP2's CPU offload of every stage's parameters, gradients and optimizer step
+    "fsdp_cpu_offload_policy": Case(
+        2, 2, 1, "fsdp", "1F1B", parallel=(("offload_policy", CPUOffloadPolicy(pin_memory=False)),)
+    ),
     "fp8_dispatch": Case(2, 1, 2, "ddp", "1F1B", (("fp8", FP8),)),
 }
 
@@ -166,7 +173,7 @@ def _pipeline(case, model):
     )
     scale = 1 / (ROWS * S)
     mesh = _mesh(case.pp, case.dp, case.ep)
-    parallel = {"data_parallel": case.data_parallel, "algorithm": "flat"}
+    parallel = {"data_parallel": case.data_parallel, "algorithm": "flat", **dict(case.parallel)}
     return Pipeline(model, mesh, config, functools.partial(loss_fn, scale=scale), parallel)
 
 
