@@ -20,6 +20,7 @@ from tests.distributed import run_ranks
 V, D, FF, E, S = 11, 8, 12, 4, 3  # vocabulary, width, FFN width, experts, tokens per sequence
 ROWS, M, STEPS, LR = 4, 2, 3, 0.1  # sequences per pipeline per step, micro-batches, SGD
 MOE = dict(top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01)
+SHARED = dict(num_shared_experts=1, shared_d_ff=6, shared_expert_gate=True)  # on b1 only
 
 
 # model variants: the dtype, or float64 MoE layers recomputed in backward and dropping pairs
@@ -31,11 +32,11 @@ VARIANTS = {
 
 
 class Block(nn.Module):
-    def __init__(self, moe_ffn: bool, **options):
+    def __init__(self, moe_ffn: bool, shared: bool = False, **options):
         super().__init__()
         self.norm = nn.LayerNorm(D)
         if moe_ffn:
-            self.ffn = moe.MoELayer(D, FF, E, **MOE, **options)
+            self.ffn = moe.MoELayer(D, FF, E, **MOE, **(SHARED if shared else {}), **options)
         else:
             self.ffn = nn.Sequential(nn.Linear(D, FF), nn.GELU(), nn.Linear(FF, D))
 
@@ -52,10 +53,13 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(variant="float64"):
-    """Embedding, 4 blocks (b1 and b3 MoE), head; the same weights on every rank."""
+def build_model(variant="float64", **options):
+    """Embedding, 4 blocks (b1 and b3 MoE, b1 with shared experts), head; the same weights on
+    every rank. `options`: more MoELayer settings for both MoE blocks (tests/test_pipeline_
+    features.py)."""
     torch.manual_seed(0)
-    blocks = [(f"b{i}", Block(i % 2 == 1, **VARIANTS[variant])) for i in range(4)]
+    options = {**VARIANTS[variant], **options}
+    blocks = [(f"b{i}", Block(i % 2 == 1, i == 1, **options)) for i in range(4)]
     model = nn.Sequential(OrderedDict([("embed", nn.Embedding(V, D)), *blocks, ("head", Head())]))
     return model.to(torch.float32 if variant == "float32" else torch.float64)
 

@@ -49,3 +49,21 @@ def describe_mesh(mesh: DeviceMesh) -> str:
         f"mesh {tuple(mesh.mesh_dim_names or ())} = {shape} of global ranks {ranks} "
         "(rank i below: its i-th)"
     )
+
+
+def layers_group(layers) -> dist.ProcessGroup | None:
+    """The process group of the mesh the MoE layers `[(name, layer)]` were parallelized on
+    (None: no layer was): what collectives over a model's experts use, so they act on its
+    mesh's ranks only (a pipeline stage's), never the world. Layers on different meshes are
+    a ValueError naming two of them."""
+    meshes = [(name, layer.mesh) for name, layer in layers if layer.mesh is not None]
+    if not meshes:
+        return None
+    for name, mesh in meshes[1:]:
+        if mesh is not meshes[0][1] and mesh.mesh.tolist() != meshes[0][1].mesh.tolist():
+            raise ValueError(
+                f"MoE layers {meshes[0][0]!r} and {name!r} are on different meshes "
+                f"({describe_mesh(meshes[0][1])}; {describe_mesh(mesh)}): call this on one "
+                "model (one pipeline stage) at a time"
+            )
+    return mesh_group(meshes[0][1])

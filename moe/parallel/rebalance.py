@@ -43,6 +43,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moe.comm.consistency import all_gather_records, describe_mismatch
 from moe.layer import MoELayer, moe_layers
 from moe.memory.grouped_apply import GroupedApply
+from moe.parallel.mesh import layers_group
 from moe.shards import local
 from moe.slots import guard as replica_guard
 from moe.slots.placement_plan import Placement
@@ -139,10 +140,11 @@ def _row_bytes(t: torch.Tensor, row: int) -> torch.Tensor:
     return r.reshape(-1).view(torch.uint8)
 
 
-def _exchange(jobs, device) -> tuple[int, int]:
-    """jobs: [(tensors, transfers)] per layer. One all_to_all_single of the moving rows as
-    bytes over the default group; received rows are written in place afterwards."""
-    me, world = dist.get_rank(), dist.get_world_size()
+def _exchange(jobs, device, group=None) -> tuple[int, int]:
+    """jobs: [(tensors, transfers)] per layer, ranks numbered in `group`. One
+    all_to_all_single of the moving rows as bytes over `group` (the model's mesh); received
+    rows are written in place afterwards."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
     send = [[] for _ in range(world)]
     recv_plan = [[] for _ in range(world)]  # (tensor, row) in the order the peer packs them
     for tensors, transfers in jobs:
@@ -157,7 +159,7 @@ def _exchange(jobs, device) -> tuple[int, int]:
     rows = [b.to(device) for bs in send for b in bs]
     send_buf = torch.cat(rows) if rows else torch.empty(0, dtype=torch.uint8, device=device)
     recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes)
+    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=group)
     offset = 0
     for plan in recv_plan:
         for t, row in plan:
@@ -217,11 +219,12 @@ def _local_problem(layers, optimizer, min_gain) -> str | None:
     return None
 
 
-def _agree(problem: str | None, min_gain: float) -> None:
-    """One exchange of every rank's verdict and min_gain (moe.comm.consistency records): the
-    same ValueError on every rank, at once, when any rank found a problem or they differ."""
+def _agree(problem: str | None, min_gain: float, group=None) -> None:
+    """One exchange of every rank's verdict and min_gain (moe.comm.consistency records) over
+    `group`: the same ValueError on every rank, at once, when any rank found a problem or they
+    differ."""
     gain = min_gain if isinstance(min_gain, (int, float)) else repr(min_gain)
-    records = all_gather_records({"problem": problem, "min_gain": gain})
+    records = all_gather_records({"problem": problem, "min_gain": gain}, group)
     for rank, record in enumerate(records):
         if record.get("problem") is not None:
             raise ValueError(f"rebalance_experts: rank {rank}: {record['problem']}")
@@ -237,7 +240,8 @@ def rebalance_experts(
     """Re-place every MoE layer's experts on its expert-parallel ranks by the load (rows its
     experts computed in training forwards) since the previous call, and reset that count.
 
-    Collective over all ranks of the model's mesh; call it on every rank, after
+    Collective over all ranks of the model's mesh (its layers' mesh, e.g. one pipeline
+    stage's ranks: moe.parallel.mesh.layers_group); call it on each of them, after
     optimizer.step() (outside forward / backward), with the optimizer whose state must move
     along (a torch optimizer or GroupedApply holding every expert parameter; None moves
     weights and gradients only). A layer's placement changes only when its largest rank load
@@ -255,13 +259,11 @@ def rebalance_experts(
         return RebalanceReport()
     if not dist.is_initialized():
         raise ValueError("experts are split over ranks but torch.distributed is not initialized")
-    meshes = [layer.mesh for _, layer in layers if layer.mesh is not None]
-    if any(mesh.size() != dist.get_world_size() for mesh in meshes):
-        raise ValueError("rebalance_experts needs the model's mesh to span every rank")
-    _agree(problem, min_gain)
+    group = layers_group(layers)
+    _agree(problem, min_gain, group)
     report = RebalanceReport()
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
-    loads = _summed_loads(layers)
+    loads = _summed_loads(layers, group)
     _restart_counts(layers)
     plans = _plan_layers(layers, sizes, loads, min_gain)
     report.layers.update((name, plan) for (name, _), plan in zip(layers, plans))
@@ -272,10 +274,11 @@ def rebalance_experts(
     device = layers[0][1].slot_of_expert_E.device
     multi = [i for i, w in enumerate(sizes) if w > 1]
     mine = torch.tensor([v for r in ranges for v in r], dtype=torch.long, device=device)
-    everyone = mine.new_empty(dist.get_world_size() * mine.numel())
+    size = dist.get_world_size(group)
+    everyone = mine.new_empty(size * mine.numel())
     # torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single (absent in 2.11)
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, mine)
-    table = everyone.view(dist.get_world_size(), -1).tolist()
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, mine, group=group)
+    table = everyone.view(size, -1).tolist()
     jobs = []
     for i in changed:
         _, layer = layers[i]
@@ -285,7 +288,7 @@ def rebalance_experts(
         rank_ranges = [(row[2 * k], row[2 * k + 1]) for row in table]
         transfers = _layer_transfers(layer, plans[i], rank_ranges)
         jobs.append((_moving_tensors(layer, optimizer), transfers))
-    report.rows_sent, report.bytes_sent = _exchange(jobs, device)
+    report.rows_sent, report.bytes_sent = _exchange(jobs, device, group)
     for i in changed:
         layer = layers[i][1]
         layer.set_slot_layout(plans[i].layout(layer.config.num_experts))
@@ -293,7 +296,7 @@ def rebalance_experts(
     return report
 
 
-def _summed_loads(layers) -> list[int]:
+def _summed_loads(layers, group=None) -> list[int]:
     """The one collective every call makes: every layer's loads summed over the ranks, and
     each layer's placement s summed with s^2, which equal (world * s, world * s^2) only if
     every rank holds the same s (the same verdict on every rank)."""
@@ -304,8 +307,8 @@ def _summed_loads(layers) -> list[int]:
         counts.append(torch.zeros_like(slots) if load_E is None else load_E.to(slots))
     slots = torch.cat([_layout(layer) for _, layer in layers])
     load = torch.cat([torch.cat(counts), slots, slots * slots])
-    dist.all_reduce(load)
-    n, world, nc = slots.numel(), dist.get_world_size(), sum(c.numel() for c in counts)
+    dist.all_reduce(load, group=group)
+    n, world, nc = slots.numel(), dist.get_world_size(group), sum(c.numel() for c in counts)
     summed, squares = load[nc : nc + n], load[nc + n :]
     if not torch.equal(summed * summed, world * squares):  # the same verdict on every rank
         raise ValueError("ranks hold different expert placements (slot_of_expert_E)")

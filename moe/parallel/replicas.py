@@ -9,7 +9,8 @@ gradient accumulation, after FSDP2's reduction under "ddp" or "fsdp"),
     moe.parallel.sum_replica_grads(model)
     optimizer.step()
 
-gives every copy the expert's whole gradient: one all-reduce over all ranks of a buffer
+gives every copy the expert's whole gradient: one all-reduce over all ranks of the model's
+mesh (a pipeline stage's ranks under moe.pipeline) of a buffer
 holding only the replicated experts' rows (each slot row contributed once: by its only holder
 under "fsdp", by data-parallel replica 0 under "ddp"). Every copy keeps its own optimizer
 state and steps on the same summed gradient, so copies stay bit-identical and training equals
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moe.layer import MoELayer, moe_layers
+from moe.parallel.mesh import layers_group
 from moe.shards import local
 from moe.slots import guard as replica_guard
 from moe.slots.layout import SlotLayout, with_copies
@@ -118,8 +120,9 @@ def _agree(layers, verdicts, mixed, missing, split: bool, device) -> bool:
     slots = torch.cat([layer.expert_of_slot_S for _, layer in layers]).to(device)
     flags = [int(bool(mixed)), int(bool(missing)), int(noop)]
     packed = torch.cat([torch.tensor(flags, device=device), slots, slots * slots])
-    dist.all_reduce(packed)
-    world, n = dist.get_world_size(), slots.numel()
+    group = layers_group(layers)
+    dist.all_reduce(packed, group=group)
+    world, n = dist.get_world_size(group), slots.numel()
     summed, squares = packed[3 : 3 + n], packed[3 + n :]
     counts = packed[:3].tolist()  # step-time host read
     _raise(counts[0], counts[1], mixed or missing)
@@ -173,7 +176,7 @@ def sum_replica_grads(model: nn.Module) -> int:
             view.index_add_(0, torch.tensor(at, device=device), grad[idx].to(dtype))
         views.append(view)
     if split:
-        dist.all_reduce(buffer)
+        dist.all_reduce(buffer, group=layers_group(layers))
     for (grad, rows, at, _, _), view in zip(jobs, views):
         if rows:
             idx = torch.tensor(rows, device=device)
@@ -189,7 +192,8 @@ def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor |
     sum_replica_grads they repeat the first copy's): what a global norm must not count twice.
     None without replicas; collective (one all-reduce) when the experts are split over ranks."""
     parts, device, wide = [], None, torch.float32
-    for _, layer in with_copies(moe_layers(model)):
+    layers = with_copies(moe_layers(model))
+    for _, layer in layers:
         first = set(layer.slot_layout().slot_of_expert)
         lo, n, contributes = _rows_here(layer)
         rows = [s - lo for s in range(lo, lo + n) if s not in first] if contributes else []
@@ -209,5 +213,5 @@ def extra_copies_power_sum(model: nn.Module, norm_type: float) -> torch.Tensor |
     for part in parts:
         total = total + part.to(wide)
     if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in model.parameters()):
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=layers_group(layers))
     return total

@@ -6,8 +6,9 @@ settings, agreed across every rank (a bad value or a difference on any rank is t
 ValueError on every rank); each step's inputs likewise before the schedule runs.
 
 The stages' activation shapes are found once, at the first step, by a forward of each stage
-in turn (eval mode, no grad: no load is counted, no aux loss kept) on the first micro-batch
-and then zeros of the previous stage's output shape, and handed to PipelineStage as static
+in turn (eval mode, no grad: no load is counted, no aux loss kept, no route recorded or
+replayed) on the first micro-batch and then zeros of the previous stage's output shape,
+and handed to PipelineStage as static
 metadata: PyTorch's own inference would run an extra training forward and backward, on
 uninitialised inputs for every stage but the first (a NaN there fails the router's finite
 check on one rank).
@@ -23,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from moe.comm.consistency import raise_if_any_rank_failed
 from moe.pipeline.config import PipelineConfig
+from moe.pipeline.features import local_model, without_routes
 from moe.pipeline.mesh import check_pipeline_mesh
 from moe.pipeline.split import build_stage, plan_stages
 from moe.pipeline.stage_parallel import (
@@ -39,8 +41,8 @@ class Pipeline:
     index in `stage_indices`), each parallelized over the rank's ("dp", "ep") mesh with
     `parallel` (parallelize()'s keywords as a dict, or a settings dataclass with those fields).
     loss_fn(output, target) -> one micro-batch's loss on the last stage (summed over the
-    micro-batches unless config.scale_grads). A routing recorder active at the first step
-    also records the stage-shape forwards (see the module docstring)."""
+    micro-batches unless config.scale_grads). The MoE features per stage (bias updates,
+    router record / replay, routing traces, rebalance, replicas): moe.pipeline.features."""
 
     def __init__(
         self,
@@ -107,6 +109,11 @@ class Pipeline:
     def parameters(self):
         for _, p in self.named_parameters():
             yield p
+
+    def local_model(self) -> nn.Module:
+        """This rank's stages' children in one module, under their whole-model names (the same
+        modules): for calls that take a model (moe.pipeline.features)."""
+        return local_model(self)
 
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None):
         """One step over `microbatches` micro-batches: x on the first stage, target on the last
@@ -219,7 +226,8 @@ class Pipeline:
         training = module.training
         module.eval()
         try:
-            out = module(inp)
+            with without_routes(module):  # not a forward of the run: no record, no replay
+                out = module(inp)
         finally:
             module.train(training)
         if not isinstance(out, torch.Tensor):

@@ -10,7 +10,7 @@ A step's counts are summed over every training-mode forward of the layer since t
 `step()` (all micro-batches; a forward recomputed in backward is not counted), taken from
 `layer.stats` by a forward hook as device tensors: no host sync. Every `every` steps the
 buffered steps of all layers are all-reduced over `group` (default: all ranks) in one call and
-read once; rank 0 appends one line per step and layer:
+read once; the group's rank 0 appends one line per step and layer:
 
     {"step": 12, "layer": "blocks.0.ffn", "tokens_per_expert": [...], "routed_per_expert":
      [...], "dropped": 3, "load_cv": 0.41, "max_over_mean": 1.9, "dead_experts": 0,
@@ -77,7 +77,8 @@ class RoutingTrace:
         self.path, self.every, self.group = Path(path), every, group
         self.training_only = training_only
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.writer = not self.distributed or dist.get_rank() == 0
+        # the group's first rank writes (a pipeline stage's trace: its first rank)
+        self.writer = not self.distributed or dist.get_rank(group) == 0
         self.experts = [layer.config.num_experts for _, layer in self.layers]
         self.ep = [  # expert slots (experts + spare slots) over the slots this rank holds
             layer.num_slots // layer.experts.num_experts for _, layer in self.layers
