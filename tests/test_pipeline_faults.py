@@ -7,8 +7,10 @@ killed mid-step ends every other rank's step with an error within step_timeout, 
 stages 1 and 2 on ranks 2-3). Each case builds its own mesh: a failed step leaves transfers
 pending on its groups."""
 
+import contextvars
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.pipeline import Pipeline, PipelineConfig, PipelineStepError, init_pipeline_mesh
+from moe.pipeline.faults import _carried, describe
 from tests.distributed import run_ranks
 from tests.test_pipeline import ROWS, Block, D, Head, S, V
 
@@ -204,3 +207,54 @@ def test_step_timeout_is_checked():
     for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(ValueError, match="step_timeout must be seconds > 0"):
             PipelineConfig(step_timeout=bad)
+
+
+def test_the_message_names_the_original_errors_before_communication_errors():
+    def report(rank, stage, type_, message, comm=False):
+        return {
+            "step": 3,
+            "rank": rank,
+            "stage": stage,
+            "type": type_,
+            "message": message,
+            "comm": comm,
+        }
+
+    closed = "Connection closed by peer"
+    reports = [
+        report(0, 0, "RuntimeError", closed, comm=True),
+        report(2, 1, "FloatingPointError", "nan"),
+        report(3, 1, "FloatingPointError", "nan"),
+        report(1, [0, 3], "ValueError", "bad"),
+    ]
+    text = describe(3, reports)
+    assert text.startswith(
+        "pipeline step 3 failed on ranks 2-3 (stage 1): FloatingPointError: nan; "
+        "rank 1 (stages 0, 3): ValueError: bad. Every rank raises PipelineStepError"
+    ), text
+    assert closed not in text
+    only = describe(3, reports[:1])
+    assert only.startswith(f"pipeline step 3 failed on rank 0 (stage 0): RuntimeError: {closed}")
+    assert "communication errors only: a rank may have died" in only
+
+
+def test_the_worker_thread_sees_the_callers_grad_mode_autocast_and_context():
+    var = contextvars.ContextVar("var", default="unset")
+    var.set("caller's")
+
+    def probe():
+        return (
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            var.get(),
+            threading.current_thread() is not threading.main_thread(),
+        )
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        call = _carried(probe)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(call()))
+    worker.start()
+    worker.join()
+    assert out == [(False, True, torch.bfloat16, "caller's", True)]

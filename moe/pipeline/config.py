@@ -44,9 +44,9 @@ class PipelineConfig:
     step (loss_fn then returns a mean per micro-batch).
     sync_params: broadcast each stage's parameters and buffers from the stage's first rank
     (its dp x ep ranks only) before it is parallelized, so its ranks start from one model.
-    step_timeout: seconds (> 0) any rank waits for another inside a step (each transfer and
-    collective) before the step fails with PipelineStepError on every rank (moe.pipeline
-    .faults); None: the default process group's timeout."""
+    step_timeout: seconds (> 0) any rank waits for another inside a step (to enter it, each
+    transfer and collective) before the step fails with PipelineStepError on every rank
+    (moe.pipeline.faults); None: the default process group's timeout."""
 
     schedule: str = "1F1B"
     microbatches: int = 2

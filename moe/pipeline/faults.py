@@ -9,14 +9,17 @@ be woken out of a wait. What is added here, in StepGuard:
 - the step's schedule runs on a worker thread (one per Pipeline, so thread-local caches
   persist) while the calling thread watches the default c10d store, the out-of-band channel:
   a rank whose part fails appends a report (rank, stage, the original exception's type and
-  message) and raises; every other rank's calling thread sees the report within POLL_S and
-  raises the same PipelineStepError, even while its worker still waits for the failed rank;
+  message) and raises; every other rank's calling thread sees the report within POLL_S to
+  POLL_MAX_S (1 s) and raises the same PipelineStepError, even while its worker still waits
+  for the failed rank;
 - every wait of the step is bounded by step_timeout: the pipeline's P2P groups are created
   with it, and every process group of the process has it for the step's duration (set
   before, restored after), so a worker left waiting ends too; a worker that gets out of its
   wait after the error stops at its next stage forward;
 - the step ends with a barrier over every rank (a gloo group with step_timeout), so a rank
-  that finished its part still learns of a failure later in the step.
+  that finished its part still learns of a failure later in the step; the check of the
+  step's inputs (and, at the first step, the search for the stage shapes) run the same way,
+  so a rank that died between steps is an error at the next one, not a hang.
 
 After a PipelineStepError the Pipeline is unusable: a worker may still wait in a transfer
 (until step_timeout) and the stages' gradients are partial. Every later step() raises at once,
@@ -41,7 +44,9 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from moe.comm.consistency import _rank_list, raise_if_any_rank_failed
 from moe.comm.topology import group_timeout
 
-POLL_S = 0.05  # how often a waiting rank reads the store for another rank's report
+# how often a waiting rank reads the store for another rank's report: every POLL_S at first,
+# then less often up to every POLL_MAX_S (one small request per rank, to one store host)
+POLL_S, POLL_MAX_S = 0.05, 1.0
 _KEY = "failures"
 _MESSAGE_CHARS = 400
 _COMM_MARKS = ("third_party/gloo", "Connection closed by peer", "Connection reset", "NCCL")
@@ -96,65 +101,75 @@ class StepGuard:
             )
 
     def agree(self, problem: BaseException | None) -> None:
-        """The step's inputs checked on every rank (raise_if_any_rank_failed over the default
-        group): a problem anywhere is one ValueError everywhere; a failed exchange (a rank
-        died between steps) is a PipelineStepError."""
-        try:
-            raise_if_any_rank_failed(problem, error=ValueError, what="pipeline step")
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a communication failure of the exchange
-            self.failed = (
-                f"pipeline step {self.steps + 1}: the ranks could not agree before the step "
-                f"({type(e).__name__}: {_clip(e)}); a rank may have died"
-            )
-            raise PipelineStepError(self.failed) from e
-
-    def run(self, fn: Callable):
-        """fn() on the worker thread, then a barrier over every rank; its value, or the same
-        PipelineStepError on every rank when any rank's part fails."""
+        """Begins a step: the step's input problems (one per rank, or None) exchanged over
+        every rank (raise_if_any_rank_failed): a problem anywhere is one ValueError everywhere.
+        Ranks must enter the step within step_timeout of each other."""
         self.refuse_if_failed()
         self.steps += 1
+        self.call(
+            lambda: raise_if_any_rank_failed(
+                problem, self.group, error=ValueError, what="pipeline step"
+            ),
+            keep=ValueError,
+        )
+
+    def run(self, fn: Callable):
+        """fn() (the schedule) then a barrier over every rank, with every process group's
+        collectives bounded by step_timeout; its value, or the same PipelineStepError on every
+        rank when any rank's part fails."""
+
+        def then_barrier():
+            value = fn()
+            dist.barrier(group=self.group)  # a failure later in the step reaches us too
+            return value
+
         saved = _bound_groups(self.timeout)
         try:
-            return self._run(fn)
+            return self.call(then_barrier)
         finally:
             _restore_groups(saved)
 
-    def _run(self, fn: Callable):
+    def call(self, fn: Callable, keep: type[BaseException] | tuple = ()):
+        """fn() on the worker thread, while this thread watches the store: its value; an
+        exception of a `keep` type as it is (the same on every rank by construction); any
+        other exception reported and raised as PipelineStepError, as is another rank's."""
+        self.refuse_if_failed()
         box: dict = {}
         done = threading.Event()
-        call = _carried(fn)
+        carried = _carried(fn)
 
         def job() -> None:
             try:
-                box["value"] = call()
-                dist.barrier(group=self.group)  # a failure later in the step reaches us too
+                box["value"] = carried()
             except BaseException as e:  # noqa: BLE001 - handed to the calling thread
                 box["error"] = e
             finally:
                 done.set()
 
         self._jobs.put(job)
+        poll = POLL_S
         try:
-            while not done.wait(POLL_S):
+            while not done.wait(poll):
                 reports = self._read()
                 if reports:
                     raise self._fail(reports)
+                poll = min(2 * poll, POLL_MAX_S)
         except PipelineStepError:
             raise
         except BaseException as e:  # interrupted: the worker may still run
             self.failed = f"pipeline step {self.steps} was interrupted ({type(e).__name__})"
             raise
-        if "error" in box:
-            error = box["error"]
-            report = self._report(error)
-            try:
-                reports = self._read() or [report]
-            except PipelineStepError:
-                reports = [report]
-            raise self._fail(reports) from error
-        return box["value"]
+        error = box.get("error")
+        if error is None:
+            return box["value"]
+        if isinstance(error, keep):
+            raise error
+        report = self._report(error)
+        try:
+            reports = self._read() or [report]
+        except PipelineStepError:
+            reports = [report]
+        raise self._fail(reports) from error
 
     def _report(self, error: BaseException) -> dict:
         cause = _original(error)
@@ -179,7 +194,7 @@ class StepGuard:
         except Exception as e:  # noqa: BLE001 - the store's host (rank 0) may have died
             self.failed = (
                 f"pipeline step {self.steps}: lost the store that carries the ranks' errors "
-                f"({type(e).__name__}: {_clip(e)}); its host (the default group's rank 0) "
+                f"({type(e).__name__}: {_clip(e)}); its host (rank 0, or torchrun's agent) "
                 "may have died"
             )
             raise PipelineStepError(self.failed) from e
@@ -256,8 +271,9 @@ def _bound_groups(timeout: datetime.timedelta) -> list:
     for group in list(dist.distributed_c10d._world.pg_map):
         old = group_timeout(group)
         if old is not None and old != timeout:
-            group.set_timeout(timeout)
-            saved.append((group, old))
+            with contextlib.suppress(RuntimeError):  # a backend without timeouts
+                group.set_timeout(timeout)
+                saved.append((group, old))
     return saved
 
 

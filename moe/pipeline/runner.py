@@ -121,16 +121,17 @@ class Pipeline:
         (the last stage's merged output, its per-micro-batch losses); (None, None) elsewhere.
 
         Bad inputs are one ValueError on every rank before any work. An exception on any rank
-        during the schedule (a stage's forward or backward, the router's finite check, the
-        loss, a dead peer's closed connection) is one PipelineStepError on every rank, naming
-        each failing rank, its stage and the original exception's type and message: the rank
-        that fails reports it through the default store and the others raise within about
-        POLL_S (0.05 s) even while waiting for it; a rank that dies without a report ends the
-        others' waits within config.step_timeout (its closed connections usually at once).
-        No rank waits longer than step_timeout for another inside a step. The schedule runs on
-        a worker thread (moe.pipeline.faults); the step ends with a barrier over every rank.
-        After a PipelineStepError this Pipeline cannot step again (build a new one on a new
-        mesh)."""
+        during the step (a stage's forward or backward, the router's finite check, the loss, a
+        dead peer's closed connection) is one PipelineStepError on every rank, naming each
+        failing rank, its stage and the original exception's type and message: the failing
+        rank reports it through the default store, and the others raise within a second
+        (0.05 s early in a step) even while they wait for it; a rank that dies without a
+        report ends the others' waits within config.step_timeout (its closed connections
+        usually at once). No rank waits longer than step_timeout for another inside a step
+        (ranks must call step within step_timeout of each other). The schedule runs on a
+        worker thread (moe.pipeline.faults) and the step ends with a barrier over every rank.
+        After a PipelineStepError this Pipeline cannot step again: build a new one on a new
+        mesh."""
         guard = self._step_guard()
         m = self.config.microbatches
         problem = None
@@ -149,7 +150,7 @@ class Pipeline:
             problem = e
         guard.agree(problem)
         if self.schedule is None:
-            self._build(x)
+            guard.call(lambda: self._build(x), keep=ValueError)
         for module in self.modules:
             module.aux_values.clear()
         losses: list | None = [] if self.is_last else None
