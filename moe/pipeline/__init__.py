@@ -2,7 +2,8 @@
 from outside the model, EP + FSDP2 per stage over its own ("dp", "ep") mesh, PyTorch's
 pipelining engine for the schedule, and the MoE aux losses of every stage in the backward.
 
-Public names: PipelineConfig, Pipeline, PipelineStepError, init_pipeline_mesh, plan_stages, attach_aux.
+Public names: PipelineConfig, Pipeline, PipelineStepError, init_pipeline_mesh, plan_stages,
+attach_aux.
 """
 
 from moe.pipeline.aux import AuxLossToBackward, attach_aux

@@ -17,9 +17,9 @@ be woken out of a wait. What is added here, in StepGuard:
   before, restored after), so a worker left waiting ends too; a worker that gets out of its
   wait after the error stops at its next stage forward;
 - the step ends with a barrier over every rank (a gloo group with step_timeout), so a rank
-  that finished its part still learns of a failure later in the step; the check of the
-  step's inputs (and, at the first step, the search for the stage shapes) run the same way,
-  so a rank that died between steps is an error at the next one, not a hang.
+  that finished its part still learns of a failure later in the step. The check of the
+  step's inputs (and, at the first step, the search for the stage shapes) run on the worker
+  too, watched the same way: a rank that died between steps is an error at the next one.
 
 After a PipelineStepError the Pipeline is unusable: a worker may still wait in a transfer
 (until step_timeout) and the stages' gradients are partial. Every later step() raises at once,
@@ -114,26 +114,29 @@ class StepGuard:
         )
 
     def run(self, fn: Callable):
-        """fn() (the schedule) then a barrier over every rank, with every process group's
-        collectives bounded by step_timeout; its value, or the same PipelineStepError on every
-        rank when any rank's part fails."""
+        """call(fn) (the schedule) then a barrier over every rank: its value, or the same
+        PipelineStepError on every rank when any rank's part fails."""
 
         def then_barrier():
             value = fn()
             dist.barrier(group=self.group)  # a failure later in the step reaches us too
             return value
 
+        return self.call(then_barrier)
+
+    def call(self, fn: Callable, keep: type[BaseException] | tuple = ()):
+        """fn() on the worker thread, every process group's collectives bounded by
+        step_timeout, while this thread watches the store: its value; an exception of a `keep`
+        type as it is (the same on every rank by construction); any other exception reported
+        and raised as PipelineStepError, as is another rank's report."""
+        self.refuse_if_failed()
         saved = _bound_groups(self.timeout)
         try:
-            return self.call(then_barrier)
+            return self._call(fn, keep)
         finally:
             _restore_groups(saved)
 
-    def call(self, fn: Callable, keep: type[BaseException] | tuple = ()):
-        """fn() on the worker thread, while this thread watches the store: its value; an
-        exception of a `keep` type as it is (the same on every rank by construction); any
-        other exception reported and raised as PipelineStepError, as is another rank's."""
-        self.refuse_if_failed()
+    def _call(self, fn: Callable, keep) -> object:
         box: dict = {}
         done = threading.Event()
         carried = _carried(fn)

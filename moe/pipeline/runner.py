@@ -12,8 +12,8 @@ metadata: PyTorch's own inference would run an extra training forward and backwa
 uninitialised inputs for every stage but the first (a NaN there fails the router's finite
 check on one rank).
 
-Faults (issue 47): an exception on any rank inside a step's schedule (a stage's forward or
-backward, the router's finite check, the loss, a dead peer) is one named error,
+Faults (issue 47): an exception on any rank inside a step (a stage's forward or backward,
+the router's finite check, the loss, a dead peer) is one named error,
 moe.pipeline.PipelineStepError, on every rank, promptly when the failing rank is alive and
 within PipelineConfig.step_timeout when it died; no rank waits longer than step_timeout for
 another inside a step (Pipeline.step, moe.pipeline.faults).
