@@ -26,6 +26,7 @@ from tests.distributed import run_ranks
 from tests.test_pipeline import ROWS, Block, D, Head, S, V
 
 STEP_TIMEOUT = 10.0  # seconds; a bound on every rank's time to the error, not a timing target
+STALL_TIMEOUT = 3.0  # the step_timeout of the case whose rank stalls (for 30 s)
 M = 2  # micro-batches: the fault hits the second one (call 1) or a later step's
 
 
@@ -41,7 +42,8 @@ class _RaiseInBackward(torch.autograd.Function):
 
 class Fault(nn.Module):
     """Identity, except in the `call`-th training forward (0-based, counted over steps) on
-    world rank `rank`: raise, put NaN into the activations, die, or raise in its backward.
+    world rank `rank`: raise, put NaN into the activations, die, stall (a rank alive but stuck:
+    the test's fault, not a synchronisation), or raise in its backward.
     The eval-mode forward that finds the stage shapes does not count."""
 
     def __init__(self, kind=None, rank=-1, call=1):
@@ -60,6 +62,9 @@ class Fault(nn.Module):
             return x * float("nan")
         if self.kind == "die":
             os._exit(3)
+        if self.kind == "stall":
+            time.sleep(10 * STALL_TIMEOUT)
+            return x
         return _RaiseInBackward.apply(x)
 
 
@@ -84,6 +89,8 @@ CASES = {
     "zbv_forward": ("ZBVZeroBubble", "ddp", V_STAGES, 2, {"f1": ("raise", 2, 1)}),
     "nan_router": ("1F1B", "ddp", TWO, 1, {"f1": ("nan", 2, 1)}),
     "backward": ("1F1B", "fsdp", TWO, 1, {"f0": ("backward", 1, 1)}),
+    # no rank reports an error of its own: the waits on rank 2 time out after STALL_TIMEOUT
+    "stall": ("1F1B", "ddp", TWO, 1, {"f1": ("stall", 2, 1)}),
 }
 
 
@@ -94,7 +101,11 @@ def _loss(logits, target):
 def _pipeline(name):
     schedule, data_parallel, stages, v, faults = CASES[name]
     config = PipelineConfig(
-        schedule, microbatches=M, stages_per_rank=v, stages=stages, step_timeout=STEP_TIMEOUT
+        schedule,
+        microbatches=M,
+        stages_per_rank=v,
+        stages=stages,
+        step_timeout=STALL_TIMEOUT if name == "stall" else STEP_TIMEOUT,
     )
     mesh = init_pipeline_mesh(2, 1, 2)  # a new mesh, new groups, per case
     parallel = {"data_parallel": data_parallel, "algorithm": "flat"}
@@ -149,7 +160,7 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(EXPECTED))
 def test_a_failing_rank_is_one_named_error_on_every_rank(results, name):
     errors = [results[rank][name]["error"] for rank in range(4)]
     assert all(e is not None for e in errors), errors
@@ -166,6 +177,19 @@ def test_a_failing_rank_is_one_named_error_on_every_rank(results, name):
     for rank in range(4):  # a failed Pipeline refuses to step again, on every rank
         again = results[rank][name]["again"]
         assert again.startswith("this Pipeline failed earlier and cannot step again"), again
+
+
+def test_a_stalled_rank_ends_every_step_within_step_timeout(results):
+    """Rank 2 stalls (alive, silent) in its second forward: the waits on it time out after
+    STALL_TIMEOUT, and every rank raises, rank 2 too while its worker still sleeps."""
+    for rank in range(4):
+        out = results[rank]["stall"]
+        error = out["error"]
+        assert error.startswith("pipeline step 1 failed on rank"), (rank, error)
+        assert "Timed out waiting" in error, error  # gloo's timeout, after step_timeout
+        assert "communication errors only: a rank may have died or stopped" in error, error
+        assert out["seconds"] < STALL_TIMEOUT + 5, (rank, out)  # a bound; the stall is 30 s
+        assert out["again"].startswith("this Pipeline failed earlier"), out["again"]
 
 
 def _kill_body(rank, world):
