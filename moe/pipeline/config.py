@@ -1,6 +1,7 @@
 """PipelineConfig: the typed settings of a pipelined run, checked when built (a bad value is a
 ValueError naming the field) and agreed across ranks before any work (moe.pipeline.runner)."""
 
+import math
 from dataclasses import dataclass, fields
 
 from torch.distributed.pipelining import (
@@ -46,7 +47,10 @@ class PipelineConfig:
     sync_params: broadcast each stage's parameters and buffers from the stage's first rank
     (its dp x ep ranks only) before it is parallelized, so its ranks start from one model.
     split: how stages=None splits the model: "children" (even child counts) or "params"
-    (contiguous stages minimising the largest stage's parameter count; embedding first)."""
+    (contiguous stages minimising the largest stage's parameter count; embedding first).
+    step_timeout: seconds (> 0) any rank waits for another inside a step (to enter it, each
+    transfer and collective) before the step fails with PipelineStepError on every rank
+    (moe.pipeline.faults); None: the default process group's timeout."""
 
     schedule: str = "1F1B"
     microbatches: int = 2
@@ -55,6 +59,7 @@ class PipelineConfig:
     scale_grads: bool = False
     sync_params: bool = True
     split: str = "children"
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or self.schedule.lower() not in _BY_KEY:
@@ -82,6 +87,11 @@ class PipelineConfig:
             object.__setattr__(self, "stages", _stage_names(self.stages))
         if self.split not in SPLITS:
             raise ValueError(f"PipelineConfig.split must be one of {SPLITS}, got {self.split!r}")
+        t = self.step_timeout
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+                raise ValueError(f"PipelineConfig.step_timeout must be seconds > 0, got {t!r}")
+            object.__setattr__(self, "step_timeout", float(t))
 
     @property
     def schedule_class(self) -> type:

@@ -12,6 +12,12 @@ and handed to PipelineStage as static
 metadata: PyTorch's own inference would run an extra training forward and backward, on
 uninitialised inputs for every stage but the first (a NaN there fails the router's finite
 check on one rank).
+
+Faults (issue 47): an exception on any rank inside a step (a stage's forward or backward,
+the router's finite check, the loss, a dead peer) is one named error,
+moe.pipeline.PipelineStepError, on every rank, promptly when the failing rank is alive and
+within PipelineConfig.step_timeout when it died; no rank waits longer than step_timeout for
+another inside a step (Pipeline.step, moe.pipeline.faults).
 """
 
 from collections.abc import Callable
@@ -24,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from moe.comm.consistency import raise_if_any_rank_failed
 from moe.pipeline.config import PipelineConfig
+from moe.pipeline.faults import StepGuard
 from moe.pipeline.features import local_model, without_routes
 from moe.pipeline.mesh import check_pipeline_mesh
 from moe.pipeline.split import build_stage, plan_stages
@@ -118,7 +125,21 @@ class Pipeline:
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None):
         """One step over `microbatches` micro-batches: x on the first stage, target on the last
         (ignored elsewhere). Gradients accumulate into .grad (zero them before). Returns
-        (the last stage's merged output, its per-micro-batch losses); (None, None) elsewhere."""
+        (the last stage's merged output, its per-micro-batch losses); (None, None) elsewhere.
+
+        Bad inputs are one ValueError on every rank before any work. An exception on any rank
+        during the step (a stage's forward or backward, the router's finite check, the loss, a
+        dead peer's closed connection) is one PipelineStepError on every rank, naming each
+        failing rank, its stage and the original exception's type and message: the failing
+        rank reports it through the default store, and the others raise within a second
+        (0.05 s early in a step) even while they wait for it; a rank that dies without a
+        report ends the others' waits within config.step_timeout (its closed connections
+        usually at once). No rank waits longer than step_timeout for another inside a step
+        (ranks must call step within step_timeout of each other). The schedule runs on a
+        worker thread (moe.pipeline.faults) and the step ends with a barrier over every rank.
+        After a PipelineStepError this Pipeline cannot step again: build a new one on a new
+        mesh."""
+        guard = self._step_guard()
         m = self.config.microbatches
         problem = None
         try:
@@ -134,15 +155,31 @@ class Pipeline:
                 self._check_batch("target", target)
         except Exception as e:
             problem = e
-        raise_if_any_rank_failed(problem, error=ValueError, what="pipeline step")
+        guard.agree(problem)
         if self.schedule is None:
-            self._build(x)
+            guard.call(lambda: self._build(x), keep=ValueError)
         for module in self.modules:
             module.aux_values.clear()
         losses: list | None = [] if self.is_last else None
         args = (x,) if self.is_first else ()
-        output = self.schedule.step(*args, target=target if self.is_last else None, losses=losses)
+        output = guard.run(
+            lambda: self.schedule.step(
+                *args, target=target if self.is_last else None, losses=losses
+            )
+        )
         return (output, losses) if self.is_last else (None, None)
+
+    def _step_guard(self) -> StepGuard:
+        """The pipeline's StepGuard, built (collectively) at the first step: from then on the
+        stages exchange activations over its P2P groups, created with config.step_timeout."""
+        guard = getattr(self, "_guard", None)
+        if guard is None:
+            guard = self._guard = StepGuard(
+                self.mesh, self.modules, self.stage_indices, self.config.step_timeout
+            )
+            self.pp_group = guard.pp_group
+        guard.refuse_if_failed()
+        return guard
 
     def _check_batch(self, name: str, t) -> None:
         m = self.config.microbatches
