@@ -25,22 +25,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 import moe
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
-from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
+from moe.pipeline import SCHEDULES, Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
 
 
 def pipeline_config(args, per_pipeline: int) -> PipelineConfig:
     """The PipelineConfig of --schedule and --micro-batch (a ValueError names what is wrong)."""
     micro = args.micro_batch or default_micro_batch(args.pp, per_pipeline)
-    probe = PipelineConfig(args.pp_schedule or "1F1B")
-    return PipelineConfig(
-        probe.schedule,
-        microbatches=per_pipeline // micro,
-        stages_per_rank=1 if probe.style == "single" else 2,
+    given = args.pp_schedule or "1F1B"
+    name = {key.lower(): key for key in SCHEDULES}.get(given.lower(), given)
+    single = name in SCHEDULES and issubclass(SCHEDULES[name], PipelineScheduleSingle)
+    return PipelineConfig(  # one stage per rank, or two (interleaved and V schedules)
+        name, microbatches=per_pipeline // micro, stages_per_rank=1 if single else 2
     )
 
 

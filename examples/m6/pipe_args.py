@@ -5,6 +5,7 @@ PipelineConfig checks), and the features --pp does not run yet, each refused by 
 from __future__ import annotations
 
 from examples.m6.config import M6Config
+from moe.pipeline import SCHEDULES
 
 # flags --pp refuses for now: (attribute, flag, what is not there yet under --pp)
 NOT_YET = (
@@ -60,10 +61,10 @@ def check_pipeline(args, cfg: M6Config, world: int) -> None:
             f"--micro-batch {micro} must divide the per-pipeline batch {per_pipeline} "
             f"(--global-batch {args.global_batch} / {width} pipelines)"
         )
-    try:
-        config = pipeline_config(args, per_pipeline)
-    except ValueError as e:  # PipelineConfig.schedule must be one of ...
-        raise ValueError(f"--schedule: {e}") from None
+    name = args.pp_schedule
+    if name is not None and name.lower() not in {s.lower() for s in SCHEDULES}:
+        raise ValueError(f"--schedule {name} is not one of {', '.join(SCHEDULES)}")
+    config = pipeline_config(args, per_pipeline)
     try:
         config.check_stages(pp)
         config.check_data_parallel(args.data_parallel)
