@@ -10,10 +10,8 @@ Gradients averaged over ranks are then exactly the gradients of the global-batch
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -54,54 +52,12 @@ from examples.m6.setup import (  # noqa: E402
     setup_parallel,
     topology,
 )
+from examples.m6.signals import Interrupted, StopOnSignal  # noqa: E402
 from examples.m6.syncs import SyncCounter  # noqa: E402
+from examples.m6.trace_io import open_trace  # noqa: E402
 from examples.settings import settings_line  # noqa: E402
 
 __all__ = ["Interrupted", "RunError", "UsageError", "main", "run"]
-
-
-class Interrupted(RuntimeError):
-    """SIGTERM/SIGINT: the step in progress was finished and saved; exit status 128 + signal."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        name = signal.Signals(signum).name
-        saved = (
-            f"checkpoint {checkpoint} (continue with --resume)"
-            if checkpoint is not None
-            else "not saved (--pp runs have no checkpoints yet)"
-        )
-        super().__init__(f"interrupted by {name} after step {step}; {saved}")
-
-
-class StopOnSignal:
-    """While active, SIGTERM and SIGINT only set `signum`; the loop finishes its step, saves
-    and stops. A second signal (Ctrl-C twice) exits at once with one line, saving nothing
-    (the previous checkpoint stays: saves are atomic)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-            return
-        name = signal.Signals(signum).name
-        sys.stderr.write(f"error: {name} again: exiting now without saving this step\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def lr_at(step: int, args) -> float:
@@ -395,35 +351,6 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
-
-
-class _NoTrace:
-    """A dense model (--dense, --experts 0) has no expert load to trace."""
-
-    def step(self, step: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def record_rebalance(self, step: int, report) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTrace:
-    """The run's routing trace; resuming keeps its lines up to `start`. A damaged trace or a
-    path that is not a regular file is a UsageError naming it (file:line) on every rank."""
-    if isinstance(model, PipelineRun) or not moe.moe_layers(model):  # --pp: no trace yet
-        return _NoTrace()
-    resume_from = start if args.resume else None  # other layouts' lines: files of their own
-    try:
-        return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
-    except ValueError as e:
-        hint = " (remove it to start a new trace)" if args.resume else ""
-        raise UsageError(f"{e}{hint}") from None
 
 
 def _steady(first_read, done: int, elapsed: float, tokens_per_step: int) -> float | None:
