@@ -14,7 +14,9 @@ from pathlib import Path
 import moe
 from examples.device import add_device_args
 from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
+from examples.m6.pipe_args import check_pipeline
 from examples.m6.plan import check_layout
+from moe.pipeline import SCHEDULES
 
 DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a laptop CPU to DP x EP.
 
@@ -23,6 +25,7 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     python examples/m6/train.py --dense                  # dense baseline at equal active FLOPs
     python examples/m6/train.py --config m6-tiny-gpu     # the same task sized for one GPU
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
+    torchrun --nproc-per-node 4 examples/m6/train.py --pp 2 --ep 2   # 2 pipeline stages
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
 SIGTERM or SIGINT (Ctrl-C) finishes the current step (under torchrun: the steps up to the
@@ -169,6 +172,20 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, help="data-parallel size (default world / ep)")
     g.add_argument("--ep", type=int, help="expert-parallel size (default 1)")
     g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages over the ranks (world = pp x dp x ep; default 1: none); "
+        "--micro-batch is then examples per pipeline micro-batch (default: 2 pp of them)",
+    )
+    g.add_argument(
+        "--schedule",
+        dest="pp_schedule",  # args.schedule is the learning-rate schedule (schedule.py)
+        help="with --pp: PyTorch's pipeline schedule, one of "
+        + ", ".join(SCHEDULES)
+        + " (default 1F1B; the interleaved and V ones run 2 stages per rank)",
+    )
+    g.add_argument(
         "--alltoall",
         choices=("auto", "flat", "hierarchical"),
         default="auto",
@@ -248,6 +265,7 @@ POSITIVE_INTS = (
     ("save_every", 0),
     ("threads", 0),
     ("micro_batch", 1),
+    ("pp", 1),
 )
 
 
@@ -257,15 +275,17 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-    ep = args.ep or 1
-    dp = args.dp or max(world // ep, 1)
-    if world == 1 and dp * ep > 1:
+    ep, pp = args.ep or 1, args.pp
+    dp = args.dp or max(world // (pp * ep), 1)
+    if world == 1 and pp * dp * ep > 1:
+        flags = f"--pp {pp} --dp {dp} --ep {ep}" if pp > 1 else f"--dp {dp} --ep {ep}"
         raise UsageError(
-            f"--dp {dp} --ep {ep} needs {dp * ep} processes: launch with "
-            f"torchrun --nproc-per-node {dp * ep} examples/m6/train.py ..."
+            f"{flags} needs {pp * dp * ep} processes: launch with "
+            f"torchrun --nproc-per-node {pp * dp * ep} examples/m6/train.py ..."
         )
-    if world > 1:
-        with usage_errors():
+    with usage_errors():
+        check_pipeline(args, cfg, world)
+        if world > 1 and pp == 1:
             check_layout(cfg, world, dp, ep)
     if args.ep and args.ep > 1 and not cfg.is_moe:
         raise UsageError(f"--ep {args.ep} needs an MoE model; {cfg.name} is dense")
@@ -288,13 +308,13 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(
             f"--stop-after must be in (0, --steps={args.steps}), got {args.stop_after}"
         )
-    if args.global_batch < 1 or args.global_batch % world:
+    if args.global_batch < 1 or args.global_batch % world and pp == 1:
         raise UsageError(
             f"--global-batch {args.global_batch} must be a positive multiple of the {world} ranks"
         )
     per_rank = args.global_batch // world
     micro = args.micro_batch or per_rank
-    if micro < 1 or per_rank % micro:
+    if pp == 1 and (micro < 1 or per_rank % micro):
         raise UsageError(f"--micro-batch {micro} must divide the per-rank batch {per_rank}")
     if args.max_seconds is not None and not (
         math.isfinite(args.max_seconds) and args.max_seconds > 0

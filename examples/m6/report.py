@@ -106,4 +106,7 @@ def print_summary(s: dict, say) -> None:
         say(f"  {x['prompt']} -> {x['generated']!r} {'ok' if x['correct'] else 'WRONG'}")
     for path in s.get("plots", []):
         say(f"plot: {path}")
-    say(f"checkpoint: {s['checkpoint']} (continue with --resume --steps N)")
+    if s.get("checkpoint"):
+        say(f"checkpoint: {s['checkpoint']} (continue with --resume --steps N)")
+    else:
+        say("checkpoint: none (--pp runs have no checkpoints yet)")

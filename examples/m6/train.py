@@ -10,10 +10,8 @@ Gradients averaged over ranks are then exactly the gradients of the global-batch
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from examples.m6.config import M6Config  # noqa: E402
 from examples.m6.evaluate import evaluate  # noqa: E402
 from examples.m6.metrics import MetricsLog, Progress, StepMetrics, new_history  # noqa: E402
 from examples.m6.model import count_params  # noqa: E402
+from examples.m6.pipe import PipelineRun, for_eval, pipeline_description  # noqa: E402
 from examples.m6.plan import default_ep, plan_report  # noqa: E402
 from examples.m6.report import final_evaluation, make_plots, print_summary  # noqa: E402
 from examples.m6.run_folder import RunLock  # noqa: E402
@@ -53,52 +52,12 @@ from examples.m6.setup import (  # noqa: E402
     setup_parallel,
     topology,
 )
+from examples.m6.signals import Interrupted, StopOnSignal  # noqa: E402
 from examples.m6.syncs import SyncCounter  # noqa: E402
+from examples.m6.trace_io import open_trace  # noqa: E402
 from examples.settings import settings_line  # noqa: E402
 
 __all__ = ["Interrupted", "RunError", "UsageError", "main", "run"]
-
-
-class Interrupted(RuntimeError):
-    """SIGTERM/SIGINT: the step in progress was finished and saved; exit status 128 + signal."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"interrupted by {name} after step {step}; checkpoint {checkpoint} "
-            "(continue with --resume)"
-        )
-
-
-class StopOnSignal:
-    """While active, SIGTERM and SIGINT only set `signum`; the loop finishes its step, saves
-    and stops. A second signal (Ctrl-C twice) exits at once with one line, saving nothing
-    (the previous checkpoint stays: saves are atomic)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-            return
-        name = signal.Signals(signum).name
-        sys.stderr.write(f"error: {name} again: exiting now without saving this step\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def lr_at(step: int, args) -> float:
@@ -113,6 +72,14 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
     metric row on the device (StepMetrics.row); nothing is read back to the host."""
     world = rt.world
     global_idx = m6data.global_batch_indices(step, len(enc), args.global_batch, args.seed)
+    if isinstance(model, PipelineRun):  # --pp: the same math through the pipeline's stages
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        opt.zero_grad(set_to_none=True)
+        row = model.step(data, enc, global_idx, rt)
+        model.clip(args.clip)
+        opt.step()
+        return row
     global_targets = (enc.labels_NL[global_idx] != m6data.IGNORE).sum()  # host tensor, no read
     scale = world / global_targets.double()
     local_idx = m6data.shard(global_idx, rt.rank, world)
@@ -146,6 +113,7 @@ def run_settings(args, cfg: M6Config, world: int, device) -> str:
     """The settings that change the math of this run, in one line (examples/settings.py)."""
     fp8 = cfg.moe_options().get("fp8") if cfg.is_moe else None
     ep = args.ep or 1
+    pp = getattr(args, "pp", 1)
     extra = []
     if cfg.is_moe:
         cf = cfg.capacity_factor
@@ -155,8 +123,10 @@ def run_settings(args, cfg: M6Config, world: int, device) -> str:
         extra.append("dense FFNs")
     if args.checkpointing:
         extra.append("activation checkpointing")
+    if pp > 1:
+        extra.append(pipeline_description(args, world))
     return settings_line(
-        precision=args.precision, device=device, fp8=fp8, dp=args.dp or world // ep, ep=ep,
+        precision=args.precision, device=device, fp8=fp8, dp=args.dp or world // (pp * ep), ep=ep,
         data_parallel=args.data_parallel if world > 1 else None, offload=args.offload,
         groups=args.groups, replicas=args.spare_slots, extra=tuple(extra),
     )  # fmt: skip
@@ -253,7 +223,10 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     torch.manual_seed(args.seed)
     model = cfg.build().to(device)
     total, experts = count_params(model)
-    model, mesh = setup_parallel(model, args)
+    if args.pp > 1:  # pipeline stages: this rank keeps its own (examples/m6/pipe.py)
+        model, mesh = PipelineRun(model, cfg, args, world, device), None
+    else:
+        model, mesh = setup_parallel(model, args)
     opt = make_optimizer(model, args)
     history, start = new_history(cfg), 0
     args.schedule = lr_schedule.from_args(args)
@@ -323,7 +296,13 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
             if evaluate_now:
                 t_eval = time.perf_counter()
                 ev = evaluate(
-                    model, data, data.test, cfg.text_len, rt, args.eval_batch, generate=False
+                    for_eval(model),
+                    data,
+                    data.test,
+                    cfg.text_len,
+                    rt,
+                    args.eval_batch,
+                    generate=False,
                 )
                 history["eval_step"].append(step + 1)
                 history["eval_loss"].append(ev["loss"])
@@ -335,8 +314,12 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
                 trace.close()
-                ckpt = save_step(
-                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
+                ckpt = (
+                    None
+                    if args.pp > 1  # no checkpoints of pipeline stages yet
+                    else save_step(
+                        out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
+                    )
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
             if out_of_time:  # --max-seconds: evaluate what was trained so far
@@ -345,56 +328,29 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
-    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
+    ckpt = None  # --pp: no checkpoints of pipeline stages yet (cli.py refuses their flags)
+    if args.pp == 1:
+        ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
     summary = {
-        "config": cfg.to_dict(), "world": world, "dp": (args.dp or world // (args.ep or 1)),
-        "ep": args.ep or 1, "device": str(device), "steps": stop, "steps_this_run": done,
+        "config": cfg.to_dict(), "world": world,
+        "dp": (args.dp or world // (args.pp * (args.ep or 1))), "ep": args.ep or 1, "pp": args.pp, "device": str(device), "steps": stop, "steps_this_run": done,
         "time_s": elapsed, "tokens_per_s": done * tokens_per_step / elapsed if done else 0.0,
         "params": total, "active_params": cfg.active_params, "losses": history["loss"],
-        "final_loss": history["loss"][-1], "checkpoint": str(ckpt),
-        "host_syncs": syncs.count, "out_of_time": out_of_time,
+        "final_loss": history["loss"][-1],
+        "host_syncs": syncs.count, "checkpoint": ckpt and str(ckpt), "out_of_time": out_of_time,
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
         "settings": settings, "global_batch": args.global_batch,
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
         return summary
-    summary.update(final_evaluation(model, data, cfg, args, rt, history))
+    summary.update(final_evaluation(for_eval(model), data, cfg, args, rt, history))
     if rank == 0:
         if not args.no_plots:
             summary["plots"] = make_plots(history, data, summary, out)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, say)
     return summary
-
-
-class _NoTrace:
-    """A dense model (--dense, --experts 0) has no expert load to trace."""
-
-    def step(self, step: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def record_rebalance(self, step: int, report) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTrace:
-    """The run's routing trace; resuming keeps its lines up to `start`. A damaged trace or a
-    path that is not a regular file is a UsageError naming it (file:line) on every rank."""
-    if not moe.moe_layers(model):
-        return _NoTrace()
-    resume_from = start if args.resume else None  # other layouts' lines: files of their own
-    try:
-        return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
-    except ValueError as e:
-        hint = " (remove it to start a new trace)" if args.resume else ""
-        raise UsageError(f"{e}{hint}") from None
 
 
 def _steady(first_read, done: int, elapsed: float, tokens_per_step: int) -> float | None:
