@@ -77,7 +77,9 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "grows with m). Stages hold equal block counts (the embedding with the first, the "
         "head with the last); v = stages per rank (2 for the interleaved and V schedules, so "
         "pp x v stages). data_parallel='ddp' (the zero-bubble schedules refuse fsdp). "
-        f"{m['warmup']} warm-up steps, then the median of {m['steps']} steps.",
+        f"{m['warmup']} warm-up steps per case, then {m['steps']} rounds of one step of every "
+        "case of the layout in turn (interleaved, so drifting load touches every schedule "
+        "alike); medians over the rounds.",
         "",
         "Measured: step = the slowest rank's wall time of `Pipeline.step` (forward + backward "
         "of all micro-batches, no optimizer), every rank starting after a barrier. busy = time "

@@ -10,7 +10,9 @@ what the clock leaves out is waiting and the schedule's own bookkeeping; what it
 the stage's forward / backward, with the MoE layer's expert-parallel exchange (ep > 1) and
 the last backward's gradient reduction over the stage's ranks. Step time: every rank starts
 a step after a barrier; the pipeline's step time is the slowest rank's wall time. Bubble of a
-rank = 1 - busy / step time, per step, median over steps.
+rank = 1 - busy / step time, per step, median over steps. All cases of a layout are built
+first and timed in interleaved rounds (one step of each per round), so drifting machine load
+touches every schedule alike.
 
 Peak memory: one extra step under bench.memory.AllocationCounter (a TorchDispatchMode adding
 the bytes of every storage an op creates and subtracting them when freed: CPU has no allocator
@@ -150,72 +152,85 @@ def _zero_grads(pipe: Pipeline) -> None:
         p.grad = None
 
 
-def run_case(mesh, cfg: dict, schedule: str, m: int, clock: BusyClock) -> dict:
-    """One schedule at m micro-batches on this rank: per-step wall and busy seconds, the
-    pipeline's step times (slowest rank), and the step's peak tensor bytes."""
-    pp, width = mesh.size(0), mesh.size(1) * mesh.size(2)
-    v = stages_per_rank(schedule)
-    config = PipelineConfig(
-        schedule, microbatches=m, stages_per_rank=v, stages=stage_plan(cfg["blocks"], pp * v)
-    )
-    config.check_stages(pp)  # the same ValueError on every rank (the caller skips the case)
-    model = build_model(cfg)
+class Case:
+    """One schedule at m micro-batches on this rank: its Pipeline, its batch, its samples."""
 
-    def loss_fn(logits, target):
-        return F.cross_entropy(logits.flatten(0, -2), target.flatten()) / m
+    def __init__(self, mesh, cfg: dict, schedule: str, m: int, clock: BusyClock):
+        pp, width = mesh.size(0), mesh.size(1) * mesh.size(2)
+        self.schedule, self.m, self.v = schedule, m, stages_per_rank(schedule)
+        self.mesh, self.cfg = mesh, cfg
+        config = PipelineConfig(
+            schedule,
+            microbatches=m,
+            stages_per_rank=self.v,
+            stages=stage_plan(cfg["blocks"], pp * self.v),
+        )
 
-    pipe = Pipeline(
-        model,
-        mesh,
-        config,
-        clock.wrap("loss", loss_fn),
-        parallel={"data_parallel": "ddp", "algorithm": "flat"},
-    )
-    g = torch.Generator().manual_seed(1 + dist.get_rank() % width)  # one batch per pipeline
-    rows = m * cfg["microbatch_rows"]
-    x = torch.randint(cfg["vocab"], (rows, cfg["seq"]), generator=g)
-    y = torch.randint(cfg["vocab"], (rows, cfg["seq"]), generator=g)
-    for _ in range(cfg["warmup"]):
-        pipe.step(x, y)
-        _zero_grads(pipe)
-    walls, busy, parts = [], [], []
-    for _ in range(cfg["steps"]):
+        def loss_fn(logits, target):
+            return F.cross_entropy(logits.flatten(0, -2), target.flatten()) / m
+
+        parallel = {"data_parallel": "ddp", "algorithm": "flat"}
+        self.pipe = Pipeline(build_model(cfg), mesh, config, clock.wrap("loss", loss_fn), parallel)
+        g = torch.Generator().manual_seed(1 + dist.get_rank() % width)  # a batch per pipeline
+        rows = m * cfg["microbatch_rows"]
+        self.x = torch.randint(cfg["vocab"], (rows, cfg["seq"]), generator=g)
+        self.y = torch.randint(cfg["vocab"], (rows, cfg["seq"]), generator=g)
+        self.walls: list[float] = []
+        self.busy: list[float] = []
+        self.parts: list[dict] = []
+        self.peak = 0
+
+    def step(self) -> None:
+        self.pipe.step(self.x, self.y)
+        _zero_grads(self.pipe)
+
+    def timed_step(self, clock: BusyClock) -> None:
         dist.barrier()
         clock.reset()
         start = time.perf_counter()
-        pipe.step(x, y)
-        walls.append(time.perf_counter() - start)
-        busy.append(sum(clock.seconds.values()))
-        parts.append(dict(clock.seconds))
-        _zero_grads(pipe)
-    steps = _slowest(walls)
-    counter = AllocationCounter()
-    dist.barrier()
-    with counter:
-        pipe.step(x, y)
-    _zero_grads(pipe)
-    bubbles = [max(0.0, 1.0 - b / s) for b, s in zip(busy, steps)]
-    return {
-        "schedule": schedule,
-        "microbatches": m,
-        "stages_per_rank": v,
-        "rank": dist.get_rank(),
-        "pp_rank": mesh.get_local_rank("pp"),
-        "stage_indices": pipe.stage_indices,
-        "stages": [list(pipe.modules[i]._modules) for i in range(len(pipe.modules))],
-        "wall_s": walls,
-        "step_s": steps,
-        "busy_s": busy,
-        "busy_parts_s": {k: statistics.median(p[k] for p in parts) for k in parts[0]},
-        "bubble": statistics.median(bubbles),
-        "bubbles": bubbles,
-        "step_peak_bytes": counter.peak,
-        "param_bytes": sum(_local(p).nbytes for p in pipe.parameters()),
-        "tokens_per_microbatch": cfg["microbatch_rows"] * cfg["seq"],
-    }
+        self.pipe.step(self.x, self.y)
+        self.walls.append(time.perf_counter() - start)
+        self.busy.append(sum(clock.seconds.values()))
+        self.parts.append(dict(clock.seconds))
+        _zero_grads(self.pipe)
+
+    def memory_step(self) -> None:
+        """One step under the allocation counter, gradients freed before (they count)."""
+        counter = AllocationCounter()
+        dist.barrier()
+        with counter:
+            self.pipe.step(self.x, self.y)
+        _zero_grads(self.pipe)
+        self.peak = counter.peak
+
+    def record(self) -> dict:
+        steps = _slowest(self.walls)  # the pipeline's step: its slowest rank
+        bubbles = [max(0.0, 1.0 - b / s) for b, s in zip(self.busy, steps)]
+        pipe = self.pipe
+        return {
+            "schedule": self.schedule,
+            "microbatches": self.m,
+            "stages_per_rank": self.v,
+            "rank": dist.get_rank(),
+            "pp_rank": self.mesh.get_local_rank("pp"),
+            "stage_indices": pipe.stage_indices,
+            "stages": [list(module._modules) for module in pipe.modules],
+            "wall_s": self.walls,
+            "step_s": steps,
+            "busy_s": self.busy,
+            "busy_parts_s": {k: statistics.median(p[k] for p in self.parts) for k in self.parts[0]},
+            "bubble": statistics.median(bubbles),
+            "bubbles": bubbles,
+            "step_peak_bytes": self.peak,
+            "param_bytes": sum(_local(p).nbytes for p in pipe.parameters()),
+            "tokens_per_microbatch": self.cfg["microbatch_rows"] * self.cfg["seq"],
+        }
 
 
 def worker_main(cfg: dict) -> None:
+    """Every case of the layout built first, warmed up, then timed in interleaved rounds (one
+    step of each case per round, the starting case rotating), so drifting machine load
+    touches every schedule alike; then one memory step each."""
     torch.set_num_threads(1)
     # FSDP2's note on the stage outputs (views of the aux-loss alias; nothing here changes
     # them in place), once per module and rank otherwise
@@ -225,7 +240,7 @@ def worker_main(cfg: dict) -> None:
     mesh = init_pipeline_mesh(pp, dp, ep)
     clock = BusyClock()
     clock.install()
-    mine, skipped = [], []
+    cases, skipped = [], []
     for schedule in cfg["schedules"]:
         for m in cfg["microbatches"]:
             try:
@@ -235,9 +250,18 @@ def worker_main(cfg: dict) -> None:
             except ValueError as e:  # decided from the settings alone: alike on every rank
                 skipped.append({"schedule": schedule, "microbatches": m, "reason": str(e)})
                 continue
-            mine.append(run_case(mesh, cfg, schedule, m, clock))
-            if dist.get_rank() == 0:
-                print(f"  pp={pp} ep={ep} {schedule} m={m}: done", flush=True)
+            cases.append(Case(mesh, cfg, schedule, m, clock))
+    for case in cases:
+        for _ in range(cfg["warmup"]):
+            case.step()
+    for r in range(cfg["steps"]):
+        for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            case.timed_step(clock)
+        if dist.get_rank() == 0:
+            print(f"  pp={pp} ep={ep}: round {r + 1}/{cfg['steps']}", flush=True)
+    for case in cases:
+        case.memory_step()
+    mine = [case.record() for case in cases]
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
