@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", default="2,4", help="pipeline sizes (ranks per pipeline), ep=dp=1")
     p.add_argument("--ep2", action="store_true", help="add the layout pp=2, ep=2 (4 ranks)")
+    p.add_argument(
+        "--ep2-schedules", default="1F1B,DualPipeV", help="the schedules of the pp=2, ep=2 layout"
+    )
     p.add_argument("--microbatches", default="4,8", help="micro-batch counts m per step")
     p.add_argument("--schedules", default=SCHEDULE_NAMES, help="moe.pipeline.SCHEDULES names")
     p.add_argument("--blocks", type=int, default=8, help="MoE blocks (split evenly by stage)")
@@ -42,8 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512, help="embedding / head size")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--microbatch-rows", type=int, default=2, help="sequences per micro-batch")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per case (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per case first")
+    p.add_argument("--steps", type=int, default=4, help="timed rounds (one step per case)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case first")
     p.add_argument("--loopback", action="store_true", help="no emulated network: loopback")
     p.add_argument("--rate", type=int, default=200, help="emulated link speed, Mbit/s")
     p.add_argument("--burst-kb", type=int, default=128, help="tbf bucket (see bench.overlap)")
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
     from moe.pipeline import SCHEDULES
 
     schedules = [s for s in a.schedules.split(",") if s]
-    unknown = [s for s in schedules if s not in SCHEDULES]
+    ep2_schedules = [s for s in a.ep2_schedules.split(",") if s]
+    unknown = [s for s in schedules + ep2_schedules if s not in SCHEDULES]
     if unknown:
         raise SystemExit(f"--schedules: unknown {unknown}; known: {', '.join(SCHEDULES)}")
     layouts = [(pp, 1, 1) for pp in _ints(a.pp)] + ([(2, 1, 2)] if a.ep2 else [])
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
         for pp, dp, ep in layouts:
             cfg = {
                 "layout": (pp, dp, ep),
-                "schedules": schedules,
+                "schedules": ep2_schedules if ep > 1 else schedules,
                 "microbatches": _ints(a.microbatches),
                 "blocks": a.blocks,
                 "d_model": a.d_model,

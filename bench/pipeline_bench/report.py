@@ -26,6 +26,9 @@ def summarize(results: list[dict]) -> list[dict]:
             v = ranks[0]["stages_per_rank"]
             theory = theoretical_bubble(schedule, pp, m, v)
             bubbles = [r["bubble"] for r in ranks]
+            parts = [r["busy_parts_s"] for r in ranks]
+            fwd = sum(p["forward"] for p in parts)
+            bwd = sum(p["backward"] + p["weight"] for p in parts)
             table.append(
                 {
                     "pp": pp,
@@ -37,6 +40,7 @@ def summarize(results: list[dict]) -> list[dict]:
                     "step_ms": 1e3 * statistics.median(ranks[0]["step_s"]),
                     "step_min_ms": 1e3 * min(ranks[0]["step_s"]),
                     "busy_ms": [1e3 * statistics.median(r["busy_s"]) for r in ranks],
+                    "backward_over_forward": bwd / fwd if fwd > 0 else None,
                     "bubble": bubbles,
                     "bubble_mean": statistics.fmean(bubbles),
                     "theory": theory.value,
@@ -52,6 +56,10 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def _list(values, fmt: str) -> str:
     return " / ".join(format(v, fmt) for v in values)
+
+
+def _bf(ratio) -> str:
+    return "n/a" if ratio is None else f"{ratio:.1f}"
 
 
 def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
@@ -96,20 +104,23 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "includes time it was runnable but descheduled (oversubscription inflates busy "
         "time and hides bubbles). The CPU was shared with other jobs (see the load). The "
         "theoretical bubbles assume equal stage times, free communication and, for the "
-        "zero-bubble schedules, T_F = T_B(input) = T_W; on this tiny model the backward "
-        "costs ~2-3x the forward and per-op overhead dominates.",
+        "zero-bubble schedules, T_F = T_B(input) = T_W (a full backward 2x the forward); "
+        "B/F is the measured ratio (all ranks' backward + weight-backward time over their "
+        "forward time, medians per step): on this small model per-op overhead makes the "
+        "forward relatively expensive.",
         "",
         f"![bubbles and step times]({Path(m.get('png', 'pipeline.png')).name})",
         "",
         "| pp | ep | schedule | m | v | step ms | measured bubble (mean) | theoretical | "
-        "bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         lines.append(
             f"| {r['pp']} | {r['ep']} | {r['schedule']} | {r['microbatches']} | "
             f"{r['stages_per_rank']} | {r['step_ms']:.1f} | {r['bubble_mean']:.2f} | "
-            f"{r['theory']:.2f} | {_list(r['bubble'], '.2f')} | {_list(r['busy_ms'], '.1f')} | "
+            f"{r['theory']:.2f} | {_bf(r['backward_over_forward'])} | "
+            f"{_list(r['bubble'], '.2f')} | {_list(r['busy_ms'], '.1f')} | "
             f"{_list(r['step_peak_mib'], '.2f')} | {_list(r['param_mib'], '.2f')} |"
         )
     skipped = [(res["meta"]["layout"], s) for res in results for s in res.get("skipped", [])]
