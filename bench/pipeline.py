@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -57,6 +58,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="PATH prefix: writes PATH.json/.md/.png")
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def rerun_command(argv: list[str]) -> str:
+    """The command line that reruns this benchmark (without --note: it described the run)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--note="):
+            skip = False
+        elif arg == "--note":
+            skip = True
+        else:
+            kept.append(arg)
+    return shlex.join(["python", "-m", "bench.pipeline", *kept])
 
 
 def _ints(text: str) -> list[int]:
@@ -119,7 +133,7 @@ def main(argv=None) -> int:
         loopback_reason=reason,
         load_before=load_before,
         load_after=os.getloadavg()[0],
-        command="python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command=rerun_command(sys.argv[1:] if argv is None else argv),
     )
     table = summarize(results)
     for row in table:

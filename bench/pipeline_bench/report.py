@@ -51,6 +51,14 @@ def summarize(results: list[dict]) -> list[dict]:
                     "stages": [r["stages"] for r in ranks],
                 }
             )
+    for row in table:
+        same = [
+            r["step_ms"]
+            for r in table
+            if r["schedule"] == "1F1B"
+            and (r["pp"], r["ep"], r["microbatches"]) == (row["pp"], row["ep"], row["microbatches"])
+        ]
+        row["step_vs_1f1b"] = row["step_ms"] / same[0] if same else None
     return table
 
 
@@ -58,8 +66,8 @@ def _list(values, fmt: str) -> str:
     return " / ".join(format(v, fmt) for v in values)
 
 
-def _bf(ratio) -> str:
-    return "n/a" if ratio is None else f"{ratio:.1f}"
+def _bf(ratio, fmt: str = ".1f") -> str:
+    return "n/a" if ratio is None else format(ratio, fmt)
 
 
 def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
@@ -85,7 +93,7 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "grows with m). Stages hold equal block counts (the embedding with the first, the "
         "head with the last); v = stages per rank (2 for the interleaved and V schedules, so "
         "pp x v stages). data_parallel='ddp' (the zero-bubble schedules refuse fsdp). "
-        f"{m['warmup']} warm-up steps per case, then {m['steps']} rounds of one step of every "
+        f"{m['warmup']} warm-up step(s) per case, then {m['steps']} rounds of one step of every "
         "case of the layout in turn (interleaved, so drifting load touches every schedule "
         "alike); medians over the rounds.",
         "",
@@ -105,20 +113,22 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "time and hides bubbles). The CPU was shared with other jobs (see the load). The "
         "theoretical bubbles assume equal stage times, free communication and, for the "
         "zero-bubble schedules, T_F = T_B(input) = T_W (a full backward 2x the forward); "
+        "step / 1F1B: the step time over 1F1B's at the same layout and m. "
         "B/F is the measured ratio (all ranks' backward + weight-backward time over their "
         "forward time, medians per step): on this small model per-op overhead makes the "
         "forward relatively expensive.",
         "",
         f"![bubbles and step times]({Path(m.get('png', 'pipeline.png')).name})",
         "",
-        "| pp | ep | schedule | m | v | step ms | measured bubble (mean) | theoretical | "
-        "B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pp | ep | schedule | m | v | step ms | step / 1F1B | measured bubble (mean) | "
+        "theoretical | B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         lines.append(
             f"| {r['pp']} | {r['ep']} | {r['schedule']} | {r['microbatches']} | "
-            f"{r['stages_per_rank']} | {r['step_ms']:.1f} | {r['bubble_mean']:.2f} | "
+            f"{r['stages_per_rank']} | {r['step_ms']:.1f} | {_bf(r['step_vs_1f1b'], '.2f')} | "
+            f"{r['bubble_mean']:.2f} | "
             f"{r['theory']:.2f} | {_bf(r['backward_over_forward'])} | "
             f"{_list(r['bubble'], '.2f')} | {_list(r['busy_ms'], '.1f')} | "
             f"{_list(r['step_peak_mib'], '.2f')} | {_list(r['param_mib'], '.2f')} |"
@@ -151,7 +161,7 @@ def plot(path: Path, table: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = sorted({(r["pp"], r["dp"], r["ep"]) for r in table})
+    layouts = list(dict.fromkeys((r["pp"], r["dp"], r["ep"]) for r in table))
     ms = sorted({r["microbatches"] for r in table})
     fig, axes = plt.subplots(2, len(layouts), figsize=(5.5 * len(layouts), 7), squeeze=False)
     width = 0.8 / len(ms)
