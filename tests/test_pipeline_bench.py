@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 
 from bench.pipeline import main, parse_args, rerun_command
+from bench.pipeline_bench.report import main as report_main
 from bench.pipeline_bench.theory import theoretical_bubble
 from bench.pipeline_bench.worker import BusyClock, build_model, stage_plan, stages_per_rank
 
@@ -135,7 +136,7 @@ def test_benchmark_end_to_end_on_loopback(tmp_path):
         assert row["bubble_mean"] == pytest.approx(statistics.fmean(row["bubble"]))
         assert row["step_ms"] > 0 and all(b > 0 for b in row["busy_ms"])
         assert row["backward_over_forward"] > 0
-        assert row["step_vs_1f1b"] is None  # no 1F1B row to compare with here
+        assert row["step_vs_1f1b"] is None and row["work_vs_1f1b"] is None  # no 1F1B row here
         assert all(p > 0 for p in row["step_peak_mib"])
         assert sum(row["param_mib"]) * 2**20 == model_bytes  # each parameter on one stage
     ranks = {(r["schedule"], r["rank"]): r for r in layout["rows"]}
@@ -158,10 +159,14 @@ def test_benchmark_end_to_end_on_loopback(tmp_path):
     assert ranks[("GPipe", 1)]["stages"] == [["b2", "b3", "head"]]
     assert ranks[("ZBVZeroBubble", 1)]["stages"] == [["b1"], ["b2"]]
     md = (tmp_path / "r.md").read_text()
-    header = "| pp | ep | schedule | m | v | step ms | step / 1F1B | measured bubble (mean) |"
+    header = "| pp | ep | schedule | m | v | step ms | step / 1F1B | work / 1F1B | measured bubble"
     assert header in md
     assert md.count("\n| 2 | 1 | ") == 2 and "| 2 | 1 | ZBVZeroBubble | 2 | 2 |" in md
-    assert md.count(" | n/a | ") == 2  # step / 1F1B without a 1F1B row
+    assert md.count(" | n/a | n/a | ") == 2  # step and work / 1F1B without a 1F1B row
     assert "DualPipeV m=2: PipelineConfig.microbatches=2" in md
     assert "python -m bench.pipeline --" in md and "![bubbles and step times](r.png)" in md
     assert (tmp_path / "r.png").stat().st_size > 0
+    # the report written again from the JSON alone is the same
+    (tmp_path / "r.md").unlink()
+    report_main([str(tmp_path / "r.json")])
+    assert (tmp_path / "r.md").read_text() == md

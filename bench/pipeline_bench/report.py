@@ -52,13 +52,15 @@ def summarize(results: list[dict]) -> list[dict]:
                 }
             )
     for row in table:
+        key = (row["pp"], row["ep"], row["microbatches"])
         same = [
-            r["step_ms"]
+            r
             for r in table
-            if r["schedule"] == "1F1B"
-            and (r["pp"], r["ep"], r["microbatches"]) == (row["pp"], row["ep"], row["microbatches"])
+            if r["schedule"] == "1F1B" and (r["pp"], r["ep"], r["microbatches"]) == key
         ]
-        row["step_vs_1f1b"] = row["step_ms"] / same[0] if same else None
+        base = same[0] if same else None
+        row["step_vs_1f1b"] = row["step_ms"] / base["step_ms"] if base else None
+        row["work_vs_1f1b"] = sum(row["busy_ms"]) / sum(base["busy_ms"]) if base else None
     return table
 
 
@@ -113,21 +115,24 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "time and hides bubbles). The CPU was shared with other jobs (see the load). The "
         "theoretical bubbles assume equal stage times, free communication and, for the "
         "zero-bubble schedules, T_F = T_B(input) = T_W (a full backward 2x the forward); "
-        "step / 1F1B: the step time over 1F1B's at the same layout and m. "
+        "step / 1F1B: the step time over 1F1B's at the same layout and m; work / 1F1B: the "
+        "busy time summed over ranks over 1F1B's (the split backward of the zero-bubble "
+        "schedules costs extra compute). "
         "B/F is the measured ratio (all ranks' backward + weight-backward time over their "
         "forward time, medians per step): on this small model per-op overhead makes the "
         "forward relatively expensive.",
         "",
         f"![bubbles and step times]({Path(m.get('png', 'pipeline.png')).name})",
         "",
-        "| pp | ep | schedule | m | v | step ms | step / 1F1B | measured bubble (mean) | "
-        "theoretical | B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pp | ep | schedule | m | v | step ms | step / 1F1B | work / 1F1B | "
+        "measured bubble (mean) | theoretical | B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         lines.append(
             f"| {r['pp']} | {r['ep']} | {r['schedule']} | {r['microbatches']} | "
             f"{r['stages_per_rank']} | {r['step_ms']:.1f} | {_bf(r['step_vs_1f1b'], '.2f')} | "
+            f"{_bf(r['work_vs_1f1b'], '.2f')} | "
             f"{r['bubble_mean']:.2f} | "
             f"{r['theory']:.2f} | {_bf(r['backward_over_forward'])} | "
             f"{_list(r['bubble'], '.2f')} | {_list(r['busy_ms'], '.1f')} | "
@@ -205,3 +210,18 @@ def write_outputs(prefix: Path, meta: dict, results: list[dict], table: list[dic
     plot(png, table)
     md.write_text(markdown(meta, results, table))
     return [js, md, png]
+
+
+def main(argv=None) -> None:
+    """`python -m bench.pipeline_bench.report OUT.json`: OUT.md / .png (and the JSON's table)
+    written again from the JSON's raw records, e.g. after a change of the report."""
+    import sys
+
+    (path,) = sys.argv[1:] if argv is None else argv
+    data = json.loads(Path(path).read_text())
+    prefix = Path(path).with_suffix("")
+    write_outputs(prefix, data["meta"], data["layouts"], summarize(data["layouts"]))
+
+
+if __name__ == "__main__":
+    main()
