@@ -41,6 +41,9 @@ def summarize(results: list[dict]) -> list[dict]:
                     "step_min_ms": 1e3 * min(ranks[0]["step_s"]),
                     "busy_ms": [1e3 * statistics.median(r["busy_s"]) for r in ranks],
                     "backward_over_forward": bwd / fwd if fwd > 0 else None,
+                    "busy_on_cpu": statistics.fmean(
+                        sum(r["busy_cpu_s"]) / sum(r["busy_s"]) for r in ranks
+                    ),
                     "bubble": bubbles,
                     "bubble_mean": statistics.fmean(bubbles),
                     "theory": theory.value,
@@ -118,15 +121,18 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
         "step / 1F1B: the step time over 1F1B's at the same layout and m; work / 1F1B: the "
         "busy time summed over ranks over 1F1B's (the split backward of the zero-bubble "
         "schedules costs extra compute). "
-        "B/F is the measured ratio (all ranks' backward + weight-backward time over their "
+        "busy on CPU: the rank's thread CPU time inside those calls over their wall time "
+        "(mean over ranks; below 100% the rank was descheduled while busy, so its busy time "
+        "is inflated and its bubble underestimated). B/F is the measured ratio (all ranks' backward + weight-backward time over their "
         "forward time, medians per step): on this small model per-op overhead makes the "
         "forward relatively expensive.",
         "",
         f"![bubbles and step times]({Path(m.get('png', 'pipeline.png')).name})",
         "",
         "| pp | ep | schedule | m | v | step ms | step / 1F1B | work / 1F1B | "
-        "measured bubble (mean) | theoretical | B/F | bubble by rank | busy ms by rank | step peak MiB by rank | params MiB by rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured bubble (mean) | theoretical | B/F | busy on CPU | bubble by rank | "
+        "busy ms by rank | step peak MiB by rank | params MiB by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         lines.append(
@@ -135,6 +141,7 @@ def markdown(meta: dict, results: list[dict], table: list[dict]) -> str:
             f"{_bf(r['work_vs_1f1b'], '.2f')} | "
             f"{r['bubble_mean']:.2f} | "
             f"{r['theory']:.2f} | {_bf(r['backward_over_forward'])} | "
+            f"{r['busy_on_cpu']:.0%} | "
             f"{_list(r['bubble'], '.2f')} | {_list(r['busy_ms'], '.1f')} | "
             f"{_list(r['step_peak_mib'], '.2f')} | {_list(r['param_mib'], '.2f')} |"
         )
