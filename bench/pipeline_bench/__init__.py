@@ -1,0 +1,1 @@
+"""Modules of bench.pipeline: the rank worker, launchers, theoretical bubbles, report."""
