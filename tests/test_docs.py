@@ -96,6 +96,7 @@ PROSE = {
     ),
     "python train.py --micro-batch 16": ("run", []),  # examples/m6/train.py, tiny steps
     "python -m moe.trace.plot runs/m6-tiny/routing_trace.jsonl out.png": ("run", []),
+    "python -m bench.pipeline": ("help", "an emulated network (root, ip netns, tc), minutes"),
     "python examples/m6/bench.py": ("help", "trains 4 models x 500 steps: " + TOO_BIG),
     "python -m moe.plan --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem 80 "
     "--tokens 4M": ("run", []),  # a search on paper: seconds
@@ -115,6 +116,7 @@ FRAGMENTS = {
     "moe.parallel.sum_replica_grads(model)": "a training loop with replicas (test_replicas.py)",
     "AutoModelForCausalLM.from_pretrained(path)": "a hub folder (tests/test_hf_example.py)",
     "loss = cross_entropy + moe.aux_loss(model)": "a line of examples/m6/train.py",
+    "mesh = moe.pipeline.init_pipeline_mesh(pp=2": "4 ranks: tests/test_pipeline*.py run it",
 }
 
 
