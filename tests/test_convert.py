@@ -136,6 +136,10 @@ README_PUBLIC_NAMES = {
                     "TritonKernel", "WeightFormat", "register_weight_format"],
     "moe.fp8": ["FP8Config", "FP8Kernel", "FP8Rows", "fp8_expert_mlp", "fp8_grouped_mm",
                 "fp8_dispatch", "fp8_combine"],
+    "moe.pipeline": ["Pipeline", "PipelineConfig", "PipelineStepError", "init_pipeline_mesh",
+                     "hf_stack", "save_hf", "features"],
+    "moe.plan": ["search", "SearchSpace", "Layout", "Prediction", "predict", "Cluster", "preset",
+                 "load_model", "ModelSpec"],
 }  # fmt: skip
 
 # Old paths (CHANGELOG.md, "One public path per name"), removed in 0.1.0, and their new paths.
