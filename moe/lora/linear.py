@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.kernels import adapted_mlp
 from moe.lora.config import LoRAConfig
 from moe.lora.format import check_rank, init_lora_A
 
@@ -18,7 +19,7 @@ class _LinearAdapterHook:
         self.scale, self.dropout = scale, dropout
 
     def __call__(self, module: nn.Linear, args, y: torch.Tensor) -> torch.Tensor:
-        x = F.dropout(args[0], self.dropout, training=module.training and self.dropout > 0)
+        x = adapted_mlp.adapter_dropout(args[0], self.dropout if module.training else 0.0)
         a, b = module.lora_A, module.lora_B
         return y + (F.linear(F.linear(x.to(a.dtype), a), b) * self.scale).to(y.dtype)
 
