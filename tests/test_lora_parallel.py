@@ -6,6 +6,7 @@ an adapters-only DCP checkpoint (save_checkpoint(trainable_only=True)) is small 
 another (dp, ep) exactly."""
 
 import os
+import pathlib
 import tempfile
 
 import torch
@@ -111,7 +112,7 @@ def test_lora_on_2_ranks_ep2_equals_one_process_and_adapters_only_checkpoint():
     with tempfile.TemporaryDirectory() as ckpt:
         _check(run_ranks(_body, 2, ckpt, timeout=300))
         files = [os.path.join(r, f) for r, _, fs in os.walk(ckpt) for f in fs]
-        meta = next(open(f).read() for f in files if f.endswith("metadata.json"))
+        meta = next(pathlib.Path(f).read_text() for f in files if f.endswith("metadata.json"))
         assert '"model/experts.lora_A_w1"' in meta and '"model/experts.w1"' not in meta
         tensor_bytes = sum(os.path.getsize(f) for f in files if not f.endswith(".json"))
         adapters = sum(p.numel() * 8 for _, p in adapter_parameters(_model()))
