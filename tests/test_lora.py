@@ -138,6 +138,8 @@ def check(layer, T=11, tol=None, monkeypatch=None, gemm=None, dtype=torch.float6
             assert not p.requires_grad and p.grad is None, n
             continue
         assert p.grad is not None, n
+        if n.startswith("router."):  # the reference routes with the live router: its own test
+            continue
         if not n.startswith("experts."):  # a shared expert's: the reference's leaf
             mod = layer.get_submodule(n.rpartition(".")[0])
             want = getattr(mod, "ref_" + n.rpartition("_")[2]).grad
@@ -165,6 +167,7 @@ CASES = {
         "lora": LoRAConfig(rank=2, alpha=3.0, dropout=P_DROP, shared_experts=True),
     },
     "recompute": {"recompute": True},
+    "router_adapter": {"lora": LoRAConfig(rank=2, alpha=3.0, dropout=P_DROP, router=True)},
     "replicas": {"spare_slots": 2},
     "up_only_rank_1": {"lora": LoRAConfig(rank=1, alpha=0.5, targets=("w3",))},
 }
@@ -173,6 +176,31 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_lora_layer_equals_per_expert_reference(case, monkeypatch):
     check(build(**CASES[case]), monkeypatch=monkeypatch)
+
+
+def test_router_adapter_logits_and_gradients(monkeypatch):
+    """logits = x W^T + scale * drop(x) A^T B^T (fp32 math, here float64), differentiable in
+    x, A and B; the router's weight frozen. A switch router (jitter off) takes it as well."""
+    monkeypatch.setattr(adapted_mlp, "adapter_dropout", sign_dropout)
+    for router in ("topk", "switch"):
+        top_k = 1 if router == "switch" else 2
+        cfg = LoRAConfig(rank=2, alpha=3.0, dropout=P_DROP, router=True)
+        layer = build(router=router, top_k=top_k, jitter_eps=0.0, lora=cfg)
+        r = layer.router
+        with torch.no_grad():
+            r.lora_B.normal_()
+        x = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+        got = r.logits(x)
+        a, b = (t.detach().clone().requires_grad_() for t in (r.lora_A, r.lora_B))
+        x_ref = x.detach().clone().requires_grad_()
+        want = x_ref @ r.weight.detach().t() + 1.5 * sign_dropout(x_ref, P_DROP) @ a.t() @ b.t()
+        g = torch.randn_like(want)
+        (got * g).sum().backward()
+        (want * g).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for mine, ref_t in ((x, x_ref), (r.lora_A, a), (r.lora_B, b)):
+            torch.testing.assert_close(mine.grad, ref_t.grad, rtol=1e-12, atol=1e-12)
+        assert r.weight.grad is None and not r.weight.requires_grad
 
 
 def test_lora_layer_in_eval_has_no_dropout(monkeypatch):
@@ -238,13 +266,17 @@ def test_add_lora_freezes_keeps_output_and_inits_like_peft():
 
 
 def test_merge_folds_the_adapters():
-    layer = build(num_shared_experts=1, lora=LoRAConfig(rank=R, alpha=4.0, shared_experts=True))
+    cfg = LoRAConfig(rank=R, alpha=4.0, shared_experts=True, router=True)
+    layer = build(num_shared_experts=1, lora=cfg)
+    with torch.no_grad():
+        layer.router.lora_B.normal_()
     x = torch.randn(10, D, dtype=torch.float64)
     y = layer(x)
     merge(layer)
     assert layer.config.lora is None and layer.config.weight_format == "dense"
     assert not adapter_state_dict(layer)
     assert not any("lora" in n for n, _ in layer.named_parameters())
+    assert layer.router.adapter is None
     torch.testing.assert_close(layer(x), y, rtol=1e-12, atol=1e-12)
 
 
@@ -350,3 +382,14 @@ def test_grouped_apply_and_offload_train_the_adapters_as_adamw(offload):
         assert not torch.equal(a[n], a[n].new_zeros(a[n].shape))
         torch.testing.assert_close(a[n], b[n], **tol, msg=n)
     assert all(torch.equal(a[n], base[n]) for n in base)  # the frozen base never moves
+
+
+def test_docs_lora_md_snippets_run():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/lora.md", "exec"), {})

@@ -15,12 +15,12 @@ from torch.distributed.tensor import DTensor, Shard
 import moe
 from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.kernels import adapted_mlp
-from moe.lora import LoRAConfig, adapter_parameters, adapter_state_dict, add_lora
+from moe.lora import LoRAConfig, adapter_parameters, adapter_state_dict, add_lora, merge
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
 D, F, E = 6, 10, 4
-CFG = LoRAConfig(rank=3, alpha=6.0, dropout=0.2, shared_experts=True)
+CFG = LoRAConfig(rank=3, alpha=6.0, dropout=0.2, shared_experts=True, router=True)
 
 
 def _sign_dropout(x, p):
@@ -85,8 +85,16 @@ def _body(rank, world, ckpt):
         opt.step()
         opt.zero_grad()
     assert all(torch.equal(_full(p), base[n]) for n, p in model.named_parameters() if n in base)
-    assert len(opt.state) == len(adapter_parameters(model)) == 6 + 6
+    assert len(opt.state) == len(adapter_parameters(model)) == 6 + 6 + 2
+    model.eval()  # merge on the shards: the same outputs without the adapters
+    y = model(x_all[mine]).detach()
+    merge(model)
+    assert not adapter_state_dict(model) and model.config.lora is None
+    diffs["merge"] = {"y": float((model(x_all[mine]) - y).abs().max() / y.abs().max())}
+    model.train()
     if world == 2:
+        model = parallelize(_model(), init_mesh(dp=1, ep=2), "fsdp")
+        model(x_all[mine]).square().sum().backward()
         save_checkpoint(ckpt, model, trainable_only=True)
         saved = {k: _full(v).clone() for k, v in adapter_state_dict(model).items()}
         fresh = parallelize(_model(seed=5), init_mesh(dp=2, ep=1), "fsdp")  # another layout
@@ -102,9 +110,9 @@ def _body(rank, world, ckpt):
 def _check(results):
     for diffs in results:
         for name, by_tensor in diffs.items():
-            assert {"y", "dx", "experts.lora_A_w1", "shared_experts.up_proj.lora_B"} <= set(
-                by_tensor
-            ), by_tensor
+            if name != "merge":
+                keys = {"y", "dx", "experts.lora_A_w1", "shared_experts.up_proj.lora_B"}
+                assert keys | {"router.lora_A"} <= set(by_tensor), by_tensor
             assert max(by_tensor.values()) < 1e-12, (name, by_tensor)
 
 
