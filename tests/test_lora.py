@@ -393,3 +393,26 @@ def test_docs_lora_md_snippets_run():
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/lora.md", "exec"), {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_adapted_path_with_zero_adapters_is_the_fp8_kernel_exactly(dtype):
+    """B = 0: the adapted path (base GEMMs on moe::fp8_grouped_mm) gives the fused FP8 expert
+    MLP's output and input gradient bit for bit: the same quantizations in the same order."""
+    from moe.fp8 import FP8Config
+
+    torch.manual_seed(0)
+    layer = moe.MoELayer(
+        D, F_, E, top_k=2, activation="swiglu", dtype=dtype, fp8=FP8Config(experts=True)
+    )
+    x = torch.randn(13, D, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    out = []
+    for adapt in (False, True):
+        if adapt:
+            add_lora(layer, LoRAConfig(rank=R, alpha=2.0))
+        xg = x.clone().requires_grad_()
+        y = layer(xg)
+        y.float().square().sum().backward()
+        out.append((y.detach(), xg.grad))
+    assert torch.equal(out[0][0], out[1][0])
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=0)

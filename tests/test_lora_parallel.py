@@ -78,6 +78,13 @@ def _body(rank, world, ckpt):
         }
     # an optimizer of the adapters: state for them alone; the frozen base does not move
     model = parallelize(_model(), init_mesh(dp=world // 2, ep=2), "fsdp")
+    plain = parallelize(moe.MoELayer(D, F, E), init_mesh(dp=world // 2, ep=2), "ddp")
+    try:
+        add_lora(plain, CFG)
+    except ValueError as e:
+        assert "before moe.parallel.parallelize" in str(e)
+    else:
+        raise AssertionError("add_lora after parallelize was not refused")
     base = {n: _full(p).clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW([p for _, p in adapter_parameters(model)], lr=1e-2)
     for _ in range(2):
