@@ -416,3 +416,29 @@ def test_fp8_adapted_path_with_zero_adapters_is_the_fp8_kernel_exactly(dtype):
         out.append((y.detach(), xg.grad))
     assert torch.equal(out[0][0], out[1][0])
     torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=0)
+
+
+def test_checkpoints_of_a_lora_model(tmp_path):
+    """Whole and adapters-only checkpoints load exactly; the settings are checked: a LoRA
+    checkpoint into a model of another rank (or without adapters) is refused, unchanged."""
+    from moe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    def model(seed, rank=R):
+        return build(seed=seed, lora=LoRAConfig(rank=rank, alpha=2.0))
+
+    src = model(0)
+    x = torch.randn(6, D, dtype=torch.float64)
+    for only in (False, True):
+        save_checkpoint(str(tmp_path / str(only)), src, trainable_only=only)
+        dst = model(1)
+        load_checkpoint(str(tmp_path / str(only)), dst)
+        for n, p in src.named_parameters():  # the base comes along only in the whole one
+            assert torch.equal(dict(dst.named_parameters())[n], p) == (only is False or "lora" in n)
+        assert torch.equal(dst(x), src(x)) == (not only)
+    for other in (model(2, rank=2), moe.MoELayer(D, F_, E, top_k=2, activation="swiglu")):
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(CheckpointError, match="lora"):
+            load_checkpoint(str(tmp_path / "True"), other)
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    with pytest.raises(ValueError, match="trainable_only must be a bool"):
+        save_checkpoint(str(tmp_path / "x"), src, trainable_only="yes")
