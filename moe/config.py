@@ -101,6 +101,7 @@ class MoEConfig:
     weight_format: str = "dense"  # how the experts store weights (moe.kernels.weight_format)
     row_format: str = "plain"  # how dispatched rows travel (moe.dispatch.wire)
     fp8: object = settings("moe.fp8.config.FP8Config")  # FP8 dispatch / expert GEMMs; None: off
+    lora: object = settings("moe.lora.config.LoRAConfig")  # expert adapters (weight_format="lora")
 
     def __post_init__(self):
         for f in fields(self):
@@ -138,6 +139,11 @@ class MoEConfig:
         _choose("backend", self.backend, BACKENDS)
         _choose("weight_format", self.weight_format, WEIGHT_FORMAT_NAMES)
         _choose("row_format", self.row_format, ROW_FORMAT_NAMES)
+        if (self.lora is not None) != (self.weight_format == "lora"):
+            raise ValueError(
+                "lora (a moe.lora.LoRAConfig) and weight_format='lora' go together, got "
+                f"lora={self.lora!r}, weight_format={self.weight_format!r}"
+            )
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
             raise ValueError(

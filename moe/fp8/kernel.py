@@ -18,7 +18,10 @@ import torch
 
 from moe.fp8.config import FP8Config
 from moe.fp8.expert_mlp import EXPERTS_FP8, fp8_expert_mlp
+from moe.fp8.grouped_mm import fp8_grouped_mm
 from moe.kernels.registry import ExpertKernel, register_kernel
+from moe.kernels.torch_grouped_mm import grouped_mm_torch
+from moe.kernels.triton_kernel import triton_installed
 
 FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,6 +45,22 @@ class FP8Kernel(ExpertKernel):
             x_ND, offsets_L, w.w1_LDF, w.w2_LFD, w.w3_LDF, w.b1_LF, w.b2_LD,
             activation=activation, rows=rows, config=self.config,
         )  # fmt: skip
+
+    def grouped_mm(self, x_MK, w_EKN, offsets_E):
+        """The base GEMMs of the adapted MLP (moe.lora): e4m3 with this kernel's scales."""
+        c = self.config
+        return fp8_grouped_mm(
+            x_MK, w_EKN, offsets_E, pow2=c.pow2_gemm_scales, floor=c.amax_floor,
+            save_fp8=c.save_fp8_inputs, recipe=c.recipe,
+        )  # fmt: skip
+
+    def adapter_mm(self, x_MK, w_EKN, offsets_E):
+        """The adapters stay in their dtype: Triton's GEMM on CUDA where installed, else torch's."""
+        if x_MK.is_cuda and triton_installed():
+            from moe.kernels.triton.ragged_mm_fn import ragged_mm_triton
+
+            return ragged_mm_triton(x_MK, w_EKN, offsets_E)
+        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
 
 
 FP8 = register_kernel(FP8Kernel("fp8"))

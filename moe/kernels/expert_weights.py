@@ -3,7 +3,10 @@ experts module and the dispatchers import it, it imports nothing from moe).
 
 Why a type and not a (w1, w2, w3, b1, b2) tuple: a weight format with scales (FP8: per-row
 or per-block scales beside each matrix) or another layout adds fields here and a kernel that
-reads them; nothing between the experts module and the kernel changes.
+reads them; nothing between the experts module and the kernel changes. Low-rank adapters
+(moe.lora) ride along the same way: `adapters` by name ("A_w1", "B_w1", ...), each [L, ...],
+with their scale and input dropout; every kernel adds them through one function
+(moe/kernels/adapted_mlp.py, called by ExpertKernel.__call__).
 """
 
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +30,11 @@ class ExpertWeights:
     b2_LD: torch.Tensor | None = None
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     format: str = DENSE
+    # low-rank adapters by name: A_<w> [L, in, r], B_<w> [L, r, out] for w in w1, w2, w3;
+    # the MLP adds adapter_scale * dropout(x) @ A @ B (dropout p = adapter_dropout) to x @ W
+    adapters: dict[str, torch.Tensor] = field(default_factory=dict)
+    adapter_scale: float = 1.0
+    adapter_dropout: float = 0.0
 
     @property
     def num_experts(self) -> int:
@@ -41,18 +49,21 @@ class ExpertWeights:
         return self.w1_LDF.device
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """Every tensor slot in a fixed order (the weights, then the scales by name): the flat
-        form an autograd.Function takes (`with_tensors` is its inverse)."""
+        """Every tensor slot in a fixed order (the weights, the scales by name, the adapters by
+        name): the flat form an autograd.Function takes (`with_tensors` is its inverse)."""
         mats = tuple(getattr(self, f.name) for f in fields(self) if f.name not in _META)
-        return mats + tuple(self.scales[k] for k in sorted(self.scales))
+        scales = tuple(self.scales[k] for k in sorted(self.scales))
+        return mats + scales + tuple(self.adapters[k] for k in sorted(self.adapters))
 
     def with_tensors(self, tensors) -> "ExpertWeights":
         """The same weights with every tensor slot replaced, in `tensors()` order."""
         names = [f.name for f in fields(self) if f.name not in _META]
         tensors = tuple(tensors)
         mats = dict(zip(names, tensors[: len(names)]))
-        scales = dict(zip(sorted(self.scales), tensors[len(names) :]))
-        return replace(self, **mats, scales=scales)
+        rest = tensors[len(names) :]
+        scales = dict(zip(sorted(self.scales), rest[: len(self.scales)]))
+        adapters = dict(zip(sorted(self.adapters), rest[len(self.scales) :]))
+        return replace(self, **mats, scales=scales, adapters=adapters)
 
     def map(self, fn) -> "ExpertWeights":
         """fn applied to every present tensor (None slots stay None)."""
@@ -63,4 +74,4 @@ class ExpertWeights:
         return self.map(lambda t: t[first : first + n])
 
 
-_META = ("scales", "format")
+_META = ("scales", "format", "adapters", "adapter_scale", "adapter_dropout")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from moe.kernels.activations import GATED, check_activation
+from moe.kernels.adapted_mlp import adapted_mlp
 from moe.kernels.combine import combine_torch
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import DENSE, ExpertWeights
+from moe.kernels.torch_grouped_mm import grouped_mm_torch
 from moe.names import BACKENDS, KERNELS, register
 
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -77,7 +79,19 @@ class ExpertKernel(ABC):
         check_activation(activation)
         if activation in GATED and weights.w3_LDF is None:
             raise ValueError(f"activation={activation!r} needs w3")
+        if weights.adapters:  # low-rank adapters (moe.lora): one composed path for every kernel
+            return adapted_mlp(self, x_ND, offsets_L, weights, activation=activation, rows=rows)
         return self.mlp(x_ND, offsets_L, weights, activation=activation, rows=rows)
+
+    def grouped_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+        """This kernel's differentiable ragged grouped GEMM on the experts' weights (rows of
+        group e times w[e], tail rows zero): the base GEMMs of the adapted MLP
+        (moe/kernels/adapted_mlp.py). The torch op unless a kernel has its own (FP8: e4m3)."""
+        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
+
+    def adapter_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+        """The plain grouped GEMM (the operands' dtype) the adapters' GEMMs run on."""
+        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
 
     @abstractmethod
     def mlp(

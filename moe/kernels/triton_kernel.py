@@ -46,6 +46,13 @@ class TritonKernel(ExpertKernel):
             activation=activation, rows=rows, cutlass_roles=self.cutlass_roles,
         )  # fmt: skip
 
+    def grouped_mm(self, x_MK, w_EKN, offsets_E):
+        from moe.kernels.triton.ragged_mm_fn import ragged_mm_triton
+
+        return ragged_mm_triton(x_MK, w_EKN, offsets_E)
+
+    adapter_mm = grouped_mm
+
     def combine(self, out_MD, pair_rows_TK, weights_TK):
         from moe.kernels.triton.combine import combine_triton
 

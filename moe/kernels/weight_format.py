@@ -28,6 +28,11 @@ class WeightFormat:
 
     name: str
 
+    def for_config(self, config) -> "WeightFormat":
+        """The format a layer with MoEConfig `config` uses (a format with settings of its own,
+        e.g. moe.lora's adapters, returns an instance holding them); the default: itself."""
+        return self
+
     def setup(self, experts: nn.Module) -> None:
         """Once, when the experts are built (weights initialised): convert or add tensors."""
 
@@ -59,4 +64,4 @@ def weight_format_for(config) -> WeightFormat:
         raise ValueError(
             f"weight_format={config.weight_format!r} is not one of {WEIGHT_FORMAT_NAMES}"
         )
-    return fmt
+    return fmt.for_config(config)
