@@ -155,18 +155,30 @@ def _begin(path: str) -> tuple[FolderLock | None, str]:
     return lock, str(ident)
 
 
-def save_checkpoint(path: str, model: nn.Module, opt=None, *, extra: dict | None = None) -> str:
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    opt=None,
+    *,
+    extra: dict | None = None,
+    trainable_only: bool = False,
+) -> str:
     """Save `model` and optimizer `opt` (torch optimizer or GroupedApply) under `path`.
     Collective: every rank calls it and writes only its own shards. `extra` is the caller's
     metadata (e.g. the step, a training loop's state): a JSON object (finite numbers),
     published atomically with the tensors and returned by load_checkpoint. Returns the
     directory of the new checkpoint. Only the save's own entries in `path` are written or
-    removed; a concurrent save into the same folder is a CheckpointError."""
+    removed; a concurrent save into the same folder is a CheckpointError.
+    trainable_only: save only the parameters that train (requires_grad; e.g. moe.lora's
+    adapters) and their optimizer state: small files; load_checkpoint then loads those alone
+    into a model whose frozen part was loaded elsewhere."""
+    if not isinstance(trainable_only, bool):
+        raise ValueError(f"save_checkpoint: trainable_only must be a bool, got {trainable_only!r}")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(
             f"save_checkpoint: extra must be a dict (a JSON object), got {type(extra)}"
         )
-    tensors, objects = st.collect(model, opt)
+    tensors, objects = st.collect(model, opt, trainable_only)
     try:
         objects["extra"] = json.loads(json.dumps(extra or {}, allow_nan=False))
     except (TypeError, ValueError) as e:

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -74,12 +75,30 @@ def check_layout(model: nn.Module) -> None:
             )
 
 
-def collect(model: nn.Module, opt) -> tuple[dict[str, torch.Tensor], dict]:
+def trainable_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that train (requires_grad): what trainable_only saves."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The model's state dict, or with trainable_only its trainable parameters alone (e.g.
+    moe.lora's adapters: the frozen base comes from its own checkpoint)."""
+    state = get_model_state_dict(model)
+    if not trainable_only:
+        return state
+    keep = trainable_names(model)
+    return {k: v for k, v in state.items() if k in keep}
+
+
+def collect(
+    model: nn.Module, opt, trainable_only: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything to save: tensors by key, and the JSON objects."""
     check_layout(model)
     layouts = slots.layouts_to_save(model)  # checked first; replica placement (resume exactly)
-    tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
+    tensors = {f"model/{k}": v for k, v in _model_state(model, trainable_only).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
+    objects["trainable_only"] = trainable_only
     objects[slots.KEY] = layouts
     if opt is None:
         replicas.to_canonical(model, tensors)
@@ -130,7 +149,11 @@ def targets(
     validate.check_saved_layer_configs(model, objects.get("moe_layers"), allow_change, problems)
     slots.check_objects(model, objects, problems)
     out = {}
-    for k, v in get_model_state_dict(model).items():
+    only = objects.get("trainable_only", False)
+    if not isinstance(only, bool):
+        problems.append("objects.trainable_only: expected true or false")
+        only = False
+    for k, v in _model_state(model, only).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
             continue  # saved before expert placement existed: MoELayer loads canonical order
         v = replicas.canonical_like(model, f"model/{k}", v)  # replicas: stored canonical
@@ -200,7 +223,8 @@ def apply(model, opt, loaded: dict[str, torch.Tensor], objects: dict) -> None:
     saved_slots = {k: model_sd[k] for k in layout if k in model_sd}  # rows' stored order
     model_sd = {k: _to_slots(model, k, v, live, saved_slots) for k, v in model_sd.items()}
     model_sd.update(layout)  # replicated layers keep their live slot map
-    set_model_state_dict(model, model_sd)
+    partial = objects.get("trainable_only", False) is True  # the frozen rest stays as it is
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not partial))
     if opt is None:
         return
     meta = objects["optimizer"]

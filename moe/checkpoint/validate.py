@@ -2,6 +2,7 @@
 optimizer hyper-parameters (type of the live value, finite, in range), JSON optimizer state
 (`step`), the loss scaler, and the MoE settings of each layer saved with the checkpoint."""
 
+import json
 import math
 from dataclasses import asdict
 
@@ -158,7 +159,10 @@ def moe_settings(model: nn.Module) -> dict:
     """Every MoE layer's full MoEConfig, saved with the checkpoint."""
     from moe.layer import moe_layers
 
-    return {name: asdict(layer.config) for name, layer in moe_layers(model)}
+    # through JSON, as the saved copy comes back (a settings tuple, LoRAConfig.targets, a list)
+    return {
+        name: json.loads(json.dumps(asdict(layer.config))) for name, layer in moe_layers(model)
+    }
 
 
 def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, problems: list) -> None:

@@ -95,7 +95,17 @@ class Router(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return router_matmul(x_TD, self.weight)
+        return self.project(x_TD)
+
+    # an additive term on the logits, adapter(router, x_TD) -> [T, E] (moe.lora's router
+    # adapter); None: the plain linear scorer
+    adapter = None
+
+    def project(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T in fp32 math (router_matmul), plus `adapter`'s term when one is set:
+        every router's logits come from here."""
+        logits_TE = router_matmul(x_TD, self.weight)
+        return logits_TE if self.adapter is None else logits_TE + self.adapter(self, x_TD)
 
     replayable = True  # picks top-k experts per token: moe.replay_routing can force them
     # The ranks whose observed loads are summed (bias updates, balance_loss="global"): None in

@@ -3,7 +3,7 @@ aux-loss-free balancing by a per-expert bias (DeepSeek-V3)."""
 
 import torch
 
-from moe.gating.base import Router, Routing, router_matmul
+from moe.gating.base import Router, Routing
 from moe.gating.losses import load_balance_loss, router_loss
 from moe.names import register_router
 
@@ -104,7 +104,7 @@ class SwitchRouter(TopKRouter):
         eps = self.config.jitter_eps
         if self.training and eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        return router_matmul(x_TD, self.weight)
+        return self.project(x_TD)
 
 
 __all__ = ["SwitchRouter", "TopKRouter"]

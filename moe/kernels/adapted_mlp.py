@@ -23,6 +23,12 @@ from moe.kernels.expert_rows import ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
 
 
+def adapter_dropout(x: Tensor, p: float) -> Tensor:
+    """PEFT's lora_dropout on an adapter's input (p = 0 outside training: x itself). One
+    function, so a test can swap it for a known mask."""
+    return F.dropout(x, p, training=True) if p > 0 else x
+
+
 def _row_bias(b_LX: Tensor, offsets_L: Tensor, R: int) -> Tensor:
     """Each row's expert bias [R, X]; rows past the last offset get zero (no host read)."""
     rows = torch.arange(R, device=b_LX.device, dtype=offsets_L.dtype)
@@ -47,7 +53,7 @@ def adapted_mlp(
         A_LKr = w.adapters.get(f"A_{name}")
         if A_LKr is None:
             return y_RN
-        a_in = F.dropout(a_RK, w.adapter_dropout, training=w.adapter_dropout > 0)
+        a_in = adapter_dropout(a_RK, w.adapter_dropout)
         low_Rr = kernel.adapter_mm(a_in.to(A_LKr.dtype), A_LKr, offs)
         low_RN = kernel.adapter_mm(low_Rr, w.adapters[f"B_{name}"], offs)
         return y_RN + (low_RN * w.adapter_scale).to(y_RN.dtype)

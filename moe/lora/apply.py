@@ -8,7 +8,12 @@ from moe.kernels.weight_format import weight_format_for
 from moe.layer import MoELayer
 from moe.lora.config import LoRAConfig
 from moe.lora.format import PREFIXES, check_rank, projection_shape
-from moe.lora.linear import add_linear_adapter, merge_linear_adapter
+from moe.lora.linear import (
+    add_linear_adapter,
+    add_router_adapter,
+    merge_linear_adapter,
+    merge_router_adapter,
+)
 from moe.shards import local
 
 
@@ -51,6 +56,8 @@ def _check(model: nn.Module, config: LoRAConfig) -> list[tuple[str, MoELayer]]:
                 check_rank(config, shape, f"{name}.experts.{t}")
                 matched += 1
         if config.router:
+            if not isinstance(layer.router.weight, torch.Tensor):
+                raise ValueError(f"LoRAConfig.router=True: {name}.router has no weight to adapt")
             check_rank(config, tuple(layer.router.weight.shape[::-1]), f"{name}.router")
         if config.shared_experts:
             if layer.shared_experts is None:
@@ -69,8 +76,6 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     """Freeze every parameter of `model` and add low-rank adapters to each MoELayer's experts
     (config.targets of w1, w2, w3; A kaiming-uniform, B zero: the output is unchanged), and to
     the router / shared experts when asked. In place; returns model. Call before parallelize."""
-    if config is not None and isinstance(config, LoRAConfig) and config.router:
-        raise NotImplementedError("LoRAConfig.router=True: router adapters are not built yet")
     layers = _check(model, config)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -86,6 +91,8 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         if config.shared_experts:
             for n, lin in _shared_linears(layer):
                 add_linear_adapter(lin, config, f"shared_experts.{n}")
+        if config.router:
+            add_router_adapter(layer.router, config, "router")
     return model
 
 
@@ -136,6 +143,8 @@ def merge(model: nn.Module) -> nn.Module:
         for _, lin in _shared_linears(layer):
             if hasattr(lin, "lora_A"):
                 merge_linear_adapter(lin)
+        if hasattr(layer.router, "lora_A"):
+            merge_router_adapter(layer.router)
         layer.config = layer.config.replace(weight_format="dense", lora=None)
         dense = weight_format_for(layer.config)
         experts.weight_format = dense

@@ -119,6 +119,9 @@ class MemoryPlan:
     host_bytes: int  # per device: offloaded optimizer state and master/host weight copies
     device_memory_bytes: int
     notes: list[str] = field(default_factory=list)
+    # parameters that train (requires_grad: all, or e.g. moe.lora's adapters alone); gradients
+    # and optimizer state are counted for these only, the frozen rest as parameters
+    trainable_params: int | None = None
 
     @property
     def total(self) -> int:
@@ -154,6 +157,10 @@ class MemoryPlan:
             ("host memory (offload)", self.host_bytes),
         ]
 
+    def _frozen_text(self) -> str:
+        t = self.trainable_params
+        return "" if t is None or t == self.total_params else f"; {t:,} trainable, rest frozen"
+
     def __str__(self) -> str:
         head = (
             f"memory plan: world={self.world_size} (dp={self.dp} x ep={self.ep}), "
@@ -161,7 +168,8 @@ class MemoryPlan:
             f"{self.dtype}, offload={self.offload}, groups={self.groups}, "
             f"checkpointing={self.checkpointing}\n"
             f"params: {self.total_params:,} total ({self.dense_params:,} dense, "
-            f"{self.expert_params:,} expert); {self.local_params:,} per device\n"
+            f"{self.expert_params:,} expert); {self.local_params:,} per device"
+            f"{self._frozen_text()}\n"
         )
         lines = [f"{'per device':<24}{'GiB':>10}"]
         lines += [f"{name:<24}{value / GiB:>10.2f}" for name, value in self.rows()]
@@ -182,6 +190,8 @@ class ParamCounts:
     dense: int
     expert: int
     moe_layers: int = 0
+    trainable: int | None = None  # requires_grad parameters (None: all)
+    trainable_expert: int | None = None
 
 
 def count_parameters(model_config: PlannerModel) -> ParamCounts:
@@ -195,7 +205,13 @@ def count_parameters(model_config: PlannerModel) -> ParamCounts:
             expert += p.numel()
     total = sum(p.numel() for p in model.parameters())
     layers = sum(isinstance(m, MoELayer) for m in model.modules())
-    return ParamCounts(total, total - expert, expert, layers)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t_expert = sum(p.numel() for i in expert_ids for p in [_by_id(model, i)] if p.requires_grad)
+    return ParamCounts(total, total - expert, expert, layers, trainable, t_expert)
+
+
+def _by_id(model: nn.Module, ident: int) -> torch.Tensor:
+    return next(p for p in model.parameters() if id(p) == ident)
 
 
 def _bytes(dtype: torch.dtype) -> int:
@@ -294,9 +310,16 @@ def plan_memory(
     _check_arguments(model_config, world_size, dp, ep, offload, groups, data_parallel)
     counts = count_parameters(model_config)
     local, unit = _local_params(counts, model_config.n_layers, world_size, ep, data_parallel)
+    trained = ParamCounts(  # gradients and optimizer state: the trainable parameters only
+        counts.trainable,
+        counts.trainable - counts.trainable_expert,
+        counts.trainable_expert,
+        counts.moe_layers,
+    )
+    local_t, unit_t = _local_params(trained, model_config.n_layers, world_size, ep, data_parallel)
     b = _bytes(dtype)
     on_device, host, temps = _optimizer_bytes(
-        local, b, master_weights, optimizer_states, offload, groups, fused_optimizer
+        local_t, b, master_weights, optimizer_states, offload, groups, fused_optimizer
     )
     tokens = micro_batch_tokens or model_config.seq_len
     act = activation_bytes(model_config, tokens, b, checkpointing, flash_attention, dropout)
@@ -306,7 +329,7 @@ def plan_memory(
         comm += int(2 * model_config.top_k * cf * tokens * model_config.d_model * b)
         comm *= 2 if hierarchical_alltoall else 1
     if world_size > 1:  # ddp: a flat copy of the gradients; fsdp: one unit's reduce-scatter
-        comm += (unit or local) * (_bytes(grad_comm_dtype) if grad_comm_dtype else b)
+        comm += (unit_t or local_t) * (_bytes(grad_comm_dtype) if grad_comm_dtype else b)
     notes = []
     if offload is not None:
         notes.append(f"offload: {host / GiB:.2f} GiB of host memory per device")
@@ -324,7 +347,7 @@ def plan_memory(
         expert_params=counts.expert,
         local_params=local,
         parameters=(local + 2 * unit) * b,
-        gradients=(local + unit) * b,
+        gradients=(local_t + unit_t) * b,
         optimizer_state=on_device,
         step_temporaries=temps,
         activations=act,
@@ -332,6 +355,7 @@ def plan_memory(
         host_bytes=host,
         device_memory_bytes=int(device_memory_bytes),
         notes=notes,
+        trainable_params=counts.trainable,
     )
 
 

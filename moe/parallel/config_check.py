@@ -116,6 +116,8 @@ def _config_fields(prefix: str, config) -> dict:
         if "settings" in f.metadata:
             record[f"{prefix}{f.name}"] = value is not None
             record.update(_config_fields(f"{prefix}{f.name}.", value) if value is not None else {})
+        elif isinstance(value, tuple):  # (e.g. LoRAConfig.targets) compared as one string
+            record[f"{prefix}{f.name}"] = ",".join(map(str, value))
         else:
             record[f"{prefix}{f.name}"] = value
     return record
