@@ -3,9 +3,9 @@ examples/hf/README.md, run as written so the docs cannot drift from the code.
 
 Test-only rewrites (the only ones): training launches run at a tiny step count: an M6
 `--steps N` (or none: the default 500) becomes `--steps 2 --stop-after 1` (one step and its
-checkpoint, no final evaluation), `--steps 3 --stop-after 2` after `--resume`; a finetune
-launch (finetune.py, lora.py) gets `--steps 2`. Commands run in a temporary working directory, in document order
-(so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
+checkpoint, no final evaluation), `--steps 3 --stop-after 2` after `--resume`; an HF launch
+(finetune.py, lora.py) gets `--steps 2`. Commands run in a temporary working directory, in
+document order (so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
 commands on N gloo ranks (tests/distributed.py), all of one N in one rank start. Commands that
 need what CI has not (a GPU, several nodes, the network, the suite itself) are listed in SKIP
 with the reason; a command or snippet the docs gain is a failure here until it is classified.

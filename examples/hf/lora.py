@@ -42,10 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="a local Hugging Face checkpoint directory (default: tiny)")
     p.add_argument("--family", choices=FAMILIES, default="qwen3_moe", help="the tiny model built")
     p.add_argument("--out", default="runs/hf-lora", help="where the PEFT adapter goes")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks")
     p.add_argument("--seq-len", type=int, default=24)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=2e-2)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank of every expert projection")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / rank)")
     p.add_argument("--new-tokens", type=int, default=12, help="tokens generated greedily")
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
-    base = (AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny(args.family))
+    base = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny(args.family)
     base = base.float().eval()
     model = moe.from_hf(copy.deepcopy(base))  # `base` stays transformers' own, for PEFT
     add_lora(model, LoRAConfig(rank=args.rank, alpha=args.alpha))
@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
         extra=(f"expert LoRA rank {args.rank} alpha {args.alpha:g}",),
     )  # fmt: skip
     say(f"settings: {settings}")
-    trainable = sum(p.numel() for p in params) * (args.ep if world > 1 else 1)  # local shards
+    trainable = sum(p.numel() for p in params)  # a DTensor's numel is the global one
     say(f"trainable {trainable} of {frozen} parameters ({100 * trainable / frozen:.1f}%)")
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     vocab = model.config.get_text_config().vocab_size
@@ -160,7 +160,9 @@ def main(argv=None) -> dict:
         )[:, prompt.shape[1] :]  # fmt: skip
         result["theirs"] = theirs.tolist()
         result["same_tokens"] = bool(torch.equal(ours, theirs))
-        say(f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}; PEFT adapter {args.out}")
+        say(
+            f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}; PEFT adapter {args.out}"
+        )
         for i in range(prompt.shape[0]):
             say(f"prompt {prompt[i].tolist()}")
             say(f"  moe (greedy)       {ours[i].tolist()}")
