@@ -24,6 +24,7 @@ COMMON = dict(
     num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
 )  # fmt: skip
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ALL = ("w1", "w2", "w3")
 
 
 def build(family: str, experts: int = 6):
@@ -79,15 +80,18 @@ def logits(model) -> torch.Tensor:
         return model(ids()).logits
 
 
-def ours_trained(family, targets=("w1", "w2", "w3"), spare_slots=0, rank=2, alpha=3.0):
+def ours_trained(family, targets=ALL, spare_slots=0, rank=2, alpha=3.0, router=False):
     base = build(family)
     model = moe.from_hf(copy.deepcopy(base), spare_slots=spare_slots)
-    add_lora(model, LoRAConfig(rank=rank, alpha=alpha, targets=targets))
+    add_lora(model, LoRAConfig(rank=rank, alpha=alpha, targets=targets, router=router))
     train(model, [p for _, p in adapter_parameters(model)])
     with torch.no_grad():
         for n, p in adapter_parameters(model):
             assert p.abs().max() > 0, n  # trained: B is not zero
             # and large enough to move every logit (each expert's copies alike)
+            if ".experts." not in n:  # the router's adapter: [E, d], not per slot
+                p.add_(torch.randn_like(p) * 0.3)
+                continue
             layer = model.get_submodule(n.rpartition(".experts.")[0])
             noise_E = torch.randn_like(p[layer.slot_of_expert_E]) * 0.3
             p.add_(noise_E[layer.expert_of_slot()])
@@ -139,17 +143,17 @@ def test_layout_is_peft_delta_weight():
 
 # -- ours -> PEFT --------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "family, targets, spare",
+    "family, targets, spare, router",
     [
-        ("qwen3_moe", ("w1", "w2", "w3"), 0),
-        ("mixtral", ("w1", "w2", "w3"), 2),  # spare slots: canonical expert order written
-        ("olmoe", ("w1", "w2", "w3"), 0),
-        ("qwen3_moe", ("w3",), 0),  # gate_up_proj alone, up half only
-        ("qwen3_moe", ("w1", "w2"), 0),
+        ("qwen3_moe", ALL, 0, False),
+        ("mixtral", ALL, 2, False),  # spare slots: canonical expert order written
+        ("olmoe", ALL, 0, True),  # the router's adapter too (PEFT: mlp.gate.weight)
+        ("qwen3_moe", ("w3",), 0, False),  # gate_up_proj alone, up half only
+        ("qwen3_moe", ("w1", "w2"), 0, True),
     ],
 )
-def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare):
-    base, model = ours_trained(family, targets, spare_slots=spare)
+def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare, router):
+    base, model = ours_trained(family, targets, spare_slots=spare, router=router)
     config = to_peft(model, str(tmp_path), base)
     assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert config["lora_dropout"] == 0.0 and config["target_modules"] == []
@@ -165,11 +169,14 @@ def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare):
 
 
 # -- PEFT -> ours --------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
-def test_peft_trained_adapter_reads_back(tmp_path, family):
-    base, pm = peft_trained(family, str(tmp_path))
+@pytest.mark.parametrize(
+    "family, router", [("qwen3_moe", False), ("mixtral", True), ("olmoe", False)]
+)
+def test_peft_trained_adapter_reads_back(tmp_path, family, router):
+    targets = [*TARGETS, "mlp.gate.weight"] if router else TARGETS
+    base, pm = peft_trained(family, str(tmp_path), targets=targets)
     lora = peft_lora_config(str(tmp_path))
-    assert lora == {"rank": 2, "alpha": 5.0, "targets": ("w1", "w2", "w3")}
+    assert lora == {"rank": 2, "alpha": 5.0, "targets": ALL, "router": router}
     model = moe.from_hf(copy.deepcopy(base))
     add_lora(model, LoRAConfig(**lora))
     from_peft(model, str(tmp_path))

@@ -10,7 +10,8 @@
     moe.interop.from_peft(model, "adapter")        # a PEFT-trained expert adapter read back
 
 The adapter targets the fused expert parameters with PEFT's `target_parameters`
-(`<block>.experts.gate_up_proj`, `<block>.experts.down_proj`); moe/interop/peft_layout.py
+(`<block>.experts.gate_up_proj`, `<block>.experts.down_proj`, and `<block>.gate.weight` for
+LoRAConfig(router=True)); moe/interop/peft_layout.py
 gives the exact mapping (gate and up share PEFT's A: exported at rank 2r, block-diagonal B).
 lora_dropout is written as 0: PEFT's parameter LoRA has no dropout (it is training-only).
 """
@@ -61,15 +62,16 @@ def _factors(layer: HFMoELayer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def _check_exportable(path: str, layer: HFMoELayer, first) -> None:
     c = layer.config.lora
-    if c.router or c.shared_experts:
+    if c.shared_experts:
         raise ValueError(
-            f"to_peft: {path} adapts the router or shared experts; to_peft writes expert LoRA "
-            "only (LoRAConfig(router=False, shared_experts=False))"
+            f"to_peft: {path} adapts the shared experts; to_peft writes the experts' and the "
+            "router's LoRA only (LoRAConfig(shared_experts=False))"
         )
-    if first is not None and (c.rank, c.scale, c.targets) != (
+    if first is not None and (c.rank, c.scale, c.targets, c.router) != (
         first.rank,
         first.scale,
         first.targets,
+        first.router,
     ):
         raise ValueError(
             f"to_peft: {path} has LoRA rank {c.rank}, scale {c.scale}, targets {c.targets}; "
@@ -134,9 +136,13 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
             a, b = L.down_to_peft(*f["w2"])
             tensors[L.key(path, False, "A")], tensors[L.key(path, False, "B")] = a, b
             target_parameters.append(f"{path}.experts.{L.DOWN}")
+        if first.router:  # lora_A [r, d], lora_B [E, r]: PEFT's 2-D parameter LoRA exactly
+            tensors[L.router_key(path, "A")] = _full(layer.router.lora_A.detach())
+            tensors[L.router_key(path, "B")] = _full(layer.router.lora_B.detach())
+            target_parameters.append(f"{path}.{L.ROUTER}")
     both = {"w1", "w3"} <= targets
     gate_up_rank = first.rank * (2 if both else 1)
-    r = first.rank if has_down else gate_up_rank
+    r = first.rank if has_down or first.router else gate_up_rank
     config = {
         "peft_type": "LORA",
         "task_type": None,

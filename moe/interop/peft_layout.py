@@ -25,7 +25,7 @@ import re
 
 import torch
 
-GATE_UP, DOWN = "gate_up_proj", "down_proj"
+GATE_UP, DOWN, ROUTER = "gate_up_proj", "down_proj", "gate.weight"
 PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped transformers model's keys
 # <block path>.experts.[base_layer.]lora_A.weight (adapter name already stripped by PEFT)
 KEY = re.compile(r"^(?P<block>.+)\.experts\.(?P<nest>(?:base_layer\.)*)lora_(?P<ab>[AB])\.weight$")
@@ -34,6 +34,12 @@ KEY = re.compile(r"^(?P<block>.+)\.experts\.(?P<nest>(?:base_layer\.)*)lora_(?P<
 def key(block: str, nested: bool, ab: str) -> str:
     """The adapter_model.safetensors key of one factor of one block's expert parameter."""
     return f"{PREFIX}{block}.experts.{'base_layer.' if nested else ''}lora_{ab}.weight"
+
+
+def router_key(block: str, ab: str) -> str:
+    """The key of one factor of the router's LoRA (PEFT's 2-D parameter LoRA on the block's
+    `gate.weight` [E, d]: lora_A [r, d], lora_B [E, r], moe.lora's router adapter as it is)."""
+    return f"{PREFIX}{block}.gate.lora_{ab}.weight"
 
 
 def pack_A(a_Eri: torch.Tensor) -> torch.Tensor:

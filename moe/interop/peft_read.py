@@ -64,6 +64,10 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
                 L.key(path, nested, "A"),
                 L.key(path, nested, "B"),
             )
+        router = f"{path}.{L.ROUTER}"
+        if _matches(router, cfg.target_parameters):
+            hit |= {t for t in cfg.target_parameters if _matches(router, (t,))}
+            plan[path, L.ROUTER] = (router, L.router_key(path, "A"), L.router_key(path, "B"))
     missed = [t for t in cfg.target_parameters if t not in hit]
     if missed:
         raise PeftAdapterError(
@@ -90,6 +94,18 @@ def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> N
     if lora is None:
         raise PeftAdapterError(f"{where}: {name} is adapted; the model's {name} has no LoRA")
     rp = cfg.rank_of(name)
+    if p == L.ROUTER:
+        if not lora.router:
+            raise PeftAdapterError(
+                f"{where}: {name} (the router) is adapted; the model's LoRAConfig has router=False"
+            )
+        if (tuple(a_shape), tuple(b_shape)) != ((lora.rank, d), (E, lora.rank)):
+            raise PeftAdapterError(
+                f"{where}: {name} has lora_A {list(a_shape)}, lora_B {list(b_shape)}; the "
+                f"model's router LoRA needs [{lora.rank}, {d}] and [{E}, {lora.rank}] (rank "
+                f"{lora.rank}, {E} experts, width {d})"
+            )
+        return
     n_in, n_out = (d, 2 * F) if p == L.GATE_UP else (F, d)
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != n_in or b_shape[0] != n_out:
         raise PeftAdapterError(
@@ -119,19 +135,21 @@ HUB_TARGETS = {L.GATE_UP: {"w1", "w3"}, L.DOWN: {"w2"}}
 
 
 def peft_lora_config(folder: str) -> dict:
-    """The moe.lora.LoRAConfig keyword arguments (rank, alpha, targets) that read the PEFT
+    """The moe.lora.LoRAConfig keyword arguments (rank, alpha, targets, router) that read the PEFT
     adapter in `folder` exactly: rank of PEFT's r (gate and up share PEFT's A, so each gets a
     copy at PEFT's rank), alpha giving PEFT's scaling."""
     cfg = read_config(folder)
-    targets = set()
+    targets, router = set(), False
     for t in cfg.target_parameters:
-        if t.endswith(L.GATE_UP):
+        if t.endswith(L.ROUTER):
+            router = True
+        elif t.endswith(L.GATE_UP):
             targets |= {"w1", "w3"}
         elif t.endswith(L.DOWN):
             targets.add("w2")
     ranks = {cfg.rank_of(t) for t in cfg.target_parameters}
     scales = {cfg.scaling_of(t) for t in cfg.target_parameters}
-    down = {cfg.rank_of(t) for t in cfg.target_parameters if t.endswith(L.DOWN)}
+    down = {cfg.rank_of(t) for t in cfg.target_parameters if not t.endswith(L.GATE_UP)}
     if len(ranks) == 2 and len(down) == 1 and ranks == {*down, 2 * next(iter(down))}:
         ranks = down  # to_peft's layout: gate_up_proj at twice the rank, split when read
     if len(ranks) != 1 or len(scales) != 1:
@@ -141,11 +159,8 @@ def peft_lora_config(folder: str) -> dict:
             "back at its own rank: gate_up_proj at twice the rank is split)"
         )
     (r,), (s,) = ranks, scales
-    return {
-        "rank": r,
-        "alpha": s * r,
-        "targets": tuple(t for t in ("w1", "w2", "w3") if t in targets),
-    }
+    kept = tuple(t for t in ("w1", "w2", "w3") if t in targets)
+    return {"rank": r, "alpha": s * r, "targets": kept, "router": router}
 
 
 @torch.no_grad()
@@ -164,7 +179,9 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
             layer = layers[lpath]
             lora, E = layer.config.lora, layer.config.num_experts
             a, b = f.get_tensor(ka).double(), f.get_tensor(kb).double()
-            if p == L.GATE_UP:
+            if p == L.ROUTER:
+                got = {"router": (a, b)}
+            elif p == L.GATE_UP:
                 got = L.gate_up_from_peft(a, b, E, layer.config.d_ff, lora.rank, set(lora.targets))
             else:
                 got = L.down_from_peft(a, b, E, lora.rank)
@@ -177,6 +194,12 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
     for lpath, layer in layers.items():
         if layer.config.lora is None:
             continue
+        if layer.config.lora.router:  # [E, d]: not per slot
+            A, B = new.get((lpath, "router"), (None, None))
+            if A is not None:
+                _assign(layer.router.lora_A, A)
+            pb = layer.router.lora_B
+            _assign(pb, B if B is not None else torch.zeros(pb.shape, dtype=torch.float64))
         slot_S = layer.expert_of_slot()
         for t in layer.config.lora.targets:
             pa = getattr(layer.experts, f"lora_A_{t}", None)
