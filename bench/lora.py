@@ -23,12 +23,14 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
 import moe
-from bench.common import device_name, time_interleaved, write_report
+from bench.common import device_name, write_report
 
 SIZES = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -88,6 +90,23 @@ def memory(params, opt) -> dict:
     }
 
 
+def timed(steps: dict, iters: int) -> dict:
+    """name -> (median wall seconds, median CPU seconds of this process) per step, the
+    candidates interleaved round-robin (one warm-up step each first) so that drift in machine
+    load touches all alike; CPU time counts every thread's work and is the steadier of the
+    two on a shared machine."""
+    for fn in steps.values():
+        fn()
+    samples = {name: ([], []) for name in steps}
+    for _ in range(iters):
+        for name, fn in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            samples[name][0].append(time.perf_counter() - wall)
+            samples[name][1].append(time.process_time() - cpu)
+    return {n: (statistics.median(w), statistics.median(c)) for n, (w, c) in samples.items()}
+
+
 def run(args) -> dict:
     base = build()
     total = sum(p.numel() for p in base.parameters())
@@ -107,23 +126,23 @@ def run(args) -> dict:
         step()
         rows[name] = memory(params, opt)
         steps[name] = step
-    times = time_interleaved(steps, iters=args.steps, warmup=1, device=torch.device("cpu"))
-    for name, t in times.items():
-        rows[name]["step_ms"] = 1e3 * t
+    for name, (wall, cpu) in timed(steps, args.steps).items():
+        rows[name]["step_ms"], rows[name]["cpu_ms"] = 1e3 * wall, 1e3 * cpu
     return {"model_params": total, "tokens": ids.numel(), "rank": args.rank, "rows": rows}
 
 
 def table(result: dict) -> str:
     head = (
-        "| candidate | step ms | trainable params | trainable + grads + AdamW MiB | "
-        "vs moe full |\n|---|---:|---:|---:|---:|\n"
+        "| candidate | step ms (wall) | step ms (CPU) | trainable params | "
+        "trainable + grads + AdamW MiB | vs moe full (CPU time, memory) |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
     )
     rows = result["rows"]
     ref = rows["moe full"]
     mib = lambda r: (r["trainable_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]) / 2**20  # noqa: E731
     lines = [
-        f"| {n} | {r['step_ms']:.1f} | {r['trainable_params']:,} | {mib(r):.2f} | "
-        f"{r['step_ms'] / ref['step_ms']:.2f}x time, {mib(r) / mib(ref):.3f}x memory |"
+        f"| {n} | {r['step_ms']:.1f} | {r['cpu_ms']:.1f} | {r['trainable_params']:,} | "
+        f"{mib(r):.2f} | {r['cpu_ms'] / ref['cpu_ms']:.2f}x, {mib(r) / mib(ref):.3f}x |"
         for n, r in rows.items()
     ]
     return head + "\n".join(lines) + "\n"
@@ -140,13 +159,15 @@ def main(argv=None) -> dict:
         p.error(f"--steps, --rank must be >= 1; --tokens a positive multiple of {SEQ}")
     result = run(args)
     result["machine"] = device_name(torch.device("cpu"))
-    result["command"] = "python -m bench.lora " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    result["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    words = argv if argv is not None else sys.argv[1:]
+    result["command"] = " ".join(["python -m bench.lora", *words])
     text = (
-        f"Expert LoRA step (fp32, {result['tokens']} tokens, Qwen3-MoE 2 layers x 16 experts, "
-        f"{result['model_params']:,} parameters, rank {args.rank}) on {result['machine']}\n\n"
-        + table(result)
+        f"# Expert LoRA training step: moe vs transformers + PEFT\n\n"
+        f"`{result['command']}`: fp32, {result['tokens']} tokens per step, Qwen3-MoE (2 layers "
+        f"x {SIZES['num_experts']} experts, {result['model_params']:,} parameters), LoRA rank "
+        f"{args.rank}, AdamW; {result['machine']}, 1-minute load average "
+        f"{result['load_average']}. Medians of {args.steps} interleaved steps.\n\n" + table(result)
     )
     print(text)
     if args.write:

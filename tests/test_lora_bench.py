@@ -25,8 +25,8 @@ def test_lora_bench_reports_every_candidate(monkeypatch, capsys):
     )  # gate_up_proj at rank 2r, down_proj at r
     assert rows["moe full"]["trainable_params"] == result["model_params"]
     for name, row in rows.items():
-        assert row["step_ms"] > 0, name
+        assert row["step_ms"] > 0 and row["cpu_ms"] >= 0, name
         assert row["grad_bytes"] == row["trainable_bytes"], name  # every trainable has a grad
         assert row["optimizer_bytes"] == 2 * row["trainable_bytes"], name  # AdamW: 2 moments
     printed = capsys.readouterr().out
-    assert "| candidate | step ms |" in printed and "PEFT LoRA (eager)" in printed
+    assert "| candidate | step ms (wall) | step ms (CPU) |" in printed and "PEFT LoRA (eager)" in printed
