@@ -284,3 +284,27 @@ def test_refuses_a_bad_weights_file(qwen_adapter, tmp_path):
 def test_refuses_a_model_without_lora(qwen_adapter):
     with pytest.raises(PeftAdapterError, match="add_lora"):
         from_peft(moe.from_hf(build("qwen3_moe")), str(qwen_adapter))
+
+
+# -- expert parallelism: the adapters sharded over 2 gloo ranks ------------------------------
+def _ep_body(rank, world, folder, out):
+    model = moe.from_hf(build("qwen3_moe"))
+    add_lora(model, LoRAConfig(**peft_lora_config(folder)))
+    moe.parallel.parallelize(model, moe.parallel.init_mesh(dp=1, ep=world))
+    from_peft(model, folder)  # each rank takes its experts' slice
+    to_peft(model, out)  # gathered; rank 0 writes
+    return logits(model)
+
+
+def test_under_expert_parallelism_read_and_written(tmp_path):
+    from tests.distributed import run_ranks
+
+    base, pm = peft_trained("qwen3_moe", str(tmp_path / "in"))
+    got = run_ranks(_ep_body, 2, str(tmp_path / "in"), str(tmp_path / "out"), timeout=300)
+    want = logits(pm.eval())
+    for rank_logits in got:
+        torch.testing.assert_close(rank_logits, want, atol=1e-5, rtol=0)
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["auto_mapping"]["base_model_class"] == "Qwen3MoeForCausalLM"  # not FSDP's
+    again = peft.PeftModel.from_pretrained(build("qwen3_moe"), str(tmp_path / "out")).eval()
+    torch.testing.assert_close(logits(again), want, atol=1e-5, rtol=0)

@@ -163,8 +163,8 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
         "inference_mode": True,
         "base_model_name_or_path": name_or_path,
         "auto_mapping": {
-            "base_model_class": type(model).__name__,
-            "parent_library": type(model).__module__,
+            "base_model_class": L.model_class(model).__name__,
+            "parent_library": L.model_class(model).__module__,
         },
     }
     if _rank() == 0:

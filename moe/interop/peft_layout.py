@@ -36,6 +36,14 @@ def key(block: str, nested: bool, ab: str) -> str:
     return f"{PREFIX}{block}.experts.{'base_layer.' if nested else ''}lora_{ab}.weight"
 
 
+def model_class(model) -> type:
+    """The model's transformers class: parallelize's wrappers (FSDP2's and replicate's dynamic
+    subclasses, FSDPQwen3MoeForCausalLM) name their base class, not themselves."""
+    return next(
+        (c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model)
+    )
+
+
 def router_key(block: str, ab: str) -> str:
     """The key of one factor of the router's LoRA (PEFT's 2-D parameter LoRA on the block's
     `gate.weight` [E, d]: lora_A [r, d], lora_B [E, r], moe.lora's router adapter as it is)."""

@@ -46,10 +46,10 @@ def _matches(name: str, targets: tuple[str, ...]) -> bool:
 def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     """(layer path, param) -> (full parameter name, A key, B key), every check done."""
     where = f"{folder}/{WEIGHTS}"
-    if cfg.base_model_class not in (None, type(model).__name__):
+    name = L.model_class(model).__name__
+    if cfg.base_model_class not in (None, name):
         raise PeftAdapterError(
-            f"{folder}: the adapter is for a {cfg.base_model_class}, the model is a "
-            f"{type(model).__name__}"
+            f"{folder}: the adapter is for a {cfg.base_model_class}, the model is a {name}"
         )
     layers = _layers(model)
     plan, hit = {}, set()
