@@ -45,6 +45,17 @@ def build(family: str, experts: int = 6):
                 head_dim=6,
             )  # fmt: skip
         )
+    elif family == "qwen2_moe":  # a shared expert with its sigmoid gate
+        m = T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                **COMMON,
+                intermediate_size=40,
+                moe_intermediate_size=12,
+                num_experts=experts,
+                shared_expert_intermediate_size=20,
+                norm_topk_prob=False,
+            )  # fmt: skip
+        )
     else:
         m = T.OlmoeForCausalLM(T.OlmoeConfig(**COMMON, intermediate_size=12, num_experts=experts))
     m = m.float().eval()
@@ -83,13 +94,17 @@ def logits(model) -> torch.Tensor:
 def ours_trained(family, targets=ALL, spare_slots=0, rank=2, alpha=3.0, router=False):
     base = build(family)
     model = moe.from_hf(copy.deepcopy(base), spare_slots=spare_slots)
-    add_lora(model, LoRAConfig(rank=rank, alpha=alpha, targets=targets, router=router))
+    shared = family == "qwen2_moe"
+    config = LoRAConfig(
+        rank=rank, alpha=alpha, targets=targets, router=router, shared_experts=shared
+    )
+    add_lora(model, config)
     train(model, [p for _, p in adapter_parameters(model)])
     with torch.no_grad():
         for n, p in adapter_parameters(model):
             assert p.abs().max() > 0, n  # trained: B is not zero
             # and large enough to move every logit (each expert's copies alike)
-            if ".experts." not in n:  # the router's adapter: [E, d], not per slot
+            if ".experts." not in n:  # the router's, shared experts': not per slot
                 p.add_(torch.randn_like(p) * 0.3)
                 continue
             layer = model.get_submodule(n.rpartition(".experts.")[0])
@@ -98,10 +113,10 @@ def ours_trained(family, targets=ALL, spare_slots=0, rank=2, alpha=3.0, router=F
     return base, model
 
 
-def peft_trained(family, folder, r=2, alpha=5, experts=6, targets=TARGETS):
+def peft_trained(family, folder, r=2, alpha=5, experts=6, targets=TARGETS, modules=()):
     base = build(family, experts)
     config = peft.LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=[], target_parameters=list(targets),
+        r=r, lora_alpha=alpha, target_modules=list(modules), target_parameters=list(targets),
         init_lora_weights=False,
     )  # fmt: skip
     pm = peft.get_peft_model(copy.deepcopy(base), config)
@@ -150,13 +165,15 @@ def test_layout_is_peft_delta_weight():
         ("olmoe", ALL, 0, True),  # the router's adapter too (PEFT: mlp.gate.weight)
         ("qwen3_moe", ("w3",), 0, False),  # gate_up_proj alone, up half only
         ("qwen3_moe", ("w1", "w2"), 0, True),
+        ("qwen2_moe", ALL, 0, True),  # shared expert adapters: PEFT's target_modules
     ],
 )
 def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare, router):
     base, model = ours_trained(family, targets, spare_slots=spare, router=router)
     config = to_peft(model, str(tmp_path), base)
     assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert config["lora_dropout"] == 0.0 and config["target_modules"] == []
+    assert config["lora_dropout"] == 0.0
+    assert len(config["target_modules"]) == (6 if family == "qwen2_moe" else 0)  # 2 layers x 3
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
     ours, theirs, plain = logits(model), logits(pm), logits(base)
     assert (ours - plain).abs().max() > 1e-3  # the adapter changes the function
@@ -176,7 +193,20 @@ def test_peft_trained_adapter_reads_back(tmp_path, family, router):
     targets = [*TARGETS, "mlp.gate.weight"] if router else TARGETS
     base, pm = peft_trained(family, str(tmp_path), targets=targets)
     lora = peft_lora_config(str(tmp_path))
-    assert lora == {"rank": 2, "alpha": 5.0, "targets": ALL, "router": router}
+    assert lora == {
+        "rank": 2, "alpha": 5.0, "targets": ALL, "router": router, "shared_experts": False
+    }  # fmt: skip
+    model = moe.from_hf(copy.deepcopy(base))
+    add_lora(model, LoRAConfig(**lora))
+    from_peft(model, str(tmp_path))
+    torch.testing.assert_close(logits(model), logits(pm.eval()), atol=1e-5, rtol=0)
+
+
+def test_peft_trained_shared_expert_adapter_reads_back(tmp_path):
+    modules = [f"shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    base, pm = peft_trained("qwen2_moe", str(tmp_path), modules=modules)
+    lora = peft_lora_config(str(tmp_path))
+    assert lora["shared_experts"] and lora["targets"] == ALL
     model = moe.from_hf(copy.deepcopy(base))
     add_lora(model, LoRAConfig(**lora))
     from_peft(model, str(tmp_path))
@@ -262,7 +292,7 @@ def test_refuses_a_target_matching_nothing(qwen_adapter, tmp_path):
 
 def test_refuses_attention_lora_and_other_shapes(qwen_adapter, tmp_path):
     folder = _edited(qwen_adapter, tmp_path, target_modules=["q_proj"])
-    _refused(_model_for(), folder, "target_modules=.*expert LoRA only")
+    _refused(_model_for(), folder, "target_modules adapt model.layers.0.self_attn.q_proj")
     os.remove(os.path.join(folder, "adapter_config.json"))
     doc = json.loads((qwen_adapter / "adapter_config.json").read_text())
     doc["rank_pattern"] = {"(a+)+$": 2}  # a regular expression: not read

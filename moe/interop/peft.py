@@ -11,7 +11,8 @@
 
 The adapter targets the fused expert parameters with PEFT's `target_parameters`
 (`<block>.experts.gate_up_proj`, `<block>.experts.down_proj`, and `<block>.gate.weight` for
-LoRAConfig(router=True)); moe/interop/peft_layout.py
+LoRAConfig(router=True)) and, for LoRAConfig(shared_experts=True), PEFT's plain LoRA on the
+shared experts' nn.Linear modules (`target_modules`); moe/interop/peft_layout.py
 gives the exact mapping (gate and up share PEFT's A: exported at rank 2r, block-diagonal B).
 lora_dropout is written as 0: PEFT's parameter LoRA has no dropout (it is training-only).
 """
@@ -62,11 +63,6 @@ def _factors(layer: HFMoELayer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def _check_exportable(path: str, layer: HFMoELayer, first) -> None:
     c = layer.config.lora
-    if c.shared_experts:
-        raise ValueError(
-            f"to_peft: {path} adapts the shared experts; to_peft writes the experts' and the "
-            "router's LoRA only (LoRAConfig(shared_experts=False))"
-        )
     if first is not None and (c.rank, c.scale, c.targets, c.router) != (
         first.rank,
         first.scale,
@@ -125,7 +121,7 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
     name_or_path = _check_base(base, layers)
     targets = set(first.targets)
     has_gate_up, has_down = bool(targets & {"w1", "w3"}), "w2" in targets
-    tensors, target_parameters = {}, []
+    tensors, target_parameters, target_modules = {}, [], []
     for path, layer in layers.items():
         f = _factors(layer)
         if has_gate_up:
@@ -140,6 +136,10 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
             tensors[L.router_key(path, "A")] = _full(layer.router.lora_A.detach())
             tensors[L.router_key(path, "B")] = _full(layer.router.lora_B.detach())
             target_parameters.append(f"{path}.{L.ROUTER}")
+        for name, linear in L.shared_modules(path, layer):  # PEFT's plain nn.Linear LoRA
+            tensors[L.module_key(name, "A")] = _full(linear.lora_A.detach())
+            tensors[L.module_key(name, "B")] = _full(linear.lora_B.detach())
+            target_modules.append(name)
     both = {"w1", "w3"} <= targets
     gate_up_rank = first.rank * (2 if both else 1)
     r = first.rank if has_down or first.router else gate_up_rank
@@ -149,7 +149,7 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
         "r": r,
         "lora_alpha": first.alpha * (r // first.rank),  # PEFT's lora_alpha / r = alpha / rank
         "lora_dropout": 0.0,
-        "target_modules": [],
+        "target_modules": sorted(target_modules),
         "target_parameters": sorted(target_parameters),
         "rank_pattern": {L.GATE_UP: gate_up_rank} if has_gate_up and gate_up_rank != r else {},
         "alpha_pattern": (

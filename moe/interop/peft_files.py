@@ -39,6 +39,7 @@ class AdapterConfig:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     target_parameters: tuple[str, ...]
+    target_modules: tuple[str, ...]
     base_model_class: str | None
 
     def pattern(self, name: str, table: dict, default):
@@ -91,20 +92,22 @@ def read_config(folder: str) -> AdapterConfig:
         raise PeftAdapterError(f"{where}: not a JSON object")
     if doc.get("peft_type") != "LORA":
         raise PeftAdapterError(f"{where}: peft_type {doc.get('peft_type')!r:.60} is not 'LORA'")
-    modules = doc.get("target_modules")
-    if modules not in (None, [], ""):
+    modules = doc.get("target_modules") or []
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise PeftAdapterError(
-            f"{where}: target_modules={modules!r:.200} adapts whole modules (attention, dense "
-            "MLPs); moe.lora holds expert LoRA only (PEFT's target_parameters on experts)"
+            f"{where}: target_modules={modules!r:.200} must be a list of module names (a "
+            "regular expression is not read)"
         )
     for field in UNSUPPORTED:
         if doc.get(field) not in (None, False, [], {}, ""):
             raise PeftAdapterError(f"{where}: {field}={doc[field]!r:.100} is not supported")
     if doc.get("bias", "none") != "none":
         raise PeftAdapterError(f"{where}: bias={doc['bias']!r:.60} is not supported (only 'none')")
-    targets = doc.get("target_parameters")
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise PeftAdapterError(f"{where}: target_parameters must be a non-empty list of names")
+    targets = doc.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise PeftAdapterError(f"{where}: target_parameters must be a list of names")
+    if not targets and not modules:
+        raise PeftAdapterError(f"{where}: targets nothing (target_parameters, target_modules)")
     auto = doc.get("auto_mapping")
     base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
     return AdapterConfig(
@@ -114,6 +117,7 @@ def read_config(folder: str) -> AdapterConfig:
         rank_pattern=_pattern(doc, "rank_pattern", where, integer=True),
         alpha_pattern=_pattern(doc, "alpha_pattern", where, integer=False),
         target_parameters=tuple(targets),
+        target_modules=tuple(modules),
         base_model_class=base_class if isinstance(base_class, str) else None,
     )
 

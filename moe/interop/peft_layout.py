@@ -44,6 +44,31 @@ def model_class(model) -> type:
     )
 
 
+SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def shared_modules(block: str, layer) -> list[tuple[str, object]]:
+    """(the transformers module name, moe's nn.Linear) of each adapted shared-expert
+    projection of a converted layer: Qwen2-MoE's `<block>.shared_expert.gate_proj`,
+    DeepSeek-V3's `<block>.shared_experts.gate_proj`, ... (PEFT's plain LoRA on an nn.Linear:
+    lora_A [r, in], lora_B [out, r], moe.lora's shared-expert adapter as it is)."""
+    from moe.interop.hf_families import FAMILIES
+
+    shared = getattr(layer, "shared_experts", None)
+    if shared is None:
+        return []
+    hub = FAMILIES[layer.hf_block_class.__name__].shared_name
+    return [
+        (f"{block}.{hub}.{n}", getattr(shared, n))
+        for n in SHARED
+        if hasattr(getattr(shared, n, None), "lora_A")
+    ]
+
+
+def module_key(module: str, ab: str) -> str:
+    return f"{PREFIX}{module}.lora_{ab}.weight"
+
+
 def router_key(block: str, ab: str) -> str:
     """The key of one factor of the router's LoRA (PEFT's 2-D parameter LoRA on the block's
     `gate.weight` [E, d]: lora_A [r, d], lora_B [E, r], moe.lora's router adapter as it is)."""

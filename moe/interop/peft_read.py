@@ -68,7 +68,9 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
         if _matches(router, cfg.target_parameters):
             hit |= {t for t in cfg.target_parameters if _matches(router, (t,))}
             plan[path, L.ROUTER] = (router, L.router_key(path, "A"), L.router_key(path, "B"))
-    missed = [t for t in cfg.target_parameters if t not in hit]
+        hit |= _plan_shared(plan, path, layers[path], cfg.target_modules, where)
+    _check_other_modules(model, layers, cfg.target_modules, where)
+    missed = [t for t in (*cfg.target_parameters, *cfg.target_modules) if t not in hit]
     if missed:
         raise PeftAdapterError(
             f"{folder}: target_parameters {missed} match no expert parameter (gate_up_proj, "
@@ -88,12 +90,57 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     return plan
 
 
+def _plan_shared(plan, path: str, layer: HFMoELayer, targets, where) -> set[str]:
+    """The shared-expert nn.Linear modules target_modules names (PEFT's plain LoRA); the
+    targets they hit. A named projection without a moe.lora adapter is refused."""
+    if layer.shared_experts is None or not targets:
+        return set()
+    from moe.interop.hf_families import FAMILIES
+
+    hub = FAMILIES[layer.hf_block_class.__name__].shared_name
+    hit = set()
+    for n in L.SHARED:
+        name = f"{path}.{hub}.{n}"
+        hits = {t for t in targets if _matches(name, (t,))}
+        if not hits:
+            continue
+        if not hasattr(getattr(layer.shared_experts, n, None), "lora_A"):
+            raise PeftAdapterError(
+                f"{where}: {name} is adapted; the model's shared experts have no LoRA "
+                "(LoRAConfig(shared_experts=True))"
+            )
+        hit |= hits
+        plan[path, ("shared", n)] = (name, L.module_key(name, "A"), L.module_key(name, "B"))
+    return hit
+
+
+def _check_other_modules(model, layers, targets, where) -> None:
+    """A target_modules entry matching a module outside the MoE blocks (attention, a dense
+    MLP) adapts what moe.lora does not hold: refused."""
+    for name, _ in model.named_modules():
+        inside = any(name == p or name.startswith(p + ".") for p in layers)
+        if not inside and name and _matches(name, targets):
+            raise PeftAdapterError(
+                f"{where}: target_modules adapt {name}, outside the MoE blocks; moe.lora holds "
+                "the experts', routers' and shared experts' adapters only"
+            )
+
+
 def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> None:
     E, d, F = layer.config.num_experts, layer.config.d_model, layer.config.d_ff
     lora = layer.config.lora
     if lora is None:
         raise PeftAdapterError(f"{where}: {name} is adapted; the model's {name} has no LoRA")
     rp = cfg.rank_of(name)
+    if isinstance(p, tuple):  # a shared expert's nn.Linear: lora_A [r, in], lora_B [out, r]
+        linear = getattr(layer.shared_experts, p[1])
+        want = (tuple(linear.lora_A.shape), tuple(linear.lora_B.shape))
+        if (tuple(a_shape), tuple(b_shape)) != want:
+            raise PeftAdapterError(
+                f"{where}: {name} has lora_A {list(a_shape)}, lora_B {list(b_shape)} (rank "
+                f"{rp}); the model's adapter there is {list(want[0])}, {list(want[1])}"
+            )
+        return
     if p == L.ROUTER:
         if not lora.router:
             raise PeftAdapterError(
@@ -147,9 +194,10 @@ def peft_lora_config(folder: str) -> dict:
             targets |= {"w1", "w3"}
         elif t.endswith(L.DOWN):
             targets.add("w2")
-    ranks = {cfg.rank_of(t) for t in cfg.target_parameters}
-    scales = {cfg.scaling_of(t) for t in cfg.target_parameters}
-    down = {cfg.rank_of(t) for t in cfg.target_parameters if not t.endswith(L.GATE_UP)}
+    every = (*cfg.target_parameters, *cfg.target_modules)
+    ranks = {cfg.rank_of(t) for t in every}
+    scales = {cfg.scaling_of(t) for t in every}
+    down = {cfg.rank_of(t) for t in every if not t.endswith(L.GATE_UP)}
     if len(ranks) == 2 and len(down) == 1 and ranks == {*down, 2 * next(iter(down))}:
         ranks = down  # to_peft's layout: gate_up_proj at twice the rank, split when read
     if len(ranks) != 1 or len(scales) != 1:
@@ -160,7 +208,13 @@ def peft_lora_config(folder: str) -> dict:
         )
     (r,), (s,) = ranks, scales
     kept = tuple(t for t in ("w1", "w2", "w3") if t in targets)
-    return {"rank": r, "alpha": s * r, "targets": kept, "router": router}
+    return {
+        "rank": r,
+        "alpha": s * r,
+        "targets": kept,
+        "router": router,
+        "shared_experts": bool(cfg.target_modules),
+    }
 
 
 @torch.no_grad()
@@ -179,8 +233,8 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
             layer = layers[lpath]
             lora, E = layer.config.lora, layer.config.num_experts
             a, b = f.get_tensor(ka).double(), f.get_tensor(kb).double()
-            if p == L.ROUTER:
-                got = {"router": (a, b)}
+            if isinstance(p, tuple) or p == L.ROUTER:  # stored as moe.lora stores them
+                got = {p: (a, b)}
             elif p == L.GATE_UP:
                 got = L.gate_up_from_peft(a, b, E, layer.config.d_ff, lora.rank, set(lora.targets))
             else:
@@ -195,11 +249,19 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
         if layer.config.lora is None:
             continue
         if layer.config.lora.router:  # [E, d]: not per slot
-            A, B = new.get((lpath, "router"), (None, None))
+            A, B = new.get((lpath, L.ROUTER), (None, None))
             if A is not None:
                 _assign(layer.router.lora_A, A)
             pb = layer.router.lora_B
             _assign(pb, B if B is not None else torch.zeros(pb.shape, dtype=torch.float64))
+        for n in L.SHARED:
+            linear = getattr(layer.shared_experts, n, None) if layer.shared_experts else None
+            if hasattr(linear, "lora_A"):
+                A, B = new.get((lpath, ("shared", n)), (None, None))
+                if A is not None:
+                    _assign(linear.lora_A, A)
+                pb = linear.lora_B
+                _assign(pb, B if B is not None else torch.zeros(pb.shape, dtype=torch.float64))
         slot_S = layer.expert_of_slot()
         for t in layer.config.lora.targets:
             pa = getattr(layer.experts, f"lora_A_{t}", None)
