@@ -60,7 +60,7 @@ __version__ = "0.1.0"
 
 # Feature packages load on first use (`moe.fp8`, or `from moe.fp8 import ...`, which also
 # registers their formats and kernels): a model that does not use them never loads them.
-_FEATURES = ("fp8",)
+_FEATURES = ("fp8", "lora")
 
 
 def __getattr__(name: str):

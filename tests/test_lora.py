@@ -325,71 +325,24 @@ def test_bad_add_lora_is_refused_before_any_change():
         add_lora(layer, LoRAConfig(rank=2, alpha=1.0))
 
 
-class _Planned:
-    """A PlannerModel (moe.memory) whose build() is two LoRA'd MoE layers (or plain ones)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_adapted_path_with_zero_adapters_is_the_fp8_kernel_exactly(dtype):
+    """B = 0: the adapted path (base GEMMs on moe::fp8_grouped_mm) gives the fused FP8 expert
+    MLP's output and input gradient bit for bit: the same quantizations in the same order."""
+    from moe.fp8 import FP8Config
 
-    n_layers, d_model, n_heads, d_ff, vocab_size, seq_len = 2, 16, 2, 24, 8, 4
-    num_experts, top_k, capacity_factor, activation = 4, 2, None, "swiglu"
-
-    def __init__(self, lora: LoRAConfig | None):
-        self.lora = lora
-
-    def build(self):
-        model = torch.nn.Sequential(
-            *[moe.MoELayer(16, 24, 4, top_k=2, activation="swiglu") for _ in range(2)]
-        )
-        return model if self.lora is None else add_lora(model, self.lora)
-
-
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_plan_memory_counts_adapters_as_trainable(layout):
-    from moe.memory import plan_memory
-
-    kw = {"world_size": 2, "dp": 1, "ep": 2, "data_parallel": layout, "dtype": torch.float32}
-    plain = plan_memory(_Planned(None), **kw)
-    lora = plan_memory(_Planned(LoRAConfig(rank=2, alpha=2.0)), **kw)
-    adapters = 2 * 4 * 3 * (16 * 2 + 2 * 24)  # layers x experts x (w1, w2, w3) x (A + B)
-    assert lora.trainable_params == adapters and plain.trainable_params == plain.total_params
-    assert lora.total_params == plain.total_params + adapters
-    assert lora.gradients < plain.gradients / 2 and lora.optimizer_state < plain.optimizer_state / 2
-    assert lora.parameters >= plain.parameters  # frozen weights are still held
-    assert "trainable, rest frozen" in str(lora)
-    if layout == "ddp":  # ep=2 halves the experts' adapters; the routers are frozen too
-        assert lora.gradients == 4 * (adapters // 2)
-        assert lora.optimizer_state == 2 * lora.gradients
-
-
-@pytest.mark.parametrize("offload", [None, "all"])
-def test_grouped_apply_and_offload_train_the_adapters_as_adamw(offload):
-    from moe.memory import GroupedApply
-
-    models = [build(dtype=torch.float32, lora=LoRAConfig(rank=2, alpha=2.0)) for _ in range(2)]
-    named = [n for n, _ in adapter_parameters(models[0])]
-    opts = [
-        GroupedApply(adapter_parameters(models[0]), torch.optim.AdamW, 3, offload, lr=1e-2),
-        torch.optim.AdamW([p for _, p in adapter_parameters(models[1])], lr=1e-2),
-    ]
-    base = {n: p.clone() for n, p in models[0].named_parameters() if not p.requires_grad}
-    x = torch.randn(3, 9, D, generator=torch.Generator().manual_seed(2))
-    for step in range(3):
-        for model, opt in zip(models, opts):
-            model(x[step]).square().sum().backward()
-            opt.step()
-            opt.zero_grad()
-    a, b = dict(models[0].named_parameters()), dict(models[1].named_parameters())
-    tol = {"rtol": 0, "atol": 1e-7} if offload is None else {"rtol": 1e-5, "atol": 1e-6}
-    for n in named:
-        assert not torch.equal(a[n], a[n].new_zeros(a[n].shape))
-        torch.testing.assert_close(a[n], b[n], **tol, msg=n)
-    assert all(torch.equal(a[n], base[n]) for n in base)  # the frozen base never moves
-
-
-def test_docs_lora_md_snippets_run():
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, "docs/lora.md", "exec"), {})
+    torch.manual_seed(0)
+    layer = moe.MoELayer(
+        D, F_, E, top_k=2, activation="swiglu", dtype=dtype, fp8=FP8Config(experts=True)
+    )
+    x = torch.randn(13, D, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    out = []
+    for adapt in (False, True):
+        if adapt:
+            add_lora(layer, LoRAConfig(rank=R, alpha=2.0))
+        xg = x.clone().requires_grad_()
+        y = layer(xg)
+        y.float().square().sum().backward()
+        out.append((y.detach(), xg.grad))
+    assert torch.equal(out[0][0], out[1][0])
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=0)

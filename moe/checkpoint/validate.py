@@ -160,9 +160,7 @@ def moe_settings(model: nn.Module) -> dict:
     from moe.layer import moe_layers
 
     # through JSON, as the saved copy comes back (a settings tuple, LoRAConfig.targets, a list)
-    return {
-        name: json.loads(json.dumps(asdict(layer.config))) for name, layer in moe_layers(model)
-    }
+    return {name: json.loads(json.dumps(asdict(layer.config))) for name, layer in moe_layers(model)}
 
 
 def check_saved_layer_configs(model: nn.Module, saved, allow_change: bool, problems: list) -> None:
