@@ -287,7 +287,7 @@ def test_refuses_another_rank(qwen_adapter):
 
 def test_refuses_a_target_matching_nothing(qwen_adapter, tmp_path):
     folder = _edited(qwen_adapter, tmp_path, target_parameters=[*TARGETS, "mlp.experts.w9"])
-    _refused(_model_for(), folder, r"\['mlp.experts.w9'\] match no expert parameter")
+    _refused(_model_for(), folder, r"targets \['mlp.experts.w9'\] match no adapted parameter")
 
 
 def test_refuses_attention_lora_and_other_shapes(qwen_adapter, tmp_path):
@@ -309,6 +309,18 @@ def test_refuses_a_bad_weights_file(qwen_adapter, tmp_path):
     _refused(_model_for(), folder, "header length")
     os.remove(path)
     _refused(_model_for(), folder, "no such file")
+
+
+def test_refuses_non_finite_factors(qwen_adapter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _edited(qwen_adapter, tmp_path)
+    path = os.path.join(folder, "adapter_model.safetensors")
+    tensors = load_file(path)
+    key = sorted(tensors)[-1]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, path)
+    _refused(_model_for(), folder, "NaN or Inf in its factors")
 
 
 def test_refuses_a_model_without_lora(qwen_adapter):

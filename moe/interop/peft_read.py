@@ -73,9 +73,10 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     missed = [t for t in (*cfg.target_parameters, *cfg.target_modules) if t not in hit]
     if missed:
         raise PeftAdapterError(
-            f"{folder}: target_parameters {missed} match no expert parameter (gate_up_proj, "
-            f"down_proj) of the model's MoE layers {sorted(layers)[:4]}... "
-            "(an adapter for another model, or for parameters moe.lora does not hold)"
+            f"{folder}: targets {missed} match no adapted parameter or module of the model's "
+            f"MoE layers {sorted(layers)[:4]} (experts' gate_up_proj / down_proj, the router's "
+            "gate.weight, the shared experts' projections): an adapter for another model, or "
+            "for what moe.lora does not hold"
         )
     expected = {k for _, a, b in plan.values() for k in (a, b)}
     extra, lacking = sorted(set(headers) - expected), sorted(expected - set(headers))
@@ -233,6 +234,8 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
             layer = layers[lpath]
             lora, E = layer.config.lora, layer.config.num_experts
             a, b = f.get_tensor(ka).double(), f.get_tensor(kb).double()
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise PeftAdapterError(f"{folder}/{WEIGHTS}: {name}: NaN or Inf in its factors")
             if isinstance(p, tuple) or p == L.ROUTER:  # stored as moe.lora stores them
                 got = {p: (a, b)}
             elif p == L.GATE_UP:
