@@ -1,10 +1,10 @@
 """Expert LoRA training step against full fine-tuning and against transformers + PEFT, side by
 side in one run (one process, CPU, fp32, round-robin interleaved medians):
 
-    python -m bench.lora [--steps 5 --tokens 256 --rank 8 --write]
+    python -m bench.lora [--steps 6 --tokens 512 --rank 8 --write]
 
-Candidates, each on its own copy of the same tiny-but-not-trivial Qwen3-MoE (2 layers, 16
-experts of d=256, F=128, top-2, vocab 512) and the same batch, one step = forward + backward +
+Candidates, each on its own copy of the same small Qwen3-MoE (2 layers, 32 experts of d=512,
+F=256, top-2, vocab 1024: 28 M parameters) and the same batch, one step = forward + backward +
 AdamW step:
     moe full          moe.from_hf, every parameter trained
     moe expert LoRA   moe.from_hf + moe.lora.add_lora(rank r, alpha 2r), adapters only
@@ -33,9 +33,9 @@ import moe
 from bench.common import device_name, write_report
 
 SIZES = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    num_experts=16, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+    vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+    num_experts=32, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
 )  # fmt: skip
 SEQ = 128  # tokens per sequence
 
@@ -150,8 +150,8 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per candidate")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per step (sequences of 128)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per candidate")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per step (sequences of 128)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--write", action="store_true", help="save bench/results/<date>-cpu-lora.*")
     args = p.parse_args(argv)
