@@ -29,4 +29,7 @@ def test_lora_bench_reports_every_candidate(monkeypatch, capsys):
         assert row["grad_bytes"] == row["trainable_bytes"], name  # every trainable has a grad
         assert row["optimizer_bytes"] == 2 * row["trainable_bytes"], name  # AdamW: 2 moments
     printed = capsys.readouterr().out
-    assert "| candidate | step ms (wall) | step ms (CPU) |" in printed and "PEFT LoRA (eager)" in printed
+    assert (
+        "| candidate | step ms (wall) | step ms (CPU) |" in printed
+        and "PEFT LoRA (eager)" in printed
+    )
