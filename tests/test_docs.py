@@ -4,9 +4,9 @@ examples/hf/README.md, run as written so the docs cannot drift from the code.
 Test-only rewrites (the only ones): training launches run at a tiny step count: an M6
 `--steps N` (or none: the default 500) becomes `--steps 2 --stop-after 1` (one step and its
 checkpoint, no final evaluation), `--steps 3 --stop-after 2` after `--resume`, `--steps 2`
-with `--pp` (pipeline stages save no checkpoint yet: two steps and the evaluation); a finetune
-launch gets `--steps 2`. Commands run in a temporary working directory, in document order
-(so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
+with `--pp` (pipeline stages save no checkpoint yet: two steps and the evaluation); an HF
+launch (finetune.py, lora.py) gets `--steps 2`. Commands run in a temporary working directory,
+in document order (so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
 commands on N gloo ranks (tests/distributed.py), all of one N in one rank start. Commands that
 need what CI has not (a GPU, several nodes, the network, the suite itself) are listed in SKIP
 with the reason; a command or snippet the docs gain is a failure here until it is classified.
@@ -142,7 +142,7 @@ def _argv(command: str, after_resume: bool = False) -> tuple[str, list[str]]:
         else:
             argv += ["--steps", "3", "--stop-after", "2"] if after_resume else ["--steps", "2",
                                                                                "--stop-after", "1"]  # fmt: skip
-    elif script.endswith("hf/finetune.py") and "--steps" not in argv:
+    elif script.endswith(("hf/finetune.py", "hf/lora.py")) and "--steps" not in argv:
         argv += ["--steps", "2"]
     return script, argv
 
@@ -160,6 +160,10 @@ def _launch(script: str, argv: list[str]) -> str:
                 assert done.value.code == 0
             else:
                 train.run(argv)
+        elif script.endswith("hf/lora.py"):
+            from examples.hf import lora
+
+            assert lora.main(argv).get("same_tokens", True), "PEFT generated other tokens"
         else:
             from examples.hf import finetune
 
