@@ -6,8 +6,12 @@ what the single-process loop does around them, with the same math:
   slice) in micro-batches of --micro-batch examples through PyTorch's schedule; each
   micro-batch's loss is its summed token cross-entropy x (pipelines / target tokens in the
   global batch) and its aux loss enters through moe.pipeline's aux mechanism (1/micro-batches);
-- the tied embedding: the first stage's tok_embed.weight and the last stage's copy get the
-  sum of both gradients (one all-reduce between the two ranks of each pipeline);
+- the tied embedding: the first stage's tok_embed.weight gets the sum of its gradient and the
+  last stage's copy's (one all-reduce between the two ranks of each pipeline); the optimizer
+  updates tok_embed.weight only and the copy is refreshed from it after each step and each
+  load (one broadcast), so the two are always equal;
+- checkpoints: this rank's tensors under the single-process names (examples/m6/pipe_ckpt.py),
+  saved and loaded by moe.checkpoint's model-parts support at any (pp, dp, ep);
 - gradient clipping by the global norm over every stage (the tied weight counted once);
 - metrics: the same [loss, aux, dropped, routed] row as the single-process step, so the
   logged loss and aux are the global-batch means there too;
@@ -15,8 +19,8 @@ what the single-process loop does around them, with the same math:
   stage's tensors, full, broadcast over "pp"), then the example's own evaluation, each rank
   a shard of the examples. Fine at the example's sizes; it holds the whole model per rank.
 
-Not yet under --pp (refused in cli.py before any work): checkpoints and resume, the routing
-trace, rebalancing and replicas, optimizer groups and offload, activation checkpointing.
+Not yet under --pp (refused in cli.py before any work): the routing trace, rebalancing and
+replicas, optimizer groups and offload, activation checkpointing.
 """
 
 from __future__ import annotations
@@ -94,7 +98,15 @@ class PipelineRun:
 
     # -- the module interface the loop uses ---------------------------------------------
     def parameters(self):
-        return self.pipe.parameters()
+        """What the optimizer updates: this rank's stage parameters but the head's copy of
+        tok_embed.weight (refreshed from it after each step, `sync_tied`)."""
+        return (p for name, p in self.pipe.named_parameters() if name != TIED)
+
+    def checkpoint_module(self) -> nn.Module:
+        """This rank's tensors under the single-process names (moe.checkpoint takes it)."""
+        from examples.m6.pipe_ckpt import checkpoint_parts
+
+        return checkpoint_parts(self)
 
     def train(self, mode: bool = True):
         self.modules.train(mode)
@@ -124,6 +136,9 @@ class PipelineRun:
         b = m6data.make_batch(data, enc, m6data.shard(global_idx, self.coord, self.width))
         b = b.to(self.device)
         self._counts.zero_()
+        head = dict(self.pipe.named_parameters()).get(TIED)
+        if head is not None:  # not the optimizer's: its gradient is cleared here
+            head.grad = None
         with rt.autocast:
             _, losses = self.pipe.step(pack_inputs(b), b.labels_BL)
         aux = self.pipe.aux_loss().to(self._counts)
@@ -147,9 +162,22 @@ class PipelineRun:
                 mine = group
         return mine
 
-    def _tied_grads(self) -> list[torch.Tensor]:
+    def _tied(self) -> list[nn.Parameter]:
         named = dict(self.pipe.named_parameters())
-        return [named[n].grad for n in ("embed.tok_embed.weight", TIED) if n in named]
+        return [named[n] for n in ("embed.tok_embed.weight", TIED) if n in named]
+
+    def _tied_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._tied()]
+
+    @torch.no_grad()
+    def sync_tied(self) -> None:
+        """The head's copy := tok_embed.weight (after each optimizer step and each load)."""
+        tied = [_local(p) for p in self._tied()]
+        if len(tied) == 2:  # both stages on this rank (V schedules)
+            tied[1].copy_(tied[0])
+        elif tied and self._tie_group is not None:
+            src = self.pipe.stage_ranks[0] * self.width + self.coord
+            dist.broadcast(tied[0], src=src, group=self._tie_group)
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:

@@ -9,9 +9,6 @@ from moe.pipeline import SCHEDULES
 
 # flags --pp refuses for now: (attribute, flag, what is not there yet under --pp)
 NOT_YET = (
-    ("resume", "--resume", "checkpoints of pipeline stages"),
-    ("save_every", "--save-every", "checkpoints of pipeline stages"),
-    ("stop_after", "--stop-after", "checkpoints of pipeline stages"),
     ("rebalance_every", "--rebalance-every", "rebalancing per stage"),
     ("spare_slots", "--spare-slots", "replicas per stage"),
     ("checkpointing", "--checkpointing", "activation checkpointing per stage"),

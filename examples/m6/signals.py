@@ -1,4 +1,4 @@
-"""Stopping an M6 run on SIGTERM / SIGINT: the loop finishes its step, saves (without --pp)
+"""Stopping an M6 run on SIGTERM / SIGINT: the loop finishes its step, saves
 and exits with 128 + the signal's number."""
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
         row = model.step(data, enc, global_idx, rt)
         model.clip(args.clip)
         opt.step()
+        model.sync_tied()
         return row
     global_targets = (enc.labels_NL[global_idx] != m6data.IGNORE).sum()  # host tensor, no read
     scale = world / global_targets.double()
@@ -314,12 +315,8 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
                 trace.close()
-                ckpt = (
-                    None
-                    if args.pp > 1  # no checkpoints of pipeline stages yet
-                    else save_step(
-                        out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
-                    )
+                ckpt = save_step(
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
             if out_of_time:  # --max-seconds: evaluate what was trained so far
@@ -328,9 +325,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
-    ckpt = None  # --pp: no checkpoints of pipeline stages yet (cli.py refuses their flags)
-    if args.pp == 1:
-        ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
+    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
     summary = {
         "config": cfg.to_dict(), "world": world,
         "dp": (args.dp or world // (args.pp * (args.ep or 1))), "ep": args.ep or 1, "pp": args.pp, "device": str(device), "steps": stop, "steps_this_run": done,
