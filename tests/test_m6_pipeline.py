@@ -14,8 +14,8 @@ from examples.m6 import train
 from tests.distributed import run_ranks
 
 FAST = ["--quiet", "--no-plots", "--eval-every", "1000"]
-LONG = 150  # steps: held-out caption accuracy ~70 % (chance 10 %)
-SHORT = 4
+LONG = 100  # steps: held-out caption accuracy ~40 % (chance 10 %)
+SHORT = 3
 
 # (arguments, the start of the error line): refused on 4 ranks before any work
 REFUSED = [
@@ -24,9 +24,6 @@ REFUSED = [
         "error: --schedule zero is not one of GPipe, 1F1B, Interleaved1F1B",
     ),
     (["--pp", "3"], "error: --pp 3 x --dp 1 x --ep 1 = 3 is not the world size 4"),
-    (["--pp", "2", "--ep", "2", "--resume"], "error: --pp 2 with --resume: checkpoints of"),
-    (["--pp", "2", "--ep", "2", "--stop-after", "1"], "error: --pp 2 with --stop-after"),
-    (["--pp", "2", "--ep", "2", "--save-every", "5"], "error: --pp 2 with --save-every"),
     (["--pp", "2", "--ep", "2", "--offload", "optimizer"], "error: --pp 2 with --groups 1"),
     (["--pp", "2", "--ep", "2", "--micro-batch", "32"], "error: --pp 2 --schedule 1F1B"),
     (["--pp", "2", "--ep", "3"], "error: --pp 2 x --dp 1 x --ep 3 = 6 is not the world size 4"),
@@ -85,10 +82,10 @@ def test_pp2_ep2_trains_to_the_single_process_accuracy(results):
     for _, _, full in ranks:
         assert full == ranks[0][2]  # every rank reports the same run
     full = ranks[0][2]
-    assert full["pp"] == 2 and full["checkpoint"] is None
+    assert full["pp"] == 2 and full["checkpoint"].endswith(f"step-{LONG:08d}")
     assert "pipeline pp 2 (4 ranks), 1F1B, 2 micro-batches of 16" in full["settings"]
     assert full["caption_total"] == single["caption_total"]
-    assert single["caption_accuracy"] > 0.4, single["caption_accuracy"]  # well above chance
+    assert single["caption_accuracy"] > 0.3, single["caption_accuracy"]  # well above chance
     assert abs(full["caption_accuracy"] - single["caption_accuracy"]) <= 0.01, (
         full["caption_accuracy"],
         single["caption_accuracy"],
