@@ -108,5 +108,3 @@ def print_summary(s: dict, say) -> None:
         say(f"plot: {path}")
     if s.get("checkpoint"):
         say(f"checkpoint: {s['checkpoint']} (continue with --resume --steps N)")
-    else:
-        say("checkpoint: none (--pp runs have no checkpoints yet)")

@@ -19,7 +19,7 @@ class Interrupted(RuntimeError):
         saved = (
             f"checkpoint {checkpoint} (continue with --resume)"
             if checkpoint is not None
-            else "not saved (--pp runs have no checkpoints yet)"
+            else "not saved"
         )
         super().__init__(f"interrupted by {name} after step {step}; {saved}")
 
