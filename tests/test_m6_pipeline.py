@@ -24,7 +24,7 @@ REFUSED = [
         "error: --schedule zero is not one of GPipe, 1F1B, Interleaved1F1B",
     ),
     (["--pp", "3"], "error: --pp 3 x --dp 1 x --ep 1 = 3 is not the world size 4"),
-    (["--pp", "2", "--ep", "2", "--offload", "optimizer"], "error: --pp 2 with --groups 1"),
+    (["--pp", "2", "--ep", "2", "--spare-slots", "2"], "error: --pp 2 with --spare-slots"),
     (["--pp", "2", "--ep", "2", "--micro-batch", "32"], "error: --pp 2 --schedule 1F1B"),
     (["--pp", "2", "--ep", "3"], "error: --pp 2 x --dp 1 x --ep 3 = 6 is not the world size 4"),
     (["--ep", "2", "--schedule", "GPipe"], "error: --schedule GPipe needs --pp > 1"),
@@ -40,6 +40,8 @@ SCHEDULES = {
     "zbv_ddp": ["--schedule", "ZBVZeroBubble"],
     # stage s on pp rank s % 2: the last stage (head) on the second pp rank
     "interleaved_fsdp": ["--schedule", "interleaved1f1b", "--data-parallel", "fsdp"],
+    # moe.memory.GroupedApply over each rank's stage parameters, optimizer state on the host
+    "groups_offload": ["--groups", "2", "--offload", "optimizer"],
 }
 
 

@@ -20,7 +20,7 @@ what the single-process loop does around them, with the same math:
   a shard of the examples. Fine at the example's sizes; it holds the whole model per rank.
 
 Not yet under --pp (refused in cli.py before any work): the routing trace, rebalancing and
-replicas, optimizer groups and offload, activation checkpointing.
+replicas, activation checkpointing.
 """
 
 from __future__ import annotations

@@ -33,11 +33,6 @@ def check_pipeline(args, cfg: M6Config, world: int) -> None:
     for attr, flag, what in NOT_YET:
         if getattr(args, attr):
             raise ValueError(f"--pp {pp} with {flag}: {what} not supported yet")
-    if args.groups > 1 or args.offload != "none":
-        raise ValueError(
-            f"--pp {pp} with --groups {args.groups} --offload {args.offload}: optimizer groups "
-            "and offload per stage not supported yet"
-        )
     dp = args.dp or max(world // (pp * ep), 1)
     if world > 1 and pp * dp * ep != world:
         raise ValueError(
