@@ -13,6 +13,7 @@ from pathlib import Path
 
 import moe
 from examples.device import add_device_args
+from examples.m6.auto_layout import add_layout_args
 from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
 from examples.m6.pipe_args import check_pipeline
 from examples.m6.plan import check_layout
@@ -211,6 +212,7 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         "(moe.memory.GroupedApply; any layout)",
     )
     g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
+    add_layout_args(g)
     g.add_argument(
         "--rebalance-every",
         type=int,

@@ -26,6 +26,7 @@ import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
+from examples.m6.auto_layout import check_layout_args, layout_auto  # noqa: E402
 from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     RunError,
@@ -144,12 +145,15 @@ def run(argv: list[str] | None = None) -> dict:
     """The whole command; returns the summary (also written to <run-dir>/summary.json)."""
     args = parse_args(argv)
     with usage_errors():
+        check_layout_args(args, sys.argv[1:] if argv is None else argv)
         cfg = resolve_config(args)
         if args.plan:
             return run_plan(args, cfg)
         device = resolve_device(args.device)
     rank, world, owns_group = init_distributed(args, device)
     try:
+        with usage_errors():
+            layout_auto(args, cfg, world, rank)  # --layout auto: moe.plan's top layout
         check_args(args, cfg, world)
         return train(args, cfg, rank, world, device)
     finally:
@@ -335,6 +339,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
         "host_syncs": syncs.count, "checkpoint": ckpt and str(ckpt), "out_of_time": out_of_time,
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
         "settings": settings, "global_batch": args.global_batch,
+        "layout": getattr(args, "auto_layout", None),
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")
