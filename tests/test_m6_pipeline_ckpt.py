@@ -1,7 +1,9 @@
 """Checkpoints of the M6 example under --pp: a --pp 2 --ep 2 run stopped (--stop-after) or
 signalled (SIGTERM on one rank) saves, and --resume continues it with the uninterrupted run's
 losses; the checkpoint holds the single-process names, so a --pp 2 checkpoint resumes at --pp 1
-(--ep 2 on 4 ranks, and one process) and a one-process checkpoint resumes under --pp 2."""
+(--ep 2 on 4 ranks, and one process) and a one-process checkpoint resumes under --pp 2. The
+routing traces of the stages (routing_trace.stage-S.jsonl) hold the one-process run's expert
+loads, resumed ones too, and draw expert_load.png."""
 
 import os
 import shutil
@@ -11,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from examples.m6 import train
+from examples.m6 import plots, train
 from examples.m6.ckpt_io import complete_steps
+from examples.m6.trace_io import stage_trace_files
+from moe.trace.routing_trace import read_trace
 from tests.distributed import run_ranks
 
 FAST = ["--quiet", "--no-plots", "--eval-every", "1000", "--micro-batch", "8", "--steps", "4"]
@@ -69,11 +73,20 @@ def results(tmp_path_factory):
     _run(root / "single-stop", "--stop-after", "2")
     ranks = run_ranks(_ranks, 4, str(root), timeout=300)
     resumed_single = _run(root / "stop-single", "--resume")["losses"]
-    return ranks, single, resumed_single
+    return ranks, single, resumed_single, root
+
+
+def _loads(files) -> dict:
+    """{(step, layer): (routed, kept per expert, dropped)} of trace files."""
+    return {
+        (r["step"], r["layer"]): (r["routed_per_expert"], r["tokens_per_expert"], r["dropped"])
+        for f in files
+        for r in read_trace(f)
+    }
 
 
 def test_every_rank_reports_the_same_runs(results):
-    ranks, _, _ = results
+    ranks = results[0]
     for r in ranks[1:]:
         assert r == ranks[0]
 
@@ -102,3 +115,15 @@ def test_sigterm_on_one_rank_saves_the_step_and_resumes(results):
     assert r["interrupted"] == (signal.SIGTERM, 3, "step-00000003"), r["interrupted"]
     assert r["term_steps"] == [3]
     assert r["term_resumed"] == pytest.approx(r["full"], rel=1e-6, abs=1e-7)
+
+
+def test_stage_traces_hold_the_one_process_expert_loads(results, tmp_path):
+    root = results[3]
+    files = stage_trace_files(root / "full")
+    assert [f.name for f in files] == ["routing_trace.stage-0.jsonl", "routing_trace.stage-1.jsonl"]
+    single = _loads([root / "single" / "routing_trace.jsonl"])
+    assert len(single) == 4 * 2  # 4 steps x 2 MoE layers
+    assert _loads(files) == single
+    assert _loads(stage_trace_files(root / "stop")) == single  # stopped at 2, resumed to 4
+    png = plots.plot_expert_load([files], tmp_path / "expert_load.png", "--pp 2 --ep 2")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,8 +19,11 @@ what the single-process loop does around them, with the same math:
   stage's tensors, full, broadcast over "pp"), then the example's own evaluation, each rank
   a shard of the examples. Fine at the example's sizes; it holds the whole model per rank.
 
-Not yet under --pp (refused in cli.py before any work): the routing trace, rebalancing and
-replicas, activation checkpointing.
+- the routing trace: one per stage, its layers under the single-process names
+  (examples/m6/trace_io.py), drawn together into expert_load.png.
+
+Not yet under --pp (refused in cli.py before any work): rebalancing and replicas, activation
+checkpointing, the dense baseline.
 """
 
 from __future__ import annotations
