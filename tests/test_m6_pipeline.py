@@ -42,6 +42,8 @@ SCHEDULES = {
     "interleaved_fsdp": ["--schedule", "interleaved1f1b", "--data-parallel", "fsdp"],
     # moe.memory.GroupedApply over each rank's stage parameters, optimizer state on the host
     "groups_offload": ["--groups", "2", "--offload", "optimizer"],
+    # activation checkpointing of every block (moe.memory.recompute_blocks), FSDP2 units
+    "recompute_fsdp": ["--checkpointing", "--data-parallel", "fsdp"],
 }
 
 

@@ -22,8 +22,11 @@ what the single-process loop does around them, with the same math:
 - the routing trace: one per stage, its layers under the single-process names
   (examples/m6/trace_io.py), drawn together into expert_load.png.
 
-Not yet under --pp (refused in cli.py before any work): rebalancing and replicas, activation
-checkpointing, the dense baseline.
+- --checkpointing: each block recomputed in backward (moe.memory.recompute_blocks on the
+  stages' blocks; the recomputed forward counts no tokens a second time).
+
+Not yet under --pp (refused in cli.py before any work): rebalancing and replicas, the dense
+baseline.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 import moe
+import moe.memory
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
+from moe.gating.balance import in_recomputation
 from moe.pipeline import SCHEDULES, Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
 
 
@@ -77,6 +82,8 @@ class PipelineRun:
         self.mesh = init_pipeline_mesh(pp, dp, ep, device_type=device.type)
         self.config = pipeline_config(args, args.global_batch // self.width)
         seq, self.names = to_sequential(model, (cfg.channels, cfg.image_size, cfg.image_size))
+        if args.checkpointing:  # each block recomputed in backward, as at pp = 1
+            moe.memory.recompute_blocks(seq, [n for n, _ in seq.named_children() if "blocks_" in n])
         keep = _gathered(model)
         plan = plan_stages(seq, pp * self.config.stages_per_rank)
         children = dict(seq.named_children())
@@ -126,7 +133,7 @@ class PipelineRun:
         return ce * self.scale
 
     def _count(self, layer, inputs, output) -> None:
-        if layer.training and torch.is_grad_enabled():  # not the stage-shape probe
+        if layer.training and torch.is_grad_enabled() and not in_recomputation():
             s = layer.stats
             routed = s["routed_per_expert"].detach().to(self._counts).sum()
             self._counts += torch.stack([s["dropped"].detach().to(self._counts), routed])

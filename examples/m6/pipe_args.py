@@ -11,7 +11,6 @@ from moe.pipeline import SCHEDULES
 NOT_YET = (
     ("rebalance_every", "--rebalance-every", "rebalancing per stage"),
     ("spare_slots", "--spare-slots", "replicas per stage"),
-    ("checkpointing", "--checkpointing", "activation checkpointing per stage"),
     ("dense", "--dense", "the dense baseline on stages"),
 )
 
