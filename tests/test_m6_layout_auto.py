@@ -1,8 +1,9 @@
 """M6 `--layout auto` (issue 48 item 3): the example asks moe.plan for the top layout of its
 config on the launched world and trains with it: on 2 and 4 gloo ranks (the h100 preset with
 --device-memory-gb small enough that pipelines, optimizer groups or recompute win) the run's
-(pp, dp, ep) and flags are the planner's first; explicit layout flags with it, --cluster
-without it and a bad cluster file are one `error:` line before any work."""
+(pp, dp, ep) and flags are the planner's first (at 4 ranks and 0.004 GiB: pp 2 with recompute
+and 16 optimizer groups); explicit layout flags with it, --cluster without it and a bad
+cluster file are one `error:` line before any work."""
 
 import json
 
@@ -16,7 +17,7 @@ from tests.distributed import run_ranks
 
 # no final evaluation: 2 of 3 steps, then the checkpoint
 FAST = ["--quiet", "--no-plots", "--steps", "3", "--stop-after", "2", "--layout", "auto"]
-RUNS = {2: [None, 0.006], 4: [0.005]}  # --device-memory-gb per world (None: the preset's 80)
+RUNS = {2: [None, 0.006], 4: [0.004]}  # --device-memory-gb per world (None: the preset's 80)
 
 
 def _top(world: int, memory: float | None) -> str:
@@ -44,10 +45,13 @@ def test_the_planners_top_layout_trains(world, tmp_path):
         assert got["layout"] == top.short(), (memory, got["layout"], top.short())
         assert (got["pp"], got["dp"], got["ep"]) == (top.pp, top.dp, top.ep)
         assert len(got["losses"]) == 2 and all(0 < x < 10 for x in got["losses"])
+        assert ("activation checkpointing" in got["settings"]) == (top.recompute == "full")
         if top.pp > 1:
             assert f"pipeline pp {top.pp} ({world} ranks), {top.schedule}" in got["settings"]
     if world == 2:  # the small memory moves the choice from data parallel to pipeline stages
         assert ranks[0][0]["pp"] == 1 and ranks[0][1]["pp"] == 2
+    else:
+        assert ranks[0][0]["pp"] == 2 and "activation checkpointing" in ranks[0][0]["settings"]
 
 
 def test_one_process_says_why_and_reads_a_cluster_file(tmp_path, capsys):
@@ -66,7 +70,10 @@ def test_one_process_says_why_and_reads_a_cluster_file(tmp_path, capsys):
         (["--layout", "auto", "--micro-batch=4", "--pp", "2"], "drop --pp, --micro-batch"),
         (["--cluster", "c.json"], "--cluster needs --layout auto"),
         (["--layout", "auto", "--cluster", "BAD"], "not a moe.plan cluster file"),
-        (["--layout", "auto", "--device-memory-gb", "1e-6"], "--layout auto: no layout of"),
+        (
+            ["--layout", "auto", "--device-memory-gb", "1e-6"],
+            "--layout auto: m6-tiny fits no layout on 1 x 1",
+        ),
     ],
 )
 def test_bad_layout_flags_are_one_error_line(argv, message, tmp_path, capsys):

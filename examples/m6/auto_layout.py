@@ -4,9 +4,9 @@ was launched with, applies it to the flags it maps to (pp, dp, ep, --data-parall
 
 The cluster is this machine's world as one node of `--cluster FILE` (a moe.plan cluster
 profile, untrusted JSON read by Cluster.load) or of the H100 preset, with --device-memory-gb
-as each device's memory when given. The search covers what the example runs: pipeline
-schedules without activation recompute (--checkpointing is refused under --pp), one-process
-layouts with or without it; no overlap chunks, replicas or FP8 (flags of their own).
+as each device's memory when given. The search covers what the example runs: every pipeline
+schedule, ddp / fsdp, micro-batches, whole-block recompute (--checkpointing) or none, offload
+and groups; no overlap chunks, replicas or FP8 (flags of their own).
 """
 
 from __future__ import annotations
@@ -72,21 +72,13 @@ def ranked(cfg: M6Config, world: int, global_batch: int, cluster: Cluster) -> li
     """The planner's fitting layouts the example runs, fastest first."""
     spec = from_planner_model(cfg, cfg.name)
     tokens = global_batch * cfg.seq_len
-    common = {"overlap": (1,), "replicas": (0,), "schedules": tuple(SCHEDULES)}
-    fits = []
-    pps = [p for p in range(1, world + 1) if world % p == 0 and p <= cfg.n_layers]
-    for pp, recompute in [(1, ("none", "full")), *((p, ("none",)) for p in pps if p > 1)]:
-        space = SearchSpace(pp=(pp,), recompute=recompute, **common)
-        try:
-            fits += search(spec, cluster, tokens, cfg.seq_len, space=space, top=10**6).fits
-        except ValueError:  # nothing fits or splits at this pp
-            continue
-    if not fits:
-        raise ValueError(
-            f"--layout auto: no layout of {cfg.name} with --global-batch {global_batch} fits "
-            f"{world} device(s) of {cluster.device_memory_gib:g} GiB"
-        )
-    return sorted(fits, key=lambda p: p.step_time)
+    space = SearchSpace(
+        schedules=tuple(SCHEDULES), recompute=("none", "full"), overlap=(1,), replicas=(0,)
+    )
+    try:  # the planner's ranking: fastest first
+        return search(spec, cluster, tokens, cfg.seq_len, space=space, top=10**6).fits
+    except ValueError as e:  # nothing fits or splits: the closest layout and what binds it
+        raise ValueError(f"--layout auto: {e}") from None
 
 
 def apply_layout(args, pred: Prediction) -> None:
