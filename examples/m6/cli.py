@@ -27,6 +27,7 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     python examples/m6/train.py --config m6-tiny-gpu     # the same task sized for one GPU
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
     torchrun --nproc-per-node 4 examples/m6/train.py --pp 2 --ep 2   # 2 pipeline stages
+    torchrun --nproc-per-node 4 examples/m6/train.py --layout auto   # moe.plan's top layout
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
 SIGTERM or SIGINT (Ctrl-C) finishes the current step (under torchrun: the steps up to the
