@@ -11,6 +11,8 @@ import os
 import pytest
 
 from examples.m6 import train
+from examples.m6.trace_io import stage_trace_files
+from moe.trace.routing_trace import read_trace
 from tests.distributed import run_ranks
 
 FAST = ["--quiet", "--no-plots", "--eval-every", "1000"]
@@ -44,11 +46,18 @@ SCHEDULES = {
     "groups_offload": ["--groups", "2", "--offload", "optimizer"],
     # activation checkpointing of every block (moe.memory.recompute_blocks), FSDP2 units
     "recompute_fsdp": ["--checkpointing", "--data-parallel", "fsdp"],
+    # experts re-placed on the stage's EP ranks after every step: the same function, and the
+    # evaluation (the model gathered from the stages) sees the placement
+    "rebalance": ["--rebalance-every", "1"],
 }
 
 
 def _run(run_dir, *extra, steps):
     return train.run(["--steps", str(steps), "--run-dir", str(run_dir), *FAST, *extra])
+
+
+def _short(summary):
+    return summary["losses"], summary["heldout_loss"]
 
 
 def _refused(run_dir, argv):
@@ -60,8 +69,8 @@ def _refused(run_dir, argv):
 def _ranks(rank, world, root):
     refused = [_refused(os.path.join(root, f"bad{i}"), a) for i, (a, _) in enumerate(REFUSED)]
     runs = {
-        name: _run(os.path.join(root, name), "--pp", "2", "--ep", "2", "--micro-batch", "8",
-                   *extra, steps=SHORT)["losses"]
+        name: _short(_run(os.path.join(root, name), "--pp", "2", "--ep", "2", "--micro-batch",
+                          "8", *extra, steps=SHORT))
         for name, extra in SCHEDULES.items()
     }  # fmt: skip
     full = _run(os.path.join(root, "pp"), "--pp", "2", "--ep", "2", "--micro-batch", "16",
@@ -77,12 +86,18 @@ def results(tmp_path_factory):
     ranks = run_ranks(_ranks, 4, str(root), timeout=300)
     # one process, the same routing groups: micro-batches of the pipelines' size
     single = _run(root / "single", "--micro-batch", "16", steps=LONG)
-    short = _run(root / "single-short", "--micro-batch", "8", steps=SHORT)["losses"]
-    return ranks, single, short
+    short = _short(_run(root / "single-short", "--micro-batch", "8", steps=SHORT))
+    moved = {  # the rebalance records of the stages' routing traces: (layer, slots moved)
+        (r["layer"], r["slots_moved"])
+        for f in stage_trace_files(root / "rebalance")
+        for r in read_trace(f)
+        if r.get("kind") == "rebalance"
+    }
+    return ranks, single, short, moved
 
 
 def test_pp2_ep2_trains_to_the_single_process_accuracy(results):
-    ranks, single, _ = results
+    ranks, single = results[:2]
     for _, _, full in ranks:
         assert full == ranks[0][2]  # every rank reports the same run
     full = ranks[0][2]
@@ -103,14 +118,16 @@ def test_pp2_ep2_trains_to_the_single_process_accuracy(results):
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_other_schedules_and_fsdp_give_the_single_process_losses(results, name):
-    ranks, _, short = results
+    ranks, short = results[0], results[2]
     for _, runs, _ in ranks:
-        assert runs[name] == pytest.approx(short, rel=1e-5, abs=1e-6), (name, runs[name], short)
+        (losses, heldout), (want, want_heldout) = runs[name], short
+        assert losses == pytest.approx(want, rel=1e-5, abs=1e-6), (name, losses, want)
+        assert heldout == pytest.approx(want_heldout, rel=1e-5), (name, heldout, want_heldout)
 
 
 @pytest.mark.parametrize("i", range(len(REFUSED)))
 def test_bad_pipeline_flags_are_one_error_line_before_any_work(results, i):
-    ranks, _, _ = results
+    ranks = results[0]
     argv, message = REFUSED[i]
     for refused, _, _ in ranks:
         status, err, created = refused[i]
@@ -122,3 +139,9 @@ def test_bad_pipeline_flags_are_one_error_line_before_any_work(results, i):
 def test_pp_needs_its_processes(tmp_path):
     with pytest.raises(train.UsageError, match="--pp 2 --dp 1 --ep 2 needs 4 processes: launch"):
         train.run(["--pp", "2", "--ep", "2", "--run-dir", str(tmp_path), "--quiet"])
+
+
+def test_rebalancing_under_pp_moves_experts_and_is_traced_per_stage(results):
+    moved = results[3]
+    assert {layer for layer, _ in moved} == {"blocks.1.ffn", "blocks.3.ffn"}, moved
+    assert any(n > 0 for _, n in moved), moved  # experts did move (same losses above)

@@ -25,7 +25,9 @@ what the single-process loop does around them, with the same math:
 - --checkpointing: each block recomputed in backward (moe.memory.recompute_blocks on the
   stages' blocks; the recomputed forward counts no tokens a second time).
 
-Not yet under --pp (refused in cli.py before any work): rebalancing and replicas, the dense
+- --rebalance-every: moe.parallel.rebalance_experts per stage over its ranks (`rebalance`).
+
+Not yet under --pp (refused in cli.py before any work): replicas (--spare-slots), the dense
 baseline.
 """
 
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 import moe
 import moe.memory
+import moe.parallel
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
 from moe.gating.balance import in_recomputation
@@ -158,6 +161,13 @@ class PipelineRun:
             moe.update_router_biases(module)
         return torch.stack([loss / self.width, aux, *self._counts])
 
+    def rebalance(self, opt) -> dict:
+        """moe.parallel.rebalance_experts on each of this rank's stages with MoE layers, over
+        the stage's ranks, layers named as one process names them: {stage index: report}."""
+        from examples.m6.pipe_ckpt import stage_views
+
+        return {s: moe.parallel.rebalance_experts(v, opt) for s, v in stage_views(self).items()}
+
     # -- the tied embedding -----------------------------------------------------------------
     def _tie_groups(self):
         """The group of this pipeline's first-stage and last-stage ranks (every rank creates
@@ -254,14 +264,9 @@ def _named_tensors(module: nn.Module):
 
 
 def _gathered(model: nn.Module) -> set[str]:
-    """The single-process names evaluation needs: parameters and persistent buffers (the
-    slot layout buffers are not: rebalancing and replicas are refused under --pp)."""
-    names = {n for n, _ in model.named_parameters()}
-    for prefix, module in model.named_modules():
-        for n, _ in module.named_buffers(recurse=False):
-            if n not in module._non_persistent_buffers_set:
-                names.add(f"{prefix}.{n}" if prefix else n)
-    return names
+    """The single-process names evaluation needs: parameters and buffers (the MoE layers' slot
+    layouts too: after a rebalance the experts' rows are in the stage's placement)."""
+    return {n for n, _ in _named_tensors(model)}
 
 
 def for_eval(model):

@@ -16,6 +16,7 @@ from torch import nn
 
 from examples.m6.pipe_model import M6Embed, M6Head, M6PipeBlock
 from moe.checkpoint.parts import ModelParts
+from moe.layer import moe_layers
 from moe.pipeline.split import graft
 
 BLOCK = "blocks_"
@@ -44,3 +45,16 @@ def checkpoint_parts(run) -> nn.Module:
             if isinstance(child, M6Embed):  # the current object (FSDP2 swaps it for a DTensor)
                 parts.register_parameter("pos_embed", child._parameters["pos_embed"])
     return parts
+
+
+def stage_views(run) -> dict[int, nn.Module]:
+    """{stage index: that stage's modules at their single-process paths} for this rank's
+    stages with MoE layers (routing traces and rebalancing name layers as one process does)."""
+    views = {}
+    for s, module in zip(run.pipe.stage_indices, run.pipe.modules):
+        view = nn.Module()
+        for name, child in module.named_children():
+            graft(view, single_paths(name, child))
+        if moe_layers(view):
+            views[s] = view
+    return views

@@ -9,12 +9,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from torch import nn
-
 import moe
 from examples.m6.cli import UsageError
 from examples.m6.pipe import PipelineRun
-from moe.pipeline.split import graft
 from moe.pipeline.stage_parallel import stage_group
 
 STAGE_TRACE = "routing_trace.stage-{stage}.jsonl"
@@ -37,44 +34,47 @@ class _NoTrace:
 
 
 class _StageTraces:
-    """This rank's stages' traces, stepped and closed together (every rank of a stage calls
-    them at the same points)."""
+    """This rank's stages' traces ({stage index: trace}), stepped and closed together (every
+    rank of a stage calls them at the same points)."""
 
-    def __init__(self, traces: list[moe.RoutingTrace]):
+    def __init__(self, traces: dict[int, moe.RoutingTrace]):
         self.traces = traces
 
     def step(self, step: int) -> None:
-        for t in self.traces:
+        for t in self.traces.values():
             t.step(step)
 
     def flush(self) -> None:
-        for t in self.traces:
+        for t in self.traces.values():
             t.flush()
 
-    def record_rebalance(self, step: int, report) -> None:
-        raise RuntimeError("--pp: rebalancing is not run on pipeline stages")
+    def record_rebalance(self, step: int, reports: dict) -> None:
+        """{stage index: its RebalanceReport} (examples/m6/pipe.PipelineRun.rebalance)."""
+        for s, report in reports.items():
+            self.traces[s].record_rebalance(step, report)
 
     def close(self) -> None:
-        for t in self.traces:
+        for t in self.traces.values():
             t.close()
 
 
 def stage_traces(run: PipelineRun, folder: Path, every: int, resume_from) -> _StageTraces:
     """One moe.RoutingTrace per local stage with MoE layers (single-process layer names)."""
-    from examples.m6.pipe_ckpt import single_paths
+    from examples.m6.pipe_ckpt import stage_views
 
     group = stage_group(run.pipe.mesh["dp", "ep"])
-    traces = []
-    for s, module in zip(run.pipe.stage_indices, run.pipe.modules):
-        named = nn.Module()  # the stage's modules at their single-process paths
-        for name, child in module.named_children():
-            graft(named, single_paths(name, child))
-        if moe.moe_layers(named):
-            path = folder / STAGE_TRACE.format(stage=s)
-            traces.append(
-                moe.RoutingTrace(named, path, every=every, group=group, resume_from=resume_from)
+    return _StageTraces(
+        {
+            s: moe.RoutingTrace(
+                view,
+                folder / STAGE_TRACE.format(stage=s),
+                every=every,
+                group=group,
+                resume_from=resume_from,
             )
-    return _StageTraces(traces)
+            for s, view in stage_views(run).items()
+        }
+    )
 
 
 def stage_trace_files(folder: Path) -> list[Path]:

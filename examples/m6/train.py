@@ -138,7 +138,10 @@ def rebalance(model, opt, step: int, trace) -> None:
     """Re-place experts (and their copies with --spare-slots): weights and optimizer state move
     together. The per-layer summary (copies per expert, largest / mean rank load before and
     after, slots moved, bytes sent) goes to the routing trace as rebalance records."""
-    trace.record_rebalance(step, moe.parallel.rebalance_experts(model, opt))
+    pipe = isinstance(model, PipelineRun)  # --pp: each stage's, {stage: report}
+    trace.record_rebalance(
+        step, model.rebalance(opt) if pipe else moe.parallel.rebalance_experts(model, opt)
+    )
 
 
 def run(argv: list[str] | None = None) -> dict:
