@@ -51,6 +51,10 @@ def _ranks(rank, world, root):
     out["resumed"] = _run(root / "stop", *PP, "--resume")["losses"]
     out["pp1"] = _run(root / "stop-pp1", "--ep", "2", "--resume")["losses"]
     out["from_single"] = _run(root / "single-stop", *PP, "--resume")["losses"]
+    rebalance = [*PP, "--rebalance-every", "1"]  # the checkpoint holds the expert placement
+    out["rb_full"] = _run(root / "rb", *rebalance)["losses"]
+    _run(root / "rb-stop", *rebalance, "--stop-after", "2")
+    out["rb_resumed"] = _run(root / "rb-stop", *rebalance, "--resume")["losses"]
     step = train.train_step
     if rank == 1:  # a signal on one rank stops every rank after the same step
         train.train_step = _signalling(step, 3)
@@ -127,3 +131,9 @@ def test_stage_traces_hold_the_one_process_expert_loads(results, tmp_path):
     assert _loads(stage_trace_files(root / "stop")) == single  # stopped at 2, resumed to 4
     png = plots.plot_expert_load([files], tmp_path / "expert_load.png", "--pp 2 --ep 2")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rebalanced_pp_run_resumes_with_its_placement(results):
+    r, single = results[0][0], results[1]
+    assert r["rb_full"] == pytest.approx(single, rel=1e-5, abs=1e-6)  # the same function
+    assert r["rb_resumed"] == pytest.approx(r["rb_full"], rel=1e-6, abs=1e-7)

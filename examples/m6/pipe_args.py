@@ -9,7 +9,7 @@ from moe.pipeline import SCHEDULES
 
 # flags --pp refuses for now: (attribute, flag, what is not there yet under --pp)
 NOT_YET = (
-    ("spare_slots", "--spare-slots", "replicas per stage"),
+    ("spare_slots", "--spare-slots", "expert replicas per stage"),
     ("dense", "--dense", "the dense baseline on stages"),
 )
 
