@@ -164,6 +164,9 @@ def load_latest(root: Path, model, opt) -> tuple[dict, Path, list[str]]:
             continue
         if _world()[1] == 1 and "rng" in state:
             torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        sync_tied = getattr(model, "sync_tied", None)  # --pp: the head's copy of the embedding
+        if sync_tied is not None:
+            sync_tied()
         return state, path, problems
     detail = "; ".join(problems) if problems else "no complete step"
     raise FileNotFoundError(f"no loadable checkpoint under {root}: {detail}")

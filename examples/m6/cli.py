@@ -13,6 +13,7 @@ from pathlib import Path
 
 import moe
 from examples.device import add_device_args
+from examples.m6.auto_layout import add_layout_args
 from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
 from examples.m6.pipe_args import check_pipeline
 from examples.m6.plan import check_layout
@@ -26,6 +27,7 @@ DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a lap
     python examples/m6/train.py --config m6-tiny-gpu     # the same task sized for one GPU
     torchrun --nproc-per-node 4 examples/m6/train.py --dp 2 --ep 2
     torchrun --nproc-per-node 4 examples/m6/train.py --pp 2 --ep 2   # 2 pipeline stages
+    torchrun --nproc-per-node 4 examples/m6/train.py --layout auto   # moe.plan's top layout
     python examples/m6/train.py --config m6-1t --plan --world-size 480 --device-memory-gb 32
 
 SIGTERM or SIGINT (Ctrl-C) finishes the current step (under torchrun: the steps up to the
@@ -211,6 +213,7 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         "(moe.memory.GroupedApply; any layout)",
     )
     g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
+    add_layout_args(g)
     g.add_argument(
         "--rebalance-every",
         type=int,

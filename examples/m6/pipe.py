@@ -6,8 +6,12 @@ what the single-process loop does around them, with the same math:
   slice) in micro-batches of --micro-batch examples through PyTorch's schedule; each
   micro-batch's loss is its summed token cross-entropy x (pipelines / target tokens in the
   global batch) and its aux loss enters through moe.pipeline's aux mechanism (1/micro-batches);
-- the tied embedding: the first stage's tok_embed.weight and the last stage's copy get the
-  sum of both gradients (one all-reduce between the two ranks of each pipeline);
+- the tied embedding: the first stage's tok_embed.weight gets the sum of its gradient and the
+  last stage's copy's (one all-reduce between the two ranks of each pipeline); the optimizer
+  updates tok_embed.weight only and the copy is refreshed from it after each step and each
+  load (one broadcast), so the two are always equal;
+- checkpoints: this rank's tensors under the single-process names (examples/m6/pipe_ckpt.py),
+  saved and loaded by moe.checkpoint's model-parts support at any (pp, dp, ep);
 - gradient clipping by the global norm over every stage (the tied weight counted once);
 - metrics: the same [loss, aux, dropped, routed] row as the single-process step, so the
   logged loss and aux are the global-batch means there too;
@@ -15,8 +19,16 @@ what the single-process loop does around them, with the same math:
   stage's tensors, full, broadcast over "pp"), then the example's own evaluation, each rank
   a shard of the examples. Fine at the example's sizes; it holds the whole model per rank.
 
-Not yet under --pp (refused in cli.py before any work): checkpoints and resume, the routing
-trace, rebalancing and replicas, optimizer groups and offload, activation checkpointing.
+- the routing trace: one per stage, its layers under the single-process names
+  (examples/m6/trace_io.py), drawn together into expert_load.png.
+
+- --checkpointing: each block recomputed in backward (moe.memory.recompute_blocks on the
+  stages' blocks; the recomputed forward counts no tokens a second time).
+
+- --rebalance-every: moe.parallel.rebalance_experts per stage over its ranks (`rebalance`).
+
+Not yet under --pp (refused in cli.py before any work): replicas (--spare-slots), the dense
+baseline.
 """
 
 from __future__ import annotations
@@ -29,8 +41,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 import moe
+import moe.memory
+import moe.parallel
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
+from moe.gating.balance import in_recomputation
 from moe.pipeline import SCHEDULES, Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
 
 
@@ -70,6 +85,8 @@ class PipelineRun:
         self.mesh = init_pipeline_mesh(pp, dp, ep, device_type=device.type)
         self.config = pipeline_config(args, args.global_batch // self.width)
         seq, self.names = to_sequential(model, (cfg.channels, cfg.image_size, cfg.image_size))
+        if args.checkpointing:  # each block recomputed in backward, as at pp = 1
+            moe.memory.recompute_blocks(seq, [n for n, _ in seq.named_children() if "blocks_" in n])
         keep = _gathered(model)
         plan = plan_stages(seq, pp * self.config.stages_per_rank)
         children = dict(seq.named_children())
@@ -94,7 +111,15 @@ class PipelineRun:
 
     # -- the module interface the loop uses ---------------------------------------------
     def parameters(self):
-        return self.pipe.parameters()
+        """What the optimizer updates: this rank's stage parameters but the head's copy of
+        tok_embed.weight (refreshed from it after each step, `sync_tied`)."""
+        return (p for name, p in self.pipe.named_parameters() if name != TIED)
+
+    def checkpoint_module(self) -> nn.Module:
+        """This rank's tensors under the single-process names (moe.checkpoint takes it)."""
+        from examples.m6.pipe_ckpt import checkpoint_parts
+
+        return checkpoint_parts(self)
 
     def train(self, mode: bool = True):
         self.modules.train(mode)
@@ -111,7 +136,7 @@ class PipelineRun:
         return ce * self.scale
 
     def _count(self, layer, inputs, output) -> None:
-        if layer.training and torch.is_grad_enabled():  # not the stage-shape probe
+        if layer.training and torch.is_grad_enabled() and not in_recomputation():
             s = layer.stats
             routed = s["routed_per_expert"].detach().to(self._counts).sum()
             self._counts += torch.stack([s["dropped"].detach().to(self._counts), routed])
@@ -124,6 +149,9 @@ class PipelineRun:
         b = m6data.make_batch(data, enc, m6data.shard(global_idx, self.coord, self.width))
         b = b.to(self.device)
         self._counts.zero_()
+        head = dict(self.pipe.named_parameters()).get(TIED)
+        if head is not None:  # not the optimizer's: its gradient is cleared here
+            head.grad = None
         with rt.autocast:
             _, losses = self.pipe.step(pack_inputs(b), b.labels_BL)
         aux = self.pipe.aux_loss().to(self._counts)
@@ -132,6 +160,13 @@ class PipelineRun:
         for module in self.pipe.modules:
             moe.update_router_biases(module)
         return torch.stack([loss / self.width, aux, *self._counts])
+
+    def rebalance(self, opt) -> dict:
+        """moe.parallel.rebalance_experts on each of this rank's stages with MoE layers, over
+        the stage's ranks, layers named as one process names them: {stage index: report}."""
+        from examples.m6.pipe_ckpt import stage_views
+
+        return {s: moe.parallel.rebalance_experts(v, opt) for s, v in stage_views(self).items()}
 
     # -- the tied embedding -----------------------------------------------------------------
     def _tie_groups(self):
@@ -147,9 +182,22 @@ class PipelineRun:
                 mine = group
         return mine
 
-    def _tied_grads(self) -> list[torch.Tensor]:
+    def _tied(self) -> list[nn.Parameter]:
         named = dict(self.pipe.named_parameters())
-        return [named[n].grad for n in ("embed.tok_embed.weight", TIED) if n in named]
+        return [named[n] for n in ("embed.tok_embed.weight", TIED) if n in named]
+
+    def _tied_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._tied()]
+
+    @torch.no_grad()
+    def sync_tied(self) -> None:
+        """The head's copy := tok_embed.weight (after each optimizer step and each load)."""
+        tied = [_local(p) for p in self._tied()]
+        if len(tied) == 2:  # both stages on this rank (V schedules)
+            tied[1].copy_(tied[0])
+        elif tied and self._tie_group is not None:
+            src = self.pipe.stage_ranks[0] * self.width + self.coord
+            dist.broadcast(tied[0], src=src, group=self._tie_group)
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
@@ -216,14 +264,9 @@ def _named_tensors(module: nn.Module):
 
 
 def _gathered(model: nn.Module) -> set[str]:
-    """The single-process names evaluation needs: parameters and persistent buffers (the
-    slot layout buffers are not: rebalancing and replicas are refused under --pp)."""
-    names = {n for n, _ in model.named_parameters()}
-    for prefix, module in model.named_modules():
-        for n, _ in module.named_buffers(recurse=False):
-            if n not in module._non_persistent_buffers_set:
-                names.add(f"{prefix}.{n}" if prefix else n)
-    return names
+    """The single-process names evaluation needs: parameters and buffers (the MoE layers' slot
+    layouts too: after a rebalance the experts' rows are in the stage's placement)."""
+    return {n for n, _ in _named_tensors(model)}
 
 
 def for_eval(model):

@@ -9,12 +9,7 @@ from moe.pipeline import SCHEDULES
 
 # flags --pp refuses for now: (attribute, flag, what is not there yet under --pp)
 NOT_YET = (
-    ("resume", "--resume", "checkpoints of pipeline stages"),
-    ("save_every", "--save-every", "checkpoints of pipeline stages"),
-    ("stop_after", "--stop-after", "checkpoints of pipeline stages"),
-    ("rebalance_every", "--rebalance-every", "rebalancing per stage"),
-    ("spare_slots", "--spare-slots", "replicas per stage"),
-    ("checkpointing", "--checkpointing", "activation checkpointing per stage"),
+    ("spare_slots", "--spare-slots", "expert replicas per stage"),
     ("dense", "--dense", "the dense baseline on stages"),
 )
 
@@ -36,11 +31,6 @@ def check_pipeline(args, cfg: M6Config, world: int) -> None:
     for attr, flag, what in NOT_YET:
         if getattr(args, attr):
             raise ValueError(f"--pp {pp} with {flag}: {what} not supported yet")
-    if args.groups > 1 or args.offload != "none":
-        raise ValueError(
-            f"--pp {pp} with --groups {args.groups} --offload {args.offload}: optimizer groups "
-            "and offload per stage not supported yet"
-        )
     dp = args.dp or max(world // (pp * ep), 1)
     if world > 1 and pp * dp * ep != world:
         raise ValueError(

@@ -49,9 +49,9 @@ def plot_loss(history: dict, path: Path) -> Path:
     return path
 
 
-def plot_expert_load(files: list[Path], path: Path, title: str) -> Path | None:
+def plot_expert_load(files: list, path: Path, title: str) -> Path | None:
     """The run's routing trace (moe.trace.segments: one file per EP layout, in step
-    order) drawn with moe.trace.plot's panels: per MoE layer a heatmap of canonical
+    order; or one list of a --pp run's stage files) drawn with moe.trace.plot's panels: per MoE layer a heatmap of canonical
     experts x steps (share of routed pairs: the same E in every layout, so one heatmap spans
     them all), each EP rank's share of the layer's pairs (each layout's own ranks over its own
     steps), the load metrics; a dashed line where the layout changed and a dotted red line at
@@ -61,7 +61,10 @@ def plot_expert_load(files: list[Path], path: Path, title: str) -> Path | None:
     from moe.trace import plot as tp
     from moe.trace.routing_trace import read_trace
 
-    parts = [read_trace(f) for f in files]
+    parts = [  # a list of files: one layout's pipeline stages, each holding its own layers
+        [r for g in f for r in read_trace(g)] if isinstance(f, list) else read_trace(f)
+        for f in files
+    ]
     routing = [[r for r in part if "kind" not in r] for part in parts]
     routing = [part for part in routing if part]
     if not routing:

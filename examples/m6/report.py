@@ -52,14 +52,18 @@ def caption_chance(examples) -> dict:
     return {"classes": len(counts), "share": max(counts.values()) / total if total else 0.0}
 
 
+TRACE = "routing_trace.jsonl"
+
+
 def make_plots(history, data, summary, out: Path) -> list[str]:
     from examples.m6 import plots
+    from examples.m6.trace_io import stage_trace_files
     from moe.trace.segments import segments
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
         plots.plot_expert_load(
-            segments(out / "routing_trace.jsonl"),
+            [stage_trace_files(out)] if summary.get("pp", 1) > 1 else segments(out / TRACE),
             out / "expert_load.png",
             f"expert load per MoE layer (uniform = 1/E)\n{history.get('title', '')}",
         ),
@@ -108,5 +112,3 @@ def print_summary(s: dict, say) -> None:
         say(f"plot: {path}")
     if s.get("checkpoint"):
         say(f"checkpoint: {s['checkpoint']} (continue with --resume --steps N)")
-    else:
-        say("checkpoint: none (--pp runs have no checkpoints yet)")

@@ -1,4 +1,4 @@
-"""Stopping an M6 run on SIGTERM / SIGINT: the loop finishes its step, saves (without --pp)
+"""Stopping an M6 run on SIGTERM / SIGINT: the loop finishes its step, saves
 and exits with 128 + the signal's number."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class Interrupted(RuntimeError):
         saved = (
             f"checkpoint {checkpoint} (continue with --resume)"
             if checkpoint is not None
-            else "not saved (--pp runs have no checkpoints yet)"
+            else "not saved"
         )
         super().__init__(f"interrupted by {name} after step {step}; {saved}")
 

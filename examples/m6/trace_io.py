@@ -1,13 +1,20 @@
 """The run's routing trace (moe.RoutingTrace), or a stand-in that records nothing (a dense
-model; --pp, whose stages are not traced yet)."""
+model). Under --pp one trace per pipeline stage with MoE layers,
+`routing_trace.stage-S.jsonl`, its layers under the single-process names (`blocks.1.ffn`),
+counts summed over the stage's ranks and written by its first rank (as
+moe.pipeline.features.routing_traces does, with the example's names)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import moe
 from examples.m6.cli import UsageError
 from examples.m6.pipe import PipelineRun
+from moe.pipeline.stage_parallel import stage_group
+
+STAGE_TRACE = "routing_trace.stage-{stage}.jsonl"
 
 
 class _NoTrace:
@@ -26,13 +33,70 @@ class _NoTrace:
         pass
 
 
-def open_trace(model, path: Path, args, start: int) -> moe.RoutingTrace | _NoTrace:
+class _StageTraces:
+    """This rank's stages' traces ({stage index: trace}), stepped and closed together (every
+    rank of a stage calls them at the same points)."""
+
+    def __init__(self, traces: dict[int, moe.RoutingTrace]):
+        self.traces = traces
+
+    def step(self, step: int) -> None:
+        for t in self.traces.values():
+            t.step(step)
+
+    def flush(self) -> None:
+        for t in self.traces.values():
+            t.flush()
+
+    def record_rebalance(self, step: int, reports: dict) -> None:
+        """{stage index: its RebalanceReport} (examples/m6/pipe.PipelineRun.rebalance)."""
+        for s, report in reports.items():
+            self.traces[s].record_rebalance(step, report)
+
+    def close(self) -> None:
+        for t in self.traces.values():
+            t.close()
+
+
+def stage_traces(run: PipelineRun, folder: Path, every: int, resume_from) -> _StageTraces:
+    """One moe.RoutingTrace per local stage with MoE layers (single-process layer names)."""
+    from examples.m6.pipe_ckpt import stage_views
+
+    group = stage_group(run.pipe.mesh["dp", "ep"])
+    return _StageTraces(
+        {
+            s: moe.RoutingTrace(
+                view,
+                folder / STAGE_TRACE.format(stage=s),
+                every=every,
+                group=group,
+                resume_from=resume_from,
+            )
+            for s, view in stage_views(run).items()
+        }
+    )
+
+
+def stage_trace_files(folder: Path) -> list[Path]:
+    """The stage traces of a --pp run in `folder` (routing_trace.stage-S.jsonl), by stage."""
+    name = re.compile(re.escape(STAGE_TRACE).replace(r"\{stage\}", r"(\d+)"))
+    found = []
+    for p in folder.glob(STAGE_TRACE.format(stage="*")):
+        m = name.fullmatch(p.name)
+        if m and p.is_file() and not p.is_symlink():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def open_trace(model, path: Path, args, start: int):
     """The run's routing trace; resuming keeps its lines up to `start`. A damaged trace or a
     path that is not a regular file is a UsageError naming it (file:line) on every rank."""
-    if isinstance(model, PipelineRun) or not moe.moe_layers(model):  # --pp: no trace yet
-        return _NoTrace()
     resume_from = start if args.resume else None  # other layouts' lines: files of their own
     try:
+        if isinstance(model, PipelineRun):
+            return stage_traces(model, path.parent, args.log_every, resume_from)
+        if not moe.moe_layers(model):
+            return _NoTrace()
         return moe.RoutingTrace(model, path, every=args.log_every, resume_from=resume_from)
     except ValueError as e:
         hint = " (remove it to start a new trace)" if args.resume else ""

@@ -26,6 +26,7 @@ import moe  # noqa: E402
 from examples.device import autocast, resolve_device  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
+from examples.m6.auto_layout import check_layout_args, layout_auto  # noqa: E402
 from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     RunError,
@@ -79,6 +80,7 @@ def train_step(model, opt, data, enc, step: int, args, rt: Runtime) -> torch.Ten
         row = model.step(data, enc, global_idx, rt)
         model.clip(args.clip)
         opt.step()
+        model.sync_tied()
         return row
     global_targets = (enc.labels_NL[global_idx] != m6data.IGNORE).sum()  # host tensor, no read
     scale = world / global_targets.double()
@@ -136,19 +138,25 @@ def rebalance(model, opt, step: int, trace) -> None:
     """Re-place experts (and their copies with --spare-slots): weights and optimizer state move
     together. The per-layer summary (copies per expert, largest / mean rank load before and
     after, slots moved, bytes sent) goes to the routing trace as rebalance records."""
-    trace.record_rebalance(step, moe.parallel.rebalance_experts(model, opt))
+    pipe = isinstance(model, PipelineRun)  # --pp: each stage's, {stage: report}
+    trace.record_rebalance(
+        step, model.rebalance(opt) if pipe else moe.parallel.rebalance_experts(model, opt)
+    )
 
 
 def run(argv: list[str] | None = None) -> dict:
     """The whole command; returns the summary (also written to <run-dir>/summary.json)."""
     args = parse_args(argv)
     with usage_errors():
+        check_layout_args(args, sys.argv[1:] if argv is None else argv)
         cfg = resolve_config(args)
         if args.plan:
             return run_plan(args, cfg)
         device = resolve_device(args.device)
     rank, world, owns_group = init_distributed(args, device)
     try:
+        with usage_errors():
+            layout_auto(args, cfg, world, rank)  # --layout auto: moe.plan's top layout
         check_args(args, cfg, world)
         return train(args, cfg, rank, world, device)
     finally:
@@ -314,12 +322,8 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
             if stopping:  # a signal on any rank: every rank saves this step, then stops
                 progress.close()
                 trace.close()
-                ckpt = (
-                    None
-                    if args.pp > 1  # no checkpoints of pipeline stages yet
-                    else save_step(
-                        out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
-                    )
+                ckpt = save_step(
+                    out / "checkpoint", model, opt, _state(step + 1, history, cfg, data, args)
                 )
                 raise Interrupted(signals.signum or signal.SIGTERM, step + 1, ckpt)
             if out_of_time:  # --max-seconds: evaluate what was trained so far
@@ -328,9 +332,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
     progress.close()
     trace.close()
     elapsed = time.perf_counter() - t0 - eval_s  # checkpoints included: they are training
-    ckpt = None  # --pp: no checkpoints of pipeline stages yet (cli.py refuses their flags)
-    if args.pp == 1:
-        ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
+    ckpt = save_step(out / "checkpoint", model, opt, _state(stop, history, cfg, data, args))
     summary = {
         "config": cfg.to_dict(), "world": world,
         "dp": (args.dp or world // (args.pp * (args.ep or 1))), "ep": args.ep or 1, "pp": args.pp, "device": str(device), "steps": stop, "steps_this_run": done,
@@ -340,6 +342,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
         "host_syncs": syncs.count, "checkpoint": ckpt and str(ckpt), "out_of_time": out_of_time,
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
         "settings": settings, "global_batch": args.global_batch,
+        "layout": getattr(args, "auto_layout", None),
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")

@@ -1,0 +1,125 @@
+"""--layout auto: the M6 example asks moe.plan for the top layout of its config on the world it
+was launched with, applies it to the flags it maps to (pp, dp, ep, --data-parallel, --schedule,
+--micro-batch, --checkpointing, --offload, --groups, --alltoall) and says why.
+
+The cluster is this machine's world as one node of `--cluster FILE` (a moe.plan cluster
+profile, untrusted JSON read by Cluster.load) or of the H100 preset, with --device-memory-gb
+as each device's memory when given. The search covers what the example runs: every pipeline
+schedule, ddp / fsdp, micro-batches, whole-block recompute (--checkpointing) or none, offload
+and groups; no overlap chunks, replicas or FP8 (flags of their own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from examples.m6.config import M6Config
+from moe.pipeline import SCHEDULES
+from moe.plan import Cluster, Prediction, SearchSpace, from_planner_model, preset, search
+
+GiB = 2**30
+# the flags --layout auto sets: given with it, each is refused by name
+LAYOUT_FLAGS = ("--pp", "--dp", "--ep", "--schedule", "--micro-batch", "--data-parallel",
+                "--alltoall", "--groups", "--offload", "--checkpointing", "--spare-slots")  # fmt: skip
+
+
+def add_layout_args(g) -> None:
+    g.add_argument(
+        "--layout",
+        choices=("auto",),
+        help="auto: the layout moe.plan ranks first for this config on the launched world "
+        "(sets " + ", ".join(LAYOUT_FLAGS[:-1]) + ")",
+    )
+    g.add_argument(
+        "--cluster",
+        help="with --layout auto: a moe.plan cluster profile (JSON) instead of the h100 preset",
+    )
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The --flags written on the command line (`--flag value` and `--flag=value`)."""
+    return {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+
+
+def check_layout_args(args, argv: list[str]) -> None:
+    """A ValueError naming a flag given with --layout auto, or --cluster without it."""
+    if args.layout is None:
+        if args.cluster is not None:
+            raise ValueError("--cluster needs --layout auto")
+        return
+    clash = [f for f in LAYOUT_FLAGS if f in given_flags(argv)]
+    if clash:
+        raise ValueError(
+            f"--layout auto sets the layout; drop {', '.join(clash)} (or drop --layout auto)"
+        )
+    if args.plan:
+        raise ValueError("--layout auto trains; --plan prints the memory plan: choose one")
+
+
+def cluster_for(args, world: int) -> Cluster:
+    """One node of `world` devices: --cluster FILE's, or the h100 preset's."""
+    if args.cluster is not None:
+        base = Cluster.load(args.cluster)
+        cluster = base.with_nodes(1, world)
+    else:
+        cluster = preset("h100", nodes=1, gpus_per_node=world)
+    if args.device_memory_gb is not None:
+        cluster = replace(cluster, device_memory_gib=args.device_memory_gb)
+    return cluster
+
+
+def ranked(cfg: M6Config, world: int, global_batch: int, cluster: Cluster) -> list[Prediction]:
+    """The planner's fitting layouts the example runs, fastest first."""
+    spec = from_planner_model(cfg, cfg.name)
+    tokens = global_batch * cfg.seq_len
+    space = SearchSpace(
+        schedules=tuple(SCHEDULES), recompute=("none", "full"), overlap=(1,), replicas=(0,)
+    )
+    try:  # the planner's ranking: fastest first
+        return search(spec, cluster, tokens, cfg.seq_len, space=space, top=10**6).fits
+    except ValueError as e:  # nothing fits or splits: the closest layout and what binds it
+        raise ValueError(f"--layout auto: {e}") from None
+
+
+def apply_layout(args, pred: Prediction) -> None:
+    """Set the example's flags from the planner's layout."""
+    lay = pred.layout
+    args.pp, args.dp, args.ep = lay.pp, lay.dp, lay.ep
+    args.data_parallel = lay.data_parallel
+    args.pp_schedule = lay.schedule if lay.pp > 1 else None
+    args.micro_batch = lay.micro_batch_seqs
+    args.checkpointing = lay.recompute != "none"
+    args.offload = lay.offload or "none"
+    args.groups = lay.groups
+    args.alltoall = lay.exchange if lay.ep > 1 else args.alltoall
+
+
+def choose(args, cfg: M6Config, world: int) -> str:
+    """Apply the top layout to `args`; the lines saying why (printed by rank 0)."""
+    cluster = cluster_for(args, world)
+    preds = ranked(cfg, world, args.global_batch, cluster)
+    best = preds[0]
+    apply_layout(args, best)
+    args.auto_layout = best.layout.short()
+    where = f"{world} x {cluster.name} ({cluster.device_memory_gib:g} GiB)"
+    lines = [
+        f"layout auto on {where}: {best.layout.short()}",
+        f"  predicted {best.step_time * 1e3:.3g} ms a step, "
+        f"{best.peak_memory / GiB:.3g} GiB peak per device; flags: {best.layout.m6_flags()}",
+    ]
+    if len(preds) > 1:
+        second = preds[1]
+        lines.append(
+            f"  runner-up: {second.layout.short()} ({second.step_time * 1e3:.3g} ms, "
+            f"{second.peak_memory / GiB:.3g} GiB)"
+        )
+    return "\n".join(lines)
+
+
+def layout_auto(args, cfg: M6Config, world: int, rank: int) -> None:
+    """With --layout auto: choose and apply the layout, rank 0 says why (a ValueError names
+    what is wrong, the same on every rank: the choice is a function of the arguments)."""
+    if args.layout == "auto":
+        why = choose(args, cfg, world)
+        if rank == 0 and not args.quiet:
+            print(why)
