@@ -267,3 +267,36 @@ def test_published_report_runs():
     text = run_case(next(c for c in CASES if c.model == "mixtral-8x7b"))
     assert "**Published layout**" in text and ": fits," in text and "Verdict:" in text
     assert "NEITHER" not in text
+
+
+def test_fixed_overheads_add_their_documented_terms():
+    """The profile's fixed costs (moe/plan/overhead.py) add exactly predict's documented
+    terms: per micro-batch blocks x block_overhead + MoE blocks x moe_overhead (x (1 + the
+    recomputed forward share / 3)) + step_overhead; ddp one collective call per parallelize
+    unit (blocks + 2 MoE blocks + 1), fsdp 2m + 1 of them; (blocks + 1) x optimizer_overhead.
+    The presets keep them 0; a cluster file without them still loads."""
+    spec, seq = _spec(), 32
+    assert (_cluster().block_overhead, _cluster().collective_latency) == (0.0, 0.0)
+    base = _cluster(intra_bw=1e14, intra_latency=0.0)  # gathers hidden behind compute
+    costs = dict(block_overhead=1e-3, moe_overhead=2e-3, step_overhead=3e-3,
+                 optimizer_overhead=5e-4, collective_latency=7e-4)  # fmt: skip
+    cl = replace(base, **costs)
+    blocks, moe_blocks = spec.n_layers, spec.moe_layers
+    units = blocks + 2 * moe_blocks + 1
+    for dp_mode, passes in (("ddp", 1), ("fsdp", 2 * 3 + 1)):
+        lay = Layout(1, 4, 1, dp_mode, microbatches=3, micro_batch_seqs=2)
+        a = predict(spec, base, lay, seq, 4 * 3 * 2 * seq)
+        b = predict(spec, cl, lay, seq, 4 * 3 * 2 * seq)
+        fixed = blocks * 1e-3 + moe_blocks * 2e-3 + 3e-3
+        assert b.time["compute"] - a.time["compute"] == pytest.approx(3 * fixed)
+        assert b.time["dp_comms"] - a.time["dp_comms"] == pytest.approx(passes * units * 7e-4)
+        assert b.time["optimizer"] - a.time["optimizer"] == pytest.approx((blocks + 1) * 5e-4)
+        assert b.peak_memory == a.peak_memory
+    full = Layout(1, 4, 1, "ddp", recompute="full")
+    a, b = (predict(spec, c, full, seq, 4 * seq) for c in (base, cl))
+    assert b.time["compute"] - a.time["compute"] == pytest.approx(
+        (blocks * 1e-3 + moe_blocks * 2e-3) * (1 + 1 / 3) + 3e-3
+    )
+    assert cl.cost_model().a_coll == 7e-4
+    with pytest.raises(ValueError, match="block_overhead"):
+        replace(base, block_overhead=-1.0)

@@ -18,21 +18,26 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
   time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
                       t k c ep / E rows per expert (x the busiest rank's routing imbalance);
                       x3 (forward + backward), + a forward for full recompute, + the routed
-                      experts' forward for MoE recompute
+                      experts' forward for MoE recompute; + per micro-batch the profile's
+                      fixed costs: blocks x block_overhead + MoE blocks x moe_overhead (x (1 +
+                      recomputed forward share / 3)) + step_overhead (moe/plan/overhead.py)
           all-to-all  moe.comm CostModel (flat or hierarchical) of 4 exchanges per MoE block
                       and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
                       behind the routed experts' compute
           dp comms    fsdp: all-gather forward and backward per micro-batch, one
                       reduce-scatter a step, overlapped with compute beyond one unit; ddp one
                       all-reduce a step, overlapped with the last micro-batch's backward
-                      except a tenth (the last bucket)
+                      except a tenth (the last bucket); + collective_latency per call: one
+                      per parallelize unit (blocks + 2 MoE blocks + 1) and pass (fsdp 2m + 1,
+                      ddp 1)
           bubble      (p - 1) / v micro-batch times of the rank x the schedule's factor (1; 1/3
                       for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
                       (Qi et al. 2024; DeepSeek-V3 report) when m >= 2p)
           p2p         2 (p - 1) sends of t h bf16 on the critical path + a latency each per
                       micro-batch and chunk
           optimizer   32 B per local parameter over HBM; offload: 4 B over the host link and
-                      the host's Adam at the same 32 B per parameter over the host link's rate
+                      the host's Adam at the same 32 B per parameter over the host link's rate;
+                      + (blocks + 1) x optimizer_overhead (per-tensor work)
 """
 
 from __future__ import annotations
@@ -196,7 +201,10 @@ def predict(
         extra = {"none": 0.0, "moe": fwd_routed, "full": fwd}.get(L.recompute, 0.0)
         if L.recompute.startswith("blocks:"):
             extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
-        per_mb = 3 * fwd + extra
+        recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
+        fixed = blocks * cluster.block_overhead + moe_blocks * cluster.moe_overhead
+        fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead
+        per_mb = 3 * fwd + extra + fixed
         compute = m * per_mb
         exchanges = 4 + (2 if L.recompute != "none" else 0)
         send = exchange(a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
@@ -205,6 +213,9 @@ def predict(
         hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
         a2a_exposed = a2a - hidden
         dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
+        # one collective call per parallelize unit (each block, each MoE layer and its
+        # experts, the root) and pass: fixed cost cluster.collective_latency each
+        calls = (blocks + 2 * moe_blocks + 1) * cluster.collective_latency
         if fsdp:
             gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
                 exp_bytes, L.dp, exp_bw, exp_lat, 1
@@ -212,22 +223,27 @@ def predict(
             total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
             units = 2 * m * max(blocks, 1) + 1
             dp_exposed = max(0.0, total - compute) + total / units
+            if L.dp * L.ep > 1:
+                dp_exposed += (2 * m + 1) * calls
         else:
             reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
                 exp_bytes, L.dp, exp_bw, exp_lat, 2
             )
             dp_exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
+            if L.dp * L.ep > 1:
+                dp_exposed += calls
         bubble = BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb
         p2p = 0.0
         if p > 1:
             bw, lat = _group_link(cluster, 2, 2 * L.dp * L.ep)
             one = lat + t * spec.d_model * ACT_BYTES / bw
             p2p = 2 * (p - 1) * one + 2 * m * v * lat
-        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw
+        opt_fixed = (blocks + 1) * cluster.optimizer_overhead
+        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw + opt_fixed
         offload = 0.0
         if L.offload:
             optimizer = 0.0
-            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw
+            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw + opt_fixed
         times = {
             "compute": compute,
             "all_to_all": a2a_exposed,

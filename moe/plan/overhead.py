@@ -1,0 +1,108 @@
+"""Fixed framework costs of a training step, measured by `python -m moe.plan profile` on
+generic tiny modules (not the model being planned): what a step costs beyond its FLOPs and
+bytes when the tensors are so small that eager dispatch, autograd bookkeeping, the router's
+sorting and the optimizer's per-tensor launches dominate (CPU runs, tiny models; on a GPU at
+the presets' sizes these are microseconds against milliseconds and the presets keep 0).
+
+At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls:
+  block_overhead      forward + backward of one pre-norm block: LayerNorm, q/k/v/out
+                      projections, causal SDPA, LayerNorm, a SwiGLU MLP, two residuals
+  moe_overhead        the same block with a moe.MoELayer (4 experts, top-2, torch kernel) as
+                      its FFN, minus block_overhead: the router, permutation and grouped GEMM
+  step_overhead       forward + backward of an embedding, a final norm, the head and the
+                      cross-entropy loss (once per micro-batch)
+  optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
+collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D, T, E = 8, 4, 4
+
+
+class _Block(nn.Module):
+    def __init__(self, ffn: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D, dtype=dtype), nn.LayerNorm(D, dtype=dtype)
+        self.qkv = nn.Linear(D, 3 * D, bias=False, dtype=dtype)
+        self.out = nn.Linear(D, D, bias=False, dtype=dtype)
+        self.ffn = ffn
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.qkv(self.ln1(x_BSD)).view(B, S, 3, 2, D // 2).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x_BSD = x_BSD + self.out(y.transpose(1, 2).reshape(B, S, D))
+        return x_BSD + self.ffn(self.ln2(x_BSD))
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D, bias=False, dtype=dtype)
+        self.down = nn.Linear(D, D, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.up(x).chunk(2, -1)
+        return self.down(F.silu(a) * b)
+
+
+def _median_time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor):
+    def run():
+        module(x.clone().requires_grad_()).float().sum().backward()
+        module.zero_grad(set_to_none=True)
+
+    return run
+
+
+def measure_overheads(dtype: torch.dtype = torch.float32, repeats: int = 30) -> dict[str, float]:
+    """The four fixed costs (seconds) of this machine and dtype (see the module docstring)."""
+    import moe
+    from moe.memory import GroupedApply
+
+    torch.manual_seed(0)
+    x = torch.randn(1, T, D, dtype=dtype)
+    dense = _Block(_SwiGLU(dtype), dtype)
+    layer = moe.MoELayer(D, D, E, top_k=2, activation="swiglu", backend="torch")
+    moe_block = _Block(layer.to(dtype), dtype)
+    t_dense = _median_time(_fwd_bwd(dense, x), repeats)
+    t_moe = _median_time(_fwd_bwd(moe_block, x), repeats)
+    embed = nn.Embedding(16, D, dtype=dtype)
+    norm, head = nn.LayerNorm(D, dtype=dtype), nn.Linear(D, 16, bias=False, dtype=dtype)
+    tokens = torch.randint(16, (1, T))
+
+    def ends():
+        logits = head(norm(embed(tokens)))
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+
+    t_ends = _median_time(ends, repeats)
+    for p in moe_block.parameters():
+        p.grad = torch.randn_like(p)
+    opt = GroupedApply(moe_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
+    t_opt = _median_time(opt.step, repeats)
+    return {
+        "block_overhead": t_dense,
+        "moe_overhead": max(t_moe - t_dense, 0.0),
+        "step_overhead": t_ends,
+        "optimizer_overhead": t_opt,
+    }
