@@ -4,7 +4,11 @@ A preset's figures are vendor datasheet numbers (dense, no sparsity), clearly pr
 achieved fraction of peak is `gemm_efficiency` (large GEMMs) with grouped expert GEMMs falling
 off for few rows per expert as rows / (rows + `gemm_half_rows`); links are per GPU and per
 direction. A profile (`python -m moe.plan profile`) replaces these with measured values on the
-machines it ran on (`Cluster.load`), the all-to-all as the fitted moe.comm CostModel.
+machines it ran on (`Cluster.load`), the all-to-all as the fitted moe.comm CostModel. A
+profile also records fixed framework costs (block, MoE block, micro-batch, optimizer, one
+collective call: moe/plan/overhead.py) that dominate tiny models on CPUs; the presets keep 0.
+The all-to-all's per-call cost a_coll is the larger of the intra-node latency and the
+measured collective latency.
 """
 
 from __future__ import annotations

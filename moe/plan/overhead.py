@@ -13,6 +13,8 @@ At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` ca
                       cross-entropy loss (once per micro-batch)
   optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
+The profile measures these four on CPU runs only (a CUDA profile keeps 0: its modules would
+have to run on the device, and at the sizes GPUs are planned for they are noise).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
           comms       all-to-all send + receive 2 t k c h (1 B / element for FP8 dispatch,
                       x2 hierarchical); stage p2p 2 t h per chunk; ddp one flat gradient copy,
                       fsdp one unit
+          peak        parameters + gradients + optimizer + the larger phase: activations +
+                      comms (forward / backward) or temporaries (the optimizer step)
   time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
                       t k c ep / E rows per expert (x the busiest rank's routing imbalance);
                       x3 (forward + backward), + a forward for full recompute, + the routed
@@ -60,6 +62,15 @@ MEMORY_TERMS = ("parameters", "gradients", "optimizer", "temporaries", "activati
 TIME_TERMS = ("compute", "all_to_all", "dp_comms", "bubble", "p2p", "optimizer", "offload")
 
 
+def peak_of(memory: dict[str, float]) -> float:
+    """The step's peak from its terms: the resident weights, gradients and optimizer state,
+    plus the larger of the two phases that never overlap: forward / backward (activations and
+    communication buffers) and the optimizer step (its temporaries), which runs after the
+    last backward has freed the activations."""
+    resident = memory["parameters"] + memory["gradients"] + memory["optimizer"]
+    return resident + max(memory["temporaries"], memory["activations"] + memory["comms"])
+
+
 @dataclass
 class Prediction:
     layout: Layout
@@ -72,7 +83,7 @@ class Prediction:
 
     @property
     def peak_memory(self) -> float:
-        return sum(self.memory[k] for k in MEMORY_TERMS)
+        return peak_of(self.memory)
 
     @property
     def step_time(self) -> float:
@@ -254,7 +265,7 @@ def predict(
             "offload": offload,
         }
         per_rank.append((memory, times))
-    memory = max((mem for mem, _ in per_rank), key=lambda mem: sum(mem.values()))
+    memory = max((mem for mem, _ in per_rank), key=peak_of)
     times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
     step = sum(times.values())
     whole = sum(x.dense_flops + x.routed_flops * cf for x in sums)
