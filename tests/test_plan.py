@@ -256,6 +256,9 @@ def test_profile_writes_a_cluster_the_planner_reads(tmp_path, capsys):
     cluster = Cluster.load(out)
     assert cluster.name == "profile" and "measured" in cluster.source
     assert cluster.device_memory_gib == 4 and cluster.tflops_bf16 > 0
+    # one process on CPU: the fixed costs measured, no collective to time
+    assert cluster.block_overhead > 0 and cluster.step_overhead > 0
+    assert cluster.optimizer_overhead > 0 and cluster.collective_latency == 0
     argv = ["--model", "mixtral-tiny", "--cluster", str(out), "--tokens", "4K", "--seq-len", "64"]
     assert main(argv) == 0
     assert "| 1 | pp" in capsys.readouterr().out
@@ -300,3 +303,8 @@ def test_fixed_overheads_add_their_documented_terms():
     assert cl.cost_model().a_coll == 7e-4
     with pytest.raises(ValueError, match="block_overhead"):
         replace(base, block_overhead=-1.0)
+    from moe.plan.overhead import measure_overheads
+
+    generic = measure_overheads(repeats=2, reference="generic")
+    assert set(generic) == {"block_overhead", "moe_overhead", "step_overhead",
+                            "optimizer_overhead"} and min(generic.values()) >= 0  # fmt: skip

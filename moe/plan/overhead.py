@@ -4,12 +4,16 @@ bytes when the tensors are so small that eager dispatch, autograd bookkeeping, t
 sorting and the optimizer's per-tensor launches dominate (CPU runs, tiny models; on a GPU at
 the presets' sizes these are microseconds against milliseconds and the presets keep 0).
 
-At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls:
-  block_overhead      forward + backward of one pre-norm block: LayerNorm, q/k/v/out
-                      projections, causal SDPA, LayerNorm, a SwiGLU MLP, two residuals
-  moe_overhead        the same block with a moe.MoELayer (4 experts, top-2, torch kernel) as
-                      its FFN, minus block_overhead: the router, permutation and grouped GEMM
-  step_overhead       forward + backward of an embedding, a final norm, the head and the
+At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls, on a
+reference decoder block: by default one layer of a tiny transformers Mixtral converted by
+moe.from_hf and cut by moe.pipeline.hf_stack (RMSNorm, rotary, grouped-query attention, the
+per-layer causal mask: a block as the Hugging Face families the planner reads build it);
+without transformers, or with reference="generic", a minimal pre-norm block (LayerNorm,
+q/k/v/out projections, causal SDPA, a SwiGLU MLP or a moe.MoELayer):
+  block_overhead      forward + backward of the block with a dense SwiGLU MLP
+  moe_overhead        the block with its MoE layer (4 experts, top-2), minus block_overhead:
+                      the router, permutation and grouped GEMM
+  step_overhead       forward + backward of the embedding, final norm, head and the
                       cross-entropy loss (once per micro-batch)
   optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
@@ -19,6 +23,8 @@ have to run on the device, and at the sizes GPUs are planned for they are noise)
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import statistics
 import time
 
@@ -77,24 +83,57 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor):
     return run
 
 
-def measure_overheads(dtype: torch.dtype = torch.float32, repeats: int = 30) -> dict[str, float]:
-    """The four fixed costs (seconds) of this machine and dtype (see the module docstring)."""
+def _hf_reference(dtype: torch.dtype):
+    """(dense block, MoE block, embedding + head) of a 1-layer tiny transformers Mixtral
+    converted by moe.from_hf and cut by moe.pipeline.hf_stack: a decoder block as the
+    families the planner reads build it (RMSNorm, rotary, GQA, the causal mask per layer)."""
+    import transformers
+
+    import moe
+    from moe.pipeline import hf_stack
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=16, hidden_size=D, intermediate_size=D, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T,
+        num_local_experts=E, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = moe.from_hf(transformers.MixtralForCausalLM(cfg)).to(dtype)
+    embed, layer, head = hf_stack(model)
+    moe_block = copy.deepcopy(layer)
+    (path, _), *_ = moe.moe_layers(layer)
+    parent, _, leaf = path.rpartition(".")
+    setattr(layer.get_submodule(parent), leaf, _SwiGLU(dtype))
+    return layer, moe_block, embed, head
+
+
+def measure_overheads(
+    dtype: torch.dtype = torch.float32, repeats: int = 30, reference: str = "hf"
+) -> dict[str, float]:
+    """The four fixed costs (seconds) of this machine and dtype (see the module docstring);
+    reference "hf" (a transformers Mixtral block, when transformers is installed) or
+    "generic" (the minimal block above)."""
     import moe
     from moe.memory import GroupedApply
 
     torch.manual_seed(0)
     x = torch.randn(1, T, D, dtype=dtype)
-    dense = _Block(_SwiGLU(dtype), dtype)
-    layer = moe.MoELayer(D, D, E, top_k=2, activation="swiglu", backend="torch")
-    moe_block = _Block(layer.to(dtype), dtype)
+    tokens = torch.randint(16, (1, T))
+    if reference == "hf" and importlib.util.find_spec("transformers") is not None:
+        dense, moe_block, embed, head = _hf_reference(dtype)
+    else:
+        dense = _Block(_SwiGLU(dtype), dtype)
+        layer = moe.MoELayer(D, D, E, top_k=2, activation="swiglu", backend="torch")
+        moe_block = _Block(layer.to(dtype), dtype)
+        embed = nn.Embedding(16, D, dtype=dtype)
+        head = nn.Sequential(
+            nn.LayerNorm(D, dtype=dtype), nn.Linear(D, 16, bias=False, dtype=dtype)
+        )
     t_dense = _median_time(_fwd_bwd(dense, x), repeats)
     t_moe = _median_time(_fwd_bwd(moe_block, x), repeats)
-    embed = nn.Embedding(16, D, dtype=dtype)
-    norm, head = nn.LayerNorm(D, dtype=dtype), nn.Linear(D, 16, bias=False, dtype=dtype)
-    tokens = torch.randint(16, (1, T))
 
     def ends():
-        logits = head(norm(embed(tokens)))
+        logits = head(embed(tokens))
         F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
 
     t_ends = _median_time(ends, repeats)
