@@ -259,6 +259,7 @@ def test_profile_writes_a_cluster_the_planner_reads(tmp_path, capsys):
     # one process on CPU: the fixed costs measured, no collective to time
     assert cluster.block_overhead > 0 and cluster.step_overhead > 0
     assert cluster.optimizer_overhead > 0 and cluster.collective_latency == 0
+    assert cluster.optimizer_temp_bytes == 4  # float32: the denominator, no gradient copy
     argv = ["--model", "mixtral-tiny", "--cluster", str(out), "--tokens", "4K", "--seq-len", "64"]
     assert main(argv) == 0
     assert "| 1 | pp" in capsys.readouterr().out
@@ -301,10 +302,21 @@ def test_fixed_overheads_add_their_documented_terms():
         (blocks * 1e-3 + moe_blocks * 2e-3) * (1 + 1 / 3) + 3e-3
     )
     assert cl.cost_model().a_coll == 7e-4
+    lay = Layout(1, 4, 1, "ddp", groups=2)
+    a, b = (
+        predict(spec, c, lay, seq, 4 * seq) for c in (base, replace(base, optimizer_temp_bytes=4))
+    )
+    assert b.memory["temporaries"] == a.memory["temporaries"] / 2 > 0
     with pytest.raises(ValueError, match="block_overhead"):
         replace(base, block_overhead=-1.0)
     from moe.plan.overhead import measure_overheads
 
     generic = measure_overheads(repeats=2, reference="generic")
-    assert set(generic) == {"block_overhead", "moe_overhead", "step_overhead",
-                            "optimizer_overhead"} and min(generic.values()) >= 0  # fmt: skip
+    assert set(generic) == {
+        "block_overhead",
+        "moe_overhead",
+        "step_overhead",
+        "optimizer_overhead",
+        "optimizer_temp_bytes",
+    }
+    assert min(generic.values()) >= 0

@@ -54,6 +54,7 @@ class Cluster:
     step_overhead: float = 0.0  # per micro-batch: embedding, head and loss
     optimizer_overhead: float = 0.0  # per block and step: the optimizer's per-tensor work
     collective_latency: float = 0.0  # per collective call (all-to-all, gather, reduce)
+    optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
     name: str = "custom"
     source: str = "datasheet preset"
 

@@ -16,6 +16,9 @@ q/k/v/out projections, causal SDPA, a SwiGLU MLP or a moe.MoELayer):
   step_overhead       forward + backward of the embedding, final norm, head and the
                       cross-entropy loss (once per micro-batch)
   optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
+and, a memory figure of the same software stack, optimizer_temp_bytes: the bytes per
+parameter a GroupedApply(AdamW, foreach) step allocates beyond its state (predict's
+temporaries; the presets keep the 8 B of an fp32 gradient copy and denominator).
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
 The profile measures these four on CPU runs only (a CUDA profile keeps 0: its modules would
 have to run on the device, and at the sizes GPUs are planned for they are noise).
@@ -27,10 +30,13 @@ import copy
 import importlib.util
 import statistics
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 D, T, E = 8, 4, 4
 
@@ -107,6 +113,47 @@ def _hf_reference(dtype: torch.dtype):
     return layer, moe_block, embed, head
 
 
+class _NewBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages ops create while active (freed ones subtracted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}  # fmt: skip
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in seen:
+                n = t.untyped_storage().nbytes()
+                seen.add(id(t.untyped_storage()))
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t.untyped_storage(), self._free, n)
+        return out
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+
+def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, numel: int = 1 << 16) -> float:
+    """Bytes per parameter a GroupedApply(AdamW) step allocates on top of its state (one
+    group; fp32 masters for bf16 parameters): the foreach step's gradient copies and
+    denominators, measured as the peak of the storages its ops create."""
+    from moe.memory import GroupedApply
+
+    params = [nn.Parameter(torch.randn(numel // 4, dtype=dtype)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = GroupedApply(params, torch.optim.AdamW, 1, None, lr=1e-6, foreach=True)
+    opt.step()  # the state
+    counter = _NewBytes()
+    with counter:
+        opt.step()
+    return counter.peak / numel
+
+
 def measure_overheads(
     dtype: torch.dtype = torch.float32, repeats: int = 30, reference: str = "hf"
 ) -> dict[str, float]:
@@ -146,4 +193,5 @@ def measure_overheads(
         "moe_overhead": max(t_moe - t_dense, 0.0),
         "step_overhead": t_ends,
         "optimizer_overhead": t_opt,
+        "optimizer_temp_bytes": optimizer_temp_bytes(dtype),
     }

@@ -6,7 +6,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
   memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units (fsdp: s_d =
                       dp ep, s_e = dp; ddp: s_d = s_e = 1); gradients the same + 1 unit;
           optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
-                      the 4 B masters, "all" nothing; temporaries 8 B x local / groups
+                      the 4 B masters, "all" nothing; temporaries cluster.optimizer_temp_bytes
+                      (8 B in the presets, measured by a profile) x local / groups
           activations per micro-batch t x (saved bytes per token of the rank's chunks, by
                       recompute) x micro-batches in flight (GPipe m; 1F1B min(m, p - r);
                       interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) / v chunk units;
@@ -182,7 +183,7 @@ def predict(
             "parameters": 2 * (local + 2 * unit),
             "gradients": 2 * (local + unit),
             "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
-            "temporaries": 0.0 if L.offload else 8 * local / L.groups,
+            "temporaries": 0.0 if L.offload else cluster.optimizer_temp_bytes * local / L.groups,
         }
         act_tok = mine.act
         if L.recompute == "moe":
