@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -170,9 +171,7 @@ def main(argv=None) -> int:
 
     start_load = os.getloadavg()[0]
     rows, clusters, sizes = measure(a)
-    cmd = "python -m bench.plan_measured " + " ".join(
-        arg for arg in (argv if argv is not None else sys.argv[1:])
-    )
+    cmd = "python -m bench.plan_measured " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()}-core CPU, gloo, {platform.node()}",
