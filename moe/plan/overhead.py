@@ -138,9 +138,10 @@ class _NewBytes(TorchDispatchMode):
 
 
 def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, numel: int = 1 << 16) -> float:
-    """Bytes per parameter a GroupedApply(AdamW) step allocates on top of its state (one
-    group; fp32 masters for bf16 parameters): the foreach step's gradient copies and
-    denominators, measured as the peak of the storages its ops create."""
+    """Bytes per parameter a GroupedApply(AdamW) step allocates on top of its state and the
+    gradients (one group; fp32 masters for bf16 parameters): the foreach step's fp32
+    gradient copies and denominators, less the low-precision gradients it frees as it goes;
+    the peak of the storages its ops create."""
     from moe.memory import GroupedApply
 
     params = [nn.Parameter(torch.randn(numel // 4, dtype=dtype)) for _ in range(4)]
@@ -149,9 +150,12 @@ def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, numel: int = 1 << 
     opt = GroupedApply(params, torch.optim.AdamW, 1, None, lr=1e-6, foreach=True)
     opt.step()  # the state
     counter = _NewBytes()
-    with counter:
+    with counter:  # gradients made under the counter: the step's freeing them is counted
+        for p in params:
+            p.grad = torch.randn_like(p)
+        counter.peak = start = counter.live
         opt.step()
-    return counter.peak / numel
+    return (counter.peak - start) / numel
 
 
 def measure_overheads(
