@@ -55,6 +55,7 @@ class Cluster:
     optimizer_overhead: float = 0.0  # per block and step: the optimizer's per-tensor work
     collective_latency: float = 0.0  # per collective call (all-to-all, gather, reduce)
     optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
+    optimizer_tensor_temp_bytes: float = 0.0  # per element of the largest tensor (per-tensor step)
     name: str = "custom"
     source: str = "datasheet preset"
 
@@ -69,7 +70,7 @@ class Cluster:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"Cluster.{f.name} must be a finite number, got {v!r}")
-            if v < 0 or (v == 0 and not f.name.endswith(("latency", "overhead"))):
+            if v < 0 or (v == 0 and not f.name.endswith(("latency", "overhead", "bytes"))):
                 raise ValueError(f"Cluster.{f.name} must be > 0, got {v!r}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(

@@ -17,8 +17,9 @@ q/k/v/out projections, causal SDPA, a SwiGLU MLP or a moe.MoELayer):
                       cross-entropy loss (once per micro-batch)
   optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
 and, a memory figure of the same software stack, optimizer_temp_bytes: the bytes per
-parameter a GroupedApply(AdamW, foreach) step allocates beyond its state (predict's
-temporaries; the presets keep the 8 B of an fp32 gradient copy and denominator).
+parameter (and per element of the largest tensor) a GroupedApply(AdamW) step allocates
+beyond its state (predict's temporaries; the presets keep the 8 B of a foreach step's fp32
+gradient copy and denominator, and 0).
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
 The profile measures these four on CPU runs only (a CUDA profile keeps 0: its modules would
 have to run on the device, and at the sizes GPUs are planned for they are noise).
@@ -137,25 +138,34 @@ class _NewBytes(TorchDispatchMode):
         self.live -= n
 
 
-def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, numel: int = 1 << 16) -> float:
-    """Bytes per parameter a GroupedApply(AdamW) step allocates on top of its state and the
-    gradients (one group; fp32 masters for bf16 parameters): the foreach step's fp32
-    gradient copies and denominators, less the low-precision gradients it frees as it goes;
-    the peak of the storages its ops create."""
+def _step_peak(sizes: list[int], dtype: torch.dtype) -> float:
+    """Peak bytes a GroupedApply(AdamW) step (torch's default foreach choice) allocates on top
+    of its state and gradients over parameters of `sizes` elements."""
     from moe.memory import GroupedApply
 
-    params = [nn.Parameter(torch.randn(numel // 4, dtype=dtype)) for _ in range(4)]
+    params = [nn.Parameter(torch.randn(n, dtype=dtype)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = GroupedApply(params, torch.optim.AdamW, 1, None, lr=1e-6, foreach=True)
+    opt = GroupedApply(params, torch.optim.AdamW, 1, None, lr=1e-6)
     opt.step()  # the state
     counter = _NewBytes()
-    with counter:  # gradients made under the counter: the step's freeing them is counted
+    with counter:  # gradients made under the counter: a step that frees them is counted
         for p in params:
             p.grad = torch.randn_like(p)
         counter.peak = start = counter.live
         opt.step()
-    return (counter.peak - start) / numel
+    return counter.peak - start
+
+
+def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, n: int = 1 << 14) -> tuple:
+    """(bytes per parameter, bytes per element of the largest tensor) a GroupedApply(AdamW)
+    step allocates beyond its state and gradients, as a + b: from 4 tensors of n elements
+    (4n a + n b) and one of 4n (4n a + 4n b). A foreach step holds its temporaries for every
+    tensor at once (b = 0), a per-tensor step (torch's CPU default) the fp32 gradient copies
+    for all and one tensor's temporaries at a time."""
+    equal, one = _step_peak([n] * 4, dtype), _step_peak([4 * n], dtype)
+    b = max((one - equal) / (3 * n), 0.0)
+    return max((equal - n * b) / (4 * n), 0.0), b
 
 
 def measure_overheads(
@@ -192,10 +202,11 @@ def measure_overheads(
         p.grad = torch.randn_like(p)
     opt = GroupedApply(moe_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
     t_opt = _median_time(opt.step, repeats)
-    return {
+    out = {
         "block_overhead": t_dense,
         "moe_overhead": max(t_moe - t_dense, 0.0),
         "step_overhead": t_ends,
         "optimizer_overhead": t_opt,
-        "optimizer_temp_bytes": optimizer_temp_bytes(dtype),
     }
+    out["optimizer_temp_bytes"], out["optimizer_tensor_temp_bytes"] = optimizer_temp_bytes(dtype)
+    return out

@@ -7,7 +7,9 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       dp ep, s_e = dp; ddp: s_d = s_e = 1); gradients the same + 1 unit;
           optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
                       the 4 B masters, "all" nothing; temporaries cluster.optimizer_temp_bytes
-                      (8 B in the presets, measured by a profile) x local / groups
+                      (8 B in the presets, measured by a profile) x local / groups +
+                      optimizer_tensor_temp_bytes (0 in the presets) x the rank's largest
+                      tensor (an optimizer stepping tensor by tensor, torch's CPU default)
           activations per micro-batch t x (saved bytes per token of the rank's chunks, by
                       recompute) x micro-batches in flight (GPipe m; 1F1B min(m, p - r);
                       interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) / v chunk units;
@@ -136,6 +138,22 @@ def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float)
     return factor * nbytes * (ranks - 1) / ranks / bw + (ranks - 1) * lat
 
 
+def _largest_tensor(spec: ModelSpec, chunk, L: Layout) -> float:
+    """Elements of the rank's largest parameter tensor: the embedding or head (V d), the MoE
+    layer's routed experts' gate and up projections stacked ((2 if gated) E / ep d f), or a
+    dense FFN's (2 if gated) d f; fsdp shards it over its unit's ranks."""
+    g = 2 if spec.gated else 1
+    vd = spec.vocab_size * spec.d_model
+    ends = vd if chunk.dense_params >= vd else 0  # the rank holds the embedding or head
+    experts = (
+        g * spec.num_experts / L.ep * spec.d_model * spec.d_ff_expert if chunk.moe_blocks else 0
+    )
+    dense = g * spec.d_model * spec.d_ff_dense if chunk.blocks > chunk.moe_blocks else 0
+    if L.data_parallel == "fsdp":
+        ends, dense, experts = ends / (L.dp * L.ep), dense / (L.dp * L.ep), experts / L.dp
+    return max(ends, experts, dense, 0.0)
+
+
 def predict(
     spec: ModelSpec,
     cluster: Cluster,
@@ -183,7 +201,10 @@ def predict(
             "parameters": 2 * (local + 2 * unit),
             "gradients": 2 * (local + unit),
             "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
-            "temporaries": 0.0 if L.offload else cluster.optimizer_temp_bytes * local / L.groups,
+            "temporaries": 0.0
+            if L.offload
+            else cluster.optimizer_temp_bytes * local / L.groups
+            + cluster.optimizer_tensor_temp_bytes * _largest_tensor(spec, mine, L),
         }
         act_tok = mine.act
         if L.recompute == "moe":
