@@ -256,6 +256,11 @@ def test_profile_writes_a_cluster_the_planner_reads(tmp_path, capsys):
     cluster = Cluster.load(out)
     assert cluster.name == "profile" and "measured" in cluster.source
     assert cluster.device_memory_gib == 4 and cluster.tflops_bf16 > 0
+    # one process on CPU: the fixed costs measured, no collective to time
+    assert cluster.block_overhead > 0 and cluster.step_overhead > 0
+    assert cluster.optimizer_overhead > 0 and cluster.collective_latency == 0
+    # float32, torch's per-tensor CPU step: temporaries of one tensor at a time
+    assert cluster.optimizer_temp_bytes >= 0 and cluster.optimizer_tensor_temp_bytes > 0
     argv = ["--model", "mixtral-tiny", "--cluster", str(out), "--tokens", "4K", "--seq-len", "64"]
     assert main(argv) == 0
     assert "| 1 | pp" in capsys.readouterr().out
@@ -267,3 +272,56 @@ def test_published_report_runs():
     text = run_case(next(c for c in CASES if c.model == "mixtral-8x7b"))
     assert "**Published layout**" in text and ": fits," in text and "Verdict:" in text
     assert "NEITHER" not in text
+
+
+def test_fixed_overheads_add_their_documented_terms():
+    """The profile's fixed costs (moe/plan/overhead.py) add exactly predict's documented
+    terms: per micro-batch blocks x block_overhead + MoE blocks x moe_overhead (x (1 + the
+    recomputed forward share / 3)) + step_overhead; ddp one collective call per parallelize
+    unit (blocks + 2 MoE blocks + 1), fsdp 2m + 1 of them; (blocks + 1) x optimizer_overhead.
+    The presets keep them 0; a cluster file without them still loads."""
+    spec, seq = _spec(), 32
+    assert (_cluster().block_overhead, _cluster().collective_latency) == (0.0, 0.0)
+    base = _cluster(intra_bw=1e14, intra_latency=0.0)  # gathers hidden behind compute
+    costs = dict(block_overhead=1e-3, moe_overhead=2e-3, step_overhead=3e-3,
+                 optimizer_overhead=5e-4, collective_latency=7e-4)  # fmt: skip
+    cl = replace(base, **costs)
+    blocks, moe_blocks = spec.n_layers, spec.moe_layers
+    units = blocks + 2 * moe_blocks + 1
+    for dp_mode, passes in (("ddp", 1), ("fsdp", 2 * 3 + 1)):
+        lay = Layout(1, 4, 1, dp_mode, microbatches=3, micro_batch_seqs=2)
+        a = predict(spec, base, lay, seq, 4 * 3 * 2 * seq)
+        b = predict(spec, cl, lay, seq, 4 * 3 * 2 * seq)
+        fixed = blocks * 1e-3 + moe_blocks * 2e-3 + 3e-3
+        assert b.time["compute"] - a.time["compute"] == pytest.approx(3 * fixed)
+        assert b.time["dp_comms"] - a.time["dp_comms"] == pytest.approx(passes * units * 7e-4)
+        assert b.time["optimizer"] - a.time["optimizer"] == pytest.approx((blocks + 1) * 5e-4)
+        assert b.peak_memory == a.peak_memory
+    full = Layout(1, 4, 1, "ddp", recompute="full")
+    a, b = (predict(spec, c, full, seq, 4 * seq) for c in (base, cl))
+    assert b.time["compute"] - a.time["compute"] == pytest.approx(
+        (blocks * 1e-3 + moe_blocks * 2e-3) * (1 + 1 / 3) + 3e-3
+    )
+    assert cl.cost_model().a_coll == 7e-4
+    lay = Layout(1, 4, 1, "ddp", groups=2)
+    a, b = (
+        predict(spec, c, lay, seq, 4 * seq) for c in (base, replace(base, optimizer_temp_bytes=4))
+    )
+    assert b.memory["temporaries"] == a.memory["temporaries"] / 2 > 0
+    # a per-tensor step: + bytes per element of the largest tensor (8 experts x 64 x 96)
+    c = predict(spec, replace(base, optimizer_tensor_temp_bytes=12), lay, seq, 4 * seq)
+    assert c.memory["temporaries"] - a.memory["temporaries"] == 12 * 8 * 64 * 96
+    with pytest.raises(ValueError, match="block_overhead"):
+        replace(base, block_overhead=-1.0)
+    from moe.plan.overhead import measure_overheads
+
+    generic = measure_overheads(repeats=2, reference="generic")
+    assert set(generic) == {
+        "block_overhead",
+        "moe_overhead",
+        "step_overhead",
+        "optimizer_overhead",
+        "optimizer_temp_bytes",
+        "optimizer_tensor_temp_bytes",
+    }
+    assert min(generic.values()) >= 0

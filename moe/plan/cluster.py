@@ -4,7 +4,11 @@ A preset's figures are vendor datasheet numbers (dense, no sparsity), clearly pr
 achieved fraction of peak is `gemm_efficiency` (large GEMMs) with grouped expert GEMMs falling
 off for few rows per expert as rows / (rows + `gemm_half_rows`); links are per GPU and per
 direction. A profile (`python -m moe.plan profile`) replaces these with measured values on the
-machines it ran on (`Cluster.load`), the all-to-all as the fitted moe.comm CostModel.
+machines it ran on (`Cluster.load`), the all-to-all as the fitted moe.comm CostModel. A
+profile also records fixed framework costs (block, MoE block, micro-batch, optimizer, one
+collective call: moe/plan/overhead.py) that dominate tiny models on CPUs; the presets keep 0.
+The all-to-all's per-call cost a_coll is the larger of the intra-node latency and the
+measured collective latency.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ class Cluster:
     inter_latency: float
     gemm_efficiency: float = 0.6
     gemm_half_rows: float = 128.0
+    # fixed framework costs, measured by the profile (0 in the presets: a GPU step at the
+    # presets' sizes is bound by its GEMMs and links); seconds, see moe/plan/overhead.py
+    block_overhead: float = 0.0  # per block and micro-batch, forward + backward
+    moe_overhead: float = 0.0  # extra per MoE block and micro-batch (router, permutation)
+    step_overhead: float = 0.0  # per micro-batch: embedding, head and loss
+    optimizer_overhead: float = 0.0  # per block and step: the optimizer's per-tensor work
+    collective_latency: float = 0.0  # per collective call (all-to-all, gather, reduce)
+    optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
+    optimizer_tensor_temp_bytes: float = 0.0  # per element of the largest tensor (per-tensor step)
     name: str = "custom"
     source: str = "datasheet preset"
 
@@ -57,7 +70,7 @@ class Cluster:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"Cluster.{f.name} must be a finite number, got {v!r}")
-            if v < 0 or (v == 0 and not f.name.endswith("latency")):
+            if v < 0 or (v == 0 and not f.name.endswith(("latency", "overhead", "bytes"))):
                 raise ValueError(f"Cluster.{f.name} must be > 0, got {v!r}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(
@@ -83,7 +96,7 @@ class Cluster:
     def cost_model(self) -> CostModel:
         """The all-to-all's alpha-beta model from the links (moe.comm.cost_model's form)."""
         values = dict(
-            a_coll=self.intra_latency,
+            a_coll=max(self.intra_latency, self.collective_latency),
             a_intra=self.intra_latency,
             bw_intra=self.intra_bw,
             a_inter=self.inter_latency,

@@ -6,7 +6,10 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
   memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units (fsdp: s_d =
                       dp ep, s_e = dp; ddp: s_d = s_e = 1); gradients the same + 1 unit;
           optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
-                      the 4 B masters, "all" nothing; temporaries 8 B x local / groups
+                      the 4 B masters, "all" nothing; temporaries cluster.optimizer_temp_bytes
+                      (8 B in the presets, measured by a profile) x local / groups +
+                      optimizer_tensor_temp_bytes (0 in the presets) x the rank's largest
+                      tensor (an optimizer stepping tensor by tensor, torch's CPU default)
           activations per micro-batch t x (saved bytes per token of the rank's chunks, by
                       recompute) x micro-batches in flight (GPipe m; 1F1B min(m, p - r);
                       interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) / v chunk units;
@@ -15,24 +18,31 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
           comms       all-to-all send + receive 2 t k c h (1 B / element for FP8 dispatch,
                       x2 hierarchical); stage p2p 2 t h per chunk; ddp one flat gradient copy,
                       fsdp one unit
+          peak        parameters + gradients + optimizer + the larger phase: activations +
+                      comms (forward / backward) or temporaries (the optimizer step)
   time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
                       t k c ep / E rows per expert (x the busiest rank's routing imbalance);
                       x3 (forward + backward), + a forward for full recompute, + the routed
-                      experts' forward for MoE recompute
+                      experts' forward for MoE recompute; + per micro-batch the profile's
+                      fixed costs: blocks x block_overhead + MoE blocks x moe_overhead (x (1 +
+                      recomputed forward share / 3)) + step_overhead (moe/plan/overhead.py)
           all-to-all  moe.comm CostModel (flat or hierarchical) of 4 exchanges per MoE block
                       and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
                       behind the routed experts' compute
           dp comms    fsdp: all-gather forward and backward per micro-batch, one
                       reduce-scatter a step, overlapped with compute beyond one unit; ddp one
                       all-reduce a step, overlapped with the last micro-batch's backward
-                      except a tenth (the last bucket)
+                      except a tenth (the last bucket); + collective_latency per call: one
+                      per parallelize unit (blocks + 2 MoE blocks + 1) and pass (fsdp 2m + 1,
+                      ddp 1)
           bubble      (p - 1) / v micro-batch times of the rank x the schedule's factor (1; 1/3
                       for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
                       (Qi et al. 2024; DeepSeek-V3 report) when m >= 2p)
           p2p         2 (p - 1) sends of t h bf16 on the critical path + a latency each per
                       micro-batch and chunk
           optimizer   32 B per local parameter over HBM; offload: 4 B over the host link and
-                      the host's Adam at the same 32 B per parameter over the host link's rate
+                      the host's Adam at the same 32 B per parameter over the host link's rate;
+                      + (blocks + 1) x optimizer_overhead (per-tensor work)
 """
 
 from __future__ import annotations
@@ -55,6 +65,15 @@ MEMORY_TERMS = ("parameters", "gradients", "optimizer", "temporaries", "activati
 TIME_TERMS = ("compute", "all_to_all", "dp_comms", "bubble", "p2p", "optimizer", "offload")
 
 
+def peak_of(memory: dict[str, float]) -> float:
+    """The step's peak from its terms: the resident weights, gradients and optimizer state,
+    plus the larger of the two phases that never overlap: forward / backward (activations and
+    communication buffers) and the optimizer step (its temporaries), which runs after the
+    last backward has freed the activations."""
+    resident = memory["parameters"] + memory["gradients"] + memory["optimizer"]
+    return resident + max(memory["temporaries"], memory["activations"] + memory["comms"])
+
+
 @dataclass
 class Prediction:
     layout: Layout
@@ -67,7 +86,7 @@ class Prediction:
 
     @property
     def peak_memory(self) -> float:
-        return sum(self.memory[k] for k in MEMORY_TERMS)
+        return peak_of(self.memory)
 
     @property
     def step_time(self) -> float:
@@ -119,6 +138,22 @@ def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float)
     return factor * nbytes * (ranks - 1) / ranks / bw + (ranks - 1) * lat
 
 
+def _largest_tensor(spec: ModelSpec, chunk, L: Layout) -> float:
+    """Elements of the rank's largest parameter tensor: the embedding or head (V d), the MoE
+    layer's routed experts' gate and up projections stacked ((2 if gated) E / ep d f), or a
+    dense FFN's (2 if gated) d f; fsdp shards it over its unit's ranks."""
+    g = 2 if spec.gated else 1
+    vd = spec.vocab_size * spec.d_model
+    ends = vd if chunk.dense_params >= vd else 0  # the rank holds the embedding or head
+    experts = (
+        g * spec.num_experts / L.ep * spec.d_model * spec.d_ff_expert if chunk.moe_blocks else 0
+    )
+    dense = g * spec.d_model * spec.d_ff_dense if chunk.blocks > chunk.moe_blocks else 0
+    if L.data_parallel == "fsdp":
+        ends, dense, experts = ends / (L.dp * L.ep), dense / (L.dp * L.ep), experts / L.dp
+    return max(ends, experts, dense, 0.0)
+
+
 def predict(
     spec: ModelSpec,
     cluster: Cluster,
@@ -166,7 +201,10 @@ def predict(
             "parameters": 2 * (local + 2 * unit),
             "gradients": 2 * (local + unit),
             "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
-            "temporaries": 0.0 if L.offload else 8 * local / L.groups,
+            "temporaries": 0.0
+            if L.offload
+            else cluster.optimizer_temp_bytes * local / L.groups
+            + cluster.optimizer_tensor_temp_bytes * _largest_tensor(spec, mine, L),
         }
         act_tok = mine.act
         if L.recompute == "moe":
@@ -196,7 +234,10 @@ def predict(
         extra = {"none": 0.0, "moe": fwd_routed, "full": fwd}.get(L.recompute, 0.0)
         if L.recompute.startswith("blocks:"):
             extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
-        per_mb = 3 * fwd + extra
+        recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
+        fixed = blocks * cluster.block_overhead + moe_blocks * cluster.moe_overhead
+        fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead
+        per_mb = 3 * fwd + extra + fixed
         compute = m * per_mb
         exchanges = 4 + (2 if L.recompute != "none" else 0)
         send = exchange(a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
@@ -205,6 +246,9 @@ def predict(
         hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
         a2a_exposed = a2a - hidden
         dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
+        # one collective call per parallelize unit (each block, each MoE layer and its
+        # experts, the root) and pass: fixed cost cluster.collective_latency each
+        calls = (blocks + 2 * moe_blocks + 1) * cluster.collective_latency
         if fsdp:
             gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
                 exp_bytes, L.dp, exp_bw, exp_lat, 1
@@ -212,22 +256,27 @@ def predict(
             total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
             units = 2 * m * max(blocks, 1) + 1
             dp_exposed = max(0.0, total - compute) + total / units
+            if L.dp * L.ep > 1:
+                dp_exposed += (2 * m + 1) * calls
         else:
             reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
                 exp_bytes, L.dp, exp_bw, exp_lat, 2
             )
             dp_exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
+            if L.dp * L.ep > 1:
+                dp_exposed += calls
         bubble = BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb
         p2p = 0.0
         if p > 1:
             bw, lat = _group_link(cluster, 2, 2 * L.dp * L.ep)
             one = lat + t * spec.d_model * ACT_BYTES / bw
             p2p = 2 * (p - 1) * one + 2 * m * v * lat
-        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw
+        opt_fixed = (blocks + 1) * cluster.optimizer_overhead
+        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw + opt_fixed
         offload = 0.0
         if L.offload:
             optimizer = 0.0
-            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw
+            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw + opt_fixed
         times = {
             "compute": compute,
             "all_to_all": a2a_exposed,
@@ -238,7 +287,7 @@ def predict(
             "offload": offload,
         }
         per_rank.append((memory, times))
-    memory = max((mem for mem, _ in per_rank), key=lambda mem: sum(mem.values()))
+    memory = max((mem for mem, _ in per_rank), key=peak_of)
     times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
     step = sum(times.values())
     whole = sum(x.dense_flops + x.routed_flops * cf for x in sums)

@@ -7,7 +7,10 @@ rate(rows) = R rows / (rows + h) (1 / rate is linear in 1 / rows); device memory
 point-to-point time per size between two ranks of one node and of two nodes (torchrun's
 LOCAL_WORLD_SIZE ranks per node), fitted to latency + bytes / bandwidth. What one process
 cannot measure (links without a second rank or node, FP8 throughput) keeps the preset's
-figure, and the file's `source` says which.
+figure, and the file's `source` says which. Also the fixed framework costs of
+moe/plan/overhead.py (per block, per MoE block, per micro-batch, per optimizer step, on tiny
+generic modules) and, with more than one rank, the latency of one collective call (a 4-byte
+all_reduce over the world); --dtype picks the precision the GEMMs and overheads run in.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe.plan.cluster import PRESETS, Cluster
+from moe.plan.overhead import measure_overheads
 
 
 def _timed(fn, repeats: int) -> float:
@@ -95,6 +99,21 @@ def measure_p2p(peer_a: int, peer_b: int, device, sizes=(1 << 12, 1 << 16, 1 << 
     return fit_link(list(sizes), out) if out else None
 
 
+def measure_collective_latency(repeats: int = 20) -> float:
+    """Median seconds of a 4-byte all_reduce over the world (every rank calls)."""
+    buf = torch.zeros(1)
+    out = []
+    for i in range(repeats + 3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= 3:
+            out.append(float(t))
+    return float(np.median(out))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moe.plan profile", description=__doc__.split("\n")[0]
@@ -107,11 +126,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--d-model", type=int, default=1024, help="the expert GEMM's input width")
     p.add_argument("--d-ff", type=int, default=1024, help="the expert GEMM's output width")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"),
+                   help="the training precision (default: bfloat16 on CUDA, else float32)")  # fmt: skip
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = (
+        getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    )
     R, h = measure_gemm(args.d_model, args.d_ff, device, dtype)
+    overheads = measure_overheads(dtype) if not cuda else {}
     mem_bw, host_bw = measure_copy(1 << 26, device)
     base = PRESETS[args.preset]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -122,6 +146,7 @@ def main(argv=None) -> int:
         intra = measure_p2p(0, 1, device)
     if world > local:
         inter = measure_p2p(0, local, device)
+    coll = measure_collective_latency() if world > 1 else 0.0
     if intra is None:
         kept.append("intra-node link")
     if inter is None:
@@ -148,6 +173,8 @@ def main(argv=None) -> int:
         inter_latency=inter[1],
         gemm_efficiency=1.0,
         gemm_half_rows=h,
+        **overheads,
+        collective_latency=coll,
         name="profile",
         source=f"measured by python -m moe.plan profile on {platform.node()} "
         f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "

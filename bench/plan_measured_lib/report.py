@@ -1,0 +1,166 @@
+"""Predicted against measured: moe.plan.predict of every measured layout with the cluster file
+the profile run wrote for its link rate, the errors, the issue-48 statistics, the table, the
+scatter plot and the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.plan_measured_lib.models import Sizes, spec_of
+from moe.plan.cluster import Cluster
+from moe.plan.layout import Layout
+from moe.plan.predict import predict
+
+TARGETS = {"median": 0.15, "p90": 0.30, "spearman": 0.8, "best_gap": 0.10, "memory": 0.10}
+
+
+def add_predictions(rows: list[dict], cluster: Cluster, sizes: Sizes) -> list[dict]:
+    """Each measured row with its Prediction's step time, terms, peak memory and errors."""
+    out = []
+    for row in rows:
+        layout = Layout(**row["layout"])
+        spec, seq_len = spec_of(row["model"], sizes)
+        tokens = layout.microbatches * layout.micro_batch_seqs * seq_len * layout.dp * layout.ep
+        p = predict(spec, cluster, layout, seq_len, tokens)
+        out.append({
+            **row,
+            "short": layout.short(),
+            "predicted_time": p.step_time,
+            "predicted_terms": p.time,
+            "predicted_memory": p.peak_memory,
+            "predicted_memory_terms": p.memory,
+            "time_error": abs(p.step_time - row["step_time"]) / row["step_time"],
+            "memory_error": abs(p.peak_memory - row["peak_memory"]) / row["peak_memory"],
+        })  # fmt: skip
+    return out
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x))
+    for v in np.unique(x):  # ties share their mean rank
+        r[x == v] = r[x == v].mean()
+    return r
+
+
+def spearman(a, b) -> float:
+    ra, rb = _ranks(np.asarray(a, float)), _ranks(np.asarray(b, float))
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(rows: list[dict]) -> dict:
+    """The issue's statistics over every row; the best-layout gap per (model, rate)."""
+    err = np.array([r["time_error"] for r in rows])
+    gaps = {}
+    for key in sorted({(r["model"], r["rate_mbit"]) for r in rows}, key=str):
+        group = [r for r in rows if (r["model"], r["rate_mbit"]) == key]
+        chosen = min(group, key=lambda r: r["predicted_time"])
+        best = min(r["step_time"] for r in group)
+        gaps[f"{key[0]} @ {key[1]}"] = chosen["step_time"] / best - 1
+    s = {
+        "layouts": len(rows),
+        "median": float(np.median(err)),
+        "p90": float(np.percentile(err, 90)),
+        "spearman": spearman([r["predicted_time"] for r in rows], [r["step_time"] for r in rows]),
+        "best_gap": max(gaps.values()),
+        "best_gap_by_group": gaps,
+        "memory": max(r["memory_error"] for r in rows),
+        "memory_median": float(np.median([r["memory_error"] for r in rows])),
+    }
+    s["met"] = {
+        "median": s["median"] <= TARGETS["median"],
+        "p90": s["p90"] <= TARGETS["p90"],
+        "spearman": s["spearman"] >= TARGETS["spearman"],
+        "best_gap": s["best_gap"] <= TARGETS["best_gap"],
+        "memory": s["memory"] <= TARGETS["memory"],
+    }
+    return s
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | link | layout | measured ms | predicted ms | error | measured MiB | "
+        "predicted MiB | error | largest predicted terms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        terms = sorted(r["predicted_terms"].items(), key=lambda kv: -kv[1])[:3]
+        top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in terms if v > 0)
+        lines.append(
+            f"| {r['model']} | {r['rate_mbit']} Mbit/s | {r['short']} | "
+            f"{r['step_time'] * 1e3:.1f} | {r['predicted_time'] * 1e3:.1f} | "
+            f"{r['time_error']:.0%} | {r['peak_memory'] / 2**20:.2f} | "
+            f"{r['predicted_memory'] / 2**20:.2f} | {r['memory_error']:.0%} | {top} |"
+        )
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, (meas, pred, unit, scale) in zip(
+        axes,
+        (("step_time", "predicted_time", "step time (ms)", 1e3),
+         ("peak_memory", "predicted_memory", "peak memory per rank (MiB)", 1 / 2**20)),
+    ):  # fmt: skip
+        for model, marker in (("m6", "o"), ("mixtral", "s")):
+            for rate in sorted({r["rate_mbit"] for r in rows}):
+                pts = [r for r in rows if r["model"] == model and r["rate_mbit"] == rate]
+                if pts:
+                    ax.scatter([r[meas] * scale for r in pts], [r[pred] * scale for r in pts],
+                               marker=marker, label=f"{model}, {rate} Mbit/s")  # fmt: skip
+        values = [r[k] * scale for r in rows for k in (meas, pred)]
+        lo, hi = min(values) / 1.3, max(values) * 1.3
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], alpha=0.15)
+        ax.set(xscale="log", yscale="log", xlabel=f"measured {unit}", ylabel=f"predicted {unit}")
+        ax.legend(fontsize=7)
+    fig.suptitle("moe.plan predicted vs measured (band: +-15 %)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict], meta: dict, stem: Path) -> dict:
+    """stem.json, stem.png and stem.md; returns the summary."""
+    s = summary(rows)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "summary": s, "rows": rows}, indent=1)
+    )
+    plot(rows, Path(f"{stem}.png"))
+    ok = {True: "met", False: "NOT met"}
+    lines = [
+        f"# moe.plan: predicted vs measured ({meta['date']}, {meta['machine']})", "",
+        *([f"**{meta['warning']}**", ""] if meta.get("warning") else []),
+        f"Command: `{meta['command']}`", "",
+        meta["setup"], "",
+        "| statistic | value | target | |", "|---|---:|---:|---|",
+        f"| median time error | {s['median']:.1%} | <= 15 % | {ok[s['met']['median']]} |",
+        f"| 90th percentile time error | {s['p90']:.1%} | <= 30 % | {ok[s['met']['p90']]} |",
+        f"| Spearman (predicted, measured) | {s['spearman']:.2f} | >= 0.8 | "
+        f"{ok[s['met']['spearman']]} |",
+        f"| predicted-best vs measured-best (worst group) | {s['best_gap']:.1%} | <= 10 % | "
+        f"{ok[s['met']['best_gap']]} |",
+        f"| peak memory error (worst layout) | {s['memory']:.1%} | <= 10 % | "
+        f"{ok[s['met']['memory']]} |",
+        f"| peak memory error (median) | {s['memory_median']:.1%} | | |", "",
+        "Best-layout gap per group: " + ", ".join(
+            f"{k} {v:.1%}" for k, v in s["best_gap_by_group"].items()) + ".", "",
+        f"![predicted vs measured]({stem.name}.png)", "",
+        *table(rows), "",
+        "Profiled clusters (held out: micro-benchmarks, no layout run):", "",
+        *[f"- {rate} Mbit/s: `{json.dumps(c)}`" for rate, c in meta["clusters"].items()], "",
+    ]  # fmt: skip
+    Path(f"{stem}.md").write_text("\n".join(lines))
+    return s

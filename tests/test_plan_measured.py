@@ -1,0 +1,115 @@
+"""bench/plan_measured.py (issue 48's predicted-vs-measured table): its layouts span what the
+issue asks; two layouts (M6 at pp 1 with ep 2 and fsdp, the Mixtral-like model at pp 2 on
+moe.pipeline) run on 4 gloo ranks over loopback for one step each, are predicted from a
+cluster and written as the report; the statistics against hand-computed cases. Structure and
+error arithmetic only: no timing is asserted."""
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+
+from bench.plan_measured import LAYOUTS
+from bench.plan_measured_lib.models import Sizes, build, spec_of
+from bench.plan_measured_lib.report import add_predictions, spearman, summary, write
+from moe.plan import preset
+from moe.plan.layout import Layout
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+SIZES = Sizes(layers=2, d_model=16, d_ff=32, heads=2, experts=4, vocab=32, seq_len=24)
+CASES = [
+    ("m6", Layout(1, 2, 2, "fsdp", micro_batch_seqs=2, recompute="moe")),
+    ("mixtral", Layout(2, 1, 2, "ddp", schedule="1F1B", microbatches=2, fp8_dispatch=True)),
+]
+
+
+def _body(rank, world):
+    from bench.plan_measured_lib.worker import measure_layouts
+
+    return measure_layouts(CASES, SIZES, steps=1, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_body, 4, timeout=240)
+
+
+def test_layouts_span_the_issue():
+    assert len(LAYOUTS) >= 16
+    assert {name for name, _ in LAYOUTS} == {"m6", "mixtral"}
+    lays = [lay for _, lay in LAYOUTS]
+    assert all(lay.world == 4 for lay in lays)  # 2 nodes x 2 ranks
+    for attr in ("pp", "dp", "ep"):
+        assert any(getattr(lay, attr) > 1 for lay in lays), attr
+    assert {lay.data_parallel for lay in lays} == {"ddp", "fsdp"}
+    assert {"moe", "full"} <= {lay.recompute for lay in lays}
+    assert {"optimizer", "all"} <= {lay.offload for lay in lays}
+    assert any(lay.overlap > 1 for lay in lays) and any(lay.fp8_dispatch for lay in lays)
+
+
+def test_specs_count_the_built_models():
+    """The planner's ModelSpec of each model has the built model's parameter count (up to the
+    M6 image embedding, which the spec does not know)."""
+    for name in ("m6", "mixtral"):
+        spec, seq = spec_of(name, SIZES)
+        built = sum(p.numel() for p in build(name, SIZES).parameters())
+        assert seq == 24
+        assert abs(spec.total_params() - built) / built < 0.1, name
+
+
+def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
+    ranks = measured
+    assert all(r == ranks[0] for r in ranks)  # every rank reports the slowest / fullest rank
+    rows = [{**r, "rate_mbit": 100} for r in ranks[0]]
+    assert [(r["model"], Layout(**r["layout"])) for r in rows] == CASES
+    for r in rows:
+        assert r["step_time"] > 0 and len(r["step_times"]) == 1
+        assert r["peak_memory"] > r["resident_memory"] > 0  # a step allocates on top
+    cluster = preset("h100", nodes=2, gpus_per_node=2, block_overhead=1e-3, moe_overhead=1e-3)
+    out = add_predictions(rows, cluster, SIZES)
+    for r in out:
+        assert r["time_error"] == pytest.approx(
+            abs(r["predicted_time"] - r["step_time"]) / r["step_time"]
+        )
+        assert r["memory_error"] == pytest.approx(
+            abs(r["predicted_memory"] - r["peak_memory"]) / r["peak_memory"]
+        )
+        assert r["predicted_terms"]["compute"] > 0
+    meta = {"date": "d", "machine": "m", "command": "c", "setup": "s", "warning": "not measured",
+            "clusters": {"100": asdict(cluster)}}  # fmt: skip
+    s = write(out, meta, tmp_path / "r")
+    text = (tmp_path / "r.md").read_text()
+    assert "**not measured**" in text and "| median time error |" in text
+    assert text.count("| m6 |") == 1 and text.count("| mixtral |") == 1
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["layouts"] == 2
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert s["median"] == pytest.approx(sorted(r["time_error"] for r in out)[0] / 2 +
+                                        sorted(r["time_error"] for r in out)[1] / 2)  # fmt: skip
+
+
+def _row(model, rate, measured, predicted, mem=100.0, pmem=100.0):
+    return {"model": model, "rate_mbit": rate, "step_time": measured,
+            "predicted_time": predicted, "time_error": abs(predicted - measured) / measured,
+            "peak_memory": mem, "predicted_memory": pmem,
+            "memory_error": abs(pmem - mem) / mem}  # fmt: skip
+
+
+def test_statistics_by_hand():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert math.isnan(spearman([1, 1], [1, 2]))
+    rows = [
+        _row("a", 1, 1.0, 1.1),  # error 10 %
+        _row("a", 1, 2.0, 1.0),  # error 50 %, predicted best; measured best is 1.0
+        _row("b", 1, 4.0, 4.0, mem=100, pmem=120),  # error 0, memory 20 %
+    ]
+    s = summary(rows)
+    assert s["median"] == pytest.approx(0.1)
+    assert s["best_gap_by_group"] == {"a @ 1": pytest.approx(1.0), "b @ 1": 0.0}
+    assert s["best_gap"] == pytest.approx(1.0) and not s["met"]["best_gap"]
+    assert s["memory"] == pytest.approx(0.2) and not s["met"]["memory"]
+    assert s["met"]["median"]
