@@ -247,14 +247,9 @@ class MoELayer(nn.Module):
             "router_entropy": entropy_T.mean() if entropy_T.numel() else entropy_T.sum(),
             "dead_experts": (plan.counts_E == 0).sum().detach(),
         }
-        # the sequence / global balance term is computed in the original forward only (it
-        # counts and communicates): its saved tensors are kept as they are, not handed to a
-        # surrounding checkpoint (MoEConfig.recompute), whose recompute skips this and would
-        # otherwise find fewer tensors saved than the original forward (a CheckpointError)
-        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-            term, balance_stats = self.balance.record(
-                routing, plan, self.training, self.router.load_group
-            )
+        term, balance_stats = self.balance.record(
+            routing, plan, self.training, self.router.load_group
+        )
         self.stats.update(balance_stats)  # load_cv, load_max_over_mean (global_balance_loss)
         if term is not None:  # balance_loss "sequence" / "global", weighted
             self.aux_loss = self.aux_loss + term
@@ -370,11 +365,6 @@ def _state_dict_slots(layer: MoELayer, state_dict: dict, prefix: str, metadata) 
     layer holds the layout once: expert_of_slot_S, not persistent)."""
     for key, value in state_entries(layer.expert_of_slot_S, layer.slot_of_expert_E).items():
         state_dict[prefix + key] = value
-
-
-def _kept(t: torch.Tensor) -> torch.Tensor:
-    """A saved tensor kept as is (the innermost saved_tensors_hooks win over a checkpoint's)."""
-    return t
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

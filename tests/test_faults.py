@@ -13,6 +13,7 @@ from torch import nn
 
 import moe
 from moe.fp8 import FP8Config
+from moe.lora import LoRAConfig
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 from tests.toy_formats import INT8, SCALED
@@ -56,13 +57,20 @@ ALTERNATIVES = {
     "fp8": FP8Config(dispatch=True, experts=True),
     "weight_format": SCALED.name,  # registered from outside moe/ (tests/toy_formats.py)
     "row_format": INT8.name,
+    "lora": LoRAConfig(rank=2, alpha=4.0),  # with weight_format="lora" (TOGETHER)
 }
+# fields whose alternative needs another field changed with it
+TOGETHER = {"lora": {"weight_format": "lora"}}
+
+
+def _changed(name: str) -> dict:
+    return {name: ALTERNATIVES[name], **TOGETHER.get(name, {})}
 
 
 def test_every_field_has_an_alternative():
     assert {f.name for f in fields(moe.MoEConfig)} == set(ALTERNATIVES)
-    for name, value in ALTERNATIVES.items():  # each alternative is itself a valid config
-        moe.MoEConfig(**{**BASE, name: value})
+    for name in ALTERNATIVES:  # each alternative is itself a valid config
+        moe.MoEConfig(**{**BASE, **_changed(name)})
 
 
 BAD_VALUES = [
@@ -111,8 +119,8 @@ def _parallelize_error(model) -> str:
 def _mismatch_body(rank, world):
     """Rank 1 differs in one thing at a time; every rank must name it."""
     out = {}
-    for name, value in ALTERNATIVES.items():
-        changes = {name: value} if rank == 1 else {}
+    for name in ALTERNATIVES:
+        changes = _changed(name) if rank == 1 else {}
         out[name] = _parallelize_error(_build(**changes))
     out["dtype"] = _parallelize_error(_build().to(torch.bfloat16) if rank == 1 else _build())
     out["no_moe_layer"] = _parallelize_error(nn.Sequential(nn.Linear(8, 8)) if rank else _build())
@@ -128,7 +136,8 @@ def test_every_mismatch_is_an_error_on_every_rank():
     for rank, out in enumerate(results):
         for name in ALTERNATIVES:
             message = out[name]
-            assert f"1.{name} differs across ranks" in message, (rank, name, message)
+            named = [f"1.{n} differs across ranks" for n in _changed(name)]  # (with TOGETHER's)
+            assert any(n in message for n in named), (rank, name, message)
             assert "rank 0 has" in message and "rank 1 has" in message, message
         assert "tensor 0.weight differs" in out["dtype"] and "bfloat16" in out["dtype"]
         assert "rank 1: ValueError: the model has no MoELayer" in out["no_moe_layer"]

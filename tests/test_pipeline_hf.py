@@ -335,7 +335,7 @@ def test_stack_is_every_family():
             if not moe.interop.hf_blocks(model):
                 break
             moe.from_hf(model)
-        assert hf_stack(model).spare_slots == 0
+        assert hf_stack(model).hf_options == {"spare_slots": 0}
 
 
 def test_export_rebuilds_spare_slots(tmp_path):
@@ -347,7 +347,7 @@ def test_export_rebuilds_spare_slots(tmp_path):
     cfg = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=12, num_experts=4)
     model = moe.from_hf(transformers.Qwen3MoeForCausalLM(cfg).double(), spare_slots=2)
     stack = hf_stack(model)
-    assert stack.spare_slots == 2
+    assert stack.hf_options == {"spare_slots": 2}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))

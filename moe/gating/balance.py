@@ -158,6 +158,16 @@ class BalanceTracker(nn.Module):
             self._count(plan)
         if c.balance_loss == "batch" or routing.expert_ids_TK is None:
             return None, stats
+        # computed in the original forward only (it counts and communicates): its saved
+        # tensors are kept as they are, not handed to a surrounding checkpoint
+        # (MoEConfig.recompute), whose recompute skips this and would otherwise find fewer
+        # tensors saved than the original forward (a CheckpointError)
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            term = self._term(routing, plan, training, group, stats)
+        return (c.aux_loss_coef * term if c.aux_loss_coef > 0 else None), stats
+
+    def _term(self, routing, plan, training: bool, group, stats: dict) -> torch.Tensor:
+        c = self.config
         probs_TE = routing.probs_TE
         if c.balance_loss == "sequence":
             T = probs_TE.shape[0]
@@ -170,7 +180,7 @@ class BalanceTracker(nn.Module):
                 self.global_balance = GlobalBalance(c.num_experts, c.top_k, plan.routed_E.device)
             term = self.global_balance.loss(probs_TE, plan.routed_E, group)
             stats["global_balance_loss"] = self.global_balance.step_value()
-        return (c.aux_loss_coef * term if c.aux_loss_coef > 0 else None), stats
+        return term
 
     def _count(self, plan) -> None:
         routed_E = plan.routed_E.detach()  # pairs routed (before capacity): bias updates
@@ -204,3 +214,8 @@ def reset_global_balance(model) -> None:
     for module in model.modules():
         if isinstance(module, BalanceTracker):
             module.global_balance = None
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as is (the innermost saved_tensors_hooks win over a checkpoint's)."""
+    return t

@@ -85,7 +85,10 @@ class StepGuard:
         worker = threading.Thread(target=_serve, args=(self._jobs,), daemon=True)
         worker.name = f"moe.pipeline step worker {self.group.group_name}"
         worker.start()
-        weakref.finalize(self, self._jobs.put, None)  # the worker ends with its guard
+        # the worker ends with its guard, or at exit before the process groups are torn down
+        # (a worker still running then aborts the process); it may be left in a failed
+        # step's wait: joined for at most a second
+        weakref.finalize(self, _stop_worker, self._jobs, worker)
         for module in modules:  # before FSDP's own hook: no all-gather for a failed step
             module.register_forward_pre_hook(self._stop_if_failed, prepend=True)
 
@@ -232,6 +235,12 @@ def describe(step: int, reports: list[dict]) -> str:
         head + ". Every rank raises PipelineStepError; this Pipeline cannot step again "
         "(its process groups may hold unfinished transfers)"
     )
+
+
+def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
+    jobs.put(None)
+    if worker is not threading.current_thread():
+        worker.join(timeout=1.0)
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

@@ -68,9 +68,9 @@ def _write(stack: HFStack, state: dict, folder: str, save_kwargs: dict) -> None:
 
     with torch.random.fork_rng(devices=[]):  # the new model's init draws: not the run's
         model = stack.hf_class(stack.hf_config)
-    if stack.spare_slots is not None:
-        from_hf(model, spare_slots=stack.spare_slots)
+    if stack.converted:
+        from_hf(model, **stack.hf_options)
     model.load_state_dict(state, strict=True, assign=True)
-    if stack.spare_slots is not None:
+    if stack.converted:
         to_hf(model)
     model.save_pretrained(folder, **save_kwargs)

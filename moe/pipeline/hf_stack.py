@@ -37,12 +37,13 @@ MASKS = {
 
 class HFStack(nn.Sequential):
     """hf_stack's result: the children, plus what an export needs to rebuild the model
-    (hf_class, hf_config, spare_slots: the from_hf layers' spare expert slots, None when the
-    model holds no converted layer)."""
+    (hf_class, hf_config; converted: whether it holds from_hf layers, and hf_options: the
+    from_hf keywords that rebuild them, their spare expert slots)."""
 
     hf_class: type
     hf_config: object
-    spare_slots: int | None
+    converted: bool
+    hf_options: dict
 
 
 class Embed(Rooted):
@@ -141,7 +142,10 @@ def hf_stack(model: nn.Module) -> HFStack:
     stack = HFStack(children)
     converted = [m for m in model.modules() if isinstance(m, HFMoELayer)]
     stack.hf_class, stack.hf_config = type(model), model.config
-    stack.spare_slots = (
-        converted[0].num_slots - converted[0].config.num_experts if converted else None
+    stack.converted = bool(converted)  # from_hf's options to rebuild it: the slots per layer
+    stack.hf_options = (
+        {"spare_slots": converted[0].num_slots - converted[0].config.num_experts}
+        if converted
+        else {}
     )
     return stack

@@ -154,6 +154,30 @@ def _largest_tensor(spec: ModelSpec, chunk, L: Layout) -> float:
     return max(ends, experts, dense, 0.0)
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What every pp rank of one layout shares."""
+
+    spec: ModelSpec
+    cluster: Cluster
+    L: Layout
+    t: int  # tokens per micro-batch
+    cf: float
+    imb: float  # the busiest EP rank's routing imbalance
+    spare: float  # (E + spare slots) / E
+    a2a_bytes: float  # one exchange's elements per rank
+
+    def exchange(self, nbytes: float) -> float:
+        L, c = self.L, self.cluster
+        if L.ep <= 1:
+            return 0.0
+        nodes, per_node = max(1, math.ceil(L.ep / c.gpus_per_node)), min(L.ep, c.gpus_per_node)
+        cm = c.cost_model()
+        if L.exchange == "hierarchical":
+            return cm.hier_time(nbytes, nodes, per_node)
+        return cm.flat_time(nbytes, nodes, per_node)
+
+
 def predict(
     spec: ModelSpec,
     cluster: Cluster,
@@ -163,141 +187,152 @@ def predict(
     load: list[float] | None = None,
 ) -> Prediction:
     """The Prediction of `layout` (checked by moe.plan.search, not here)."""
-    L, p, v, m = layout, layout.pp, layout.stages_per_rank, layout.microbatches
+    L = layout
     cf = L.capacity_factor or 1.0
     t = L.micro_batch_seqs * seq_len
-    style = STYLE[L.schedule]
-    spare = (spec.num_experts + L.replicas) / spec.num_experts
     imb = imbalance(load, L.ep, L.replicas) if load is not None else 1.0
-    cm = cluster.cost_model()
-    nodes_ep = max(1, math.ceil(L.ep / cluster.gpus_per_node))
-    per_node_ep = min(L.ep, cluster.gpus_per_node)
-    a2a_bytes = t * spec.top_k * cf * spec.d_model
-    dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
-    exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
-    rows_per_expert = max(t * spec.top_k * cf * L.ep / spec.num_experts * imb, 1.0)
-    rate_dense = cluster.gemm_rate(t)
-    rate_exp = cluster.gemm_rate(rows_per_expert, fp8=L.fp8_experts)
-
-    def exchange(nbytes: float) -> float:
-        if L.ep <= 1:
-            return 0.0
-        if L.exchange == "hierarchical":
-            return cm.hier_time(nbytes, nodes_ep, per_node_ep)
-        return cm.flat_time(nbytes, nodes_ep, per_node_ep)
-
-    sums = rank_sums(spec, seq_len, p, v, style, L.capacity_factor)
-    per_rank = []
-    for r in representative_ranks(p):
-        mine = sums[r]
-        P, X = mine.dense_params, mine.expert_params * spare
-        blocks, moe_blocks = mine.blocks, mine.moe_blocks
-        fsdp = L.data_parallel == "fsdp"
-        local = P / (L.dp * L.ep) + X / (L.ep * L.dp) if fsdp else P + X / L.ep
-        unit = 0.0
-        if fsdp and blocks:
-            unit = max(P / max(blocks, 1), X / max(moe_blocks, 1) / L.ep)
-        memory = {
-            "parameters": 2 * (local + 2 * unit),
-            "gradients": 2 * (local + unit),
-            "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
-            "temporaries": 0.0
-            if L.offload
-            else cluster.optimizer_temp_bytes * local / L.groups
-            + cluster.optimizer_tensor_temp_bytes * _largest_tensor(spec, mine, L),
-        }
-        act_tok = mine.act
-        if L.recompute == "moe":
-            act_tok = mine.act_moe_recompute
-        elif L.recompute == "full":
-            act_tok = mine.act_input
-        elif L.recompute.startswith("blocks:"):
-            n = min(int(L.recompute.split(":")[1]), blocks)
-            act_tok -= n * (mine.act - mine.act_input) / max(blocks, 1)
-        head = mine.head_act * t  # the loss's logits, one micro-batch
-        transient = mine.act_block_max * t if L.recompute != "none" else 0.0
-        memory["activations"] = act_tok * t * in_flight(L.schedule, m, p, v, r) + head + transient
-        comms = 0.0
-        if L.ep > 1 and moe_blocks:
-            elem = 1.03 if L.fp8_dispatch else ACT_BYTES
-            comms += 2 * a2a_bytes * elem * (2 if L.exchange == "hierarchical" else 1)
-        if p > 1:
-            comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
-        if L.dp * L.ep > 1:
-            comms += 2 * (unit if fsdp else local)
-        memory["comms"] = comms
-
-        dense_f = mine.dense_flops * t
-        routed_f = mine.routed_flops * t * cf * imb
-        fwd_dense, fwd_routed = dense_f / rate_dense, routed_f / rate_exp
-        fwd = fwd_dense + fwd_routed
-        extra = {"none": 0.0, "moe": fwd_routed, "full": fwd}.get(L.recompute, 0.0)
-        if L.recompute.startswith("blocks:"):
-            extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
-        recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
-        fixed = blocks * cluster.block_overhead + moe_blocks * cluster.moe_overhead
-        fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead
-        per_mb = 3 * fwd + extra + fixed
-        compute = m * per_mb
-        exchanges = 4 + (2 if L.recompute != "none" else 0)
-        send = exchange(a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
-        plain = exchange(a2a_bytes * ACT_BYTES)
-        a2a = m * moe_blocks * (send + (exchanges - 1) * plain)
-        hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
-        a2a_exposed = a2a - hidden
-        dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
-        # one collective call per parallelize unit (each block, each MoE layer and its
-        # experts, the root) and pass: fixed cost cluster.collective_latency each
-        calls = (blocks + 2 * moe_blocks + 1) * cluster.collective_latency
-        if fsdp:
-            gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
-                exp_bytes, L.dp, exp_bw, exp_lat, 1
-            )
-            total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
-            units = 2 * m * max(blocks, 1) + 1
-            dp_exposed = max(0.0, total - compute) + total / units
-            if L.dp * L.ep > 1:
-                dp_exposed += (2 * m + 1) * calls
-        else:
-            reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
-                exp_bytes, L.dp, exp_bw, exp_lat, 2
-            )
-            dp_exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
-            if L.dp * L.ep > 1:
-                dp_exposed += calls
-        bubble = BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb
-        p2p = 0.0
-        if p > 1:
-            bw, lat = _group_link(cluster, 2, 2 * L.dp * L.ep)
-            one = lat + t * spec.d_model * ACT_BYTES / bw
-            p2p = 2 * (p - 1) * one + 2 * m * v * lat
-        opt_fixed = (blocks + 1) * cluster.optimizer_overhead
-        optimizer = local * OPT_BYTES_PER_PARAM / cluster.hbm_bw + opt_fixed
-        offload = 0.0
-        if L.offload:
-            optimizer = 0.0
-            offload = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw + opt_fixed
-        times = {
-            "compute": compute,
-            "all_to_all": a2a_exposed,
-            "dp_comms": dp_exposed,
-            "bubble": bubble,
-            "p2p": p2p,
-            "optimizer": optimizer,
-            "offload": offload,
-        }
-        per_rank.append((memory, times))
+    setup = _Setup(spec, cluster, L, t, cf, imb, (spec.num_experts + L.replicas) / spec.num_experts,
+                   t * spec.top_k * cf * spec.d_model)  # fmt: skip
+    sums = rank_sums(spec, seq_len, L.pp, L.stages_per_rank, STYLE[L.schedule], L.capacity_factor)
+    per_rank = [_rank(setup, sums[r], r) for r in representative_ranks(L.pp)]
     memory = max((mem for mem, _ in per_rank), key=peak_of)
     times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
     step = sum(times.values())
-    whole = sum(x.dense_flops + x.routed_flops * cf for x in sums)
-    model_flops = 3 * whole * global_batch_tokens
-    world = L.world
+    model_flops = 3 * sum(x.dense_flops + x.routed_flops * cf for x in sums) * global_batch_tokens
     return Prediction(
         layout=L,
         memory=memory,
         time=times,
-        tokens_per_s_per_device=global_batch_tokens / step / world,
-        mfu=model_flops / (step * world * cluster.flops()),
+        tokens_per_s_per_device=global_batch_tokens / step / L.world,
+        mfu=model_flops / (step * L.world * cluster.flops()),
         device_memory=cluster.device_memory_bytes,
     )
+
+
+def _shards(S: _Setup, mine) -> tuple[float, float, float, float]:
+    """(dense, expert parameters of the rank's chunks, local parameters, the FSDP unit)."""
+    L = S.L
+    P, X = mine.dense_params, mine.expert_params * S.spare
+    fsdp = L.data_parallel == "fsdp"
+    local = P / (L.dp * L.ep) + X / (L.ep * L.dp) if fsdp else P + X / L.ep
+    unit = 0.0
+    if fsdp and mine.blocks:
+        unit = max(P / max(mine.blocks, 1), X / max(mine.moe_blocks, 1) / L.ep)
+    return P, X, local, unit
+
+
+def _rank(S: _Setup, mine, r: int) -> tuple[dict, dict]:
+    """(memory by category, time by term) of pp rank r holding `mine`."""
+    return _rank_memory(S, mine, r), _rank_time(S, mine)
+
+
+def _rank_memory(S: _Setup, mine, r: int) -> dict:
+    spec, cluster, L, t = S.spec, S.cluster, S.L, S.t
+    P, X, local, unit = _shards(S, mine)
+    memory = {
+        "parameters": 2 * (local + 2 * unit),
+        "gradients": 2 * (local + unit),
+        "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
+        "temporaries": 0.0
+        if L.offload
+        else cluster.optimizer_temp_bytes * local / L.groups
+        + cluster.optimizer_tensor_temp_bytes * _largest_tensor(spec, mine, L),
+    }
+    act_tok = mine.act
+    if L.recompute == "moe":
+        act_tok = mine.act_moe_recompute
+    elif L.recompute == "full":
+        act_tok = mine.act_input
+    elif L.recompute.startswith("blocks:"):
+        n = min(int(L.recompute.split(":")[1]), mine.blocks)
+        act_tok -= n * (mine.act - mine.act_input) / max(mine.blocks, 1)
+    head = mine.head_act * t  # the loss's logits, one micro-batch
+    transient = mine.act_block_max * t if L.recompute != "none" else 0.0
+    flight = in_flight(L.schedule, L.microbatches, L.pp, L.stages_per_rank, r)
+    memory["activations"] = act_tok * t * flight + head + transient
+    comms = 0.0
+    if L.ep > 1 and mine.moe_blocks:
+        elem = 1.03 if L.fp8_dispatch else ACT_BYTES
+        comms += 2 * S.a2a_bytes * elem * (2 if L.exchange == "hierarchical" else 1)
+    if L.pp > 1:
+        comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
+    if L.dp * L.ep > 1:
+        comms += 2 * (unit if L.data_parallel == "fsdp" else local)
+    memory["comms"] = comms
+    return memory
+
+
+def _rank_time(S: _Setup, mine) -> dict:
+    spec, cluster, L, t = S.spec, S.cluster, S.L, S.t
+    m, p, v = L.microbatches, L.pp, L.stages_per_rank
+    P, X, local, _ = _shards(S, mine)
+    blocks, moe_blocks = mine.blocks, mine.moe_blocks
+    rows_per_expert = max(t * spec.top_k * S.cf * L.ep / spec.num_experts * S.imb, 1.0)
+    fwd_dense = mine.dense_flops * t / cluster.gemm_rate(t)
+    fwd_routed = (
+        mine.routed_flops * t * S.cf * S.imb / cluster.gemm_rate(rows_per_expert, fp8=L.fp8_experts)
+    )
+    fwd = fwd_dense + fwd_routed
+    extra = {"none": 0.0, "moe": fwd_routed, "full": fwd}.get(L.recompute, 0.0)
+    if L.recompute.startswith("blocks:"):
+        extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
+    recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
+    fixed = blocks * cluster.block_overhead + moe_blocks * cluster.moe_overhead
+    fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead
+    per_mb = 3 * fwd + extra + fixed
+    compute = m * per_mb
+    exchanges = 4 + (2 if L.recompute != "none" else 0)
+    send = S.exchange(S.a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
+    plain = S.exchange(S.a2a_bytes * ACT_BYTES)
+    a2a = m * moe_blocks * (send + (exchanges - 1) * plain)
+    hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
+    return {
+        "compute": compute,
+        "all_to_all": a2a - hidden,
+        "dp_comms": _dp_comms(S, P, X, blocks, moe_blocks, compute, fwd),
+        "bubble": BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb,
+        "p2p": _p2p(S),
+        **_optimizer_terms(S, local, blocks),
+    }
+
+
+def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -> float:
+    """Exposed FSDP gathers / reduce-scatters or DDP all-reduce, with their fixed call costs:
+    one collective call per parallelize unit (each block, each MoE layer and its experts, the
+    root) and pass, cluster.collective_latency each."""
+    cluster, L, m = S.cluster, S.L, S.L.microbatches
+    dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
+    exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
+    dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
+    calls = (blocks + 2 * moe_blocks + 1) * cluster.collective_latency
+    if L.data_parallel == "fsdp":
+        gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
+            exp_bytes, L.dp, exp_bw, exp_lat, 1
+        )
+        total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
+        units = 2 * m * max(blocks, 1) + 1
+        exposed = max(0.0, total - compute) + total / units
+        return exposed + ((2 * m + 1) * calls if L.dp * L.ep > 1 else 0.0)
+    reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
+        exp_bytes, L.dp, exp_bw, exp_lat, 2
+    )
+    exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
+    return exposed + (calls if L.dp * L.ep > 1 else 0.0)
+
+
+def _p2p(S: _Setup) -> float:
+    L = S.L
+    if L.pp <= 1:
+        return 0.0
+    bw, lat = _group_link(S.cluster, 2, 2 * L.dp * L.ep)
+    one = lat + S.t * S.spec.d_model * ACT_BYTES / bw
+    return 2 * (L.pp - 1) * one + 2 * L.microbatches * L.stages_per_rank * lat
+
+
+def _optimizer_terms(S: _Setup, local: float, blocks: int) -> dict:
+    cluster = S.cluster
+    opt_fixed = (blocks + 1) * cluster.optimizer_overhead
+    if S.L.offload:
+        host = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw + opt_fixed
+        return {"optimizer": 0.0, "offload": host}
+    return {"optimizer": local * OPT_BYTES_PER_PARAM / cluster.hbm_bw + opt_fixed, "offload": 0.0}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import time
 from dataclasses import replace
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from moe.plan.cluster import PRESETS, Cluster
 from moe.plan.overhead import measure_overheads
+from moe.settings import local_world_size
 
 
 def _timed(fn, repeats: int) -> float:
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     mem_bw, host_bw = measure_copy(1 << 26, device)
     base = PRESETS[args.preset]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = int(local_world_size() or world)
     kept = ["fp8 throughput (2x bf16)"]
     intra = inter = None
     if world > 1 and local > 1:

@@ -1,6 +1,6 @@
-"""Routing skew: how much more the busiest EP rank computes than the mean, with and without
-copies of hot experts (moe.slots' spare slots), from a per-expert load (a RoutingTrace's
-counts) or a Zipf skew parameter."""
+"""Routing skew: how much more the busiest EP rank computes than the mean under a load-aware
+placement, with and without copies of hot experts (moe.slots' spare slots), from a per-expert
+load (a RoutingTrace's counts) or a Zipf skew parameter."""
 
 from __future__ import annotations
 
@@ -31,17 +31,13 @@ def check_load(load, num_experts: int) -> list[float]:
 
 
 def imbalance(load: list[float], ep: int, spare_slots: int = 0) -> float:
-    """max rank load / mean rank load over `ep` ranks holding E / ep experts each in order
-    (expert e on rank e // (E / ep)); with spare slots (a multiple of ep), the hottest experts
-    get copies that split their tokens evenly, and the slots are packed greedily (largest
-    share first onto the least-loaded rank with a free slot), as a rebalance would place them."""
+    """max rank load / mean rank load over `ep` ranks once a load-aware placement (as
+    moe.parallel.rebalance_experts makes) has packed the slots: the hottest experts get the
+    spare slots (a multiple of ep) as copies that split their tokens evenly, then the shares
+    go greedily, largest first, to the least-loaded rank with a free slot."""
     E = len(load)
     if ep <= 1:
         return 1.0
-    if spare_slots == 0:
-        per = E // ep
-        ranks = [sum(load[r * per : (r + 1) * per]) for r in range(ep)]
-        return max(ranks) * ep
     copies = [1] * E
     for _ in range(spare_slots):  # one more copy for the expert with the largest share
         e = max(range(E), key=lambda i: load[i] / copies[i])
@@ -49,7 +45,7 @@ def imbalance(load: list[float], ep: int, spare_slots: int = 0) -> float:
     shares = sorted(
         ((load[e] / copies[e]) for e in range(E) for _ in range(copies[e])), reverse=True
     )
-    slots = (E + spare_slots) // ep
+    slots = len(shares) // ep
     heap = [(0.0, r, 0) for r in range(ep)]  # (load, rank, slots used)
     worst = 0.0
     for share in shares:
