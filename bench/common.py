@@ -63,3 +63,20 @@ def gather_on_four_gloo_ranks(module: str, measure) -> list[torch.Tensor] | None
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return every if dist.get_rank() == 0 else None
+
+
+def wait_ranks(procs: list, wall_limit: float, what: str) -> None:
+    """Wait for rank processes until `wall_limit` seconds in all; kill what is left; one
+    RuntimeError naming the ranks that failed (rank, exit code)."""
+    deadline = time.monotonic() + wall_limit
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"{what} ranks failed (rank, exit code): {bad}")

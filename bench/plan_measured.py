@@ -26,10 +26,10 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.common import wait_ranks
 from bench.plan_measured_lib.models import Sizes
 from moe.plan.cluster import Cluster
 from moe.plan.layout import Layout
@@ -114,18 +114,7 @@ def run_loopback(cfg: dict, world: int = 4) -> dict:
         cmd = [sys.executable, "-mbench.plan_measured", "--worker-config", json.dumps(cfg)]
         out = None if rank == 0 else subprocess.DEVNULL
         procs.append(subprocess.Popen(cmd, env=env, stdout=out))
-    deadline = time.monotonic() + cfg["wall_limit"]
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"loopback ranks failed (rank, exit code): {bad}")
+    wait_ranks(procs, cfg["wall_limit"], "loopback")
     return json.loads(Path(cfg["json"]).read_text())
 
 

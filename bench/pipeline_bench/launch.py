@@ -10,10 +10,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.a2a import netem
+from bench.common import wait_ranks
 
 ENTRY = "-mbench.pipeline"
 REPO = Path(__file__).resolve().parents[2]
@@ -77,15 +77,9 @@ def run_loopback(cfg: dict) -> dict:
             cmd = [sys.executable, ENTRY, "--worker-config", json.dumps(cfg)]
             out = None if rank == 0 else subprocess.DEVNULL
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, cwd=REPO))
-        deadline = time.monotonic() + cfg["wall_limit"]
+    except BaseException:
         for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"pipeline benchmark ranks failed (rank, exit code): {bad}")
+            p.kill()
+        raise
+    wait_ranks(procs, cfg["wall_limit"], "pipeline benchmark")
     return json.loads(Path(cfg["json"]).read_text())

@@ -113,10 +113,9 @@ def batch(step: int, size: int, seq_len: int, vocab: int, seed: int) -> torch.Te
     return (start + stride * torch.arange(seq_len)) % vocab
 
 
-def main(argv=None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    args = parse_args(argv)
+def start(args) -> tuple:
+    """The run's world size, rank and printer (rank 0 unless --quiet): the device activated,
+    the process group started under torchrun, the seed set."""
     world, device = int(os.environ.get("WORLD_SIZE", "1")), args.device
     activate(device)
     if world > 1 and not dist.is_initialized():
@@ -124,6 +123,15 @@ def main(argv=None) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
+    return world, rank, say
+
+
+def main(argv=None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    world, rank, say = start(args)
+    device = args.device
     model = (
         AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_qwen3_moe()
     ).float()

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moe  # noqa: E402
-from examples.device import activate, add_device_args, backend, resolve_device  # noqa: E402
-from examples.hf.finetune import _layout_problem, _path_problem, batch  # noqa: E402
+from examples.device import add_device_args, resolve_device  # noqa: E402
+from examples.hf.finetune import _layout_problem, _path_problem, batch, start  # noqa: E402
 from examples.settings import settings_line  # noqa: E402
 from moe.lora import LoRAConfig, adapter_parameters, add_lora  # noqa: E402
 
@@ -105,13 +105,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    world, device = int(os.environ.get("WORLD_SIZE", "1")), args.device
-    activate(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend(device))
-    rank = dist.get_rank() if world > 1 else 0
-    say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    torch.manual_seed(args.seed)
+    world, rank, say = start(args)
+    device = args.device
     base = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny(args.family)
     base = base.float().eval()
     model = moe.from_hf(copy.deepcopy(base))  # `base` stays transformers' own, for PEFT
