@@ -10,6 +10,7 @@ Triton layer is stage c's, and its compiles would not fit this stage): ms, peak,
 y and dx against the float32 layer with the same (bf16-rounded) weights.
 
     python -m bench.gpu_fp8 --shapes all --json rows.json      # on the GPU (scripts/gpu_check.sh)
+    python -m bench.gpu_fp8 --shapes deepseek --profile         # + kernel tables, time outside GEMMs
     python -m bench.gpu_fp8 --smoke-cpu --shapes 64/32/4/2/48   # the plumbing on CPU, no timings
 
 Records have bench/gpu_layer.py's form (shape, T, d, E, k, F, candidate, figure, value, unit).
@@ -25,6 +26,7 @@ from functools import partial
 
 import torch
 
+from bench import gpu_profile
 from bench.titan_style import parse_shapes
 from moe.fp8 import fp8_grouped_mm
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
@@ -79,6 +81,19 @@ def timed_ms(step, iters: int, warmup: int, cuda: bool) -> float | None:
     return statistics.median(times)
 
 
+def profiled(s, name: str, step, cuda: bool, records: list) -> None:
+    """The kernel table of 3 steps (printed) and the split of their device time into GEMM
+    kernels and the rest (recorded): where an FP8 step's time goes."""
+    steps = 3 if cuda else 1
+    averages = gpu_profile.profile_steps(step, steps, cuda)
+    print(f"### {s.name}, {name}, {steps} fwd+bwd steps\n\n```\n"
+          f"{gpu_profile.kernel_table(averages, cuda, rows=12)}\n```\n")  # fmt: skip
+    for figure, value in gpu_profile.gemm_split(averages, steps, cuda).items():
+        records.append({"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F,
+                        "candidate": name, "figure": figure, "value": round(value, 3),
+                        "unit": "count" if figure.startswith("kernels") else "ms"})  # fmt: skip
+
+
 def measure_shape(s, args, cuda: bool, records: list) -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     x, w, dy, offsets = inputs(s, dev)
@@ -103,6 +118,8 @@ def measure_shape(s, args, cuda: bool, records: list) -> None:
         rec(name, "fwd_bwd_ms", None if ms is None else round(ms, 3), "ms")
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
         rec(name, "peak_above_inputs_mib", None if peak is None else round(peak, 1), "MiB")
+        if args.profile_shape == s.name and "fp8" in name:
+            profiled(s, name, lambda fn=fn: fwd_bwd(fn, x, w, dy, offsets), cuda, records)
 
 
 def layer_step(layer, x, dy):
@@ -144,6 +161,8 @@ def measure_layer(s, args, cuda: bool, records: list) -> None:
             base = torch.cuda.memory_allocated()
         ms = timed_ms(partial(layer_step, layer, xd, dyd), args.iters, args.warmup, cuda)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+        if args.profile_shape == s.name:
+            profiled(s, name, partial(layer_step, layer, xd, dyd), cuda, records)
         for figure, value, unit in (("fwd_bwd_ms", ms, "ms"), ("peak_above_inputs_mib", peak,
                                                                "MiB")):  # fmt: skip
             value = None if value is None else round(value, 3)
@@ -178,11 +197,14 @@ def main(argv=None) -> int:
     p.add_argument("--smoke-cpu", action="store_true", help="CPU, float32, nothing timed")
     p.add_argument("--no-layer", action="store_true", help="the grouped GEMM rows only")
     p.add_argument("--json", help="write the records to this file")
+    p.add_argument("--profile", action="store_true", help="kernel tables of the FP8 GEMM and of "
+                   "both layers at the first shape, and their time outside the GEMMs")  # fmt: skip
     args = p.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as e:
         p.error(str(e))
+    args.profile_shape = shapes[0].name if args.profile and shapes else None
     big = [s.name for s in shapes if s.T * s.k * s.d * s.F > SMOKE_MAX_ROWS_D_F]
     if args.smoke_cpu and big:
         p.error(f"--smoke-cpu: shapes with T*k*d*F <= {SMOKE_MAX_ROWS_D_F} only; too big: "

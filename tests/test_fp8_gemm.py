@@ -301,3 +301,17 @@ def test_expert_mlp_keeps_x_once_in_fp8_and_no_more_than_the_torch_kernel(activa
     pre = [(torch.bfloat16, R * F * 2)] * (2 if w3 is not None else 1)
     assert [k for k in fp8 if k[1] == R * F * 2] == pre  # h (and g); the activation: recomputed
     assert sum(b for _, b in fp8) <= sum(b for _, b in bf16), (fp8, bf16)
+
+
+def test_pow2_quantized_operands_are_exact_in_bf16():
+    """The CUDA wgrad runs the dequantized per-expert-column operands through bf16 tensor cores:
+    an e4m3 value times a power-of-two scale must be exact in bf16 (3 mantissa bits in 7)."""
+    from moe.fp8.quant import dequantize_groups, quantize_groups
+
+    offsets = torch.tensor([5, 5, 37, 60], dtype=torch.int32)
+    x = torch.randn(64, 48) * torch.logspace(-3, 3, 48)
+    x_q = dequantize_groups(*quantize_groups(x, offsets, pow2=True), offsets)
+    assert torch.equal(x_q.bfloat16().float(), x_q)
+    assert x_q[60:].abs().sum() == 0 and x_q[:60].abs().sum() > 0
+    rough = dequantize_groups(*quantize_groups(x, offsets, pow2=False), offsets)
+    assert not torch.equal(rough.bfloat16().float(), rough)  # why the path needs pow2

@@ -32,18 +32,55 @@ def test_budget_skips_what_does_not_fit_and_the_report_survives_a_failure(tmp_pa
 
     fakes = {"a": passes("a"), "b": boom, "c": passes("c"), "d": passes("d"), "f": passes("f")}
     _fake_stages(monkeypatch, fakes)
-    # in 150 s: a (45 s) and b (90 s) fit (the fakes take no time), c (160 s) does not, d (80 s)
-    # and f (40 s) do
-    check = gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path / "none")
+    # in 155 s: a (45 s) and b (150 s) fit (the fakes take no time), c (160 s) does not, d (80 s)
+    # and f (120 s) do
+    check = gpu_check.Check(tmp_path, 155, rehearse=False, carry=tmp_path / "none")
     assert check.main() == 1
     assert ran == ["a", "b", "d", "f"]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     status = {s["stage"]: (s["status"], s["detail"]) for s in report["stages"]}
     assert status["b"] == ("failed", "RuntimeError: stage b broke")
     assert status["c"][0] == "skipped" and "needs 160 s" in status["c"][1]
-    assert status["d"] == ("passed", "limit 80") and status["f"] == ("passed", "limit 40")
+    assert status["d"] == ("passed", "limit 80") and status["f"] == ("passed", "limit 120")
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| c | layer benchmark at four shapes | skipped |" in md and "decided" in md
+
+
+def test_stages_reruns_only_the_chosen_ones(tmp_path, monkeypatch, capsys):
+    """--stages abf (the rerun of the first GPU run): c and d are reported as not selected, not
+    as skipped, and the budget asked for is the chosen stages' sum; other letters are refused."""
+    ran = []
+    _fake_stages(monkeypatch, {k: (lambda check, limit, k=k: ran.append(k) or ("passed", ""))
+                               for k in "abcdf"})  # fmt: skip
+    assert gpu_check.main(["--stages", "abf", "--budget", "320", "--out", str(tmp_path)]) == 0
+    assert ran == ["a", "b", "f"]
+    md = (tmp_path / "gpu-check.md").read_text()
+    assert "| c | layer benchmark at four shapes | not selected |" in md
+    for bad, why in (("abx", "--stages takes letters of abcdf"), ("ab", "less than the 195 s")):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--stages", bad, "--budget", "100", "--out", str(tmp_path / "o")])
+        assert why in capsys.readouterr().err
+
+
+def test_a_cut_off_pytest_run_still_names_its_failures(tmp_path, monkeypatch):
+    """Stage b's pytest runs with -v: a run killed at its limit (no summary line) still gives
+    the failing tests' names."""
+    check = gpu_check.Check(tmp_path, 600, rehearse=False, carry=tmp_path)
+    out = ("[gw1] [ 10%] PASSED tests/test_cuda.py::test_a\n"
+           "[gw0] [ 20%] FAILED tests/test_cutlass_roles.py::test_b[up]\n"
+           "[gw2] [ 30%] ERROR tests/test_cuda.py::test_c\n")  # fmt: skip
+    argvs = []
+    monkeypatch.setattr(
+        check, "run", lambda label, argv, limit, env: argvs.append(argv) or (None, out)
+    )
+    assert (
+        gpu_check_stages._pytest(check, "b", "pointer path", ["tests/x.py"], 10, tma=False) is None
+    )
+    assert "-v" in argvs[0]
+    names = {r["name"]: r["value"] for r in check.rows}
+    assert names["pointer path failing tests"] == (
+        "tests/test_cuda.py::test_c, tests/test_cutlass_roles.py::test_b[up]"
+    )
 
 
 def test_rehearsal_fails_on_a_skipped_stage(tmp_path, monkeypatch):
@@ -213,7 +250,7 @@ def test_an_out_folder_that_cannot_hold_the_report_is_one_error_line(tmp_path, c
     (tmp_path / "f").write_text("a user's file")
     out = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "x", "proc": "/proc/x"}[where]
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--out", str(out), "--budget", "420"])
+        gpu_check.main(["--out", str(out), "--budget", "560"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: --out {out}: cannot write the report" in err
     assert "Traceback" not in err and (tmp_path / "f").read_text() == "a user's file"
@@ -309,21 +346,21 @@ def test_a_skipped_stage_is_named_and_exits_1_unless_allowed(tmp_path, monkeypat
     stderr, exit 1; --allow-skips (Check(allow_skips=True)) accepts them, still naming them."""
     ok = lambda check, limit: ("passed", "")  # noqa: E731
     _fake_stages(monkeypatch, {k: ok for k in "abcdf"})
-    assert gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path).main() == 1
+    assert gpu_check.Check(tmp_path, 155, rehearse=False, carry=tmp_path).main() == 1
     err = capsys.readouterr().err
     assert "error: skipped stage(s) c (layer benchmark at four shapes: needs 160 s" in err, err
     assert "--allow-skips" in err
-    check = gpu_check.Check(tmp_path, 150, rehearse=False, carry=tmp_path, allow_skips=True)
+    check = gpu_check.Check(tmp_path, 155, rehearse=False, carry=tmp_path, allow_skips=True)
     assert check.main() == 0
     assert "note: skipped stage(s) c (" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("budget", ["45", "100", "134", "414"])
+@pytest.mark.parametrize("budget", ["45", "100", "134", "554"])
 def test_a_budget_below_the_stages_sum_is_refused_before_work(tmp_path, capsys, budget):
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--budget", budget, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"--budget {budget} is less than the 415 s" in err, err
+    assert e.value.code == 2 and f"--budget {budget} is less than the 555 s" in err, err
     assert "--allow-skips" in err and not (tmp_path / "out").exists()
 
 
@@ -346,7 +383,7 @@ def test_a_dangerous_out_is_refused_and_a_users_report_kept(tmp_path, capsys, mo
     out = {"root": "/", "usr": "/usr/lib", "home": str(Path.home()),
            "repo": str(gpu_check.ROOT), "users_report": str(mine)}[where]  # fmt: skip
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--out", out, "--budget", "420"])
+        gpu_check.main(["--out", out, "--budget", "560"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: --out {out}: " in err and "Traceback" not in err
     assert (mine / "gpu-check.md").read_text() == "a user's notes"

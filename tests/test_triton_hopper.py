@@ -82,3 +82,28 @@ def test_expert_mlp_tma_path(name, monkeypatch):
         assert taken and not any(taken)
     else:
         assert sum(taken) >= 3, taken  # up (or down), dact, dx all took TMA
+
+
+def test_tma_allocator_is_set_on_the_launching_thread():
+    """Triton keeps its allocator in a ContextVar and autograd runs the backward on its own
+    thread: a setting made by the forward's thread is not seen there (the first GPU run's TMA
+    backwards all raised "no allocator was set"), so every launch sets it on its own thread."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from moe.kernels.triton import tma
+
+    tma.ensure_allocator()
+    seen = {}
+
+    def backward_thread():
+        seen["before"] = _allocation._allocator.get()
+        tma.ensure_allocator()
+        seen["after"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=backward_thread)
+    t.start()
+    t.join()
+    assert seen["before"] is not tma._cuda_scratch  # the forward thread's setting is not seen
+    assert seen["after"] is tma._cuda_scratch

@@ -16,10 +16,12 @@ rows get zero weight gradients. Outputs are in the input's dtype (x for y and dx
 Compute: the emulation (any device) dequantizes the e4m3 operands to float32 and runs the
 float32 grouped GEMM (moe.kernels.torch_grouped_mm), i.e. it computes exactly the products of
 the quantized operands, accumulated in float32. On CUDA sm_90+ with torch._scaled_grouped_mm
-and 16-byte aligned widths the forward and dgrad GEMMs run on it (e4m3 tensor cores; untested
-here: no GPU; its output is bf16, then cast to x's dtype); the wgrad GEMM is emulated everywhere
-(on CUDA below sm_90 the float32 grouped GEMM falls back to per-expert matmuls, which read
-the offsets on the host).
+and 16-byte aligned widths the forward and dgrad GEMMs run on it (e4m3 tensor cores; its
+output is bf16, then cast to x's dtype). The wgrad's operands, e4m3 values times power-of-two
+scales, are exact in bf16: on CUDA with pow2 scales it runs as torch._grouped_mm in bf16
+(float32 accumulation, bf16 output), on any other device or scaling as the float32 emulation.
+On CUDA that emulation is per-expert float32 matmuls that read the offsets on the host: the
+first GPU run (bench/results/2026-11-28-h200-gpu-check.md) measured it as most of an FP8 step.
 
 save_fp8: the backward keeps x as e4m3 plus its row scales (M*K + 4*M bytes) instead of x
 itself (2 or 4 bytes per element); the wgrad then re-quantizes the dequantized x per expert
@@ -40,7 +42,7 @@ from moe.fp8.quant import (
     quantize_blocks,
     quantize_groups,
 )
-from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
+from moe.kernels.torch_grouped_mm import mm_groups, wgrad_fits, wgrad_groups
 
 
 def _scaled_gemm_ok(a: Tensor, w: Tensor) -> bool:
@@ -172,6 +174,10 @@ def _wgrad_op(
         return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor)
     x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
     dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
+    if pow2 and x_q.device.type == "cuda":  # e4m3 x 2^k is exact in bf16: its tensor cores
+        x_b, dy_b = x_q.bfloat16(), dy_q.bfloat16()
+        if wgrad_fits(x_b.shape[0], x_b, dy_b):
+            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).float()
     return wgrad_groups(x_q, dy_q, offsets_E)
 
 

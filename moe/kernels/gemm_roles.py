@@ -11,9 +11,12 @@ epilogue's row passes) faster than the Triton kernel by more than CUTLASS_MARGIN
 measured shape of that class; to "triton" elsewhere.
 bench/gpu_decide.py computes the table from a check's measurements.
 
-Source of today's entries: NO GPU MEASUREMENT EXISTS YET for the current kernels (the check has
-not run; issue 35). Every entry is "triton", today's behaviour of backend="triton". The Triton
-expert MLP (moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
+Source of today's entries: the first GPU check (one H200, 2026-11-28,
+bench/results/2026-11-28-h200-gpu-summary.md). Its role table has CUTLASS faster by more than
+the margin for every role at every class except up and dx at "narrow"; but the rule's other
+condition, the CUDA tests of the CUTLASS roles passed (stage b), was not met: the pointer
+selection had 10 failures and was cut off at its limit before naming them. So every entry
+stays "triton" until a check passes stage b. The Triton expert MLP (moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
 (moe/kernels/triton/cutlass_roles.py) where that runs (bf16 on sm_90+; fp32/bf16/fp16 on CPU
 under TRITON_INTERPRET=1) and the role's epilogue holds no bias; on the Triton kernel otherwise.
 KernelConfig.cutlass_roles overrides the table for the whole process (the GPU check's layer
@@ -24,7 +27,10 @@ ROLES = ("up", "down", "dact", "dx", "wgrad13", "wgrad2")
 BACKENDS = ("triton", "cutlass")
 APPLIED = BACKENDS  # backends the Triton expert MLP dispatches to
 CUTLASS_MARGIN = 0.05  # issue 35: CUTLASS must be faster by more than 5%
-SOURCE = "no GPU measurement yet (issue 35): today's behaviour, Triton for every role"
+SOURCE = (
+    "GPU check 2026-11-28 (H200): CUTLASS faster at 16 of 18 (role, class) pairs, but stage b's "
+    "CUDA tests did not pass: Triton for every role until they do"
+)
 
 # Shape classes by expert geometry (model width d, expert width F); the four benchmark shapes:
 # Mixtral (d 4096, F 14336) "wide-ffn"; OLMoE (2048, 1024) and Qwen3 (2048, 768) "narrow";

@@ -10,8 +10,9 @@ from moe.kernels.triton.common import interpreting
 
 
 def tma_default(device: torch.device) -> bool:
-    """The TMA path is opt-in (KernelConfig.tma; MOE_TRITON_TMA=1) until it has run on a GPU: then it is used on
-    sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
+    """The TMA path is opt-in (KernelConfig.tma; MOE_TRITON_TMA=1) until it passes the CUDA
+    tests and is timed on a GPU (not yet: bench/results/2026-11-28-h200-gpu-summary.md). When
+    on, it is used on sm_90+ GPUs and in the interpreter (which runs tensor descriptors)."""
     if not kernel_config().tma:
         return False
     if device.type != "cuda":
@@ -33,17 +34,16 @@ def tma_ok(a_MK, b_EKN, b2_EKN, K: int, split_a: bool, gather: bool) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in bases)
 
 
-_ALLOCATOR_SET = False
+def _cuda_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_allocator() -> None:
-    """Device-built tensor descriptors need global scratch (Triton's persistent matmul tutorial)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(
-            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
-        )
-        _ALLOCATOR_SET = True
+    """Device-built tensor descriptors need global scratch (Triton's persistent matmul tutorial).
+    Set on every launch: Triton keeps the allocator in a ContextVar, and autograd runs the
+    backward on a thread of its own, where a forward's setting is not seen (the first GPU run,
+    bench/results/2026-11-28-h200-gpu-check.md: every TMA backward raised "no allocator")."""
+    triton.set_allocator(_cuda_scratch)
 
 
 def persistent_programs(device: torch.device) -> int:
