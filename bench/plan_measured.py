@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loopback", action="store_true", help="4 ranks on localhost, no netns")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--passes", type=int, default=2, help="times over the layouts (fastest kept)")
     p.add_argument("--layouts", default="", help="comma-separated indices into LAYOUTS")
     p.add_argument("--sizes", default="{}", help="JSON of Sizes fields (smaller for tests)")
     p.add_argument("--burst-kb", type=int, default=128)
@@ -96,7 +97,7 @@ def worker_main(cfg: dict) -> None:
     profile_main(["--out", cfg["cluster"], "--d-model", str(sizes.d_model), "--d-ff",
                   str(sizes.d_ff), "--dtype", "bfloat16"])  # fmt: skip
     cases = [(name, Layout(**layout)) for name, layout in cfg["cases"]]
-    rows = measure_layouts(cases, sizes, cfg["steps"], cfg["warmup"])
+    rows = measure_layouts(cases, sizes, cfg["steps"], cfg["warmup"], cfg["passes"])
     if dist.get_rank() == 0:
         Path(cfg["json"]).write_text(json.dumps({"meta": cfg, "rows": rows}))
     dist.barrier()
@@ -135,7 +136,7 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
         for rate in rates:
             cfg = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
                    "burst_kb": a.burst_kb, "latency_ms": a.latency_ms, "timeout": a.timeout,
-                   "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup,
+                   "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup, "passes": a.passes,
                    "sizes": asdict(sizes), "cases": cases,
                    "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
                    "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
             f"(loopback inside a node, tbf-shaped veth links between nodes, burst {a.burst_kb} "
             f"kB, latency {a.latency_ms} ms), bf16 weights, fp32 masters and AdamW "
             f"(moe.memory.GroupedApply); models at {asdict(sizes)}; per layout {a.warmup} "
-            f"warm-up and {a.steps} timed steps (median of the slowest rank), then one step "
+            f"warm-up and {a.steps} timed steps (median of the slowest rank; {a.passes} passes "
+            "over all layouts, the fastest pass kept), then one step "
             "under bench/memory.py's AllocationCounter (peak tracked bytes, fullest rank). "
             "Predictions: moe.plan.predict with each rate's profiled cluster file (the "
             "profile's micro-benchmarks ran before the layouts; nothing is fitted to them). "

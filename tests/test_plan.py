@@ -276,31 +276,43 @@ def test_published_report_runs():
 
 def test_fixed_overheads_add_their_documented_terms():
     """The profile's fixed costs (moe/plan/overhead.py) add exactly predict's documented
-    terms: per micro-batch blocks x block_overhead + MoE blocks x moe_overhead (x (1 + the
-    recomputed forward share / 3)) + step_overhead; ddp one collective call per parallelize
-    unit (blocks + 2 MoE blocks + 1), fsdp 2m + 1 of them; (blocks + 1) x optimizer_overhead.
-    The presets keep them 0; a cluster file without them still loads."""
+    terms: per micro-batch blocks x (block_overhead + t block_token_overhead) + MoE blocks x
+    (moe_overhead + t moe_token_overhead) (x (1 + the recomputed forward share / 3)) +
+    step_overhead + t step_token_overhead; with nothing overlapped (dp_overlap 0) a ring
+    collective per parallelize unit (blocks + 1 dense, one per MoE layer's experts) of factor
+    (n - 1) step latencies, ddp one all-reduce (factor 2) a step, fsdp 2m + 1 gathers or
+    reduce-scatters (factor 1); (blocks + 1) x optimizer_overhead, and at least
+    optimizer_param_overhead per local parameter. The presets keep them 0; a cluster file
+    without them still loads."""
     spec, seq = _spec(), 32
     assert (_cluster().block_overhead, _cluster().collective_latency) == (0.0, 0.0)
-    base = _cluster(intra_bw=1e14, intra_latency=0.0)  # gathers hidden behind compute
+    base = _cluster(intra_bw=1e14, intra_latency=0.0, dp_overlap=0.0)
     costs = dict(block_overhead=1e-3, moe_overhead=2e-3, step_overhead=3e-3,
-                 optimizer_overhead=5e-4, collective_latency=7e-4)  # fmt: skip
+                 optimizer_overhead=5e-4, collective_latency=7e-4, step_latency=7e-4,
+                 block_token_overhead=1e-6, moe_token_overhead=2e-6, step_token_overhead=3e-6)  # fmt: skip
     cl = replace(base, **costs)
-    blocks, moe_blocks = spec.n_layers, spec.moe_layers
-    units = blocks + 2 * moe_blocks + 1
-    for dp_mode, passes in (("ddp", 1), ("fsdp", 2 * 3 + 1)):
+    blocks, moe_blocks, t = spec.n_layers, spec.moe_layers, 2 * seq
+    for dp_mode, passes, factor in (("ddp", 1, 2), ("fsdp", 2 * 3 + 1, 1)):
         lay = Layout(1, 4, 1, dp_mode, microbatches=3, micro_batch_seqs=2)
         a = predict(spec, base, lay, seq, 4 * 3 * 2 * seq)
         b = predict(spec, cl, lay, seq, 4 * 3 * 2 * seq)
-        fixed = blocks * 1e-3 + moe_blocks * 2e-3 + 3e-3
+        fixed = blocks * (1e-3 + t * 1e-6) + moe_blocks * (2e-3 + t * 2e-6) + 3e-3 + t * 3e-6
         assert b.time["compute"] - a.time["compute"] == pytest.approx(3 * fixed)
-        assert b.time["dp_comms"] - a.time["dp_comms"] == pytest.approx(passes * units * 7e-4)
+        steps = factor * 3 * (blocks + 1 + moe_blocks)  # n - 1 = 3 ring steps per factor
+        assert b.time["dp_comms"] - a.time["dp_comms"] == pytest.approx(passes * steps * 7e-4)
         assert b.time["optimizer"] - a.time["optimizer"] == pytest.approx((blocks + 1) * 5e-4)
         assert b.peak_memory == a.peak_memory
+    slow = predict(spec, replace(base, optimizer_param_overhead=1e-6), lay, seq, 12 * 2 * seq)
+    fast = predict(spec, base, lay, seq, 12 * 2 * seq)
+    local = spec.total_params() / 4  # fsdp over 4 ranks
+    assert slow.time["optimizer"] == pytest.approx(1e-6 * local)
+    assert fast.time["optimizer"] < 1e-6 * local
     full = Layout(1, 4, 1, "ddp", recompute="full")
     a, b = (predict(spec, c, full, seq, 4 * seq) for c in (base, cl))
+    t = seq
+    per_block = blocks * (1e-3 + t * 1e-6) + moe_blocks * (2e-3 + t * 2e-6)
     assert b.time["compute"] - a.time["compute"] == pytest.approx(
-        (blocks * 1e-3 + moe_blocks * 2e-3) * (1 + 1 / 3) + 3e-3
+        per_block * (1 + 1 / 3) + 3e-3 + t * 3e-6
     )
     assert cl.cost_model().a_coll == 7e-4
     lay = Layout(1, 4, 1, "ddp", groups=2)

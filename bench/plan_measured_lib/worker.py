@@ -238,17 +238,30 @@ def run_layout(model_name: str, sizes: Sizes, layout: Layout, steps: int, warmup
     }
 
 
-def measure_layouts(cases: list[tuple[str, Layout]], sizes: Sizes, steps: int, warmup: int):
-    """run_layout of every (model name, Layout), in order, on every rank."""
+def measure_layouts(
+    cases: list[tuple[str, Layout]], sizes: Sizes, steps: int, warmup: int, passes: int = 2
+):
+    """run_layout of every (model name, Layout), in order, on every rank, `passes` times over
+    the whole list; a layout's step time is the fastest pass's median. The same layout's
+    median moved by up to 2x between passes on the 2-core machine (the first layouts of a
+    process, and whichever ran while the machine was slow): noise only adds time."""
     torch.set_num_threads(1)
-    out = []
-    for model_name, layout in cases:
-        row = run_layout(model_name, sizes, layout, steps, warmup)
-        out.append({"model": model_name, "layout": layout.record(), **row})
-        if dist.get_rank() == 0:
+    out: list[dict] = []
+    for i in range(passes):
+        for j, (model_name, layout) in enumerate(cases):
+            row = run_layout(model_name, sizes, layout, steps, warmup)
+            if i == 0:
+                out.append({"model": model_name, "layout": layout.record(), **row})
+                out[j]["pass_times"] = [row["step_time"]]
+                continue
+            out[j]["pass_times"].append(row["step_time"])
+            out[j]["step_times"] += row["step_times"]
+            out[j]["step_time"] = min(out[j]["pass_times"])
+    if dist.get_rank() == 0:
+        for row in out:
             print(
-                f"  {model_name:8s} {layout.short():60s} {row['step_time'] * 1e3:8.1f} ms "
-                f"{row['peak_memory'] / 2**20:7.2f} MiB",
+                f"  {row['model']:8s} {Layout(**row['layout']).short():60s} "
+                f"{row['step_time'] * 1e3:8.1f} ms {row['peak_memory'] / 2**20:7.2f} MiB",
                 flush=True,
             )
     return out

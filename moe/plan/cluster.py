@@ -53,7 +53,18 @@ class Cluster:
     moe_overhead: float = 0.0  # extra per MoE block and micro-batch (router, permutation)
     step_overhead: float = 0.0  # per micro-batch: embedding, head and loss
     optimizer_overhead: float = 0.0  # per block and step: the optimizer's per-tensor work
+    # per token of a micro-batch, beyond the GEMMs (norms, rotary, softmax, casts)
+    block_token_overhead: float = 0.0
+    moe_token_overhead: float = 0.0
+    step_token_overhead: float = 0.0
+    optimizer_param_overhead: float = 0.0  # seconds per parameter of an optimizer step, if more
+    # than its bytes over hbm_bw
     collective_latency: float = 0.0  # per collective call (all-to-all, gather, reduce)
+    # per ring step of a data-parallel collective (an all-reduce of n ranks takes 2 (n - 1)
+    # steps, a gather or reduce-scatter n - 1): the profile's fit of a world all-reduce's time
+    # against its size; the presets keep 0 (the links' latency)
+    step_latency: float = 0.0
+    dp_overlap: float = 1.0  # the share of data-parallel traffic that can run under compute
     optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
     optimizer_tensor_temp_bytes: float = 0.0  # per element of the largest tensor (per-tensor step)
     name: str = "custom"
@@ -70,8 +81,11 @@ class Cluster:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"Cluster.{f.name} must be a finite number, got {v!r}")
-            if v < 0 or (v == 0 and not f.name.endswith(("latency", "overhead", "bytes"))):
+            zero_ok = f.name.endswith(("latency", "overhead", "bytes")) or f.name == "dp_overlap"
+            if v < 0 or (v == 0 and not zero_ok):
                 raise ValueError(f"Cluster.{f.name} must be > 0, got {v!r}")
+        if self.dp_overlap > 1:
+            raise ValueError(f"Cluster.dp_overlap must be in [0, 1], got {self.dp_overlap}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(
                 f"Cluster.gemm_efficiency must be in (0, 1], got {self.gemm_efficiency}"

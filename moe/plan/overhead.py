@@ -21,6 +21,11 @@ parameter (and per element of the largest tensor) a GroupedApply(AdamW) step all
 beyond its state (predict's temporaries; the presets keep the 8 B of a foreach step's fp32
 gradient copy and denominator, and 0).
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
+Under torch.distributed (the profile under torchrun) every reference module is first
+parallelized by moe.parallelize on a mesh of its rank alone, so its parameters are DTensors
+with FSDP2's hooks, as in every parallelized training step (on a 2-core CPU that doubled the
+step's cost over plain tensors), and the ranks time each module at the same moment (a
+barrier before each), sharing the machine as the ranks of a step do.
 The profile measures these four on CPU runs only (a CUDA profile keeps 0: its modules would
 have to run on the device, and at the sizes GPUs are planned for they are noise).
 """
@@ -34,6 +39,7 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,10 +67,10 @@ class _Block(nn.Module):
 
 
 class _SwiGLU(nn.Module):
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, d: int = D, f: int = D):
         super().__init__()
-        self.up = nn.Linear(D, 2 * D, bias=False, dtype=dtype)
-        self.down = nn.Linear(D, D, bias=False, dtype=dtype)
+        self.up = nn.Linear(d, 2 * f, bias=False, dtype=dtype)
+        self.down = nn.Linear(f, d, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.up(x).chunk(2, -1)
@@ -74,6 +80,8 @@ class _SwiGLU(nn.Module):
 def _median_time(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
+    if dist.is_initialized():
+        dist.barrier()  # every rank times at once: they share the machine as in a step
     out = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -90,7 +98,17 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor):
     return run
 
 
-def _hf_reference(dtype: torch.dtype):
+def _hf_config(d: int = D, f: int = D, t: int = T):
+    import transformers
+
+    return transformers.MixtralConfig(
+        vocab_size=16, hidden_size=d, intermediate_size=f, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=t,
+        num_local_experts=E, num_experts_per_tok=2,
+    )  # fmt: skip
+
+
+def _hf_reference(dtype: torch.dtype, d: int = D, f: int = D, t: int = T):
     """(dense block, MoE block, embedding + head) of a 1-layer tiny transformers Mixtral
     converted by moe.from_hf and cut by moe.pipeline.hf_stack: a decoder block as the
     families the planner reads build it (RMSNorm, rotary, GQA, the causal mask per layer)."""
@@ -99,18 +117,14 @@ def _hf_reference(dtype: torch.dtype):
     import moe
     from moe.pipeline import hf_stack
 
-    cfg = transformers.MixtralConfig(
-        vocab_size=16, hidden_size=D, intermediate_size=D, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T,
-        num_local_experts=E, num_experts_per_tok=2,
-    )  # fmt: skip
+    cfg = _hf_config(d, f, t)
     torch.manual_seed(0)
     model = moe.from_hf(transformers.MixtralForCausalLM(cfg)).to(dtype)
     embed, layer, head = hf_stack(model)
     moe_block = copy.deepcopy(layer)
     (path, _), *_ = moe.moe_layers(layer)
     parent, _, leaf = path.rpartition(".")
-    setattr(layer.get_submodule(parent), leaf, _SwiGLU(dtype))
+    setattr(layer.get_submodule(parent), leaf, _SwiGLU(dtype, d, f))
     return layer, moe_block, embed, head
 
 
@@ -168,20 +182,33 @@ def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, n: int = 1 << 14) 
     return max((equal - n * b) / (4 * n), 0.0), b
 
 
-def measure_overheads(
-    dtype: torch.dtype = torch.float32, repeats: int = 30, reference: str = "hf"
-) -> dict[str, float]:
-    """The four fixed costs (seconds) of this machine and dtype (see the module docstring);
-    reference "hf" (a transformers Mixtral block, when transformers is installed) or
-    "generic" (the minimal block above)."""
+def _parallelized(dense: nn.Module, moe_block: nn.Module, ends: nn.ModuleList) -> tuple:
+    """The reference modules as a training step runs them, on a mesh of this rank alone (every
+    rank calls): the MoE block by moe.parallelize, the others by FSDP2 (as parallelize wraps a
+    model's dense parts): DTensor parameters and FSDP2 hooks, no traffic between ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from moe.parallel import parallelize
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("rank", "dp", "ep"))
+    parallelize(moe_block, mesh["dp", "ep"])
+    for m in (dense, *ends):
+        fully_shard(m, mesh=mesh["dp"])
+    return dense, moe_block, ends
+
+
+def _reference_times(dtype, repeats: int, reference: str, d=D, f=D, t=T):
+    """(dense block, MoE block, embedding + head + loss) fwd + bwd seconds at width d, expert
+    width f and t tokens, and the MoE block (for the optimizer's figure)."""
     import moe
-    from moe.memory import GroupedApply
 
     torch.manual_seed(0)
-    x = torch.randn(1, T, D, dtype=dtype)
-    tokens = torch.randint(16, (1, T))
+    x = torch.randn(1, t, d, dtype=dtype)
+    tokens = torch.randint(16, (1, t))
     if reference == "hf" and importlib.util.find_spec("transformers") is not None:
-        dense, moe_block, embed, head = _hf_reference(dtype)
+        dense, moe_block, embed, head = _hf_reference(dtype, d, f, t)
     else:
         dense = _Block(_SwiGLU(dtype), dtype)
         layer = moe.MoELayer(D, D, E, top_k=2, activation="swiglu", backend="torch")
@@ -190,14 +217,50 @@ def measure_overheads(
         head = nn.Sequential(
             nn.LayerNorm(D, dtype=dtype), nn.Linear(D, 16, bias=False, dtype=dtype)
         )
-    t_dense = _median_time(_fwd_bwd(dense, x), repeats)
-    t_moe = _median_time(_fwd_bwd(moe_block, x), repeats)
+    if dist.is_initialized():
+        dense, moe_block, ends = _parallelized(dense, moe_block, nn.ModuleList([embed, head]))
+        embed, head = ends
 
     def ends():
         logits = head(embed(tokens))
         F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
 
-    t_ends = _median_time(ends, repeats)
+    times = [_median_time(fn, repeats) for fn in (_fwd_bwd(dense, x), _fwd_bwd(moe_block, x), ends)]
+    return times, moe_block
+
+
+def _gemm_seconds(d: int, f: int, t: int, rate) -> list[float]:
+    """What moe.plan.predict counts as GEMM time (fwd + bwd: 3 x the forward's FLOPs at
+    rate(rows)) for each reference module at (d, f, t): the part of a measured time that is
+    not a fixed cost."""
+    from moe.plan.spec import from_hf_config
+
+    spec = from_hf_config(_hf_config(d, f, t).to_dict())
+    attn_router, routed = spec.layer_flops(0, t)
+    attn = attn_router - 2 * d * E
+    dense = (attn + 6 * d * f) * t / rate(t)
+    moe = attn_router * t / rate(t) + routed * t / rate(max(t * spec.top_k / E, 1.0))
+    return [3 * dense, 3 * moe, 3 * spec.head_flops() * t / rate(t)]
+
+
+def measure_overheads(
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 30,
+    reference: str = "hf",
+    size: tuple[int, int, int] | None = None,
+    rate=None,
+) -> dict[str, float]:
+    """The fixed costs (seconds) of this machine and dtype (see the module docstring);
+    reference "hf" (a transformers Mixtral block, when transformers is installed) or
+    "generic" (the minimal block above). With size = (d_model, d_ff, tokens) and rate (the
+    profile's GEMM FLOP/s at a row count) the "hf" reference is also timed at the model's
+    widths and a micro-batch's tokens: what it costs there beyond the fixed costs and the
+    GEMM time predict counts grows with the tokens (norms, rotary, softmax, casts), the
+    *_token_overhead figures (per token); and the optimizer's seconds per parameter there
+    (optimizer_param_overhead: on CPUs far above the bytes over memory bandwidth)."""
+    from moe.memory import GroupedApply
+
+    (t_dense, t_moe, t_ends), moe_block = _reference_times(dtype, repeats, reference)
     for p in moe_block.parameters():
         p.grad = torch.randn_like(p)
     opt = GroupedApply(moe_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
@@ -208,5 +271,21 @@ def measure_overheads(
         "step_overhead": t_ends,
         "optimizer_overhead": t_opt,
     }
+    if size is not None and reference == "hf" and importlib.util.find_spec("transformers"):
+        d, f, t = size
+        big, big_block = _reference_times(dtype, max(repeats // 2, 5), reference, d, f, t)
+        for p in big_block.parameters():
+            p.grad = torch.randn_like(p)
+        opt = GroupedApply(big_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
+        n = sum(p.numel() for p in big_block.parameters())
+        out["optimizer_param_overhead"] = max(_median_time(opt.step, 5) - t_opt, 0.0) / n
+        small = (t_dense, t_moe, t_ends)
+        extra = [
+            max(b - g - s, 0.0) / (t - T)
+            for b, g, s in zip(big, _gemm_seconds(d, f, t, rate), small)
+        ]
+        out["block_token_overhead"] = extra[0]
+        out["moe_token_overhead"] = max(extra[1] - extra[0], 0.0)
+        out["step_token_overhead"] = extra[2]
     out["optimizer_temp_bytes"], out["optimizer_tensor_temp_bytes"] = optimizer_temp_bytes(dtype)
     return out

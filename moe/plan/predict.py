@@ -24,17 +24,21 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       t k c ep / E rows per expert (x the busiest rank's routing imbalance);
                       x3 (forward + backward), + a forward for full recompute, + the routed
                       experts' forward for MoE recompute; + per micro-batch the profile's
-                      fixed costs: blocks x block_overhead + MoE blocks x moe_overhead (x (1 +
-                      recomputed forward share / 3)) + step_overhead (moe/plan/overhead.py)
+                      fixed costs: blocks x (block_overhead + t block_token_overhead) + MoE
+                      blocks x (moe_overhead + t moe_token_overhead) (x (1 + recomputed
+                      forward share / 3)) + step_overhead + t step_token_overhead
+                      (moe/plan/overhead.py)
           all-to-all  moe.comm CostModel (flat or hierarchical) of 4 exchanges per MoE block
                       and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
                       behind the routed experts' compute
-          dp comms    fsdp: all-gather forward and backward per micro-batch, one
-                      reduce-scatter a step, overlapped with compute beyond one unit; ddp one
-                      all-reduce a step, overlapped with the last micro-batch's backward
-                      except a tenth (the last bucket); + collective_latency per call: one
-                      per parallelize unit (blocks + 2 MoE blocks + 1) and pass (fsdp 2m + 1,
-                      ddp 1)
+          dp comms    ring collectives, one per parallelize unit (blocks + 1 over dp ep ranks,
+                      each MoE layer's experts over dp) and pass, each of factor (n - 1) steps
+                      of max(link latency, cluster.step_latency) (all-reduce factor 2, gather
+                      and reduce-scatter 1): fsdp all-gathers forward and backward per
+                      micro-batch and one reduce-scatter a step, overlapped with compute
+                      beyond one unit; ddp one all-reduce a step, overlapped with the last
+                      micro-batch's backward except a tenth (the last bucket); of what could
+                      overlap, cluster.dp_overlap does (1 in the presets)
           bubble      (p - 1) / v micro-batch times of the rank x the schedule's factor (1; 1/3
                       for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
                       (Qi et al. 2024; DeepSeek-V3 report) when m >= 2p)
@@ -42,7 +46,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       micro-batch and chunk
           optimizer   32 B per local parameter over HBM; offload: 4 B over the host link and
                       the host's Adam at the same 32 B per parameter over the host link's rate;
-                      + (blocks + 1) x optimizer_overhead (per-tensor work)
+                      at least cluster.optimizer_param_overhead per parameter (a profile's
+                      measured step); + (blocks + 1) x optimizer_overhead (per-tensor work)
 """
 
 from __future__ import annotations
@@ -131,11 +136,13 @@ def _group_link(cluster: Cluster, ranks: int, stride_span: int) -> tuple[float, 
     return cluster.link(ranks, span_nodes=stride_span > cluster.gpus_per_node)
 
 
-def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float) -> float:
-    """Ring collective over `ranks`: factor x nbytes x (n - 1) / n / bw + (n - 1) latencies."""
+def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float, calls=1) -> float:
+    """Ring collectives over `ranks` moving nbytes in all, in `calls` calls: each call takes
+    factor x (n - 1) steps of latency `lat` (an all-reduce, factor 2, is a reduce-scatter and a
+    gather), and the bytes take factor x nbytes x (n - 1) / n / bw."""
     if ranks <= 1:
         return 0.0
-    return factor * nbytes * (ranks - 1) / ranks / bw + (ranks - 1) * lat
+    return factor * (ranks - 1) * (nbytes / ranks / bw + calls * lat)
 
 
 def _largest_tensor(spec: ModelSpec, chunk, L: Layout) -> float:
@@ -277,8 +284,9 @@ def _rank_time(S: _Setup, mine) -> dict:
     if L.recompute.startswith("blocks:"):
         extra = fwd * min(int(L.recompute.split(":")[1]), blocks) / max(blocks, 1)
     recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
-    fixed = blocks * cluster.block_overhead + moe_blocks * cluster.moe_overhead
-    fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead
+    fixed = blocks * (cluster.block_overhead + t * cluster.block_token_overhead)
+    fixed += moe_blocks * (cluster.moe_overhead + t * cluster.moe_token_overhead)
+    fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead + t * cluster.step_token_overhead
     per_mb = 3 * fwd + extra + fixed
     compute = m * per_mb
     exchanges = 4 + (2 if L.recompute != "none" else 0)
@@ -297,27 +305,31 @@ def _rank_time(S: _Setup, mine) -> dict:
 
 
 def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -> float:
-    """Exposed FSDP gathers / reduce-scatters or DDP all-reduce, with their fixed call costs:
-    one collective call per parallelize unit (each block, each MoE layer and its experts, the
-    root) and pass, cluster.collective_latency each."""
+    """Exposed FSDP gathers / reduce-scatters or DDP all-reduce: one collective per
+    parallelize unit (each block and the root over dp x ep ranks, each MoE layer's experts
+    over dp) and pass, each ring step at least the profile's step_latency; of the traffic that
+    could hide under compute, cluster.dp_overlap does."""
     cluster, L, m = S.cluster, S.L, S.L.microbatches
     dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
     exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
-    dense_bytes, exp_bytes = 2 * P, 2 * X / L.ep
-    calls = (blocks + 2 * moe_blocks + 1) * cluster.collective_latency
+    dense_lat, exp_lat = max(dense_lat, cluster.step_latency), max(exp_lat, cluster.step_latency)
+    dense, experts = (
+        (2 * P, L.dp * L.ep, dense_bw, dense_lat),
+        (2 * X / L.ep, L.dp, exp_bw, exp_lat),
+    )
     if L.data_parallel == "fsdp":
-        gather = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 1) + _collective(
-            exp_bytes, L.dp, exp_bw, exp_lat, 1
-        )
+        gather = _collective(*dense, 1, blocks + 1) + _collective(*experts, 1, moe_blocks)
         total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
         units = 2 * m * max(blocks, 1) + 1
-        exposed = max(0.0, total - compute) + total / units
-        return exposed + ((2 * m + 1) * calls if L.dp * L.ep > 1 else 0.0)
-    reduce = _collective(dense_bytes, L.dp * L.ep, dense_bw, dense_lat, 2) + _collective(
-        exp_bytes, L.dp, exp_bw, exp_lat, 2
-    )
-    exposed = max(0.0, reduce - 2 * fwd) + reduce / 10
-    return exposed + (calls if L.dp * L.ep > 1 else 0.0)
+        return _exposed(cluster, total, max(0.0, total - compute) + total / units)
+    reduce = _collective(*dense, 2, blocks + 1) + _collective(*experts, 2, moe_blocks)
+    return _exposed(cluster, reduce, max(0.0, reduce - 2 * fwd) + reduce / 10)
+
+
+def _exposed(cluster: Cluster, total: float, overlapped: float) -> float:
+    """The exposed share of `total` traffic: `overlapped` where it runs fully under compute,
+    all of it where nothing does, in between by cluster.dp_overlap."""
+    return cluster.dp_overlap * overlapped + (1 - cluster.dp_overlap) * total
 
 
 def _p2p(S: _Setup) -> float:
@@ -332,7 +344,9 @@ def _p2p(S: _Setup) -> float:
 def _optimizer_terms(S: _Setup, local: float, blocks: int) -> dict:
     cluster = S.cluster
     opt_fixed = (blocks + 1) * cluster.optimizer_overhead
+    per_param = cluster.optimizer_param_overhead  # measured (CPU profiles), else bytes / bw
     if S.L.offload:
-        host = local * (4 + OPT_BYTES_PER_PARAM) / cluster.host_bw + opt_fixed
+        host = local * max((4 + OPT_BYTES_PER_PARAM) / cluster.host_bw, per_param) + opt_fixed
         return {"optimizer": 0.0, "offload": host}
-    return {"optimizer": local * OPT_BYTES_PER_PARAM / cluster.hbm_bw + opt_fixed, "offload": 0.0}
+    step = local * max(OPT_BYTES_PER_PARAM / cluster.hbm_bw, per_param) + opt_fixed
+    return {"optimizer": step, "offload": 0.0}

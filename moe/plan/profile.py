@@ -10,7 +10,8 @@ cannot measure (links without a second rank or node, FP8 throughput) keeps the p
 figure, and the file's `source` says which. Also the fixed framework costs of
 moe/plan/overhead.py (per block, per MoE block, per micro-batch, per optimizer step, on tiny
 generic modules) and, with more than one rank, the latency of one collective call (a 4-byte
-all_reduce over the world); --dtype picks the precision the GEMMs and overheads run in.
+all_reduce over the world), a ring step's latency and how much of a data-parallel
+all-reduce runs under compute (measure_ring); --dtype picks the precision the GEMMs and overheads run in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def _timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def _synced(fn, repeats: int, rounds: int = 5) -> float:
+    """Seconds per call of fn, as every rank sees it while all run it at once (a barrier
+    before each round of `repeats` calls): the median round of the slowest rank. The ranks of
+    a training step share the machine and wait for each other the same way."""
+    fn()
+    out = []
+    for _ in range(rounds):
+        if dist.is_initialized():
+            dist.barrier()
+        out.append(_timed(fn, repeats))
+    t = torch.tensor([float(np.median(out))], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def fit_rate(rows: list[int], rates: list[float]) -> tuple[float, float]:
     """(R, h) of rate = R rows / (rows + h), least squares on 1 / rate = 1/R + h/R / rows."""
     A = np.stack([np.ones(len(rows)), 1 / np.asarray(rows, float)], 1)
@@ -62,7 +79,7 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 def measure_gemm(d: int, f: int, device, dtype, rows=(16, 64, 256, 1024)) -> tuple[float, float]:
     x = {r: torch.randn(r, d, device=device, dtype=dtype) for r in rows}
     w = torch.randn(d, f, device=device, dtype=dtype)
-    rates = [2 * r * d * f / _timed(lambda r=r: x[r] @ w, 20) for r in rows]
+    rates = [2 * r * d * f / _synced(lambda r=r: x[r] @ w, 10) for r in rows]
     return fit_rate(list(rows), rates)
 
 
@@ -99,6 +116,33 @@ def measure_p2p(peer_a: int, peer_b: int, device, sizes=(1 << 12, 1 << 16, 1 << 
     return fit_link(list(sizes), out) if out else None
 
 
+def measure_ring(device, sizes=(1 << 10, 1 << 16, 1 << 18, 1 << 20)) -> tuple[float, float]:
+    """(step latency, dp overlap) of the world's data-parallel collectives (every rank calls).
+    Step latency: the intercept of a world all-reduce's time against its size over its
+    2 (world - 1) ring steps. Overlap: an all-reduce of the largest size started
+    asynchronously under matmuls of about its length, (t_comm + t_compute - t_both) /
+    min(t_comm, t_compute) in [0, 1] (on 2 CPU cores shared by 4 ranks, gloo hides little)."""
+    world = dist.get_world_size()
+    bufs = [torch.randn(n // 4, device=device) for n in sizes]
+    times = [_synced(lambda b=b: dist.all_reduce(b), 2) for b in bufs]
+    _, lat = fit_link(list(sizes), times)
+    a = torch.randn(128, 128, device=device)
+    k = max(1, round(times[-1] / _synced(lambda: a @ a, 10)))
+
+    def compute():
+        for _ in range(k):
+            a @ a
+
+    def both():
+        work = dist.all_reduce(bufs[-1], async_op=True)
+        compute()
+        work.wait()
+
+    t_comp, t_both = _synced(compute, 1), _synced(both, 1)
+    hidden = (times[-1] + t_comp - t_both) / min(times[-1], t_comp)
+    return lat / (2 * (world - 1)), min(max(hidden, 0.0), 1.0)
+
+
 def measure_collective_latency(repeats: int = 20) -> float:
     """Median seconds of a 4-byte all_reduce over the world (every rank calls)."""
     buf = torch.zeros(1)
@@ -126,6 +170,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--d-model", type=int, default=1024, help="the expert GEMM's input width")
     p.add_argument("--d-ff", type=int, default=1024, help="the expert GEMM's output width")
+    p.add_argument("--tokens", type=int, default=128, help="tokens of one micro-batch")
     p.add_argument("--dtype", choices=("bfloat16", "float32"),
                    help="the training precision (default: bfloat16 on CUDA, else float32)")  # fmt: skip
     args = p.parse_args(argv)
@@ -135,7 +180,9 @@ def main(argv=None) -> int:
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     )
     R, h = measure_gemm(args.d_model, args.d_ff, device, dtype)
-    overheads = measure_overheads(dtype) if not cuda else {}
+    rate = lambda rows: R * rows / (rows + h)  # noqa: E731 - the cluster's gemm_rate
+    size = (args.d_model, args.d_ff, args.tokens)
+    overheads = measure_overheads(dtype, size=size, rate=rate) if not cuda else {}
     mem_bw, host_bw = measure_copy(1 << 26, device)
     base = PRESETS[args.preset]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -147,6 +194,7 @@ def main(argv=None) -> int:
     if world > local:
         inter = measure_p2p(0, local, device)
     coll = measure_collective_latency() if world > 1 else 0.0
+    step_lat, overlap = measure_ring(device) if world > 1 else (0.0, base.dp_overlap)
     if intra is None:
         kept.append("intra-node link")
     if inter is None:
@@ -175,6 +223,8 @@ def main(argv=None) -> int:
         gemm_half_rows=h,
         **overheads,
         collective_latency=coll,
+        step_latency=step_lat,
+        dp_overlap=overlap,
         name="profile",
         source=f"measured by python -m moe.plan profile on {platform.node()} "
         f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "
