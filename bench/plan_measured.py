@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wall-limit", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="report stem: writes OUT.md, OUT.json, OUT.png")
     p.add_argument("--warning", default="", help="a line printed at the top of the report")
+    p.add_argument("--repredict", default=None, help="an earlier OUT.json: predict its measured "
+                   "rows again with today's moe.plan (nothing is run) and write --out")  # fmt: skip
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -159,6 +161,19 @@ def main(argv=None) -> int:
         return 0
     from bench.plan_measured_lib.report import summary, write
 
+    if a.repredict:
+        from bench.plan_measured_lib.report import repredict
+
+        if not a.out:
+            raise SystemExit("--repredict needs --out (the report to write)")
+        rows, meta = repredict(Path(a.repredict))
+        meta["warning"] = (
+            f"Predictions redone on {datetime.date.today()} by today's moe.plan from the "
+            f"measured rows and profiled clusters of {Path(a.repredict).name} (nothing re-run)"
+        )
+        s = write(rows, meta, Path(a.out))
+        print(json.dumps({k: v for k, v in s.items() if k != "best_gap_by_group"}, indent=1))
+        return 0
     start_load = os.getloadavg()[0]
     rows, clusters, sizes = measure(a)
     cmd = "python -m bench.plan_measured " + shlex.join(argv if argv is not None else sys.argv[1:])

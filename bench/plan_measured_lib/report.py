@@ -164,3 +164,34 @@ def write(rows: list[dict], meta: dict, stem: Path) -> dict:
     ]  # fmt: skip
     Path(f"{stem}.md").write_text("\n".join(lines))
     return s
+
+
+MEASURED = ("model", "layout", "rate_mbit", "step_time", "step_times", "pass_times", "peak_memory",
+            "resident_memory", "host_memory")  # fmt: skip
+
+
+def repredict(path: Path) -> tuple[list[dict], dict]:
+    """(rows, meta) of an earlier report's JSON, predicted again by today's moe.plan from its
+    measured rows and profiled clusters (untrusted input: sizes and fields checked)."""
+    from moe.untrusted import read_json
+
+    doc = read_json(path, max_bytes=16 << 20, what="plan_measured report")
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"{path}: not a bench.plan_measured report (no rows)")
+    meta, rows = doc.get("meta"), []
+    if not isinstance(meta, dict) or not isinstance(meta.get("clusters"), dict):
+        raise ValueError(f"{path}: not a bench.plan_measured report (no profiled clusters)")
+    sizes = Sizes(**meta["sizes"])
+    clusters = {rate: Cluster(**c) for rate, c in meta["clusters"].items()}
+    for r in doc["rows"]:
+        if not isinstance(r, dict) or r.get("model") not in ("m6", "mixtral"):
+            raise ValueError(f"{path}: a row is not a measured layout of m6 or mixtral")
+        if str(r.get("rate_mbit")) not in clusters:
+            raise ValueError(f"{path}: row at rate {r.get('rate_mbit')!r} has no profile")
+        if not all(
+            isinstance(r.get(k), (int, float)) and r[k] > 0 for k in ("step_time", "peak_memory")
+        ):
+            raise ValueError(f"{path}: a row's step_time or peak_memory is not positive")
+        row = {k: r[k] for k in MEASURED if k in r}
+        rows += add_predictions([row], clusters[str(r["rate_mbit"])], sizes)
+    return rows, meta

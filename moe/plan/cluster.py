@@ -65,6 +65,10 @@ class Cluster:
     # against its size; the presets keep 0 (the links' latency)
     step_latency: float = 0.0
     dp_overlap: float = 1.0  # the share of data-parallel traffic that can run under compute
+    # one all-reduce ("ddp") / all-gather or reduce-scatter ("fsdp") of a parallelize unit over
+    # the world as FSDP2 issues it, waiting for the other ranks included (a CPU profile)
+    ddp_call_latency: float = 0.0
+    fsdp_call_latency: float = 0.0
     optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
     optimizer_tensor_temp_bytes: float = 0.0  # per element of the largest tensor (per-tensor step)
     name: str = "custom"

@@ -3,8 +3,9 @@
 Per pp rank (the slowest and the fullest rank are reported), with t = tokens per micro-batch
 (micro_batch_seqs x seq_len), m micro-batches, its chunks' parameters P (dense) and X
 (routed experts, x (E + spare) / E), bf16 weights with fp32 masters and Adam:
-  memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units (fsdp: s_d =
-                      dp ep, s_e = dp; ddp: s_d = s_e = 1); gradients the same + 1 unit;
+  memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units, 1 where the
+                      gathers do not overlap compute (dp_overlap < 1) (fsdp: s_d = dp ep,
+                      s_e = dp; ddp: s_d = s_e = 1); gradients 2 B x the local parameters;
           optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
                       the 4 B masters, "all" nothing; temporaries cluster.optimizer_temp_bytes
                       (8 B in the presets, measured by a profile) x local / groups +
@@ -16,8 +17,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       ZBV min(m, p); DualPipeV min(m, p + 1)); full recompute keeps block
                       inputs plus one block's activations
           comms       all-to-all send + receive 2 t k c h (1 B / element for FP8 dispatch,
-                      x2 hierarchical); stage p2p 2 t h per chunk; ddp one flat gradient copy,
-                      fsdp one unit
+                      x2 hierarchical); stage p2p 2 t h per chunk; one parallelize unit's
+                      gradients (FSDP2 reduces unit by unit, replicate ("ddp") too)
           peak        parameters + gradients + optimizer + the larger phase: activations +
                       comms (forward / backward) or temporaries (the optimizer step)
   time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
@@ -33,8 +34,9 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       behind the routed experts' compute
           dp comms    ring collectives, one per parallelize unit (blocks + 1 over dp ep ranks,
                       each MoE layer's experts over dp) and pass, each of factor (n - 1) steps
-                      of max(link latency, cluster.step_latency) (all-reduce factor 2, gather
-                      and reduce-scatter 1): fsdp all-gathers forward and backward per
+                      of max(link latency, cluster.step_latency, the profile's ddp / fsdp
+                      call over its world's ring steps) (all-reduce factor 2, gather and
+                      reduce-scatter 1): fsdp all-gathers forward and backward per
                       micro-batch and one reduce-scatter a step, overlapped with compute
                       beyond one unit; ddp one all-reduce a step, overlapped with the last
                       micro-batch's backward except a tenth (the last bucket); of what could
@@ -222,8 +224,8 @@ def _shards(S: _Setup, mine) -> tuple[float, float, float, float]:
     P, X = mine.dense_params, mine.expert_params * S.spare
     fsdp = L.data_parallel == "fsdp"
     local = P / (L.dp * L.ep) + X / (L.ep * L.dp) if fsdp else P + X / L.ep
-    unit = 0.0
-    if fsdp and mine.blocks:
+    unit = 0.0  # the largest parallelize unit (a block's dense part or a layer's experts)
+    if mine.blocks:
         unit = max(P / max(mine.blocks, 1), X / max(mine.moe_blocks, 1) / L.ep)
     return P, X, local, unit
 
@@ -236,9 +238,13 @@ def _rank(S: _Setup, mine, r: int) -> tuple[dict, dict]:
 def _rank_memory(S: _Setup, mine, r: int) -> dict:
     spec, cluster, L, t = S.spec, S.cluster, S.L, S.t
     P, X, local, unit = _shards(S, mine)
+    # FSDP holds one unit gathered, two where the next unit's gather runs ahead under compute
+    # (dp_overlap 1: GPU streams); a unit's unsharded gradients are the reduce-scatter's input
+    # (comms below)
+    gathered = 2 if cluster.dp_overlap >= 1 else 1
     memory = {
-        "parameters": 2 * (local + 2 * unit),
-        "gradients": 2 * (local + unit),
+        "parameters": 2 * (local + (gathered * unit if L.data_parallel == "fsdp" else 0)),
+        "gradients": 2 * local,
         "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
         "temporaries": 0.0
         if L.offload
@@ -263,8 +269,8 @@ def _rank_memory(S: _Setup, mine, r: int) -> dict:
         comms += 2 * S.a2a_bytes * elem * (2 if L.exchange == "hierarchical" else 1)
     if L.pp > 1:
         comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
-    if L.dp * L.ep > 1:
-        comms += 2 * (unit if L.data_parallel == "fsdp" else local)
+    if L.dp * L.ep > 1:  # one unit's gradients in flight (fsdp reduce-scatter, ddp all-reduce)
+        comms += 2 * unit
     memory["comms"] = comms
     return memory
 
@@ -312,12 +318,15 @@ def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -
     cluster, L, m = S.cluster, S.L, S.L.microbatches
     dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
     exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
-    dense_lat, exp_lat = max(dense_lat, cluster.step_latency), max(exp_lat, cluster.step_latency)
+    W, fsdp = max(cluster.world - 1, 1), L.data_parallel == "fsdp"
+    call = cluster.fsdp_call_latency / W if fsdp else cluster.ddp_call_latency / (2 * W)
+    step = max(cluster.step_latency, call)  # a ring step, from the profile's world collectives
+    dense_lat, exp_lat = max(dense_lat, step), max(exp_lat, step)
     dense, experts = (
         (2 * P, L.dp * L.ep, dense_bw, dense_lat),
         (2 * X / L.ep, L.dp, exp_bw, exp_lat),
     )
-    if L.data_parallel == "fsdp":
+    if fsdp:
         gather = _collective(*dense, 1, blocks + 1) + _collective(*experts, 1, moe_blocks)
         total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
         units = 2 * m * max(blocks, 1) + 1
