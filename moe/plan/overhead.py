@@ -4,8 +4,8 @@ bytes when the tensors are so small that eager dispatch, autograd bookkeeping, t
 sorting and the optimizer's per-tensor launches dominate (CPU runs, tiny models; on a GPU at
 the presets' sizes these are microseconds against milliseconds and the presets keep 0).
 
-At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls, on a
-reference decoder block: by default one layer of a tiny transformers Mixtral converted by
+At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls (the
+fastest of ROUNDS rounds), on a reference decoder block: by default one layer of a tiny transformers Mixtral converted by
 moe.from_hf and cut by moe.pipeline.hf_stack (RMSNorm, rotary, grouped-query attention, the
 per-layer causal mask: a block as the Hugging Face families the planner reads build it);
 without transformers, or with reference="generic", a minimal pre-norm block (LayerNorm,
@@ -20,14 +20,19 @@ and, a memory figure of the same software stack, optimizer_temp_bytes: the bytes
 parameter (and per element of the largest tensor) a GroupedApply(AdamW) step allocates
 beyond its state (predict's temporaries; the presets keep the 8 B of a foreach step's fp32
 gradient copy and denominator, and 0).
+With size and rate (measure_overheads) the same references are timed at the model's widths
+and a micro-batch's tokens: block_token_overhead, moe_token_overhead, step_token_overhead
+per token beyond the GEMM time predict counts there, and optimizer_param_overhead per
+parameter. Under torch.distributed (the profile under torchrun) every reference module is
+first parallelized on a mesh of its rank alone, so its parameters are DTensors with FSDP2's
+hooks as in every parallelized training step (on a 2-core CPU that doubled the step's cost
+over plain tensors), and the ranks time each module at the same moment (a barrier before
+each), sharing the machine as the ranks of a step do; with more than one rank the MoE block
+is also parallelized over the world as "ddp" and "fsdp": ddp_call_latency and
+fsdp_call_latency, one data-parallel collective per unit as FSDP2 issues it.
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
-Under torch.distributed (the profile under torchrun) every reference module is first
-parallelized by moe.parallelize on a mesh of its rank alone, so its parameters are DTensors
-with FSDP2's hooks, as in every parallelized training step (on a 2-core CPU that doubled the
-step's cost over plain tensors), and the ranks time each module at the same moment (a
-barrier before each), sharing the machine as the ranks of a step do.
-The profile measures these four on CPU runs only (a CUDA profile keeps 0: its modules would
-have to run on the device, and at the sizes GPUs are planned for they are noise).
+The profile measures these on CPU runs only (a CUDA profile keeps 0: its modules would have
+to run on the device, and at the sizes GPUs are planned for they are noise).
 """
 
 from __future__ import annotations

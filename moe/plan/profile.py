@@ -11,7 +11,9 @@ figure, and the file's `source` says which. Also the fixed framework costs of
 moe/plan/overhead.py (per block, per MoE block, per micro-batch, per optimizer step, on tiny
 generic modules) and, with more than one rank, the latency of one collective call (a 4-byte
 all_reduce over the world), a ring step's latency and how much of a data-parallel
-all-reduce runs under compute (measure_ring); --dtype picks the precision the GEMMs and overheads run in.
+all-reduce runs under compute (measure_ring), at the model's widths and a micro-batch's
+tokens (--d-model, --d-ff, --tokens); every rank measures at once (barriers) and each figure
+is the slowest rank's; --dtype picks the precision the GEMMs and overheads run in.
 """
 
 from __future__ import annotations
