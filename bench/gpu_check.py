@@ -17,8 +17,8 @@ even when a stage fails or the budget runs out.
      shapes: the up-projection grouped GEMM and the whole layer; ms, peak, SQNR);
   e. the decision rules of bench/gpu_decide.py applied to what was measured (after f).
 --stages picks the stages to run (a rerun of the ones that failed; e always runs); the others
-are reported as not selected. Exit status: 1 when a stage failed or was skipped (named on stderr; --allow-skips accepts
-skips, except in the rehearsal), else 0. A --budget below the stages' sum is refused unless
+are reported as not selected. Exit status: 1 when a stage failed or was skipped (named on
+stderr; --allow-skips accepts skips, except in the rehearsal), else 0. A --budget below the stages' sum is refused unless
 --allow-skips; --out refuses /, system folders, the home folder, the repository, and a folder
 holding report files this check did not write (it marks its own with .made-by-gpu-check).
 """
@@ -214,8 +214,8 @@ def main(argv=None) -> int:
         args.budget = REHEARSAL_BUDGET_S if args.rehearse else DEFAULT_BUDGET_S
     first = chosen[0][3] if args.rehearse else chosen[0][2]
     if not (first <= args.budget < 3600):
-        p.error(f"--budget must be in [{first}, 3600) seconds (stage {chosen[0][0]} alone needs {first} s), "
-                f"got {args.budget:g}")  # fmt: skip
+        p.error(f"--budget must be in [{first}, 3600) seconds (stage {chosen[0][0]} alone needs "
+                f"{first} s), got {args.budget:g}")  # fmt: skip
     need = sum(st[3] if args.rehearse else st[2] for st in chosen)
     if args.budget < need and not args.allow_skips:
         p.error(

@@ -165,7 +165,7 @@ def stop_background(check) -> None:
 def _pytest(check, stage, label, files, limit, tma, select=()) -> bool | None:
     env = dict(check.env, MOE_TRITON_TMA="1" if tma else "0")
     # -v: each test's outcome is printed as it ends, so a run cut off by its limit still names
-    # its failures (the first GPU run's were 12 nameless F's)
+    # its failures (the first GPU run's 10 were nameless F's)
     args = ["--collect-only", "-q"] if check.rehearse else ["-v", "-p", "no:cacheprovider"]
     if not check.rehearse and find_spec("xdist") is not None:  # Triton compiles on 8 CPUs
         args += ["-n", str(XDIST_WORKERS)]

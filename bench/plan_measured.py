@@ -138,7 +138,8 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
         for rate in rates:
             cfg = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
                    "burst_kb": a.burst_kb, "latency_ms": a.latency_ms, "timeout": a.timeout,
-                   "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup, "passes": a.passes,
+                   "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup,
+                   "passes": a.passes,
                    "sizes": asdict(sizes), "cases": cases,
                    "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
                    "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip

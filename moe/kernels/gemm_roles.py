@@ -16,7 +16,8 @@ bench/results/2026-11-28-h200-gpu-summary.md). Its role table has CUTLASS faster
 the margin for every role at every class except up and dx at "narrow"; but the rule's other
 condition, the CUDA tests of the CUTLASS roles passed (stage b), was not met: the pointer
 selection had 10 failures and was cut off at its limit before naming them. So every entry
-stays "triton" until a check passes stage b. The Triton expert MLP (moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
+stays "triton" until a check passes stage b. The Triton expert MLP
+(moe/kernels/triton/expert_mlp.py) runs a "cutlass" role on torch._grouped_mm
 (moe/kernels/triton/cutlass_roles.py) where that runs (bf16 on sm_90+; fp32/bf16/fp16 on CPU
 under TRITON_INTERPRET=1) and the role's epilogue holds no bias; on the Triton kernel otherwise.
 KernelConfig.cutlass_roles overrides the table for the whole process (the GPU check's layer

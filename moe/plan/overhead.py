@@ -5,9 +5,10 @@ sorting and the optimizer's per-tensor launches dominate (CPU runs, tiny models;
 the presets' sizes these are microseconds against milliseconds and the presets keep 0).
 
 At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls (the
-fastest of ROUNDS rounds), on a reference decoder block: by default one layer of a tiny transformers Mixtral converted by
-moe.from_hf and cut by moe.pipeline.hf_stack (RMSNorm, rotary, grouped-query attention, the
-per-layer causal mask: a block as the Hugging Face families the planner reads build it);
+fastest of ROUNDS rounds), on a reference decoder block: by default one layer of a tiny
+transformers Mixtral converted by moe.from_hf and cut by moe.pipeline.hf_stack (RMSNorm,
+rotary, grouped-query attention, the per-layer causal mask: a block as the Hugging Face
+families the planner reads build it);
 without transformers, or with reference="generic", a minimal pre-norm block (LayerNorm,
 q/k/v/out projections, causal SDPA, a SwiGLU MLP or a moe.MoELayer):
   block_overhead      forward + backward of the block with a dense SwiGLU MLP
@@ -192,17 +193,24 @@ def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, n: int = 1 << 14) 
     return max((equal - n * b) / (4 * n), 0.0), b
 
 
+def _alone_mesh():
+    """A ("rank", "dp", "ep") mesh whose ("dp", "ep") slice is this rank alone (every rank
+    calls): parallelized modules without traffic between ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("rank", "dp", "ep"))
+
+
 def _parallelized(dense: nn.Module, moe_block: nn.Module, ends: nn.ModuleList) -> tuple:
     """The reference modules as a training step runs them, on a mesh of this rank alone (every
     rank calls): the MoE block by moe.parallelize, the others by FSDP2 (as parallelize wraps a
     model's dense parts): DTensor parameters and FSDP2 hooks, no traffic between ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from moe.parallel import parallelize
 
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("rank", "dp", "ep"))
+    mesh = _alone_mesh()
     parallelize(moe_block, mesh["dp", "ep"])
     for m in (dense, *ends):
         fully_shard(m, mesh=mesh["dp"])
@@ -264,14 +272,13 @@ def _dp_calls(dtype, repeats: int, reference: str) -> dict[str, float]:
     calls), waiting for the other ranks included as in a step: the reference MoE block
     parallelized over all ranks as "ddp" (an all-reduce per unit a step) or "fsdp" (two
     all-gathers and a reduce-scatter per unit) against the same block on its rank alone."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
     from moe.parallel import ParallelConfig, init_mesh, parallelize
 
     world = dist.get_world_size()
     x = torch.randn(1, T, D, dtype=dtype)
-    alone = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("rank", "dp", "ep"))
+    alone = _alone_mesh()
     times, units = {}, {}
     for mode in ("alone", "ddp", "fsdp"):
         _, block, _, _ = _reference_modules(dtype, reference)
