@@ -12,7 +12,13 @@ import pytest
 
 from bench.plan_measured import LAYOUTS
 from bench.plan_measured_lib.models import Sizes, build, spec_of
-from bench.plan_measured_lib.report import add_predictions, spearman, summary, write
+from bench.plan_measured_lib.report import (
+    add_predictions,
+    repredict,
+    spearman,
+    summary,
+    write,
+)
 from moe.plan import preset
 from moe.plan.layout import Layout
 from tests.distributed import run_ranks
@@ -81,7 +87,7 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
         )
         assert r["predicted_terms"]["compute"] > 0
     meta = {"date": "d", "machine": "m", "command": "c", "setup": "s", "warning": "not measured",
-            "clusters": {"100": asdict(cluster)}}  # fmt: skip
+            "clusters": {"100": asdict(cluster)}, "sizes": asdict(SIZES)}  # fmt: skip
     s = write(out, meta, tmp_path / "r")
     text = (tmp_path / "r.md").read_text()
     assert "**not measured**" in text and "| median time error |" in text
@@ -90,6 +96,25 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert s["median"] == pytest.approx(sorted(r["time_error"] for r in out)[0] / 2 +
                                         sorted(r["time_error"] for r in out)[1] / 2)  # fmt: skip
+    # --repredict: the written report's measured rows, predicted again, give the same figures
+    again, _ = repredict(tmp_path / "r.json")
+    for a, b in zip(again, out):
+        assert (a["short"], a["step_time"], a["peak_memory"]) == (b["short"], b["step_time"],
+                                                                  b["peak_memory"])  # fmt: skip
+        assert a["predicted_time"] == pytest.approx(b["predicted_time"])
+        assert a["predicted_memory"] == pytest.approx(b["predicted_memory"])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    bad = [({"model": "x"}, "m6 or mixtral"), ({"step_time": 0}, "not positive"),
+           ({"rate_mbit": 400}, "has no profile")]  # fmt: skip
+    for change, why in bad:
+        broken = {**doc, "rows": [{**doc["rows"][0], **change}]}
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=why):
+            repredict(tmp_path / "bad.json")
+    doc["meta"]["sizes"]["depth"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="Sizes fields"):
+        repredict(tmp_path / "bad.json")
 
 
 def _row(model, rate, measured, predicted, mem=100.0, pmem=100.0):

@@ -5,6 +5,7 @@ scatter plot and the JSON."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,9 @@ def repredict(path: Path) -> tuple[list[dict], dict]:
     meta, rows = doc.get("meta"), []
     if not isinstance(meta, dict) or not isinstance(meta.get("clusters"), dict):
         raise ValueError(f"{path}: not a bench.plan_measured report (no profiled clusters)")
+    names = {f.name for f in fields(Sizes)}
+    if not isinstance(meta.get("sizes"), dict) or not set(meta["sizes"]) <= names:
+        raise ValueError(f"{path}: the report's model sizes must be Sizes fields {sorted(names)}")
     sizes = Sizes(**meta["sizes"])
     clusters = {rate: Cluster(**c) for rate, c in meta["clusters"].items()}
     for r in doc["rows"]:
