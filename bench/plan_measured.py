@@ -84,7 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repredict", default=None, help="an earlier OUT.json: predict its measured "
                    "rows again with today's moe.plan (nothing is run) and write --out")  # fmt: skip
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for name in ("passes", "steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    return a
 
 
 def worker_main(cfg: dict) -> None:

@@ -335,6 +335,8 @@ def test_fixed_overheads_add_their_documented_terms():
     assert c.memory["temporaries"] - a.memory["temporaries"] == 12 * 8 * 64 * 96
     with pytest.raises(ValueError, match="block_overhead"):
         replace(base, block_overhead=-1.0)
+    with pytest.raises(ValueError, match="dp_overlap must be in"):
+        replace(base, dp_overlap=1.5)
     from moe.plan.overhead import measure_overheads
 
     generic = measure_overheads(repeats=2, reference="generic")

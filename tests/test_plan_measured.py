@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.plan_measured import LAYOUTS
+from bench.plan_measured import LAYOUTS, parse_args
 from bench.plan_measured_lib.models import Sizes, build, spec_of
 from bench.plan_measured_lib.report import (
     add_predictions,
@@ -122,6 +122,13 @@ def _row(model, rate, measured, predicted, mem=100.0, pmem=100.0):
             "predicted_time": predicted, "time_error": abs(predicted - measured) / measured,
             "peak_memory": mem, "predicted_memory": pmem,
             "memory_error": abs(pmem - mem) / mem}  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ["--passes", "--steps"])
+def test_counts_below_one_are_refused(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([flag, "0"])
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_statistics_by_hand():
