@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loopback", action="store_true", help="4 ranks on localhost, no netns")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--passes", type=int, default=2, help="times over the layouts (fastest kept)")
+    p.add_argument("--passes", type=int, default=3, help="times over the layouts (fastest kept)")
     p.add_argument("--layouts", default="", help="comma-separated indices into LAYOUTS")
     p.add_argument("--sizes", default="{}", help="JSON of Sizes fields (smaller for tests)")
     p.add_argument("--burst-kb", type=int, default=128)
@@ -92,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def worker_main(cfg: dict) -> None:
-    """One rank: the profile (cluster file), then every layout; rank 0 writes cfg['json']."""
+    """One rank of one pass: the profile (cluster file) in the first, then every layout;
+    rank 0 writes cfg['json']."""
     import torch.distributed as dist
 
     from bench.plan_measured_lib.worker import measure_layouts
@@ -100,10 +101,11 @@ def worker_main(cfg: dict) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout"]))
     sizes = Sizes(**cfg["sizes"])
-    profile_main(["--out", cfg["cluster"], "--d-model", str(sizes.d_model), "--d-ff",
-                  str(sizes.d_ff), "--dtype", "bfloat16"])  # fmt: skip
+    if cfg["profile"]:
+        profile_main(["--out", cfg["cluster"], "--d-model", str(sizes.d_model), "--d-ff",
+                      str(sizes.d_ff), "--dtype", "bfloat16"])  # fmt: skip
     cases = [(name, Layout(**layout)) for name, layout in cfg["cases"]]
-    rows = measure_layouts(cases, sizes, cfg["steps"], cfg["warmup"], cfg["passes"])
+    rows = measure_layouts(cases, sizes, cfg["steps"], cfg["warmup"], passes=1)
     if dist.get_rank() == 0:
         Path(cfg["json"]).write_text(json.dumps({"meta": cfg, "rows": rows}))
     dist.barrier()
@@ -129,6 +131,7 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
     """Every rate: profile + layouts. Returns (rows with rate_mbit, cluster dict by rate)."""
     from bench.a2a.netem import netns_available, run_emulated
     from bench.plan_measured_lib.report import add_predictions
+    from bench.plan_measured_lib.worker import merge_passes
 
     sizes = Sizes(**json.loads(a.sizes))
     picked = [int(i) for i in a.layouts.split(",")] if a.layouts else range(len(LAYOUTS))
@@ -140,21 +143,27 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
     rows, clusters = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
-            cfg = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
-                   "burst_kb": a.burst_kb, "latency_ms": a.latency_ms, "timeout": a.timeout,
-                   "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup,
-                   "passes": a.passes,
-                   "sizes": asdict(sizes), "cases": cases,
-                   "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
-                   "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip
-            print(f"# {N}x{L} ranks, link {rate} Mbit/s: profile, then {len(cases)} layouts")
-            if rate == "loopback":
-                result = run_loopback(cfg, N * L)
-            else:
-                result = run_emulated(cfg, entry="-mbench.plan_measured")
+            passes = []
+            for i in range(a.passes):  # new ranks each pass, every other pass in reverse
+                order = cases if i % 2 == 0 else cases[::-1]
+                cfg = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
+                       "burst_kb": a.burst_kb, "latency_ms": a.latency_ms,
+                       "timeout": a.timeout, "wall_limit": a.wall_limit, "steps": a.steps,
+                       "warmup": a.warmup, "profile": i == 0,
+                       "sizes": asdict(sizes), "cases": order,
+                       "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
+                       "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip
+                first = "profile, then " if i == 0 else ""
+                print(f"# {N}x{L} ranks, link {rate} Mbit/s, pass {i + 1}: {first}"
+                      f"{len(cases)} layouts")  # fmt: skip
+                if rate == "loopback":
+                    result = run_loopback(cfg, N * L)
+                else:
+                    result = run_emulated(cfg, entry="-mbench.plan_measured")
+                passes.append(result["rows"] if i % 2 == 0 else result["rows"][::-1])
             cluster = Cluster.load(cfg["cluster"])
             clusters[str(rate)] = asdict(cluster)
-            measured = [{**r, "rate_mbit": rate} for r in result["rows"]]
+            measured = [{**r, "rate_mbit": rate} for r in merge_passes(passes)]
             rows += add_predictions(measured, cluster, sizes)
     return rows, clusters, sizes
 
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
             f"kB, latency {a.latency_ms} ms), bf16 weights, fp32 masters and AdamW "
             f"(moe.memory.GroupedApply); models at {asdict(sizes)}; per layout {a.warmup} "
             f"warm-up and {a.steps} timed steps (median of the slowest rank; {a.passes} passes "
-            "over all layouts, the fastest pass kept), then one step "
+            "over all layouts, each in new ranks, every other one in reverse order, the "
+            "fastest pass kept), then one step "
             "under bench/memory.py's AllocationCounter (peak tracked bytes, fullest rank). "
             "Predictions: moe.plan.predict with each rate's profiled cluster file (the "
             "profile's micro-benchmarks ran before the layouts; nothing is fitted to them). "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from moe.pipeline import Pipeline, PipelineConfig, PipelineStepError, init_pipeline_mesh
 from moe.pipeline.faults import _carried, describe
@@ -262,11 +263,26 @@ def test_the_message_names_the_original_errors_before_communication_errors():
     assert "communication errors only: a rank may have died" in only
 
 
-def test_the_worker_thread_sees_the_callers_grad_mode_autocast_and_context():
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_worker_thread_sees_the_callers_grad_mode_autocast_context_and_modes():
+    """As step() runs its schedule: the call built on the caller's thread inside the caller's
+    modes, run on a worker while the caller waits. A dispatch mode (a memory or FLOP counter)
+    sees the worker's ops, and the worker's stack is empty again after."""
     var = contextvars.ContextVar("var", default="unset")
     var.set("caller's")
+    x = torch.randn(3)
 
     def probe():
+        (x * 2).sum()
         return (
             torch.is_grad_enabled(),
             torch.is_autocast_enabled("cpu"),
@@ -275,10 +291,16 @@ def test_the_worker_thread_sees_the_callers_grad_mode_autocast_and_context():
             threading.current_thread() is not threading.main_thread(),
         )
 
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        call = _carried(probe)
+    counted = _Ops()
     out = []
-    worker = threading.Thread(target=lambda: out.append(call()))
-    worker.start()
-    worker.join()
-    assert out == [(False, True, torch.bfloat16, "caller's", True)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), counted:
+        call = _carried(probe)
+        worker = threading.Thread(target=lambda: out.append((call(), torch_dispatch_depth())))
+        worker.start()
+        worker.join()
+    assert out == [((False, True, torch.bfloat16, "caller's", True), 0)]
+    assert counted.seen[:2] == ["mul.Tensor", "sum.default"]
+
+
+def torch_dispatch_depth() -> int:
+    return len(_get_current_dispatch_mode_stack())

@@ -82,8 +82,9 @@ def _cluster(**kw) -> Cluster:
 def test_memory_terms_by_hand():
     """pp 1, ddp, ep 2: parameters 2 B x (dense + experts / 2), gradients the same, Adam 12 B,
     temporaries 8 B / groups, the all-to-all buffers 2 t k h x 2 B, one parallelize unit's
-    gradients in flight (FSDP2's replicate reduces unit by unit). fsdp: the local shards plus
-    two gathered units where gathers overlap compute (dp_overlap 1), one where they do not."""
+    gradients in flight (FSDP2's replicate reduces unit by unit). fsdp: the local shards, and
+    in the forward / backward phase two gathered units where the next gather runs ahead
+    (GPU streams), one where ops run synchronously (a CPU)."""
     spec, seq = _spec(), 32
     lay = Layout(1, 2, 2, "ddp", microbatches=3, micro_batch_seqs=2, groups=4)
     pred = predict(spec, _cluster(), lay, seq, 4 * 3 * 2 * seq)
@@ -98,13 +99,15 @@ def test_memory_terms_by_hand():
     t = 2 * seq
     unit = max(dense / 4, experts / 4 / 2)  # a block's dense part, a layer's local experts
     assert pred.memory["comms"] == pytest.approx(2 * t * 2 * 64 * 2 + 2 * unit)
-    for overlap, gathered in ((1.0, 2), (0.5, 1)):
-        fsdp = Layout(1, 2, 2, "fsdp", microbatches=3, micro_batch_seqs=2)
-        p = predict(spec, _cluster(dp_overlap=overlap), fsdp, seq, 4 * 3 * 2 * seq)
-        shard = dense / 4 + experts / 4
-        fsdp_unit = max(dense / 4, experts / 4 / 2)
-        assert p.memory["parameters"] == pytest.approx(2 * (shard + gathered * fsdp_unit))
-        assert p.memory["gradients"] == pytest.approx(2 * shard)
+    fsdp = Layout(1, 2, 2, "fsdp", microbatches=3, micro_batch_seqs=2)
+    one, two = (predict(spec, _cluster(fsdp_gathered_units=n), fsdp, seq, 4 * 3 * 2 * seq)
+                for n in (1, 2))  # fmt: skip
+    shard = dense / 4 + experts / 4
+    fsdp_unit = max(dense / 4, experts / 4 / 2)
+    assert one.memory["parameters"] == pytest.approx(2 * shard)
+    assert one.memory["gradients"] == pytest.approx(2 * shard)
+    assert two.memory["comms"] - one.memory["comms"] == pytest.approx(2 * fsdp_unit)
+    assert two.memory["temporaries"] == one.memory["temporaries"]  # freed before the step
     per_token = chunks(spec, seq, 1, None)[0].act
     head = 128 * 6 * t
     assert pred.memory["activations"] == pytest.approx(per_token * t + head)
@@ -345,6 +348,7 @@ def test_fixed_overheads_add_their_documented_terms():
         "moe_overhead",
         "step_overhead",
         "optimizer_overhead",
+        "offload_overhead",
         "optimizer_temp_bytes",
         "optimizer_tensor_temp_bytes",
     }

@@ -20,6 +20,7 @@ from bench.plan_measured_lib.report import (
     write,
 )
 from moe.plan import preset
+from moe.plan.cluster import Cluster
 from moe.plan.layout import Layout
 from tests.distributed import run_ranks
 
@@ -33,9 +34,13 @@ CASES = [
 
 
 def _body(rank, world):
+    from torch.distributed.distributed_c10d import _world
+
     from bench.plan_measured_lib.worker import measure_layouts
 
-    return measure_layouts(CASES, SIZES, steps=1, warmup=1)
+    groups = len(_world.pg_map)
+    rows = measure_layouts(CASES, SIZES, steps=1, warmup=1)
+    return rows, len(_world.pg_map) - groups
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +72,10 @@ def test_specs_count_the_built_models():
 
 
 def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
-    ranks = measured
+    ranks = [rows for rows, _ in measured]
     assert all(r == ranks[0] for r in ranks)  # every rank reports the slowest / fullest rank
+    # each layout's process groups (meshes, pipeline) are gone after it: none left over
+    assert [left for _, left in measured] == [0] * 4
     rows = [{**r, "rate_mbit": 100} for r in ranks[0]]
     assert [(r["model"], Layout(**r["layout"])) for r in rows] == CASES
     for r in rows:
@@ -76,6 +83,10 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
         assert r["step_time"] > 0 and len(r["step_times"]) == 2 == len(r["pass_times"])
         assert r["step_time"] == min(r["pass_times"])
         assert r["peak_memory"] > r["resident_memory"] > 0  # a step allocates on top
+        # each phase's peak; forward + backward allocates on top too (the pipeline's stages
+        # run on a worker thread, which the counter sees)
+        assert r["peak_memory"] == max(r["backward_peak"], r["optimizer_peak"])
+        assert r["backward_peak"] > r["resident_memory"]
     cluster = preset("h100", nodes=2, gpus_per_node=2, block_overhead=1e-3, moe_overhead=1e-3)
     out = add_predictions(rows, cluster, SIZES)
     for r in out:
@@ -115,6 +126,29 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="Sizes fields"):
         repredict(tmp_path / "bad.json")
+
+
+def test_the_bench_runs_each_pass_in_new_ranks_after_one_profile(tmp_path):
+    """python -m bench.plan_measured --loopback at a tiny size: one profile on 4 ranks as 2
+    nodes x 2 (the link, how many ranks share it, the reduce-scatter factor, expert
+    parallelism's and the offloaded step's costs: machine-dependent, their ranges are not),
+    then two passes in new ranks, the second in reverse order, merged per layout."""
+    from bench.plan_measured import main
+
+    sizes = json.dumps(asdict(SIZES))
+    argv = ["--loopback", "--layouts", "2,16", "--passes", "2", "--steps", "1", "--warmup", "1",
+            "--sizes", sizes, "--out", str(tmp_path / "r")]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [r["layout"] for r in doc["rows"]] == [LAYOUTS[i][1].record() for i in (2, 16)]
+    for r in doc["rows"]:
+        assert len(r["pass_times"]) == 2 == len(r["step_times"])
+        assert r["step_time"] == min(r["pass_times"])
+    cl = Cluster(**doc["meta"]["clusters"]["loopback"])
+    assert (cl.nodes, cl.gpus_per_node, cl.fsdp_gathered_units) == (2, 2, 1)
+    assert cl.nic_ranks in (1, 2)  # on loopback the 2 cores are the link
+    assert cl.reduce_scatter_factor >= 1 and cl.ep_overhead >= 0 and cl.offload_overhead > 0
+    assert "link" not in cl.source and "reduce-scatter" not in cl.source
 
 
 def _row(model, rate, measured, predicted, mem=100.0, pmem=100.0):

@@ -87,19 +87,31 @@ def summary(rows: list[dict]) -> dict:
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| model | link | layout | measured ms | predicted ms | error | measured MiB | "
-        "predicted MiB | error | largest predicted terms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "predicted MiB | error | peak in (measured / predicted) | largest predicted terms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         terms = sorted(r["predicted_terms"].items(), key=lambda kv: -kv[1])[:3]
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in terms if v > 0)
+        mem = r["predicted_memory_terms"]
+        phase = f"{_measured_phase(r)} / " + (
+            "step" if mem["temporaries"] > mem["activations"] + mem["comms"] else "backward"
+        )
         lines.append(
             f"| {r['model']} | {r['rate_mbit']} Mbit/s | {r['short']} | "
             f"{r['step_time'] * 1e3:.1f} | {r['predicted_time'] * 1e3:.1f} | "
             f"{r['time_error']:.0%} | {r['peak_memory'] / 2**20:.2f} | "
-            f"{r['predicted_memory'] / 2**20:.2f} | {r['memory_error']:.0%} | {top} |"
+            f"{r['predicted_memory'] / 2**20:.2f} | {r['memory_error']:.0%} | {phase} | {top} |"
         )
     return lines
+
+
+def _measured_phase(row: dict) -> str:
+    """Where the measured peak was: forward + backward or the optimizer step ("?" for a
+    report from before the phases were measured)."""
+    if "optimizer_peak" not in row:
+        return "?"
+    return "step" if row["optimizer_peak"] > row["backward_peak"] else "backward"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -168,7 +180,7 @@ def write(rows: list[dict], meta: dict, stem: Path) -> dict:
 
 
 MEASURED = ("model", "layout", "rate_mbit", "step_time", "step_times", "pass_times", "peak_memory",
-            "resident_memory", "host_memory")  # fmt: skip
+            "resident_memory", "host_memory", "backward_peak", "optimizer_peak")  # fmt: skip
 
 
 def repredict(path: Path) -> tuple[list[dict], dict]:

@@ -11,6 +11,7 @@ LocalCounter corrects the counter for DTensors and FSDP2's in-place storage resi
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import weakref
@@ -149,7 +150,8 @@ def _parallel(layout: Layout) -> ParallelConfig:
 
 
 def prepare(model_name: str, sizes: Sizes, layout: Layout):
-    """(step function, optimizer) of `layout` on this rank; all of it built here."""
+    """(forward + backward function, optimizer) of `layout` on this rank; all of it built
+    here."""
     rank = dist.get_rank()
     model = build(model_name, sizes)
     _moe_options(model, layout)
@@ -192,13 +194,7 @@ def prepare(model_name: str, sizes: Sizes, layout: Layout):
     opt = GroupedApply(
         list(params), torch.optim.AdamW, layout.groups, layout.offload, lr=1e-4, weight_decay=0.1
     )
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        forward_backward()
-        opt.step()
-
-    return step, opt
+    return forward_backward, opt
 
 
 def _max(*values: float) -> list[float]:
@@ -208,10 +204,17 @@ def _max(*values: float) -> list[float]:
 
 
 def run_layout(model_name: str, sizes: Sizes, layout: Layout, steps: int, warmup: int) -> dict:
-    """Median step time (s, slowest rank) and peak tracked bytes (fullest rank) of `layout`."""
+    """Median step time (s, slowest rank) and peak tracked bytes (fullest rank) of `layout`,
+    and of each phase: forward + backward, then the optimizer step."""
     counter = LocalCounter()
     with counter:  # the model, its shards and the optimizer state are tracked
-        step, opt = prepare(model_name, sizes, layout)
+        forward_backward, opt = prepare(model_name, sizes, layout)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            forward_backward()
+            opt.step()
+
         step()  # the first step creates the optimizer state
     for _ in range(max(warmup - 1, 0)):
         step()
@@ -225,38 +228,74 @@ def run_layout(model_name: str, sizes: Sizes, layout: Layout, steps: int, warmup
     with counter:
         counter.peak = counter.live
         resident = counter.live
-        step()
+        forward_backward()
+        backward_peak, counter.peak = counter.peak, counter.live
+        opt.step()
     host = host_bytes(opt, layout.offload)
-    peak, resident, host = _max(counter.peak - host, resident - host, host)
-    del step, opt
+    peak, resident, host, backward_peak, step_peak = _max(
+        max(backward_peak, counter.peak) - host, resident - host, host, backward_peak - host,
+        counter.peak - host,
+    )  # fmt: skip
     return {
         "step_time": statistics.median(times),
         "step_times": times,
         "peak_memory": peak,
         "resident_memory": resident,
         "host_memory": host,
+        "backward_peak": backward_peak,
+        "optimizer_peak": step_peak,
     }
+
+
+def _groups() -> set:
+    from torch.distributed.distributed_c10d import _world
+
+    return set(_world.pg_map)
+
+
+def _without_new_groups(run, *args):
+    """run(*args), then the process groups it created (its meshes' and pipeline's) destroyed
+    on every rank: gloo groups that outlive their layout keep threads and sockets."""
+    before = _groups()
+    try:
+        return run(*args)
+    finally:
+        gc.collect()
+        dist.barrier()
+        for group in _groups() - before:
+            dist.destroy_process_group(group)
+
+
+def merge_passes(passes: list[list[dict]]) -> list[dict]:
+    """Rows of the same layouts (in the same order) from several passes as one: pass_times
+    each pass's median, step_times every step, step_time the fastest pass's median (noise
+    only adds time); the memory figures (the same every pass) from the first."""
+    out = [{**row, "step_times": [], "pass_times": []} for row in passes[0]]
+    for rows in passes:
+        for merged, row in zip(out, rows):
+            merged["pass_times"].append(row["step_time"])
+            merged["step_times"] += row["step_times"]
+    for merged in out:
+        merged["step_time"] = min(merged["pass_times"])
+    return out
 
 
 def measure_layouts(
     cases: list[tuple[str, Layout]], sizes: Sizes, steps: int, warmup: int, passes: int = 2
 ):
     """run_layout of every (model name, Layout), in order, on every rank, `passes` times over
-    the whole list; a layout's step time is the fastest pass's median. The same layout's
-    median moved by up to 2x between passes on the 2-core machine (the first layouts of a
-    process, and whichever ran while the machine was slow): noise only adds time."""
+    the whole list (merge_passes). bench/plan_measured.py runs each pass in new processes
+    instead: in one process each layout ran slower than the one before it (up to 2x by the
+    third pass on the 2-core machine)."""
     torch.set_num_threads(1)
-    out: list[dict] = []
-    for i in range(passes):
-        for j, (model_name, layout) in enumerate(cases):
-            row = run_layout(model_name, sizes, layout, steps, warmup)
-            if i == 0:
-                out.append({"model": model_name, "layout": layout.record(), **row})
-                out[j]["pass_times"] = [row["step_time"]]
-                continue
-            out[j]["pass_times"].append(row["step_time"])
-            out[j]["step_times"] += row["step_times"]
-            out[j]["step_time"] = min(out[j]["pass_times"])
+    runs = []
+    for _ in range(passes):
+        rows = []
+        for model_name, layout in cases:
+            row = _without_new_groups(run_layout, model_name, sizes, layout, steps, warmup)
+            rows.append({"model": model_name, "layout": layout.record(), **row})
+        runs.append(rows)
+    out = merge_passes(runs)
     if dist.get_rank() == 0:
         for row in out:
             print(

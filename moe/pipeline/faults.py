@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from moe.comm.consistency import _rank_list, raise_if_any_rank_failed
 from moe.comm.topology import group_timeout
@@ -249,9 +250,11 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 
 
 def _carried(fn: Callable) -> Callable:
-    """fn with the calling thread's grad mode, autocast, CUDA device and stream and context
-    variables (thread-local: a worker thread would not see them). Other thread-local state
-    entered around step() (saved_tensors_hooks, ...) does not reach the stages."""
+    """fn with the calling thread's grad mode, autocast, CUDA device and stream, context
+    variables and TorchDispatchModes (thread-local: a worker thread would not see them; a
+    memory or FLOP counter around step() would silently miss the stages' work). Other
+    thread-local state entered around step() (saved_tensors_hooks, ...) does not reach the
+    stages."""
     grad = torch.is_grad_enabled()
     casts = [
         (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
@@ -262,9 +265,11 @@ def _carried(fn: Callable) -> Callable:
         else None
     )
     context = contextvars.copy_context()
+    modes = _get_current_dispatch_mode_stack()
 
     def call():
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_dispatch_modes(modes))
             stack.enter_context(torch.set_grad_enabled(grad))
             for device_type, dtype in casts:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
@@ -274,6 +279,19 @@ def _carried(fn: Callable) -> Callable:
             return context.run(fn)
 
     return call
+
+
+@contextlib.contextmanager
+def _dispatch_modes(modes: list):
+    """The caller's dispatch modes on this thread's stack (their __enter__ ran on the caller's
+    thread, and the caller waits: only the stack is per thread), popped after."""
+    for mode in modes:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _pop_mode(mode.__dict__.get("_dispatch_key") or mode.__dict__.get("_mode_key"))
 
 
 def _bound_groups(timeout: datetime.timedelta) -> list:

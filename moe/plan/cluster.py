@@ -59,6 +59,9 @@ class Cluster:
     step_token_overhead: float = 0.0
     optimizer_param_overhead: float = 0.0  # seconds per parameter of an optimizer step, if more
     # than its bytes over hbm_bw
+    offload_overhead: float = 0.0  # optimizer_overhead of an offloaded step (host tensors)
+    offload_param_overhead: float = 0.0  # seconds per parameter of an offloaded step, if more
+    # than its bytes over host_bw
     collective_latency: float = 0.0  # per collective call (all-to-all, gather, reduce)
     # per ring step of a data-parallel collective (an all-reduce of n ranks takes 2 (n - 1)
     # steps, a gather or reduce-scatter n - 1): the profile's fit of a world all-reduce's time
@@ -69,25 +72,44 @@ class Cluster:
     # the world as FSDP2 issues it, waiting for the other ranks included (a CPU profile)
     ddp_call_latency: float = 0.0
     fsdp_call_latency: float = 0.0
+    # per MoE block and micro-batch under expert parallelism, beyond the all-to-all model:
+    # the count exchange, the permutations around the exchanges (a CPU profile)
+    ep_overhead: float = 0.0
     optimizer_temp_bytes: float = 8.0  # per parameter, the optimizer step's temporaries
+    # ranks of a node that share one inter-node link (1: a NIC per GPU, as in the presets'
+    # nodes); the profile measures it (all of a node's ranks sending across at once against
+    # one alone): concurrent traffic across nodes divides inter_bw among them
+    nic_ranks: int = 1
+    # FSDP units gathered at once: 2 where the CPU thread runs ahead of the device and issues
+    # the next unit's all-gather (on its own CUDA stream) under the current unit's compute;
+    # 1 where ops run synchronously (a CPU profile sets it)
+    fsdp_gathered_units: int = 2
+    # a reduce-scatter's time over an all-gather's of the same bytes (1: NCCL's rings; gloo
+    # all-reduces the whole input, about 2); the profile measures it over the world
+    reduce_scatter_factor: float = 1.0
     optimizer_tensor_temp_bytes: float = 0.0  # per element of the largest tensor (per-tensor step)
     name: str = "custom"
     source: str = "datasheet preset"
 
     def __post_init__(self) -> None:
-        for f in ("nodes", "gpus_per_node"):
+        ints = ("nodes", "gpus_per_node", "nic_ranks", "fsdp_gathered_units")
+        for f in ints:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Cluster.{f} must be an int >= 1, got {v!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("nodes", "gpus_per_node", "name", "source"):
+            if f.name in (*ints, "name", "source"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"Cluster.{f.name} must be a finite number, got {v!r}")
             zero_ok = f.name.endswith(("latency", "overhead", "bytes")) or f.name == "dp_overlap"
             if v < 0 or (v == 0 and not zero_ok):
                 raise ValueError(f"Cluster.{f.name} must be > 0, got {v!r}")
+        if self.reduce_scatter_factor < 1:
+            raise ValueError(
+                f"Cluster.reduce_scatter_factor must be >= 1, got {self.reduce_scatter_factor}"
+            )
         if self.dp_overlap > 1:
             raise ValueError(f"Cluster.dp_overlap must be in [0, 1], got {self.dp_overlap}")
         if not 0 < self.gemm_efficiency <= 1:
@@ -112,24 +134,31 @@ class Cluster:
         return self.flops(fp8) * self.gemm_efficiency * rows / (rows + self.gemm_half_rows)
 
     def cost_model(self) -> CostModel:
-        """The all-to-all's alpha-beta model from the links (moe.comm.cost_model's form)."""
+        """The all-to-all's alpha-beta model from the links (moe.comm.cost_model's form); all
+        of a node's ranks exchange at once, so a shared inter-node link divides its bandwidth."""
         values = dict(
             a_coll=max(self.intra_latency, self.collective_latency),
             a_intra=self.intra_latency,
             bw_intra=self.intra_bw,
             a_inter=self.inter_latency,
-            bw_inter=self.inter_bw,
+            bw_inter=self.inter_bw / self.sharing(self.gpus_per_node),
             bw_copy=self.hbm_bw / 2,
             a_ring=self.inter_latency,
         )
         check_physical_ranges(values)
         return CostModel(**values)
 
-    def link(self, ranks: int, span_nodes: bool) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of `ranks` consecutive ranks: across nodes when it
-        spans them (span_nodes), else NVLink-class."""
+    def sharing(self, senders: int) -> int:
+        """How many ranks' traffic one inter-node link carries when `senders` ranks of each
+        node send across at once (an all-to-all: all of them)."""
+        return max(1, min(senders, self.nic_ranks, self.gpus_per_node))
+
+    def link(self, ranks: int, span_nodes: bool, senders: int = 1) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of `ranks` ranks: across nodes when it spans them
+        (span_nodes), shared by `senders` ranks of each node sending across at once (groups
+        side by side), else NVLink-class."""
         if span_nodes and ranks > 1:
-            return self.inter_bw, self.inter_latency
+            return self.inter_bw / self.sharing(senders), self.inter_latency
         return self.intra_bw, self.intra_latency
 
     def save(self, path: str | Path) -> None:

@@ -17,20 +17,23 @@ q/k/v/out projections, causal SDPA, a SwiGLU MLP or a moe.MoELayer):
   step_overhead       forward + backward of the embedding, final norm, head and the
                       cross-entropy loss (once per micro-batch)
   optimizer_overhead  moe.memory.GroupedApply(AdamW) step over the MoE block's parameters
+  offload_overhead    the same step offloaded (offload="optimizer": plain host tensors,
+                      however the parameters are sharded; on a CPU it skips DTensor dispatch)
 and, a memory figure of the same software stack, optimizer_temp_bytes: the bytes per
 parameter (and per element of the largest tensor) a GroupedApply(AdamW) step allocates
 beyond its state (predict's temporaries; the presets keep the 8 B of a foreach step's fp32
 gradient copy and denominator, and 0).
 With size and rate (measure_overheads) the same references are timed at the model's widths
 and a micro-batch's tokens: block_token_overhead, moe_token_overhead, step_token_overhead
-per token beyond the GEMM time predict counts there, and optimizer_param_overhead per
-parameter. Under torch.distributed (the profile under torchrun) every reference module is
+per token beyond the GEMM time predict counts there, and optimizer_param_overhead and
+offload_param_overhead per parameter. Under torch.distributed (the profile under torchrun) every reference module is
 first parallelized on a mesh of its rank alone, so its parameters are DTensors with FSDP2's
 hooks as in every parallelized training step (on a 2-core CPU that doubled the step's cost
 over plain tensors), and the ranks time each module at the same moment (a barrier before
 each), sharing the machine as the ranks of a step do; with more than one rank the MoE block
 is also parallelized over the world as "ddp" and "fsdp": ddp_call_latency and
-fsdp_call_latency, one data-parallel collective per unit as FSDP2 issues it.
+fsdp_call_latency, one data-parallel collective per unit as FSDP2 issues it; and with its
+experts over the world (ep = world): ep_block_extra, expert parallelism's machinery.
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
 The profile measures these on CPU runs only (a CUDA profile keeps 0: its modules would have
 to run on the device, and at the sizes GPUs are planned for they are noise).
@@ -85,7 +88,7 @@ class _SwiGLU(nn.Module):
 
 # Rounds over the reference modules (the fastest kept): on the 2-core machine a profile's
 # figures moved by up to 1.7x between runs, as the same layout's step time did between passes
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -184,13 +187,16 @@ def _step_peak(sizes: list[int], dtype: torch.dtype) -> float:
 
 def optimizer_temp_bytes(dtype: torch.dtype = torch.bfloat16, n: int = 1 << 14) -> tuple:
     """(bytes per parameter, bytes per element of the largest tensor) a GroupedApply(AdamW)
-    step allocates beyond its state and gradients, as a + b: from 4 tensors of n elements
-    (4n a + n b) and one of 4n (4n a + 4n b). A foreach step holds its temporaries for every
-    tensor at once (b = 0), a per-tensor step (torch's CPU default) the fp32 gradient copies
-    for all and one tensor's temporaries at a time."""
-    equal, one = _step_peak([n] * 4, dtype), _step_peak([4 * n], dtype)
-    b = max((one - equal) / (3 * n), 0.0)
-    return max((equal - n * b) / (4 * n), 0.0), b
+    step allocates beyond its state and gradients, as a + b: from 4 and 8 tensors of n
+    elements (4n a + n b, 8n a + n b). A foreach step holds its temporaries for every tensor
+    at once (b = 0), a per-tensor step (torch's CPU default) the fp32 gradient copies for all
+    (a = 4) and one tensor's temporaries at a time, plus what the previous tensor's step
+    still holds (its last temporaries live until the next tensor's replace them: b = 12 for
+    torch's AdamW, for a largest tensor next to one of its size, as a layer's stacked expert
+    projections are)."""
+    four, eight = _step_peak([n] * 4, dtype), _step_peak([n] * 8, dtype)
+    a = max((eight - four) / (4 * n), 0.0)
+    return a, max((four - 4 * n * a) / n, 0.0)
 
 
 def _alone_mesh():
@@ -271,7 +277,11 @@ def _dp_calls(dtype, repeats: int, reference: str) -> dict[str, float]:
     """Seconds per data-parallel collective as FSDP2 issues them over the world (every rank
     calls), waiting for the other ranks included as in a step: the reference MoE block
     parallelized over all ranks as "ddp" (an all-reduce per unit a step) or "fsdp" (two
-    all-gathers and a reduce-scatter per unit) against the same block on its rank alone."""
+    all-gathers and a reduce-scatter per unit) against the same block on its rank alone.
+    And ep_block_extra: the block with its experts over all ranks (ep = world, where E
+    divides) beyond it alone and its one dense all-reduce: expert parallelism's machinery
+    (the count exchange, the permutations around the exchanges, the exchanges' calls), of
+    which moe.plan.profile keeps what its all-to-all model does not count (ep_overhead)."""
     from torch.distributed.fsdp import FSDPModule
 
     from moe.parallel import ParallelConfig, init_mesh, parallelize
@@ -280,16 +290,33 @@ def _dp_calls(dtype, repeats: int, reference: str) -> dict[str, float]:
     x = torch.randn(1, T, D, dtype=dtype)
     alone = _alone_mesh()
     times, units = {}, {}
-    for mode in ("alone", "ddp", "fsdp"):
+    meshes = {"alone": lambda: alone["dp", "ep"], "ddp": lambda: init_mesh(dp=world),
+              "fsdp": lambda: init_mesh(dp=world), "ep": lambda: init_mesh(ep=world)}  # fmt: skip
+    for mode, mesh in meshes.items():
+        if mode == "ep" and E % world:
+            continue
         _, block, _, _ = _reference_modules(dtype, reference)
-        mesh = alone["dp", "ep"] if mode == "alone" else init_mesh(dp=world)
-        parallelize(block, mesh, config=ParallelConfig("fsdp" if mode == "fsdp" else "ddp"))
+        parallelize(block, mesh(), config=ParallelConfig("fsdp" if mode == "fsdp" else "ddp"))
         units[mode] = sum(isinstance(m, FSDPModule) for m in block.modules())
         times[mode] = min(_median_time(_fwd_bwd(block, x), repeats) for _ in range(ROUNDS))
-    return {
+    out = {
         f"{mode}_call_latency": max(times[mode] - times["alone"], 0.0) / (units[mode] * calls)
         for mode, calls in (("ddp", 1), ("fsdp", 3))
     }
+    if "ep" in times:  # the dense parts: one unit all-reduced over the world
+        out["ep_block_extra"] = times["ep"] - times["alone"] - out["ddp_call_latency"]
+    return out
+
+
+def _optimizer_time(block: nn.Module, offload: str | None, repeats: int) -> float:
+    """Seconds of a GroupedApply(AdamW) step over block's parameters (offload: its host
+    path, plain host tensors however the parameters are sharded), the fastest of ROUNDS."""
+    from moe.memory import GroupedApply
+
+    for p in block.parameters():
+        p.grad = torch.randn_like(p)
+    opt = GroupedApply(block.named_parameters(), torch.optim.AdamW, 1, offload, lr=1e-6)
+    return min(_median_time(opt.step, repeats) for _ in range(ROUNDS))
 
 
 def measure_overheads(
@@ -307,28 +334,22 @@ def measure_overheads(
     GEMM time predict counts grows with the tokens (norms, rotary, softmax, casts), the
     *_token_overhead figures (per token); and the optimizer's seconds per parameter there
     (optimizer_param_overhead: on CPUs far above the bytes over memory bandwidth)."""
-    from moe.memory import GroupedApply
-
     (t_dense, t_moe, t_ends), moe_block = _reference_times(dtype, repeats, reference)
-    for p in moe_block.parameters():
-        p.grad = torch.randn_like(p)
-    opt = GroupedApply(moe_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
-    t_opt = min(_median_time(opt.step, repeats) for _ in range(ROUNDS))
+    t_opt, t_off = (_optimizer_time(moe_block, off, repeats) for off in (None, "optimizer"))
     out = {
         "block_overhead": t_dense,
         "moe_overhead": max(t_moe - t_dense, 0.0),
         "step_overhead": t_ends,
         "optimizer_overhead": t_opt,
+        "offload_overhead": t_off,
     }
     if size is not None and reference == "hf" and importlib.util.find_spec("transformers"):
         d, f, t = size
         big, big_block = _reference_times(dtype, max(repeats // 2, 5), reference, d, f, t)
-        for p in big_block.parameters():
-            p.grad = torch.randn_like(p)
-        opt = GroupedApply(big_block.named_parameters(), torch.optim.AdamW, 1, None, lr=1e-6)
         n = sum(p.numel() for p in big_block.parameters())
-        t_big = min(_median_time(opt.step, 5) for _ in range(ROUNDS))
-        out["optimizer_param_overhead"] = max(t_big - t_opt, 0.0) / n
+        for key, off, small_time in (("optimizer", None, t_opt), ("offload", "optimizer", t_off)):
+            t_big = _optimizer_time(big_block, off, 5)
+            out[f"{key}_param_overhead"] = max(t_big - small_time, 0.0) / n
         small = (t_dense, t_moe, t_ends)
         extra = [
             max(b - g - s, 0.0) / (t - T)

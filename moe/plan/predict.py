@@ -3,9 +3,8 @@
 Per pp rank (the slowest and the fullest rank are reported), with t = tokens per micro-batch
 (micro_batch_seqs x seq_len), m micro-batches, its chunks' parameters P (dense) and X
 (routed experts, x (E + spare) / E), bf16 weights with fp32 masters and Adam:
-  memory  parameters  2 B x (P / s_d + X / (ep s_e)) + 2 gathered FSDP units, 1 where the
-                      gathers do not overlap compute (dp_overlap < 1) (fsdp: s_d = dp ep,
-                      s_e = dp; ddp: s_d = s_e = 1); gradients 2 B x the local parameters;
+  memory  parameters  2 B x (P / s_d + X / (ep s_e)) (fsdp: s_d = dp ep, s_e = dp; ddp:
+                      s_d = s_e = 1); gradients 2 B x the local parameters;
           optimizer   12 B / local parameter (master + 2 moments); offload "optimizer" keeps
                       the 4 B masters, "all" nothing; temporaries cluster.optimizer_temp_bytes
                       (8 B in the presets, measured by a profile) x local / groups +
@@ -18,7 +17,11 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       inputs plus one block's activations
           comms       all-to-all send + receive 2 t k c h (1 B / element for FP8 dispatch,
                       x2 hierarchical); stage p2p 2 t h per chunk; one parallelize unit's
-                      gradients (FSDP2 reduces unit by unit, replicate ("ddp") too)
+                      gradients (FSDP2 reduces unit by unit, replicate ("ddp") too);
+                      cluster.fsdp_gathered_units gathered FSDP units (2 on GPUs, 1 on a
+                      CPU); with pp > 1 and m > 1 instead the unsharded
+                      gradients 2 B x (P + X / ep) a stage accumulates until its last
+                      micro-batch's sync, fsdp's gathered parameters as much again
           peak        parameters + gradients + optimizer + the larger phase: activations +
                       comms (forward / backward) or temporaries (the optimizer step)
   time    compute     FLOPs / cluster.gemm_rate: dense GEMMs at t rows, expert GEMMs at
@@ -26,17 +29,21 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       x3 (forward + backward), + a forward for full recompute, + the routed
                       experts' forward for MoE recompute; + per micro-batch the profile's
                       fixed costs: blocks x (block_overhead + t block_token_overhead) + MoE
-                      blocks x (moe_overhead + t moe_token_overhead) (x (1 + recomputed
+                      blocks x (moe_overhead + t moe_token_overhead + ep_overhead where
+                      ep > 1) (x (1 + recomputed
                       forward share / 3)) + step_overhead + t step_token_overhead
                       (moe/plan/overhead.py)
-          all-to-all  moe.comm CostModel (flat or hierarchical) of 4 exchanges per MoE block
+          all-to-all  moe.comm CostModel (flat or hierarchical; a node's ranks share its
+                      inter-node link where cluster.nic_ranks > 1) of 4 exchanges per MoE block
                       and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
                       behind the routed experts' compute
           dp comms    ring collectives, one per parallelize unit (blocks + 1 over dp ep ranks,
                       each MoE layer's experts over dp) and pass, each of factor (n - 1) steps
                       of max(link latency, cluster.step_latency, the profile's ddp / fsdp
-                      call over its world's ring steps) (all-reduce factor 2, gather and
-                      reduce-scatter 1): fsdp all-gathers forward and backward per
+                      call over its world's ring steps) (all-reduce factor 2, gather 1,
+                      reduce-scatter cluster.reduce_scatter_factor); the experts' groups
+                      (stride ep) cross between nodes side by side, sharing a link where
+                      cluster.nic_ranks > 1: fsdp all-gathers forward and backward per
                       micro-batch and one reduce-scatter a step, overlapped with compute
                       beyond one unit; ddp one all-reduce a step, overlapped with the last
                       micro-batch's backward except a tenth (the last bucket); of what could
@@ -45,11 +52,12 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
                       (Qi et al. 2024; DeepSeek-V3 report) when m >= 2p)
           p2p         2 (p - 1) sends of t h bf16 on the critical path + a latency each per
-                      micro-batch and chunk
+                      micro-batch and chunk (a stage's dp ep ranks send side by side)
           optimizer   32 B per local parameter over HBM; offload: 4 B over the host link and
                       the host's Adam at the same 32 B per parameter over the host link's rate;
-                      at least cluster.optimizer_param_overhead per parameter (a profile's
-                      measured step); + (blocks + 1) x optimizer_overhead (per-tensor work)
+                      at least cluster.optimizer_param_overhead (offload_param_overhead) per
+                      parameter (a profile's measured step); + (blocks + 1) x
+                      optimizer_overhead (offload_overhead) (per-tensor work)
 """
 
 from __future__ import annotations
@@ -133,9 +141,11 @@ def in_flight(schedule: str, m: int, p: int, v: int, r: int) -> float:
     return float(min(m, p - r))
 
 
-def _group_link(cluster: Cluster, ranks: int, stride_span: int) -> tuple[float, float]:
-    """A group of `ranks` ranks within a block of `stride_span` consecutive ranks."""
-    return cluster.link(ranks, span_nodes=stride_span > cluster.gpus_per_node)
+def _group_link(cluster: Cluster, ranks: int, stride_span: int, side_by_side: int = 1):
+    """(bandwidth, latency) of a group of `ranks` ranks within a block of `stride_span`
+    consecutive ranks, `side_by_side` such groups interleaved in it (a stride of that many
+    ranks: their rings cross between nodes at once)."""
+    return cluster.link(ranks, stride_span > cluster.gpus_per_node, side_by_side)
 
 
 def _collective(nbytes: float, ranks: int, bw: float, lat: float, factor: float, calls=1) -> float:
@@ -238,12 +248,8 @@ def _rank(S: _Setup, mine, r: int) -> tuple[dict, dict]:
 def _rank_memory(S: _Setup, mine, r: int) -> dict:
     spec, cluster, L, t = S.spec, S.cluster, S.L, S.t
     P, X, local, unit = _shards(S, mine)
-    # FSDP holds one unit gathered, two where the next unit's gather runs ahead under compute
-    # (dp_overlap 1: GPU streams); a unit's unsharded gradients are the reduce-scatter's input
-    # (comms below)
-    gathered = 2 if cluster.dp_overlap >= 1 else 1
     memory = {
-        "parameters": 2 * (local + (gathered * unit if L.data_parallel == "fsdp" else 0)),
+        "parameters": 2 * local,
         "gradients": 2 * local,
         "optimizer": {None: 12, "optimizer": 4, "all": 0}[L.offload] * local,
         "temporaries": 0.0
@@ -271,8 +277,22 @@ def _rank_memory(S: _Setup, mine, r: int) -> dict:
         comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
     if L.dp * L.ep > 1:  # one unit's gradients in flight (fsdp reduce-scatter, ddp all-reduce)
         comms += 2 * unit
-    memory["comms"] = comms
+    memory["comms"] = comms + _held_for_backward(S, P, X, unit)
     return memory
+
+
+def _held_for_backward(S: _Setup, P: float, X: float, unit: float) -> float:
+    """Bytes FSDP2 holds through forward and backward only (freed before the optimizer step).
+    A pipeline stage (torch's pipelining, on FSDP2 modules) skips the gradient sync of all
+    but its last micro-batch: the rank accumulates its chunks' gradients unsharded (2 B x P +
+    X / ep), and fsdp keeps their parameters gathered until that last backward. Otherwise fsdp
+    holds cluster.fsdp_gathered_units units gathered (2 on GPUs, where the next unit's
+    gather runs ahead on its own stream)."""
+    L, fsdp = S.L, S.L.data_parallel == "fsdp"
+    if L.pp > 1 and L.microbatches > 1 and L.dp * L.ep > 1:
+        unsharded = P + X / L.ep
+        return 2 * unsharded * (2 if fsdp else 1)
+    return 2 * unit * S.cluster.fsdp_gathered_units if fsdp else 0.0
 
 
 def _rank_time(S: _Setup, mine) -> dict:
@@ -292,6 +312,7 @@ def _rank_time(S: _Setup, mine) -> dict:
     recomputed = extra / fwd if fwd else 0.0  # the share of a forward run again
     fixed = blocks * (cluster.block_overhead + t * cluster.block_token_overhead)
     fixed += moe_blocks * (cluster.moe_overhead + t * cluster.moe_token_overhead)
+    fixed += moe_blocks * cluster.ep_overhead if L.ep > 1 else 0.0
     fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead + t * cluster.step_token_overhead
     per_mb = 3 * fwd + extra + fixed
     compute = m * per_mb
@@ -317,7 +338,7 @@ def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -
     could hide under compute, cluster.dp_overlap does."""
     cluster, L, m = S.cluster, S.L, S.L.microbatches
     dense_bw, dense_lat = _group_link(cluster, L.dp * L.ep, L.dp * L.ep)
-    exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep)
+    exp_bw, exp_lat = _group_link(cluster, L.dp, L.dp * L.ep, L.ep)
     W, fsdp = max(cluster.world - 1, 1), L.data_parallel == "fsdp"
     call = cluster.fsdp_call_latency / W if fsdp else cluster.ddp_call_latency / (2 * W)
     step = max(cluster.step_latency, call)  # a ring step, from the profile's world collectives
@@ -328,7 +349,8 @@ def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -
     )
     if fsdp:
         gather = _collective(*dense, 1, blocks + 1) + _collective(*experts, 1, moe_blocks)
-        total = 2 * m * gather + gather  # gathers per micro-batch, one reduce-scatter
+        # gathers per micro-batch, one reduce-scatter
+        total = (2 * m + cluster.reduce_scatter_factor) * gather
         units = 2 * m * max(blocks, 1) + 1
         return _exposed(cluster, total, max(0.0, total - compute) + total / units)
     reduce = _collective(*dense, 2, blocks + 1) + _collective(*experts, 2, moe_blocks)
@@ -345,17 +367,17 @@ def _p2p(S: _Setup) -> float:
     L = S.L
     if L.pp <= 1:
         return 0.0
-    bw, lat = _group_link(S.cluster, 2, 2 * L.dp * L.ep)
+    bw, lat = _group_link(S.cluster, 2, 2 * L.dp * L.ep, L.dp * L.ep)
     one = lat + S.t * S.spec.d_model * ACT_BYTES / bw
     return 2 * (L.pp - 1) * one + 2 * L.microbatches * L.stages_per_rank * lat
 
 
 def _optimizer_terms(S: _Setup, local: float, blocks: int) -> dict:
-    cluster = S.cluster
-    opt_fixed = (blocks + 1) * cluster.optimizer_overhead
-    per_param = cluster.optimizer_param_overhead  # measured (CPU profiles), else bytes / bw
+    """The step's seconds: bytes over the memory (or host link) bandwidth, or a profile's
+    measured seconds per parameter where more, + (blocks + 1) per-tensor fixed costs."""
+    c = S.cluster
     if S.L.offload:
-        host = local * max((4 + OPT_BYTES_PER_PARAM) / cluster.host_bw, per_param) + opt_fixed
-        return {"optimizer": 0.0, "offload": host}
-    step = local * max(OPT_BYTES_PER_PARAM / cluster.hbm_bw, per_param) + opt_fixed
-    return {"optimizer": step, "offload": 0.0}
+        per_param = max((4 + OPT_BYTES_PER_PARAM) / c.host_bw, c.offload_param_overhead)
+        return {"optimizer": 0.0, "offload": local * per_param + (blocks + 1) * c.offload_overhead}
+    per_param = max(OPT_BYTES_PER_PARAM / c.hbm_bw, c.optimizer_param_overhead)
+    return {"optimizer": local * per_param + (blocks + 1) * c.optimizer_overhead, "offload": 0.0}

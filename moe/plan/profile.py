@@ -5,7 +5,9 @@ Measured: matmul throughput at the expert GEMM's shape for growing row counts, f
 rate(rows) = R rows / (rows + h) (1 / rate is linear in 1 / rows); device memory bandwidth
 (a large copy); the host link (a device-to-host copy on CUDA; on CPU the same copy); and
 point-to-point time per size between two ranks of one node and of two nodes (torchrun's
-LOCAL_WORLD_SIZE ranks per node), fitted to latency + bytes / bandwidth. What one process
+LOCAL_WORLD_SIZE ranks per node), fitted to latency + bytes / bandwidth, and how many of a
+node's ranks share its inter-node link (nic_ranks); a world reduce-scatter against an
+all-gather of the same bytes (reduce_scatter_factor). What one process
 cannot measure (links without a second rank or node, FP8 throughput) keeps the preset's
 figure, and the file's `source` says which. Also the fixed framework costs of
 moe/plan/overhead.py (per block, per MoE block, per micro-batch, per optimizer step, on tiny
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe.plan.cluster import PRESETS, Cluster
-from moe.plan.overhead import measure_overheads
+from moe.plan.overhead import D, T, measure_overheads
 from moe.settings import local_world_size
 
 
@@ -145,6 +147,34 @@ def measure_ring(device, sizes=(1 << 10, 1 << 16, 1 << 18, 1 << 20)) -> tuple[fl
     return lat / (2 * (world - 1)), min(max(hidden, 0.0), 1.0)
 
 
+def measure_link_sharing(local: int, device, nbytes: int = 1 << 20) -> int:
+    """Ranks of a node that share its inter-node link (every rank calls; two nodes or more):
+    node 0's ranks stream nbytes to node 1's (rank i to local + i) all at once against rank
+    0 alone; the ratio of the times, rounded, in [1, local]."""
+    rank, buf = dist.get_rank(), torch.empty(nbytes // 4, device=device)
+
+    def stream(senders: int) -> None:
+        if rank < senders:
+            dist.send(buf, rank + local)
+        elif local <= rank < local + senders:
+            dist.recv(buf, rank - local)
+
+    alone, together = _synced(lambda: stream(1), 3), _synced(lambda: stream(local), 3)
+    return int(min(max(round(together / alone), 1), local))
+
+
+def measure_reduce_scatter(device, nbytes: int = 1 << 18) -> float:
+    """A world reduce-scatter's time over a world all-gather's of the same bytes (nbytes per
+    rank's shard; every rank calls), at least 1: NCCL's rings move the same bytes either
+    way, gloo all-reduces the whole input."""
+    world = dist.get_world_size()
+    shard = torch.randn(nbytes // 4, device=device)
+    full = torch.randn(world * shard.numel(), device=device)
+    gather = _synced(lambda: dist.all_gather_into_tensor(full, shard), 2)
+    scatter = _synced(lambda: dist.reduce_scatter_tensor(shard, full), 2)
+    return max(scatter / gather, 1.0)
+
+
 def measure_collective_latency(repeats: int = 20) -> float:
     """Median seconds of a 4-byte all_reduce over the world (every rank calls)."""
     buf = torch.zeros(1)
@@ -193,14 +223,20 @@ def main(argv=None) -> int:
     intra = inter = None
     if world > 1 and local > 1:
         intra = measure_p2p(0, 1, device)
+    nic_ranks, rs_factor = base.nic_ranks, base.reduce_scatter_factor
     if world > local:
         inter = measure_p2p(0, local, device)
+        nic_ranks = measure_link_sharing(local, device) if local > 1 else 1
+    if world > 1:
+        rs_factor = measure_reduce_scatter(device)
     coll = measure_collective_latency() if world > 1 else 0.0
     step_lat, overlap = measure_ring(device) if world > 1 else (0.0, base.dp_overlap)
     if intra is None:
         kept.append("intra-node link")
     if inter is None:
-        kept.append("inter-node link")
+        kept.append("inter-node link and its sharing")
+    if world == 1:
+        kept.append("reduce-scatter factor")
     intra = intra or (base.intra_bw, base.intra_latency)
     inter = inter or (base.inter_bw, base.inter_latency)
     mem = args.device_mem or (
@@ -223,15 +259,23 @@ def main(argv=None) -> int:
         inter_latency=inter[1],
         gemm_efficiency=1.0,
         gemm_half_rows=h,
-        **overheads,
+        **{k: v for k, v in overheads.items() if k != "ep_block_extra"},
         collective_latency=coll,
         step_latency=step_lat,
         dp_overlap=overlap,
+        nic_ranks=nic_ranks,
+        fsdp_gathered_units=2 if cuda else 1,  # ops run synchronously on a CPU
+        reduce_scatter_factor=rs_factor,
         name="profile",
         source=f"measured by python -m moe.plan profile on {platform.node()} "
         f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "
         + ", ".join(kept),
     )
+    extra = overheads.get("ep_block_extra")
+    if extra is not None:  # beyond a block's 4 exchanges (of 128 bytes) as predict counts them
+        nodes, per_node = cluster.nodes, cluster.gpus_per_node
+        exchanges = 4 * cluster.cost_model().flat_time(2 * T * 2 * D, nodes, per_node)
+        cluster = replace(cluster, ep_overhead=max(extra - exchanges, 0.0))
     if not dist.is_initialized() or dist.get_rank() == 0:
         Cluster.__post_init__(cluster)
         cluster.save(args.out)
