@@ -2,7 +2,7 @@
 authors trained with (mapped to moe's terms, tensor parallelism mapped out), predicted by
 moe.plan, and the planner's own top 5 on the same cluster and batch.
 
-  python -m bench.plan_published --out bench/results/2026-11-28-plan-published.md
+  python -m bench.plan_published --out bench/results/2026-12-06-plan-published.md
 
 Each case says where its layout comes from and what the mapping changes. The full search of
 the 1T model on 2,048 devices is timed here (not in a test: timings are never asserted).
@@ -172,8 +172,9 @@ def main(argv=None) -> int:
         "",
         "Datasheet presets (moe.plan.cluster.PRESETS), not measurements: the predictions "
         "rank layouts; their absolute times are as good as the presets' efficiency figures.",
-        "Command: `python -m bench.plan_published --out "
-        "bench/results/2026-11-28-plan-published.md` (2-core CPU).",
+        "Command: `python -m bench.plan_published"
+        + (f" --out {args.out}" if args.out else "")
+        + "` (2-core CPU).",
         "",
     ]
     parts += [run_case(c) + "\n" for c in CASES]

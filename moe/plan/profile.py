@@ -215,6 +215,7 @@ def main(argv=None) -> int:
     rate = lambda rows: R * rows / (rows + h)  # noqa: E731 - the cluster's gemm_rate
     size = (args.d_model, args.d_ff, args.tokens)
     overheads = measure_overheads(dtype, size=size, rate=rate) if not cuda else {}
+    extra = overheads.pop("ep_block_extra", None)  # ep_overhead, once the links are known
     mem_bw, host_bw = measure_copy(1 << 26, device)
     base = PRESETS[args.preset]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
         inter_latency=inter[1],
         gemm_efficiency=1.0,
         gemm_half_rows=h,
-        **{k: v for k, v in overheads.items() if k != "ep_block_extra"},
+        **overheads,
         collective_latency=coll,
         step_latency=step_lat,
         dp_overlap=overlap,
@@ -271,11 +272,9 @@ def main(argv=None) -> int:
         f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "
         + ", ".join(kept),
     )
-    extra = overheads.get("ep_block_extra")
-    if extra is not None:  # beyond a block's 4 exchanges (of 128 bytes) as predict counts them
-        nodes, per_node = cluster.nodes, cluster.gpus_per_node
-        exchanges = 4 * cluster.cost_model().flat_time(2 * T * 2 * D, nodes, per_node)
-        cluster = replace(cluster, ep_overhead=max(extra - exchanges, 0.0))
+    if extra is not None:  # beyond the block's 4 exchanges as predict counts them
+        one = cluster.cost_model().flat_time(T * 2 * D * 2, cluster.nodes, cluster.gpus_per_node)
+        cluster = replace(cluster, ep_overhead=max(extra - 4 * one, 0.0))  # T x top 2 x D, bf16
     if not dist.is_initialized() or dist.get_rank() == 0:
         Cluster.__post_init__(cluster)
         cluster.save(args.out)
