@@ -190,6 +190,37 @@ def measure_collective_latency(repeats: int = 20) -> float:
     return float(np.median(out))
 
 
+def measure_links(base: Cluster, device, world: int, local: int) -> tuple[dict, list[str]]:
+    """(the Cluster fields of the links and collectives, what keeps the preset's figure):
+    every rank calls; one process measures none of them."""
+    kept = ["fp8 throughput (2x bf16)"]
+    intra = inter = None
+    if world > 1 and local > 1:
+        intra = measure_p2p(0, 1, device)
+    nic_ranks, rs_factor = base.nic_ranks, base.reduce_scatter_factor
+    if world > local:
+        inter = measure_p2p(0, local, device)
+        nic_ranks = measure_link_sharing(local, device) if local > 1 else 1
+    if world > 1:
+        rs_factor = measure_reduce_scatter(device)
+    coll = measure_collective_latency() if world > 1 else 0.0
+    step_lat, overlap = measure_ring(device) if world > 1 else (0.0, base.dp_overlap)
+    if intra is None:
+        kept.append("intra-node link")
+    if inter is None:
+        kept.append("inter-node link and its sharing")
+    if world == 1:
+        kept.append("reduce-scatter factor")
+    intra = intra or (base.intra_bw, base.intra_latency)
+    inter = inter or (base.inter_bw, base.inter_latency)
+    fields = dict(
+        intra_bw=intra[0], intra_latency=intra[1], inter_bw=inter[0], inter_latency=inter[1],
+        collective_latency=coll, step_latency=step_lat, dp_overlap=overlap,
+        nic_ranks=nic_ranks, reduce_scatter_factor=rs_factor,
+    )  # fmt: skip
+    return fields, kept
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moe.plan profile", description=__doc__.split("\n")[0]
@@ -220,26 +251,7 @@ def main(argv=None) -> int:
     base = PRESETS[args.preset]
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = int(local_world_size() or world)
-    kept = ["fp8 throughput (2x bf16)"]
-    intra = inter = None
-    if world > 1 and local > 1:
-        intra = measure_p2p(0, 1, device)
-    nic_ranks, rs_factor = base.nic_ranks, base.reduce_scatter_factor
-    if world > local:
-        inter = measure_p2p(0, local, device)
-        nic_ranks = measure_link_sharing(local, device) if local > 1 else 1
-    if world > 1:
-        rs_factor = measure_reduce_scatter(device)
-    coll = measure_collective_latency() if world > 1 else 0.0
-    step_lat, overlap = measure_ring(device) if world > 1 else (0.0, base.dp_overlap)
-    if intra is None:
-        kept.append("intra-node link")
-    if inter is None:
-        kept.append("inter-node link and its sharing")
-    if world == 1:
-        kept.append("reduce-scatter factor")
-    intra = intra or (base.intra_bw, base.intra_latency)
-    inter = inter or (base.inter_bw, base.inter_latency)
+    links, kept = measure_links(base, device, world, local)
     mem = args.device_mem or (
         torch.cuda.get_device_properties(device).total_memory / 2**30
         if cuda
@@ -254,19 +266,11 @@ def main(argv=None) -> int:
         tflops_fp8=2 * R / 1e12,
         hbm_bw=mem_bw,
         host_bw=host_bw,
-        intra_bw=intra[0],
-        intra_latency=intra[1],
-        inter_bw=inter[0],
-        inter_latency=inter[1],
         gemm_efficiency=1.0,
         gemm_half_rows=h,
         **overheads,
-        collective_latency=coll,
-        step_latency=step_lat,
-        dp_overlap=overlap,
-        nic_ranks=nic_ranks,
+        **links,
         fsdp_gathered_units=2 if cuda else 1,  # ops run synchronously on a CPU
-        reduce_scatter_factor=rs_factor,
         name="profile",
         source=f"measured by python -m moe.plan profile on {platform.node()} "
         f"{datetime.date.today()} ({device.type}, {dtype}); from the {args.preset} preset: "
