@@ -1,7 +1,8 @@
 """moe.plan's predictions against measured runs (issue 48): per link rate, one
 `python -m moe.plan profile` run on the emulated network of bench/a2a (network namespaces,
-2 nodes x 2 ranks joined by `tc tbf` veth links) writes a cluster file; then 20 layouts of
-the M6 example's model and of a Mixtral-like tiny transformers model (moe.from_hf; pp > 1 by
+2 nodes x 2 ranks joined by `tc tbf` veth links; ranks of its own) writes a cluster file;
+then, in new ranks for each pass, 20 layouts of the M6 example's model and of a
+Mixtral-like tiny transformers model (moe.from_hf; pp > 1 by
 moe.pipeline.hf_stack + Pipeline), spanning pp / dp / ep, ddp / fsdp, recompute, offload,
 overlap and FP8 dispatch, each timed (median step, the slowest rank) and its peak memory per
 rank measured (bench/memory.py's tracked-storage counter); moe.plan.predict predicts each from
@@ -92,8 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def worker_main(cfg: dict) -> None:
-    """One rank of one pass: the profile (cluster file) in the first, then every layout;
-    rank 0 writes cfg['json']."""
+    """One rank of one run: the profile (cluster file), or every layout of a pass (rank 0
+    writes cfg['json'])."""
     import torch.distributed as dist
 
     from bench.plan_measured_lib.worker import measure_layouts
@@ -143,25 +144,26 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
     rows, clusters = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
-            passes = []
+            base = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
+                    "burst_kb": a.burst_kb, "latency_ms": a.latency_ms, "timeout": a.timeout,
+                    "wall_limit": a.wall_limit, "steps": a.steps, "warmup": a.warmup,
+                    "sizes": asdict(sizes), "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
+                    "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip
+
+            def run(cfg: dict, loopback: bool = rate == "loopback") -> dict:
+                if loopback:
+                    return run_loopback(cfg, N * L)
+                return run_emulated(cfg, entry="-mbench.plan_measured")
+
+            print(f"# {N}x{L} ranks, link {rate} Mbit/s: the profile")
+            run({**base, "profile": True, "cases": []})  # in its own ranks: none of its state
+            passes = []  # stays in the layouts' processes (pass 1 ran ~15% slow beside it)
             for i in range(a.passes):  # new ranks each pass, every other pass in reverse
                 order = cases if i % 2 == 0 else cases[::-1]
-                cfg = {"emulate": (N, L), "rate_mbit": 0 if rate == "loopback" else rate,
-                       "burst_kb": a.burst_kb, "latency_ms": a.latency_ms,
-                       "timeout": a.timeout, "wall_limit": a.wall_limit, "steps": a.steps,
-                       "warmup": a.warmup, "profile": i == 0,
-                       "sizes": asdict(sizes), "cases": order,
-                       "cluster": str(Path(tmp) / f"cluster-{rate}.json"),
-                       "json": str(Path(tmp) / f"rows-{rate}.json")}  # fmt: skip
-                first = "profile, then " if i == 0 else ""
-                print(f"# {N}x{L} ranks, link {rate} Mbit/s, pass {i + 1}: {first}"
-                      f"{len(cases)} layouts")  # fmt: skip
-                if rate == "loopback":
-                    result = run_loopback(cfg, N * L)
-                else:
-                    result = run_emulated(cfg, entry="-mbench.plan_measured")
+                print(f"# {N}x{L} ranks, link {rate} Mbit/s, pass {i + 1}: {len(cases)} layouts")
+                result = run({**base, "profile": False, "cases": order})
                 passes.append(result["rows"] if i % 2 == 0 else result["rows"][::-1])
-            cluster = Cluster.load(cfg["cluster"])
+            cluster = Cluster.load(base["cluster"])
             clusters[str(rate)] = asdict(cluster)
             measured = [{**r, "rate_mbit": rate} for r in merge_passes(passes)]
             rows += add_predictions(measured, cluster, sizes)
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
             "fastest pass kept), then one step "
             "under bench/memory.py's AllocationCounter (peak tracked bytes, fullest rank). "
             "Predictions: moe.plan.predict with each rate's profiled cluster file (the "
-            "profile's micro-benchmarks ran before the layouts; nothing is fitted to them). "
+            "profile's micro-benchmarks ran before the layouts, in ranks of their own; nothing "
+            "is fitted to the layouts). "
             f"Load average {start_load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end."
         ),
     }

@@ -15,7 +15,8 @@ decimal digits up to int64's largest (leading zeros allowed), paths as written (
 too long for the file system: refused naming the variable). A `MOE_*` variable that is none of
 these is warned about once per process, naming the known ones (a misspelling is not ignored
 silently).
-`LOCAL_WORLD_SIZE` (torchrun's) and `TRITON_INTERPRET` (Triton's) are read here too.
+`LOCAL_WORLD_SIZE`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun's) and `TRITON_INTERPRET` (Triton's)
+are read here too.
 """
 
 import difflib
@@ -126,6 +127,11 @@ def read(key: str) -> bool | int | str | None:
 def local_world_size() -> str | None:
     """torchrun's LOCAL_WORLD_SIZE (ranks on this node), as text; None when unset."""
     return os.environ.get("LOCAL_WORLD_SIZE") or None
+
+
+def torchrun_ranks() -> tuple[int, int]:
+    """(WORLD_SIZE, LOCAL_RANK) as torchrun sets them; (1, 0) when unset (one process)."""
+    return int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("LOCAL_RANK") or 0)
 
 
 def triton_interpret() -> bool:
