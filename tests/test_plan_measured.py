@@ -116,7 +116,10 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
         assert a["predicted_memory"] == pytest.approx(b["predicted_memory"])
     doc = json.loads((tmp_path / "r.json").read_text())
     bad = [({"model": "x"}, "m6 or mixtral"), ({"step_time": 0}, "not positive"),
-           ({"rate_mbit": 400}, "has no profile")]  # fmt: skip
+           ({"rate_mbit": 400}, "has no profile"), ({"optimizer_peak": "1"}, "optimizer_peak"),
+           ({"backward_peak": -1}, "backward_peak"), ({"layout": [1]}, "Layout fields"),
+           ({"layout": {"pp": 1, "depth": 2}}, "Layout fields"), ({"final_times": []}, "final_"),
+           ({"final_times": [1, "2"]}, "final_times")]  # fmt: skip
     for change, why in bad:
         broken = {**doc, "rows": [{**doc["rows"][0], **change}]}
         (tmp_path / "bad.json").write_text(json.dumps(broken))
@@ -128,17 +131,20 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
         repredict(tmp_path / "bad.json")
 
 
-def test_the_bench_runs_each_pass_in_new_ranks_after_one_profile(tmp_path):
+def test_the_bench_runs_each_pass_in_new_ranks_after_one_profile(tmp_path, capsys):
     """python -m bench.plan_measured --loopback at a tiny size: one profile on 4 ranks as 2
-    nodes x 2 (the link, how many ranks share it, the reduce-scatter factor, expert
-    parallelism's and the offloaded step's costs: machine-dependent, their ranges are not),
-    then two passes in new ranks, the second in reverse order, merged per layout."""
+    nodes x 2, in ranks of its own (the link, how many ranks share it, the reduce-scatter
+    factor, expert parallelism's and the offloaded step's costs: machine-dependent, their
+    ranges are not), then two passes in new ranks, the second in reverse order, merged per
+    layout."""
     from bench.plan_measured import main
 
     sizes = json.dumps(asdict(SIZES))
     argv = ["--loopback", "--layouts", "2,16", "--passes", "2", "--steps", "1", "--warmup", "1",
             "--sizes", sizes, "--out", str(tmp_path / "r")]  # fmt: skip
     assert main(argv) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# 2x2")]
+    assert [line.split(": ")[-1] for line in runs] == ["the profile"] + ["2 layouts"] * 2
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [r["layout"] for r in doc["rows"]] == [LAYOUTS[i][1].record() for i in (2, 16)]
     for r in doc["rows"]:
@@ -181,3 +187,32 @@ def test_statistics_by_hand():
     assert s["best_gap"] == pytest.approx(1.0) and not s["met"]["best_gap"]
     assert s["memory"] == pytest.approx(0.2) and not s["met"]["memory"]
     assert s["met"]["median"]
+    # head to head, the predicted best 5 % slower than the measured best (medians): judged so;
+    # where it came out faster, 0; the passes' gap stays reported
+    rows[1]["final_times"], rows[0]["final_times"] = [1.05, 0.9, 1.4], [1.0, 1.3, 0.8]
+    s = summary(rows)
+    assert s["best_gap_by_group"]["a @ 1"] == pytest.approx(0.05) and s["met"]["best_gap"]
+    assert s["best_gap_passes_by_group"]["a @ 1"] == pytest.approx(1.0)
+    rows[1]["final_times"] = [0.5]
+    assert summary(rows)["best_gap_by_group"]["a @ 1"] == 0.0
+
+
+def test_head_to_head_reruns_the_two_layouts_the_gap_compares():
+    """head_to_head runs a group's predicted-best and measured-best layouts alternating
+    (FINAL_ORDER) in one run and gives each its times; a group whose predicted best is its
+    measured best is not rerun."""
+    from bench.plan_measured import FINAL_ORDER, head_to_head
+
+    rows = [_row("a", 1, 1.0, 1.1), _row("a", 1, 2.0, 1.0), _row("b", 1, 4.0, 4.0)]
+    for i, r in enumerate(rows):
+        r["layout"], r["short"] = {"pp": i + 1}, f"L{i}"
+    calls = []
+
+    def run(cases):
+        calls.append(cases)
+        return {"rows": [{"step_time": 10.0 * c[1]["pp"] + n} for n, c in enumerate(cases)]}
+
+    head_to_head(rows, run)
+    assert calls == [[("a", {"pp": (2, 1)[i]}) for i in FINAL_ORDER]]
+    assert rows[1]["final_times"] == [20.0, 23.0, 24.0]  # positions 0, 3, 4
+    assert rows[0]["final_times"] == [11.0, 12.0, 15.0] and "final_times" not in rows[2]

@@ -50,19 +50,17 @@ def _timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def _synced(fn, repeats: int, rounds: int = 5, fastest: bool = False) -> float:
+def _synced(fn, repeats: int, rounds: int = 5) -> float:
     """Seconds per call of fn, as every rank sees it while all run it at once (a barrier
     before each round of `repeats` calls): the median round of the slowest rank. The ranks of
-    a training step share the machine and wait for each other the same way. fastest: each
-    rank's fastest round instead, for rounds shorter than a scheduler time slice (a rank
-    sharing a core either has it for the whole round or is preempted: noise, not rate)."""
+    a training step share the machine and wait for each other the same way."""
     fn()
     out = []
     for _ in range(rounds):
         if dist.is_initialized():
             dist.barrier()
         out.append(_timed(fn, repeats))
-    t = torch.tensor([min(out) if fastest else float(np.median(out))], dtype=torch.float64)
+    t = torch.tensor([float(np.median(out))], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -86,13 +84,9 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 
 
 def measure_gemm(d: int, f: int, device, dtype, rows=(16, 64, 256, 1024)) -> tuple[float, float]:
-    """(R, h) of fit_rate from the matmul rate at each row count: each rank's fastest round
-    (at the widths of a tiny model a round is microseconds; the median round of the slowest
-    rank moved R by 1.8x and h by 3.8x between runs on the 2-core machine, the fastest by
-    1.15x and 1.3x)."""
     x = {r: torch.randn(r, d, device=device, dtype=dtype) for r in rows}
     w = torch.randn(d, f, device=device, dtype=dtype)
-    rates = [2 * r * d * f / _synced(lambda r=r: x[r] @ w, 10, fastest=True) for r in rows]
+    rates = [2 * r * d * f / _synced(lambda r=r: x[r] @ w, 10) for r in rows]
     return fit_rate(list(rows), rates)
 
 
