@@ -148,8 +148,8 @@ def measure(a: argparse.Namespace) -> tuple[list[dict], dict[str, dict], Sizes]:
 
 
 def measure_rate(a, rate, cases: list, sizes: Sizes, tmp: Path) -> tuple[list[dict], Cluster]:
-    """One link rate: the profile in ranks of its own (pass 1 ran ~15% slower in the
-    profile's processes), `a.passes` passes over the layouts in new ranks (every other one in
+    """One link rate: the profile in ranks of its own (none of its state in the layouts'
+    processes), `a.passes` passes over the layouts in new ranks (every other one in
     reverse), merged and predicted, then the head-to-head reruns."""
     from bench.a2a.netem import run_emulated
     from bench.plan_measured_lib.report import add_predictions

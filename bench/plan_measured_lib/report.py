@@ -55,17 +55,21 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def finalists(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """Per (model, rate): (the predicted-best row, the measured-best row) where they differ:
-    the two layouts the best-layout gap compares, for a head-to-head rerun."""
+def _best_pairs(rows: list[dict]) -> list[tuple[str, dict, dict]]:
+    """Per (model, rate): its name, the predicted-best row and the measured-best row."""
     out = []
     for key in sorted({(r["model"], r["rate_mbit"]) for r in rows}, key=str):
         group = [r for r in rows if (r["model"], r["rate_mbit"]) == key]
         chosen = min(group, key=lambda r: r["predicted_time"])
         best = min(group, key=lambda r: r["step_time"])
-        if chosen is not best:
-            out.append((chosen, best))
+        out.append((f"{key[0]} @ {key[1]}", chosen, best))
     return out
+
+
+def finalists(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(predicted-best row, measured-best row) of each group where they differ: the two
+    layouts the best-layout gap compares, for a head-to-head rerun."""
+    return [(chosen, best) for _, chosen, best in _best_pairs(rows) if chosen is not best]
 
 
 def _gaps(rows: list[dict]) -> tuple[dict, dict]:
@@ -73,11 +77,7 @@ def _gaps(rows: list[dict]) -> tuple[dict, dict]:
     as judged (head to head where both rows have final_times: the median of each one's
     alternating reruns, at least 0; else the passes' gap)."""
     passes, judged = {}, {}
-    for key in sorted({(r["model"], r["rate_mbit"]) for r in rows}, key=str):
-        group = [r for r in rows if (r["model"], r["rate_mbit"]) == key]
-        chosen = min(group, key=lambda r: r["predicted_time"])
-        best = min(group, key=lambda r: r["step_time"])
-        name = f"{key[0]} @ {key[1]}"
+    for name, chosen, best in _best_pairs(rows):
         passes[name] = judged[name] = chosen["step_time"] / best["step_time"] - 1
         if chosen is not best and "final_times" in chosen and "final_times" in best:
             ratio = np.median(chosen["final_times"]) / np.median(best["final_times"])
