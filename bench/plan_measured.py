@@ -1,12 +1,14 @@
 """moe.plan's predictions against measured runs (issue 48): per link rate, one
-`python -m moe.plan profile` run on the emulated network of bench/a2a (network namespaces,
-2 nodes x 2 ranks joined by `tc tbf` veth links; ranks of its own) writes a cluster file;
-then, in new ranks for each pass, 20 layouts of the M6 example's model and of a
-Mixtral-like tiny transformers model (moe.from_hf; pp > 1 by
-moe.pipeline.hf_stack + Pipeline), spanning pp / dp / ep, ddp / fsdp, recompute, offload,
-overlap and FP8 dispatch, each timed (median step, the slowest rank) and its peak memory per
-rank measured (bench/memory.py's tracked-storage counter); moe.plan.predict predicts each from
-the profiled cluster alone (nothing is fitted to the layouts).
+`python -m moe.plan profile` run, in ranks of its own, on the emulated network of bench/a2a
+(network namespaces, 2 nodes x 2 ranks joined by `tc tbf` veth links) writes a cluster file;
+then, in new ranks for each pass, 20 layouts of the M6 example's model and of a Mixtral-like
+tiny transformers model (moe.from_hf; pp > 1 by moe.pipeline.hf_stack + Pipeline), spanning
+pp / dp / ep, ddp / fsdp, recompute, offload, overlap and FP8 dispatch, each timed (median
+step, the slowest rank) and its peak memory per rank measured (bench/memory.py's
+tracked-storage counter); moe.plan.predict predicts each from the profiled cluster alone
+(nothing is fitted to the layouts). Where a model's predicted-best and measured-best layouts
+differ, the two run again head to head (head_to_head), and the best-layout gap is judged on
+those runs.
 
   python -m bench.plan_measured --emulate 2x2 --rates 100,400 \\
       --out bench/results/2026-11-28-cpu-plan-measured

@@ -285,9 +285,11 @@ def test_profile_under_torchrun_measures_the_ranks(tmp_path):
     import subprocess
     import sys
 
+    from tests.distributed import free_port
+
     out = tmp_path / "cluster.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", "29758", "-m", "moe.plan", "profile", "--out", str(out),
+           "--master-port", str(free_port()), "-m", "moe.plan", "profile", "--out", str(out),
            "--d-model", "32", "--d-ff", "32", "--tokens", "16"]  # fmt: skip
     subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     cluster = Cluster.load(out)

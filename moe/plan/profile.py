@@ -1,7 +1,7 @@
 """python -m moe.plan profile --out cluster.json: measure the machines it runs on (every rank
 under torchrun, or one process) and write a cluster file the planner reads (--cluster).
-Under torchrun it joins a process group itself (NCCL on GPUs, gloo otherwise) unless its
-caller already has one.
+Under torchrun it joins a process group itself (NCCL for GPU tensors, gloo for host ones)
+unless its caller already has one.
 
 Measured: matmul throughput at the expert GEMM's shape for growing row counts, fitted to
 rate(rows) = R rows / (rows + h) (1 / rate is linear in 1 / rows); device memory bandwidth
@@ -248,15 +248,16 @@ def main(argv=None) -> int:
 @contextlib.contextmanager
 def _process_group(cuda: bool):
     """Under torchrun (WORLD_SIZE > 1) without a process group yet: join one for the profile
-    (NCCL on each rank's LOCAL_RANK GPU, else gloo) and leave it after; otherwise nothing
-    (one process, or a caller that initialised its own)."""
+    (NCCL for each rank's LOCAL_RANK GPU and gloo for the host tensors the figures are
+    reduced in; gloo alone without CUDA) and leave it after; otherwise nothing (one process,
+    or a caller that initialised its own, which must take CPU tensors too)."""
     world, local_rank = torchrun_ranks()
     if world == 1 or dist.is_initialized():
         yield
         return
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     try:
         yield
     finally:
