@@ -27,10 +27,10 @@ With size and rate (measure_overheads) the same references are timed at the mode
 and a micro-batch's tokens: block_token_overhead, moe_token_overhead, step_token_overhead
 per token beyond the GEMM time predict counts there, and optimizer_param_overhead and
 offload_param_overhead per parameter. Under torch.distributed (the profile under torchrun)
-every reference module is first parallelized on a mesh of its rank alone, so its parameters are DTensors with FSDP2's
-hooks as in every parallelized training step (on a 2-core CPU that doubled the step's cost
-over plain tensors), and the ranks time each module at the same moment (a barrier before
-each), sharing the machine as the ranks of a step do; with more than one rank the MoE block
+every reference module is first parallelized on a mesh of its rank alone, so its parameters
+are DTensors with FSDP2's hooks as in every parallelized training step (on a 2-core CPU that
+doubled the step's cost over plain tensors), and the ranks time each module at the same
+moment (a barrier before each), sharing the machine as the ranks of a step do; with more than one rank the MoE block
 is also parallelized over the world as "ddp" and "fsdp": ddp_call_latency and
 fsdp_call_latency, one data-parallel collective per unit as FSDP2 issues it; and with its
 experts over the world (ep = world): ep_block_extra, expert parallelism's machinery.

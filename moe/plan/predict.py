@@ -30,9 +30,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       experts' forward for MoE recompute; + per micro-batch the profile's
                       fixed costs: blocks x (block_overhead + t block_token_overhead) + MoE
                       blocks x (moe_overhead + t moe_token_overhead + ep_overhead where
-                      ep > 1) (x (1 + recomputed
-                      forward share / 3)) + step_overhead + t step_token_overhead
-                      (moe/plan/overhead.py)
+                      ep > 1) (x (1 + recomputed forward share / 3)) + step_overhead + t
+                      step_token_overhead (moe/plan/overhead.py)
           all-to-all  moe.comm CostModel (flat or hierarchical; a node's ranks share its
                       inter-node link where cluster.nic_ranks > 1) of 4 exchanges per MoE block
                       and micro-batch (6 recomputed); overlap degree o hides (o - 1) / o of it
