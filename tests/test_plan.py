@@ -279,25 +279,6 @@ def test_profile_writes_a_cluster_the_planner_reads(tmp_path, capsys):
     assert "| 1 | pp" in capsys.readouterr().out
 
 
-def test_profile_under_torchrun_measures_the_ranks(tmp_path):
-    """`python -m moe.plan profile` launched by torchrun joins a process group itself: the
-    link between its 2 ranks and a collective call are measured, not kept from the preset."""
-    import subprocess
-    import sys
-
-    from tests.distributed import free_port
-
-    out = tmp_path / "cluster.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "moe.plan", "profile", "--out", str(out),
-           "--d-model", "32", "--d-ff", "32", "--tokens", "16"]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
-    cluster = Cluster.load(out)
-    assert (cluster.nodes, cluster.gpus_per_node) == (1, 2)
-    assert "intra-node link" not in cluster.source and cluster.collective_latency > 0
-    assert cluster.intra_bw != preset("h100").intra_bw
-
-
 def test_published_report_runs():
     from bench.plan_published import CASES, run_case
 

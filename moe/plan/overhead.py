@@ -4,8 +4,9 @@ bytes when the tensors are so small that eager dispatch, autograd bookkeeping, t
 sorting and the optimizer's per-tensor launches dominate (CPU runs, tiny models; on a GPU at
 the presets' sizes these are microseconds against milliseconds and the presets keep 0).
 
-At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls (the
-fastest of ROUNDS rounds), on a reference decoder block: by default one layer of a tiny
+At width `d` = 8 and 4 tokens (the FLOPs are negligible), median of `repeats` calls after
+WARMUP (the fastest of ROUNDS rounds; under torch.distributed the median over the ranks), on
+a reference decoder block: by default one layer of a tiny
 transformers Mixtral converted by moe.from_hf and cut by moe.pipeline.hf_stack (RMSNorm,
 rotary, grouped-query attention, the per-layer causal mask: a block as the Hugging Face
 families the planner reads build it);
@@ -89,10 +90,12 @@ class _SwiGLU(nn.Module):
 # Rounds over the reference modules (the fastest kept): on the 2-core machine a profile's
 # figures moved by up to 1.7x between runs, as the same layout's step time did between passes
 ROUNDS = 5
+# calls before timing: a new process's first rounds ran up to 1.7x slower than its later ones
+WARMUP = 10
 
 
 def _median_time(fn, repeats: int) -> float:
-    for _ in range(3):
+    for _ in range(WARMUP):
         fn()
     if dist.is_initialized():
         dist.barrier()  # every rank times at once: they share the machine as in a step
@@ -345,10 +348,11 @@ def measure_overheads(
     }
     if size is not None and reference == "hf" and importlib.util.find_spec("transformers"):
         d, f, t = size
-        big, big_block = _reference_times(dtype, max(repeats // 2, 5), reference, d, f, t)
+        big_repeats = max(repeats // 2, 5)
+        big, big_block = _reference_times(dtype, big_repeats, reference, d, f, t)
         n = sum(p.numel() for p in big_block.parameters())
         for key, off, small_time in (("optimizer", None, t_opt), ("offload", "optimizer", t_off)):
-            t_big = _optimizer_time(big_block, off, 5)
+            t_big = _optimizer_time(big_block, off, big_repeats)
             out[f"{key}_param_overhead"] = max(t_big - small_time, 0.0) / n
         small = (t_dense, t_moe, t_ends)
         extra = [
@@ -361,4 +365,16 @@ def measure_overheads(
     if dist.is_initialized() and dist.get_world_size() > 1:
         out.update(_dp_calls(dtype, repeats, reference))
     out["optimizer_temp_bytes"], out["optimizer_tensor_temp_bytes"] = optimizer_temp_bytes(dtype)
-    return out
+    return _median_over_ranks(out)
+
+
+def _median_over_ranks(figures: dict[str, float]) -> dict[str, float]:
+    """Each figure's median over the ranks (every rank calls): one rank's fastest round
+    still moved by 1.5x between ranks measuring at the same moment."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return figures
+    mine = torch.tensor(list(figures.values()), dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    medians = torch.stack(every).quantile(0.5, dim=0)
+    return dict(zip(figures, medians.tolist(), strict=True))

@@ -17,7 +17,8 @@ generic modules) and, with more than one rank, the latency of one collective cal
 all_reduce over the world), a ring step's latency and how much of a data-parallel
 all-reduce runs under compute (measure_ring), at the model's widths and a micro-batch's
 tokens (--d-model, --d-ff, --tokens); every rank measures at once (barriers) and each figure
-is the slowest rank's; --dtype picks the precision the GEMMs and overheads run in.
+is the slowest rank's (the fixed costs: the median rank's); --dtype picks the precision the
+GEMMs and overheads run in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import platform
 import time
 from dataclasses import replace
@@ -36,6 +38,9 @@ import torch.distributed as dist
 from moe.plan.cluster import PRESETS, Cluster
 from moe.plan.overhead import D, T, measure_overheads
 from moe.settings import local_world_size, torchrun_ranks
+
+# a GEMM timing round's length: long against a scheduler's slice (a few ms)
+GEMM_ROUND_SECONDS = 0.05
 
 
 def _timed(fn, repeats: int) -> float:
@@ -83,10 +88,26 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return 1 / inv_bw, min(max(lat, 0.0), 1.0)
 
 
+def _repeats_for(fn, seconds: float) -> int:
+    """Calls of fn that take about `seconds` (at least 1), the largest count any rank asks
+    for (every rank calls; fn must not communicate)."""
+    fn()
+    n = torch.tensor([max(1, math.ceil(seconds / max(_timed(fn, 3), 1e-9)))], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)
+
+
 def measure_gemm(d: int, f: int, device, dtype, rows=(16, 64, 256, 1024)) -> tuple[float, float]:
+    """Each row count timed in rounds of about GEMM_ROUND_SECONDS: rounds of a few small
+    matmuls (10 calls of 16 rows: 0.1 ms on a CPU) see a scheduler's slice, not a rate
+    (0.08-0.21 TFLOP/s over nine profiles of one 2-core machine)."""
     x = {r: torch.randn(r, d, device=device, dtype=dtype) for r in rows}
     w = torch.randn(d, f, device=device, dtype=dtype)
-    rates = [2 * r * d * f / _synced(lambda r=r: x[r] @ w, 10) for r in rows]
+    fns = {r: (lambda r=r: x[r] @ w) for r in rows}
+    rates = [
+        2 * r * d * f / _synced(fns[r], _repeats_for(fns[r], GEMM_ROUND_SECONDS)) for r in rows
+    ]
     return fit_rate(list(rows), rates)
 
 
