@@ -31,10 +31,11 @@ offload_param_overhead per parameter. Under torch.distributed (the profile under
 every reference module is first parallelized on a mesh of its rank alone, so its parameters
 are DTensors with FSDP2's hooks as in every parallelized training step (on a 2-core CPU that
 doubled the step's cost over plain tensors), and the ranks time each module at the same
-moment (a barrier before each), sharing the machine as the ranks of a step do; with more than one rank the MoE block
-is also parallelized over the world as "ddp" and "fsdp": ddp_call_latency and
-fsdp_call_latency, one data-parallel collective per unit as FSDP2 issues it; and with its
-experts over the world (ep = world): ep_block_extra, expert parallelism's machinery.
+moment (a barrier before each), sharing the machine as the ranks of a step do; with more
+than one rank the MoE block is also parallelized over the world as "ddp" and "fsdp":
+ddp_call_latency and fsdp_call_latency, one data-parallel collective per unit as FSDP2
+issues it; and with its experts over the world (ep = world): ep_block_extra, expert
+parallelism's machinery.
 collective_latency (moe.plan.profile) is the time of a 4-byte all_reduce over the world.
 The profile measures these on CPU runs only (a CUDA profile keeps 0: its modules would have
 to run on the device, and at the sizes GPUs are planned for they are noise).

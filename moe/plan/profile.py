@@ -91,7 +91,6 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 def _repeats_for(fn, seconds: float) -> int:
     """Calls of fn that take about `seconds` (at least 1), the largest count any rank asks
     for (every rank calls; fn must not communicate)."""
-    fn()
     n = torch.tensor([max(1, math.ceil(seconds / max(_timed(fn, 3), 1e-9)))], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -258,8 +257,11 @@ def main(argv=None) -> int:
     p.add_argument("--d-model", type=int, default=1024, help="the expert GEMM's input width")
     p.add_argument("--d-ff", type=int, default=1024, help="the expert GEMM's output width")
     p.add_argument("--tokens", type=int, default=128, help="tokens of one micro-batch")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"),
-                   help="the training precision (default: bfloat16 on CUDA, else float32)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="the training precision (default: bfloat16 on CUDA, else float32)",
+    )
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     with _process_group(cuda):
