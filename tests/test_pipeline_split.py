@@ -3,13 +3,14 @@ PipelineConfig.split): hand-computed plans, the least largest stage against ever
 and the setting's checks."""
 
 import itertools
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 
 from moe.pipeline import PipelineConfig, plan_stages
-from moe.pipeline.split import balance
+from moe.pipeline.split import balance, build_stage
 
 
 def _linear_stack(widths):
@@ -63,3 +64,64 @@ def test_split_setting_is_checked_and_recorded():
     assert PipelineConfig(split="params").record()["pipeline.split"] == "params"
     with pytest.raises(ValueError, match="split must be one of"):
         plan_stages(_linear_stack([1, 2]), 2, by="flops")
+
+
+# -- one parameter at two positions (issue 62 items 1, 2) ------------------------------------
+def _tied():
+    embed, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = embed.weight  # tied input / output embedding
+    return nn.Sequential(OrderedDict(embed=embed, mid=nn.Linear(4, 4), head=head))
+
+
+def test_tied_weights_are_refused_naming_both_places():
+    shared = r"embed.weight \(child 'embed'\) and head.weight \(child 'head'\) are one parameter"
+    for stages in (2, 3):
+        with pytest.raises(ValueError, match=shared):
+            plan_stages(_tied(), stages)
+    with pytest.raises(ValueError, match=shared):  # even a given plan
+        plan_stages(_tied(), 2, [["embed", "mid"], ["head"]])
+
+
+def test_a_block_used_twice_is_refused_naming_both_positions():
+    block = nn.Linear(3, 3)
+    stack = nn.Sequential(block, nn.Linear(3, 3), block)
+    with pytest.raises(ValueError, match=r"0.weight \(child '0'\) and 2.weight \(child '2'\)"):
+        plan_stages(stack, 2)
+    inner = nn.Linear(3, 3)  # shared deeper down: two children holding one module
+    stack = nn.Sequential(nn.Sequential(inner, nn.ReLU()), nn.Sequential(nn.Tanh(), inner))
+    with pytest.raises(ValueError, match=r"0.0.weight \(child '0'\) and 1.1.weight \(child '1'\)"):
+        plan_stages(stack, 2)
+
+
+def test_a_parameterless_module_used_twice_keeps_every_position():
+    """nn.Sequential runs every position; the split keeps each (named_children() skips a
+    repeated module, which dropped the second run of it)."""
+    torch.manual_seed(0)
+    act = nn.Tanh()
+    stack = nn.Sequential(nn.Linear(3, 3), act, nn.Linear(3, 3), act).double()
+    plan = plan_stages(stack, 2)
+    assert plan == [["0", "1"], ["2", "3"]]
+    assert plan_stages(stack, 2, by="params") == [["0", "1"], ["2", "3"]]
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = x
+    for names in plan:
+        y = build_stage(stack, names, aux_scale=1.0)(y)
+    torch.testing.assert_close(y, stack(x), rtol=0, atol=0)
+
+
+def _shared_body(rank, world):
+    from moe.pipeline import Pipeline, init_pipeline_mesh
+
+    mesh = init_pipeline_mesh(2, 1, 1)
+    try:
+        Pipeline(_tied().double(), mesh, PipelineConfig(microbatches=2), lambda y, t: y.sum())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_pipeline_refuses_tied_weights_on_every_rank():
+    from tests.distributed import run_ranks
+
+    for message in run_ranks(_shared_body, 2, timeout=120):
+        assert "embed.weight (child 'embed') and head.weight (child 'head')" in message, message

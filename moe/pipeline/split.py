@@ -34,15 +34,11 @@ def plan_stages(model: nn.Module, num_stages: int, stages=None, by: str = "child
         )
     if by not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {by!r}")
-    names = [name for name, _ in model.named_children()]
+    children = dict(model._modules)  # every position: named_children() skips a repeated module
+    names = list(children)
+    check_shared(children)
     if stages is None:
-        if len(names) < num_stages:
-            raise ValueError(f"the model has {len(names)} children, fewer than {num_stages} stages")
-        if by == "params":
-            sizes = balance([param_count(child) for child in model.children()], num_stages)
-        else:
-            base, extra = divmod(len(names), num_stages)
-            sizes = [base + (s < extra) for s in range(num_stages)]
+        sizes = stage_sizes([param_count(child) for child in children.values()], num_stages, by)
         starts = [sum(sizes[:s]) for s in range(num_stages)]
         return [names[a : a + n] for a, n in zip(starts, sizes)]
     if len(stages) != num_stages:
@@ -59,6 +55,42 @@ def plan_stages(model: nn.Module, num_stages: int, stages=None, by: str = "child
         why = f"misses {missing}" if missing else "is out of order"
         raise ValueError(f"stages {why}: every child of the model once, in order ({names})")
     return [list(stage) for stage in stages]
+
+
+def stage_sizes(weights: list[int], num_stages: int, by: str = "children") -> list[int]:
+    """How many children each stage takes when the split is not given, from the children's
+    parameter counts `weights` (the one rule: the pipeline builds it, moe.plan predicts it):
+    by="children", even counts, the first len % num_stages stages one more; by="params",
+    `balance` of the counts."""
+    if by not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {by!r}")
+    children = len(weights)
+    if children < num_stages:
+        raise ValueError(f"the model has {children} children, fewer than {num_stages} stages")
+    if by == "params":
+        return balance(list(weights), num_stages)
+    base, extra = divmod(children, num_stages)
+    return [base + (s < extra) for s in range(num_stages)]
+
+
+def check_shared(children: dict[str, nn.Module]) -> None:
+    """One parameter at two positions of the stack (tied weights, a block used twice) is
+    refused, naming both: the stages hold each child's parameters apart, so the pipeline
+    would train it as two copies, each with its own part of the gradient."""
+    seen: dict[int, str] = {}
+    for name, child in children.items():
+        prefix = "" if isinstance(child, Rooted) else f"{name}."  # Rooted: the model's paths
+        here: dict[int, str] = {}
+        for pname, p in child.named_parameters(remove_duplicate=False):
+            here.setdefault(id(p), f"{prefix}{pname} (child {name!r})")
+        for key, place in here.items():
+            if key in seen:
+                raise ValueError(
+                    f"{seen[key]} and {place} are one parameter: the pipeline's stages hold "
+                    "each child's parameters apart and would train two copies; untie them, "
+                    "or share them inside one child"
+                )
+            seen[key] = place
 
 
 def param_count(module: nn.Module) -> int:
@@ -190,7 +222,7 @@ class RootedStageModule(_StageAux, nn.Module):
 
 def build_stage(model: nn.Sequential, names: list[str], aux_scale: float) -> nn.Module:
     """The stage holding `names` (children of `model`, moved, not copied)."""
-    children = dict(model.named_children())
+    children = dict(model._modules)  # every position (named_children() skips repeats)
     picked = OrderedDict((n, children[n]) for n in names)
     if any(isinstance(child, Rooted) for child in children.values()):
         return RootedStageModule(picked, aux_scale)
