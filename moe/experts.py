@@ -11,7 +11,7 @@ from moe.dispatch.dispatcher import DispatchContext, ExpertFn
 from moe.kernels.activations import GATED, check_activation
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
-from moe.kernels.registry import ExpertKernel, resolve_kernel
+from moe.kernels.registry import ExpertKernel, KernelWrapper, resolve_kernel
 from moe.kernels.weight_format import DENSE, WeightFormat
 from moe.shards import local
 
@@ -41,14 +41,17 @@ class GroupedExperts(nn.Module):
         device=None,
         dtype=None,
         weight_format: WeightFormat = DENSE,
+        wrappers: tuple[KernelWrapper, ...] = (),
     ):
         super().__init__()
         check_activation(activation)
         kw = {"device": device, "dtype": dtype}
         self.activation, self.backend = activation, backend
-        # the kernel `backend` names, resolved at the first call (kernel_for) and held here
+        # the kernel `backend` names with `wrappers` around it (the layer's claimed kernel
+        # wrappers), resolved at the first call (kernel_for) and held here
+        self.wrappers = wrappers
         self.kernel: ExpertKernel | None = None
-        self._kernel_device: str | None = None
+        self._kernel_key: tuple | None = None
         self.d_model, self.d_ff = d_model, d_ff
         self.expert_offset = expert_offset
         self.num_global_experts = num_global_experts or num_experts
@@ -85,12 +88,14 @@ class GroupedExperts(nn.Module):
 
     def kernel_for(self, x: torch.Tensor) -> ExpertKernel:
         """The kernel these experts run on x's device, resolved once from `backend` (a name,
-        "auto" or an ExpertKernel) and held in `self.kernel`: again only when a call comes on
-        another device type than the one it was resolved for (a layer moved to CUDA after its
-        first call). The layer calls this once per call and hands the object down."""
-        if self.kernel is None or self._kernel_device != x.device.type:
-            self.kernel = resolve_kernel(self.backend, x.device)
-            self._kernel_device = x.device.type
+        "auto" or an ExpertKernel) with `wrappers` around it and held in `self.kernel`: again
+        only when a call comes on another device type than the one it was resolved for (a
+        layer moved to CUDA after its first call) or the wrappers changed. The layer calls
+        this once per call and hands the object down."""
+        key = (x.device.type, self.backend, self.wrappers)
+        if self.kernel is None or self._kernel_key != key:
+            self.kernel = resolve_kernel(self.backend, x.device, self.wrappers)
+            self._kernel_key = key
         return self.kernel
 
     def forward(
@@ -107,7 +112,7 @@ class GroupedExperts(nn.Module):
         only compute.
 
         x_ND is the R rows, or the token rows x_TD when rows.gather_ids_R is set (gather on
-        load); rows (ExpertRows, from DispatchContext.expert_rows()) also carries the combine
+        load); rows (ExpertRows, the DispatchContext's `rows`) also carries the combine
         weights and sum_to_tokens (return y_TD). kernel: resolved by the layer (once per
         call; `kernel_for`), else resolved here.
         Under parallelize() the weights are DTensors sharded over "ep": compute on this rank's
@@ -175,7 +180,7 @@ class LayerExperts(ExpertFn):
         return self.kernel.takes_row_weights
 
     def __call__(self, x_ND, offsets_L, ctx: DispatchContext) -> torch.Tensor:
-        out_ND = self.module(x_ND, offsets_L, rows=ctx.expert_rows(), kernel=self.kernel)
+        out_ND = self.module(x_ND, offsets_L, rows=ctx.rows, kernel=self.kernel)
         return self._seen(out_ND, offsets_L, ctx)
 
     def call_once(self, x: torch.Tensor, compute: Callable) -> torch.Tensor:
@@ -185,8 +190,7 @@ class LayerExperts(ExpertFn):
         self, x_RD, offsets_L, ctx: DispatchContext, weights: ExpertWeights, first: int
     ) -> torch.Tensor:
         ends_L = offsets_L[first : first + weights.num_experts]
-        rows = ctx.expert_rows()
-        out_RD = self.module.mlp(x_RD, ends_L, weights, rows=rows, kernel=self.kernel)
+        out_RD = self.module.mlp(x_RD, ends_L, weights, rows=ctx.rows, kernel=self.kernel)
         return self._seen(out_RD, offsets_L, ctx)
 
     def _seen(self, out_ND, offsets_L, ctx: DispatchContext) -> torch.Tensor:

@@ -14,13 +14,13 @@ from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.permute import DispatchPlan
-from moe.dispatch.replica_split import copy_candidates, plan_expert_choice_slots, plan_slots
+from moe.dispatch.replica_split import plan_expert_choice_slots, plan_slots
 from moe.dispatch.wire import DIRECTIONS, wire_for
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
 from moe.gating.balance import BalanceTracker, in_recomputation
 from moe.gating.topk import TopKRouter
-from moe.kernels.registry import ExpertKernel, kernel_for_layer
+from moe.kernels.registry import ExpertKernel, kernel_for_layer, kernel_wrappers_for
 from moe.kernels.weight_format import weight_format_for
 from moe.recompute_frame import recompute_context
 from moe.shared_experts import SharedExperts
@@ -84,6 +84,7 @@ class MoELayer(nn.Module):
             device=device,
             dtype=dtype,
             weight_format=weight_format_for(self.config),
+            wrappers=kernel_wrappers_for(self.config),  # claimed: around the chosen kernel
         )
         if device is not None:
             self.router.to(device)
@@ -107,11 +108,14 @@ class MoELayer(nn.Module):
         self.register_buffer("expert_of_slot_S", eos, persistent=False)
         check = torch.tensor([layout.checksum()], dtype=torch.long, device=device)
         self.register_buffer("slot_checksum_1", check, persistent=False)
+        first = first_slots(eos, self.config.num_experts)  # kept: no forward derives it
+        self.register_buffer("_first_slot_E", first, persistent=False)
         self.register_state_dict_post_hook(_state_dict_slots)
         with torch.no_grad():  # spare slots start as copies of experts 0, 1, ... (or none)
             for p in self.experts.parameters():
                 layout.fill_copies(p)
         self._backwards = BackwardWatch()
+        self._kernel_checked = None  # (kernel, device type, dtype) the last refuse check passed
         self.ran_compiled = False  # set when torch.compile traced a forward (replica_guard)
         # copies' gradients to sum before a step: the backward's mark (None without copies)
         self.replica_mark = replica_guard.watch(self, layout)
@@ -172,11 +176,18 @@ class MoELayer(nn.Module):
 
     def _kernel(self, x_TD: torch.Tensor) -> ExpertKernel:
         """The experts' kernel (GroupedExperts.kernel_for), refusing an input it cannot take
-        in one error naming this layer, the kernel and the reason."""
+        in one error naming this layer, the kernel and the reason; checked again only when the
+        kernel, the input's device type or the weights' dtype changes, so a forward builds its
+        weights once (in the experts' call, where FSDP2 has gathered them)."""
         kernel = self.experts.kernel_for(x_TD)
-        reason = kernel.refuse(x_TD, self.experts.weights())
-        if reason is not None:
-            raise ValueError(f"{self.name}: kernel {kernel.name!r} cannot run this layer: {reason}")
+        key = (kernel, x_TD.device.type, self.experts.w1.dtype)
+        if self._kernel_checked != key:
+            reason = kernel.refuse(x_TD, self.experts.weights())
+            if reason is not None:
+                raise ValueError(
+                    f"{self.name}: kernel {kernel.name!r} cannot run this layer: {reason}"
+                )
+            self._kernel_checked = key
         return kernel
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
@@ -191,35 +202,26 @@ class MoELayer(nn.Module):
         return routing
 
     def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
-        """The dispatch plan in slots (where the experts' weights sit), from canonical ids."""
-        c = self.config
-        eos_S, slot_E, check = self.expert_of_slot_S, self.slot_of_expert_E, self.slot_checksum_1
+        """The dispatch plan in slots (where the experts' weights sit), from canonical ids;
+        copies (spare slots) split by where the dispatcher says this rank sits."""
+        c, slot_E, check = self.config, self._first_slot_E, self.slot_checksum_1
         if routing.token_ids_EC is not None:  # expert choice: expert e's tokens -> its slot
             return plan_expert_choice_slots(
-                routing.token_ids_EC, routing.weights_EC, slot_E, num_tokens, check
-            )
+                routing.token_ids_EC, routing.weights_EC, num_tokens, slot_of_expert_E=slot_E,
+                layout_check_X=check,
+            )  # fmt: skip
         factor = capacity_factor_for(c, self.training)
-        capacity = expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity)
         return plan_slots(
             routing.expert_ids_TK,
             routing.weights_TK,
-            eos_S,
-            slot_E,
-            self._copy_candidates,
-            capacity,
-            c.drop_policy,
             routing.mask_TK,
-            check,
+            capacity=expert_capacity(num_tokens, c.num_experts, c.top_k, factor, c.min_capacity),
+            drop_policy=c.drop_policy,
+            expert_of_slot_S=self.expert_of_slot_S,
+            slot_of_expert_E=slot_E,
+            candidates=self.dispatcher.copy_candidates,
+            layout_check_X=check,
         )
-
-    def _copy_candidates(self):
-        """Where this rank sends each expert's pairs (moe.dispatch.replica_split): its own
-        copies first, then its node's. The EP rank comes from the experts' slot offset."""
-        L = self.experts.num_experts
-        S = self.num_slots
-        rank = self.experts.expert_offset // L
-        per_node = self.dispatcher.ranks_per_node or S // L
-        return copy_candidates(self.expert_of_slot_S, self.config.num_experts, rank, L, per_node)
 
     def _check_finite(self, logits_TE: torch.Tensor) -> None:
         """Router logits must be finite. Compile-safe: under torch.compile or on a GPU this is
@@ -237,7 +239,7 @@ class MoELayer(nn.Module):
         plan = self._canonical_counts(plan)
         probs_TE = routing.probs_TE.detach()
         entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
-        num_pairs = max(plan.num_rows, 1)
+        num_pairs = max(plan.token_ids_M.shape[0], 1)
         self.aux_loss = routing.aux_loss
         self.stats = {
             "tokens_per_expert": plan.counts_E.detach(),
@@ -262,9 +264,8 @@ class MoELayer(nn.Module):
 
     @property
     def slot_of_expert_E(self) -> torch.Tensor:
-        """[E] each expert's first slot (derived from expert_of_slot_S; change the layout
-        with set_slot_layout, not by writing this tensor)."""
-        return first_slots(self.expert_of_slot_S, self.config.num_experts)
+        """[E] each expert's first slot (change the layout with set_slot_layout only)."""
+        return self._first_slot_E
 
     def slot_layout(self) -> SlotLayout:
         """The slots as a host value (a host read: step time, not forward / backward)."""
@@ -282,11 +283,11 @@ class MoELayer(nn.Module):
             )
         layout.check()
         self.expert_of_slot_S.copy_(torch.tensor(layout.expert_of_slot, dtype=torch.long))
+        self._first_slot_E.copy_(first_slots(self.expert_of_slot_S, self.config.num_experts))
         self.slot_checksum_1.fill_(layout.checksum())
 
     def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
-        """The plan's per-slot counts back in canonical expert ids (stats, loads): each
-        expert's copies summed (one copy each without spare slots)."""
+        """The plan's per-slot counts in canonical expert ids (stats, loads): copies summed."""
         E, slot_S = self.config.num_experts, self.expert_of_slot_S
         zeros = plan.counts_E.new_zeros(E)
         return dataclasses.replace(

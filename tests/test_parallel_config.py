@@ -116,10 +116,10 @@ def _one_value_body(rank, world):
     """ExchangeConfig(ranks_per_node=1) on 2 ranks: the exchange and the replica split must
     read one value (they read 1 and 2 before ParallelConfig)."""
     import moe.comm.exchange_plan as exchange_plan
-    import moe.layer as layer_module
+    import moe.dispatch.expert_parallel as split_module
 
     seen = {"exchange": set(), "split": set()}
-    get_topology, copy_candidates = exchange_plan.get_topology, layer_module.copy_candidates
+    get_topology, copy_candidates = exchange_plan.get_topology, split_module.copy_candidates
 
     def topology_spy(*args, **kwargs):
         topo = get_topology(*args, **kwargs)
@@ -130,7 +130,7 @@ def _one_value_body(rank, world):
         seen["split"].add(args[-1])  # ranks_per_node
         return copy_candidates(*args)
 
-    exchange_plan.get_topology, layer_module.copy_candidates = topology_spy, split_spy
+    exchange_plan.get_topology, split_module.copy_candidates = topology_spy, split_spy
     out = {}
     for name in ("keywords", "config"):
         torch.manual_seed(0)

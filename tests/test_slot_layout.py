@@ -131,14 +131,16 @@ def test_the_slot_planner_is_each_plan_it_replaces(capacity):
     w_TK = torch.rand(T, K, generator=g, dtype=torch.float64)
     slot_E = torch.tensor([2, 0, 3, 1])
     eos_S = torch.argsort(slot_E)
-    got = plan_slots(ids_TK, w_TK, eos_S, slot_E, None, capacity, "position")
+    slots = {"expert_of_slot_S": eos_S, "slot_of_expert_E": slot_E}
+    got = plan_slots(ids_TK, w_TK, capacity=capacity, drop_policy="position", **slots)
     want = plan_token_choice(slot_E[ids_TK], w_TK, E, capacity, "position")
     for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     eos_S = torch.tensor([0, 1, 2, 3, 0, 1])
     slot_E = torch.arange(E)
     cands = copy_candidates(eos_S, E, 0, 3, 2)
-    got = plan_slots(ids_TK, w_TK, eos_S, slot_E, lambda: cands, capacity, "position")
+    slots = {"expert_of_slot_S": eos_S, "slot_of_expert_E": slot_E}
+    got = plan_slots(ids_TK, w_TK, capacity=capacity, candidates=lambda *_: cands, **slots)
     want = plan_token_choice_replicated(ids_TK, w_TK, eos_S, slot_E, cands, capacity, "position")
     for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch.permute import DispatchPlan
+from moe.dispatch.replica_split import Candidates, local_candidates
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
 from moe.kernels.registry import ExpertKernel
@@ -191,12 +192,21 @@ class Dispatcher(ABC):
     `takes_wire`: the constructor takes the layer's row wire (`wire=`, moe.dispatch.wire) and sends
     the rows in it (without it, a layer whose rows travel in another format is refused).
     `ranks_per_node`: the ranks per node the exchange uses, resolved (expert-parallel
-    dispatchers; None: one node); replicas prefer a copy on the sender's node by it.
+    dispatchers; None: one node).
+    Where this rank sits among the expert slots is the dispatcher's to say, fixed when it is
+    built (parallelize), never worked out per forward: `copy_candidates`, which the replica
+    split asks for spare slots' copies.
     """
 
     overlaps: bool = False
     takes_wire: bool = False
     ranks_per_node: int | None = None
+
+    def copy_candidates(self, expert_of_slot_S: torch.Tensor, num_experts: int) -> Candidates:
+        """Which copies of each expert this rank sends its pairs to (moe.dispatch.replica_split
+        .copy_candidates). The default: every slot on this rank, all of an expert's copies;
+        a dispatcher spreading slots over ranks prefers the sender's own, then its node's."""
+        return local_candidates(expert_of_slot_S, num_experts)
 
     @abstractmethod
     def dispatch(

@@ -18,7 +18,12 @@ from moe.dispatch.permute import (
     sort_rows_by_expert,
     weighted_sum_rows,
 )
-from moe.dispatch.replica_split import check_layouts_agree, with_layout_check
+from moe.dispatch.replica_split import (
+    Candidates,
+    check_layouts_agree,
+    copy_candidates,
+    with_layout_check,
+)
 from moe.dispatch.wire import PLAIN_WIRE, RowWire
 from moe.kernels.expert_rows import ExpertRows
 
@@ -60,7 +65,8 @@ class ExpertParallelDispatcher(Dispatcher):
 
     ranks_per_node: resolved here once (moe.comm.topology.resolve_ranks_per_node: the argument,
     else the ExchangeConfig, else detection, a collective over `group` when host names decide)
-    and passed to every exchange; the replica split reads the same attribute."""
+    and passed to every exchange; the replica split reads the same value (copy_candidates: this
+    rank's copies first, then its node's), with this rank's place in the group fixed here."""
 
     takes_wire = True
 
@@ -78,7 +84,7 @@ class ExpertParallelDispatcher(Dispatcher):
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.group, self.num_local = group, num_local_experts
-        self.ep_size = dist.get_world_size(group)
+        self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
         if exchange_config is not None and not isinstance(exchange_config, ExchangeConfig):
             raise ValueError(
                 f"exchange_config must be an ExchangeConfig, got {type(exchange_config).__name__}"
@@ -87,6 +93,12 @@ class ExpertParallelDispatcher(Dispatcher):
         self.algorithm = algorithm
         self.ranks_per_node = resolve_ranks_per_node(group, ranks_per_node, self.exchange_config)
         self.wire = wire  # how the rows travel: each direction's row format
+
+    def copy_candidates(self, expert_of_slot_S: torch.Tensor, num_experts: int) -> Candidates:
+        """This rank's copies first, then those on its node (slot s is on rank s // L)."""
+        return copy_candidates(
+            expert_of_slot_S, num_experts, self.ep_rank, self.num_local, self.ranks_per_node
+        )
 
     def _check_plan(self, plan: DispatchPlan) -> None:
         W, L = self.ep_size, self.num_local

@@ -60,13 +60,13 @@ class LocalDispatcher(Dispatcher):
 
     def combine(self, out_ND: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """out_ND: y_TD when the experts summed their rows (ctx.sum_to_tokens), else out_RD."""
-        if ctx.sum_to_tokens:  # the experts already returned y_TD
+        if ctx.rows.sum_to_tokens:  # the experts already returned y_TD
             return out_ND
-        if ctx.row_weights_R is None:  # unweighted rows, weighted here as after an exchange
+        if ctx.rows.row_weights_R is None:  # unweighted rows, weighted here as after an exchange
             out_RD = self.wire.local_combine(out_ND)
             return weighted_sum_rows(out_RD, ctx.plan, ctx.kernel)
         # weights applied: add each row into its token (no float atomics, see sum_rows)
-        return sum_rows(out_ND, ctx.gather_ids_R, ctx.plan.num_tokens)
+        return sum_rows(out_ND, ctx.rows.gather_ids_R, ctx.plan.num_tokens)
 
     def run(self, x_TD, plan, experts: ExpertFn, shared=None):
         experts = rows_only(experts)

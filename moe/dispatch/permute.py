@@ -43,7 +43,7 @@ class DispatchPlan:
         weights), for experts that apply it themselves; dropped rows get 0."""
         if self.pair_rows_TK is None:
             return self.weights_M
-        return self.weights_TK.new_empty(self.num_rows).index_copy(
+        return self.weights_TK.new_empty(self.token_ids_M.shape[0]).index_copy(
             0, self.pair_rows_TK.reshape(-1), self.weights_TK.reshape(-1)
         )
 

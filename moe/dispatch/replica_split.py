@@ -30,29 +30,32 @@ Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def plan_slots(
     expert_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    expert_of_slot_S: torch.Tensor,
-    slot_of_expert_E: torch.Tensor,
-    candidates: Callable[[], Candidates],
+    mask_TK: torch.Tensor | None = None,
+    *,
     capacity: int | None,
     drop_policy: str = "position",
-    mask_TK: torch.Tensor | None = None,
+    expert_of_slot_S: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    candidates: Callable[[torch.Tensor, int], Candidates] | None = None,
     layout_check_X: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Token-choice plan in slots from canonical expert ids, for any slot layout: capacity per
     expert, rows by slot. S == E (a permutation, no copies): plan_token_choice on slot ids,
     exactly as without replicas; S > E: plan_token_choice_replicated, each kept pair to one of
-    `candidates()` (copy_candidates, computed only then). The static shapes choose: no sync."""
+    `candidates(expert_of_slot_S, E)` (the dispatcher's copy_candidates, asked only then;
+    None: every copy on this rank). The static shapes choose: no sync."""
     E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
     if S == E:
         ids_TK = slot_of_expert_E[expert_ids_TK]
         plan = plan_token_choice(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
     else:
+        choose = candidates or local_candidates
         plan = plan_token_choice_replicated(
             expert_ids_TK,
             weights_TK,
             expert_of_slot_S,
             slot_of_expert_E,
-            candidates(),
+            choose(expert_of_slot_S, E),
             capacity,
             drop_policy,
             mask_TK,
@@ -64,8 +67,9 @@ def plan_slots(
 def plan_expert_choice_slots(
     token_ids_EC: torch.Tensor,
     weights_EC: torch.Tensor,
-    slot_of_expert_E: torch.Tensor,
     num_tokens: int,
+    *,
+    slot_of_expert_E: torch.Tensor,
     layout_check_X: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Expert-choice plan in slots: expert e's chosen tokens go to slot slot_of_expert_E[e]
@@ -130,6 +134,12 @@ def copy_candidates(
     copies_E = count_ids(expert_of_slot_S, E)
     first_E = torch.cumsum(copies_E, 0) - copies_E
     return order_S, first_E, count_E
+
+
+def local_candidates(expert_of_slot_S: torch.Tensor, num_experts: int) -> Candidates:
+    """copy_candidates with every slot on this one rank: all of an expert's copies."""
+    S = expert_of_slot_S.numel()
+    return copy_candidates(expert_of_slot_S, num_experts, 0, S, 1)
 
 
 def plan_token_choice_replicated(

@@ -20,6 +20,7 @@ function at every expert-parallel layout.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -128,9 +129,9 @@ class RowWire:
             self.combine_grad_format,
         )
 
-    @property
+    @cached_property
     def plain(self) -> bool:
-        """Every direction plain: the rows travel as they are."""
+        """Every direction plain: the rows travel as they are (fixed: worked out once)."""
         return all(fmt.plain for fmt in self.formats)
 
     def dispatch(self, x_ND: Tensor, plan) -> Tensor:
