@@ -64,3 +64,27 @@ def test_measures_the_layer():
     path = measure_layer()
     assert path.functions[0].startswith("moe/layer.py:MoELayer.forward@")
     assert "moe/layer.py" in path.files and path.returns <= len(path.visits)
+
+
+def test_one_forward_builds_the_weights_once(monkeypatch):
+    """The kernel's refusal is checked at the first call and again only when the kernel, the
+    device type or the weights' dtype changes, so a forward builds the experts' weights once."""
+    import torch
+
+    import moe
+    from moe.experts import GroupedExperts
+    from moe.kernels.registry import ExpertKernel
+
+    built, asked = [], []
+    weights, refuse = GroupedExperts.weights, ExpertKernel.refuse
+    monkeypatch.setattr(GroupedExperts, "weights", lambda self: built.append(1) or weights(self))
+    monkeypatch.setattr(ExpertKernel, "refuse", lambda *a: asked.append(1) or refuse(*a))
+    layer = moe.MoELayer(8, 12, 4, backend="torch")
+    x = torch.randn(5, 8)
+    layer(x)
+    assert (len(built), len(asked)) == (2, 1)  # the first call: the refusal check, the experts
+    layer(x)
+    assert (len(built), len(asked)) == (3, 1)
+    layer.double()  # another dtype: asked again
+    layer(x.double())
+    assert (len(built), len(asked)) == (5, 2)
