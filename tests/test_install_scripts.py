@@ -31,7 +31,8 @@ exit 0
 """
 
 
-def _run(tmp_path, script: str, venv: bool = False, pip_config: str = "", torch: str = ""):
+def _run(tmp_path, script: str, venv: bool = False, pip_config: str = "", torch: str = "",
+         args: tuple[str, ...] = ()):  # fmt: skip
     """Run a copy of `script` in a bare checkout under tmp_path with the fake python3 first on
     PATH; (its log lines with the fake's paths shortened, its stderr)."""
     repo = tmp_path / "repo"
@@ -53,7 +54,7 @@ def _run(tmp_path, script: str, venv: bool = False, pip_config: str = "", torch:
         (active / "bin").mkdir(parents=True)
         shutil.copy(fake / "python3", active / "bin" / "python")
         env["VIRTUAL_ENV"] = str(active)
-    done = subprocess.run(["bash", script], cwd=repo, env=env, capture_output=True, text=True,
+    done = subprocess.run(["bash", script, *args], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     calls = log.read_text().replace(str(repo) + "/", "").replace(str(tmp_path) + "/", "")
@@ -93,3 +94,14 @@ def test_an_active_venv_is_used_and_an_installed_torch_kept(tmp_path, script):
     assert not _torch_installs(calls), calls
     assert all(c.startswith(("active/bin/python", "bin/python3")) for c in calls), calls
     assert "torch" in said and "installed" in said
+
+
+def test_the_quick_tier_is_pytest_m_quick_without_the_aot_check(tmp_path):
+    """`.ci/run --quick` runs `pytest -m quick` (more arguments passed on); the full run (no
+    argument) runs the AOT check first and pytest on everything."""
+    quick, _ = _run(tmp_path / "quick", ".ci/run", args=("--quick", "-x"))
+    full, _ = _run(tmp_path / "full", ".ci/run", args=("-x",))
+    pytest_of = lambda calls: [c.split(" -m pytest ")[1] for c in calls if " -m pytest " in c]
+    assert pytest_of(quick) == ["-q -m quick -x"] and pytest_of(full) == ["-q -x"]
+    aot = lambda calls: any("tools.triton_aot_check" in c for c in calls)
+    assert aot(full) and not aot(quick)
