@@ -56,6 +56,25 @@ def build(family: str, experts: int = 6):
                 norm_topk_prob=False,
             )  # fmt: skip
         )
+    elif family == "deepseek_v3":  # layer 0 a dense MLP, layer 1 shared + routed experts
+        m = T.DeepseekV3ForCausalLM(
+            T.DeepseekV3Config(
+                **{**COMMON, "num_key_value_heads": 4},
+                intermediate_size=40,
+                moe_intermediate_size=12,
+                n_routed_experts=experts,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=2.5,
+                kv_lora_rank=16,
+                q_lora_rank=24,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+            )  # fmt: skip
+        )
     else:
         m = T.OlmoeForCausalLM(T.OlmoeConfig(**COMMON, intermediate_size=12, num_experts=experts))
     m = m.float().eval()
@@ -94,7 +113,7 @@ def logits(model) -> torch.Tensor:
 def ours_trained(family, targets=ALL, spare_slots=0, rank=2, alpha=3.0, router=False):
     base = build(family)
     model = moe.from_hf(copy.deepcopy(base), spare_slots=spare_slots)
-    shared = family == "qwen2_moe"
+    shared = family in ("qwen2_moe", "deepseek_v3")
     config = LoRAConfig(
         rank=rank, alpha=alpha, targets=targets, router=router, shared_experts=shared
     )
@@ -165,7 +184,8 @@ def test_layout_is_peft_delta_weight():
         ("olmoe", ALL, 0, True),  # the router's adapter too (PEFT: mlp.gate.weight)
         ("qwen3_moe", ("w3",), 0, False),  # gate_up_proj alone, up half only
         ("qwen3_moe", ("w1", "w2"), 0, True),
-        ("qwen2_moe", ALL, 0, True),  # shared expert adapters: PEFT's target_modules
+        ("qwen2_moe", ALL, 0, True),  # shared expert adapters: their nn.Linear weights
+        ("deepseek_v3", ALL, 0, True),  # the same where PEFT converts v4 target_modules
     ],
 )
 def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare, router):
@@ -173,11 +193,25 @@ def test_exported_adapter_loads_in_peft(tmp_path, family, targets, spare, router
     config = to_peft(model, str(tmp_path), base)
     assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert config["lora_dropout"] == 0.0
-    assert len(config["target_modules"]) == (6 if family == "qwen2_moe" else 0)  # 2 layers x 3
+    # shared experts as parameters (`target_modules` ending in gate_proj / up_proj / down_proj
+    # are taken by PEFT's v4 -> v5 conversion for DeepSeek-V3 and dropped)
+    assert config["target_modules"] == []
+    shared = [t for t in config["target_parameters"] if "shared_expert" in t]
+    assert len(shared) == {"qwen2_moe": 6, "deepseek_v3": 3}.get(family, 0)  # MoE layers x 3
+    assert all(
+        t.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")) for t in shared
+    )
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
     ours, theirs, plain = logits(model), logits(pm), logits(base)
     assert (ours - plain).abs().max() > 1e-3  # the adapter changes the function
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    if shared:  # and PEFT applied the shared experts' adapters: without them it differs
+        unshared = copy.deepcopy(model)
+        with torch.no_grad():
+            for n, p in adapter_parameters(unshared):
+                if "shared_experts" in n and "lora_B" in n:
+                    p.zero_()
+        assert (logits(unshared) - ours).abs().max() > 1e-3
     # and it reads back here exactly (rank 2r gate_up with a block-diagonal B is split)
     again = moe.from_hf(copy.deepcopy(base), spare_slots=spare)
     add_lora(again, LoRAConfig(**peft_lora_config(str(tmp_path))))
@@ -202,9 +236,14 @@ def test_peft_trained_adapter_reads_back(tmp_path, family, router):
     torch.testing.assert_close(logits(model), logits(pm.eval()), atol=1e-5, rtol=0)
 
 
-def test_peft_trained_shared_expert_adapter_reads_back(tmp_path):
+@pytest.mark.parametrize("as_params", [False, True])
+def test_peft_trained_shared_expert_adapter_reads_back(tmp_path, as_params):
+    """PEFT's LoRA on the shared experts' nn.Linear, targeted as modules or as weights."""
     modules = [f"shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
-    base, pm = peft_trained("qwen2_moe", str(tmp_path), modules=modules)
+    targets = [*TARGETS, *(f"{m}.weight" for m in modules)] if as_params else TARGETS
+    base, pm = peft_trained(
+        "qwen2_moe", str(tmp_path), targets=targets, modules=() if as_params else modules
+    )
     lora = peft_lora_config(str(tmp_path))
     assert lora["shared_experts"] and lora["targets"] == ALL
     model = moe.from_hf(copy.deepcopy(base))
@@ -277,6 +316,29 @@ def test_refuses_another_expert_count(qwen_adapter):
     _refused(_model_for(experts=4), str(qwen_adapter), "6 experts; the model's layer has 4")
 
 
+def test_rank_mismatch_names_no_fraction_of_an_expert(qwen_adapter, tmp_path):
+    folder = _edited(qwen_adapter, tmp_path, r=5)  # 12 rows of lora_A: 6 experts at rank 2
+    with pytest.raises(PeftAdapterError, match="not a whole number of experts") as e:
+        from_peft(_model_for(rank=5), folder)
+    assert "2.4" not in str(e.value)
+
+
+def test_peft_fused_v4_targets_read_back(tmp_path):
+    """PEFT given transformers v4 targets (gate_proj, up_proj, down_proj) fuses gate and up into
+    gate_up_proj at twice the rank and writes rank_pattern {".*\\.gate_up_proj": 2r}: read at
+    rank 2r, down_proj zero-padded, the PeftModel's logits."""
+    modules = ["gate_proj", "up_proj", "down_proj"]
+    base, pm = peft_trained("qwen3_moe", str(tmp_path), targets=[], modules=modules)
+    doc = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert doc["rank_pattern"] == {".*\\.gate_up_proj": 4}  # PEFT's rewrite, as it writes it
+    lora = peft_lora_config(str(tmp_path))
+    assert (lora["rank"], lora["alpha"], lora["targets"]) == (4, 10.0, ALL)
+    model = moe.from_hf(copy.deepcopy(base))
+    add_lora(model, LoRAConfig(**lora))
+    from_peft(model, str(tmp_path))
+    torch.testing.assert_close(logits(model), logits(pm.eval()), atol=1e-5, rtol=0)
+
+
 def test_refuses_another_model(qwen_adapter):
     _refused(_model_for("olmoe"), str(qwen_adapter), "for a Qwen3MoeForCausalLM")
 
@@ -297,7 +359,7 @@ def test_refuses_attention_lora_and_other_shapes(qwen_adapter, tmp_path):
     doc = json.loads((qwen_adapter / "adapter_config.json").read_text())
     doc["rank_pattern"] = {"(a+)+$": 2}  # a regular expression: not read
     (tmp_path / "edited" / "adapter_config.json").write_text(json.dumps(doc))
-    _refused(_model_for(), folder, "not a plain dotted name")
+    _refused(_model_for(), folder, r"is a regular expression, not read: only plain dotted names")
 
 
 def test_refuses_a_bad_weights_file(qwen_adapter, tmp_path):

@@ -11,9 +11,12 @@
 
 The adapter targets the fused expert parameters with PEFT's `target_parameters`
 (`<block>.experts.gate_up_proj`, `<block>.experts.down_proj`, and `<block>.gate.weight` for
-LoRAConfig(router=True)) and, for LoRAConfig(shared_experts=True), PEFT's plain LoRA on the
-shared experts' nn.Linear modules (`target_modules`); moe/interop/peft_layout.py
-gives the exact mapping (gate and up share PEFT's A: exported at rank 2r, block-diagonal B).
+LoRAConfig(router=True)) and, for LoRAConfig(shared_experts=True), the shared experts'
+nn.Linear weights (`<block>.shared_experts.gate_proj.weight`, ...: PEFT's LoRA on a 2-D
+parameter, which is its plain nn.Linear LoRA; as `target_modules` PEFT's v4 -> v5 conversion
+for DeepSeek-V3 took them for fused routed-expert projections and dropped them without a
+word). moe/interop/peft_layout.py gives the exact mapping (gate and up share PEFT's A:
+exported at rank 2r, block-diagonal B).
 lora_dropout is written as 0: PEFT's parameter LoRA has no dropout (it is training-only).
 """
 
@@ -121,7 +124,7 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
     name_or_path = _check_base(base, layers)
     targets = set(first.targets)
     has_gate_up, has_down = bool(targets & {"w1", "w3"}), "w2" in targets
-    tensors, target_parameters, target_modules = {}, [], []
+    tensors, target_parameters = {}, []
     for path, layer in layers.items():
         f = _factors(layer)
         if has_gate_up:
@@ -136,10 +139,10 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
             tensors[L.router_key(path, "A")] = _full(layer.router.lora_A.detach())
             tensors[L.router_key(path, "B")] = _full(layer.router.lora_B.detach())
             target_parameters.append(f"{path}.{L.ROUTER}")
-        for name, linear in L.shared_modules(path, layer):  # PEFT's plain nn.Linear LoRA
+        for name, linear in L.shared_modules(path, layer):  # lora_A [r, in], lora_B [out, r]
             tensors[L.module_key(name, "A")] = _full(linear.lora_A.detach())
             tensors[L.module_key(name, "B")] = _full(linear.lora_B.detach())
-            target_modules.append(name)
+            target_parameters.append(f"{name}.weight")
     both = {"w1", "w3"} <= targets
     gate_up_rank = first.rank * (2 if both else 1)
     r = first.rank if has_down or first.router else gate_up_rank
@@ -149,7 +152,7 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
         "r": r,
         "lora_alpha": first.alpha * (r // first.rank),  # PEFT's lora_alpha / r = alpha / rank
         "lora_dropout": 0.0,
-        "target_modules": sorted(target_modules),
+        "target_modules": [],
         "target_parameters": sorted(target_parameters),
         "rank_pattern": {L.GATE_UP: gate_up_rank} if has_gate_up and gate_up_rank != r else {},
         "alpha_pattern": (

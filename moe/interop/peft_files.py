@@ -15,6 +15,10 @@ from moe.untrusted import UntrustedFileError, read_json
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 PLAIN = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+# the key PEFT writes when it converts transformers v4 targets (gate_proj + up_proj, w1 + w3)
+# to a fused parameter: rf".*\.{re.escape(name)}", any name ending in ".<name>", which is what
+# the plain key <name> matches too
+REWRITTEN = re.compile(r"\.\*\\\.(?P<name>[A-Za-z0-9_]+(\\\.[A-Za-z0-9_]+)*)")
 FLOATS = ("F32", "F16", "BF16", "F64")
 # adapter_config fields that change what the adapter computes in a way moe.lora does not hold:
 # each must be absent, null, false, empty or "none"
@@ -41,6 +45,7 @@ class AdapterConfig:
     target_parameters: tuple[str, ...]
     target_modules: tuple[str, ...]
     base_model_class: str | None
+    fused_by_peft: bool = False  # rank_pattern holds PEFT's v4 -> v5 rewrite (REWRITTEN)
 
     def pattern(self, name: str, table: dict, default):
         """PEFT's get_pattern_key for a parameter key (model.layers.0.mlp.experts.gate_up_proj):
@@ -69,13 +74,21 @@ def _pattern(doc: dict, field: str, where: str, *, integer: bool) -> dict:
     table = doc.get(field) or {}
     if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
         raise PeftAdapterError(f"{where}: {field} must map parameter names to numbers")
-    for k in table:  # PEFT reads the keys as regular expressions: plain names only here
-        if not PLAIN.fullmatch(k):
+    plain = {}
+    for k, v in table.items():  # PEFT reads the keys as regular expressions
+        rewritten = REWRITTEN.fullmatch(k)
+        if rewritten:  # PEFT's own v4 -> v5 rewrite: read as the plain name it ends in
+            name = rewritten["name"].replace("\\.", ".")
+        elif PLAIN.fullmatch(k):
+            name = k
+        else:
             raise PeftAdapterError(
-                f"{where}: {field} key {k!r:.100} is not a plain dotted name (regular "
-                "expressions are not read)"
+                f"{where}: {field} key {k!r:.100} is a regular expression, not read: only plain "
+                "dotted names and the key PEFT writes when it fuses transformers v4 targets "
+                r"(.*\.gate_up_proj for gate_proj + up_proj) say which parameters they reach"
             )
-    return {k: _number(v, f"{field}[{k!r:.60}]", where, integer=integer) for k, v in table.items()}
+        plain.setdefault(name, _number(v, f"{field}[{k!r:.60}]", where, integer=integer))
+    return plain
 
 
 def read_config(folder: str) -> AdapterConfig:
@@ -119,6 +132,7 @@ def read_config(folder: str) -> AdapterConfig:
         target_parameters=tuple(targets),
         target_modules=tuple(modules),
         base_model_class=base_class if isinstance(base_class, str) else None,
+        fused_by_peft=any(REWRITTEN.fullmatch(k) for k in doc.get("rank_pattern") or {}),
     )
 
 

@@ -50,8 +50,9 @@ SHARED = ("gate_proj", "up_proj", "down_proj")
 def shared_modules(block: str, layer) -> list[tuple[str, object]]:
     """(the transformers module name, moe's nn.Linear) of each adapted shared-expert
     projection of a converted layer: Qwen2-MoE's `<block>.shared_expert.gate_proj`,
-    DeepSeek-V3's `<block>.shared_experts.gate_proj`, ... (PEFT's plain LoRA on an nn.Linear:
-    lora_A [r, in], lora_B [out, r], moe.lora's shared-expert adapter as it is)."""
+    DeepSeek-V3's `<block>.shared_experts.gate_proj`, ... (PEFT's LoRA on the nn.Linear,
+    targeted as a module or as its `.weight`, with the same keys: lora_A [r, in], lora_B
+    [out, r], moe.lora's shared-expert adapter as it is)."""
     from moe.interop.hf_families import FAMILIES
 
     shared = getattr(layer, "shared_experts", None)
@@ -157,8 +158,13 @@ def gate_up_from_peft(
 def down_from_peft(
     lora_A: torch.Tensor, lora_B: torch.Tensor, E: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """PEFT's down_proj factors -> moe.lora's w2 (A [E, F, r], B [E, r, d]), or why not."""
+    """PEFT's down_proj factors -> moe.lora's w2 (A [E, F, rank], B [E, rank, d]), or why not.
+    A lower PEFT rank is zero-padded (exact: the extra directions add nothing)."""
     A_ErF, B_Edr = unpack_A(lora_A, E), unpack_B(lora_B, E)
-    if A_ErF.shape[1] != rank:
-        return f"down_proj has rank {A_ErF.shape[1]}, the model's expert LoRA rank {rank}"
-    return A_ErF.transpose(1, 2), B_Edr.transpose(1, 2)
+    rp = A_ErF.shape[1]
+    if rp > rank:
+        return f"down_proj has rank {rp}, above the model's expert LoRA rank {rank}"
+    pad = rank - rp
+    A = torch.cat([A_ErF, A_ErF.new_zeros(E, pad, A_ErF.shape[2])], 1)
+    B = torch.cat([B_Edr, B_Edr.new_zeros(E, B_Edr.shape[1], pad)], 2)
+    return A.transpose(1, 2), B.transpose(1, 2)

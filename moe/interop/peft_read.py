@@ -68,7 +68,7 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
         if _matches(router, cfg.target_parameters):
             hit |= {t for t in cfg.target_parameters if _matches(router, (t,))}
             plan[path, L.ROUTER] = (router, L.router_key(path, "A"), L.router_key(path, "B"))
-        hit |= _plan_shared(plan, path, layers[path], cfg.target_modules, where)
+        hit |= _plan_shared(plan, path, layers[path], cfg, where)
     _check_other_modules(model, layers, cfg.target_modules, where)
     missed = [t for t in (*cfg.target_parameters, *cfg.target_modules) if t not in hit]
     if missed:
@@ -91,10 +91,11 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     return plan
 
 
-def _plan_shared(plan, path: str, layer: HFMoELayer, targets, where) -> set[str]:
-    """The shared-expert nn.Linear modules target_modules names (PEFT's plain LoRA); the
-    targets they hit. A named projection without a moe.lora adapter is refused."""
-    if layer.shared_experts is None or not targets:
+def _plan_shared(plan, path: str, layer: HFMoELayer, cfg: AdapterConfig, where) -> set[str]:
+    """The shared-expert nn.Linear modules the adapter targets (in target_modules, or their
+    `.weight` in target_parameters: the same keys); the targets they hit. A named projection
+    without a moe.lora adapter is refused."""
+    if layer.shared_experts is None:
         return set()
     from moe.interop.hf_families import FAMILIES
 
@@ -102,7 +103,8 @@ def _plan_shared(plan, path: str, layer: HFMoELayer, targets, where) -> set[str]
     hit = set()
     for n in L.SHARED:
         name = f"{path}.{hub}.{n}"
-        hits = {t for t in targets if _matches(name, (t,))}
+        hits = {t for t in cfg.target_modules if _matches(name, (t,))}
+        hits |= {t for t in cfg.target_parameters if _matches(f"{name}.weight", (t,))}
         if not hits:
             continue
         if not hasattr(getattr(layer.shared_experts, n, None), "lora_A"):
@@ -161,11 +163,17 @@ def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> N
             f"{p} needs [E*r, {n_in}] and [{n_out}, r*E] (an adapter for another model)"
         )
     if a_shape[0] != rp * E or b_shape[1] != rp * E:
-        raise PeftAdapterError(
-            f"{where}: {name} holds lora_A {list(a_shape)} at rank {rp}: "
-            f"{a_shape[0] / rp:g} experts; the model's layer has {E}"
+        experts, left = divmod(a_shape[0], rp)
+        held = (
+            f"{experts} experts"
+            if not left and b_shape[1] == a_shape[0]
+            else f"not a whole number of experts (lora_B {list(b_shape)})"
         )
-    need = (lora.rank,) if p == L.DOWN else (lora.rank, 2 * lora.rank)
+        raise PeftAdapterError(
+            f"{where}: {name} holds lora_A {list(a_shape)} at rank {rp} (adapter_config.json's "
+            f"rank for it): {held}; the model's layer has {E} experts, {rp * E} rows at that rank"
+        )
+    need = range(1, lora.rank + 1) if p == L.DOWN else (lora.rank, 2 * lora.rank)
     if rp not in need:
         raise PeftAdapterError(
             f"{where}: {name} has rank {rp}; the model's expert LoRA has rank {lora.rank} "
@@ -187,9 +195,11 @@ def peft_lora_config(folder: str) -> dict:
     adapter in `folder` exactly: rank of PEFT's r (gate and up share PEFT's A, so each gets a
     copy at PEFT's rank), alpha giving PEFT's scaling."""
     cfg = read_config(folder)
-    targets, router = set(), False
+    targets, router, shared = set(), False, bool(cfg.target_modules)
     for t in cfg.target_parameters:
-        if t.endswith(L.ROUTER):
+        if t.endswith(tuple(f"{n}.weight" for n in L.SHARED)):
+            shared = True  # a shared expert's nn.Linear weight
+        elif t.endswith(L.ROUTER):
             router = True
         elif t.endswith(L.GATE_UP):
             targets |= {"w1", "w3"}
@@ -200,7 +210,9 @@ def peft_lora_config(folder: str) -> dict:
     scales = {cfg.scaling_of(t) for t in every}
     down = {cfg.rank_of(t) for t in every if not t.endswith(L.GATE_UP)}
     if len(ranks) == 2 and len(down) == 1 and ranks == {*down, 2 * next(iter(down))}:
-        ranks = down  # to_peft's layout: gate_up_proj at twice the rank, split when read
+        # to_peft's layout: gate_up_proj at twice the rank, block-diagonal, split when read;
+        # PEFT's fusion of v4 targets: one rank-2r adapter, read at 2r (the rest zero-padded)
+        ranks = {max(ranks)} if cfg.fused_by_peft else down
     if len(ranks) != 1 or len(scales) != 1:
         raise PeftAdapterError(
             f"{folder}: its targets have ranks {sorted(ranks)} and scalings {sorted(scales)}; "
@@ -214,7 +226,7 @@ def peft_lora_config(folder: str) -> dict:
         "alpha": s * r,
         "targets": kept,
         "router": router,
-        "shared_experts": bool(cfg.target_modules),
+        "shared_experts": shared,
     }
 
 
