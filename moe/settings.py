@@ -13,8 +13,9 @@ rank) changes nothing. `read` parses every variable: it names the variable, acce
 spellings the README's "Environment variables" table lists and refuses the rest: integers in
 decimal digits up to int64's largest (leading zeros allowed), paths as written (not stripped;
 too long for the file system: refused naming the variable). A `MOE_*` variable that is none of
-these is warned about once per process, naming the known ones (a misspelling is not ignored
-silently).
+these (in any case) is warned about once per process, naming the known ones (a misspelling is
+not ignored silently); a known name in another case (moe_ranks_per_node) is a ValueError
+naming it when its config is built.
 `LOCAL_WORLD_SIZE`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun's) and `TRITON_INTERPRET` (Triton's)
 are read here too.
 """
@@ -100,7 +101,9 @@ def warn_unknown() -> None:
     would otherwise be ignored silently), naming the closest known one and every known one."""
     known = sorted(ENV.values())
     for name in sorted(os.environ):
-        if not name.startswith("MOE_") or name in known or name in _warned:
+        # any case: a lowercase moe_* name is as easy to mean; one spelling a known name in
+        # another case is refused by `read` instead
+        if not name.upper().startswith("MOE_") or name.upper() in known or name in _warned:
             continue
         _warned.add(name)
         close = difflib.get_close_matches(name, known, n=1)
@@ -118,6 +121,12 @@ def read(key: str) -> bool | int | str | None:
     now; None when unset (empty counts as unset). Configs call it when they are built."""
     warn_unknown()
     name = ENV[key]
+    other_case = sorted(n for n in os.environ if n != name and n.upper() == name)
+    if other_case:  # variable names are case-sensitive: the value would be ignored
+        raise ValueError(
+            f"{other_case[0]} is set, but the variable is {name} (names are case-sensitive): "
+            f"rename it to {name} or unset it"
+        )
     text = os.environ.get(name, "")
     if not text.strip():
         return None

@@ -225,6 +225,21 @@ def test_a_misspelled_variable_is_warned_about_once_naming_the_known_ones(clean_
         KernelConfig()
 
 
+def test_a_known_variable_in_another_case_is_refused_naming_it(clean_env):
+    clean_env.setattr(settings, "_warned", set())
+    clean_env.setenv("moe_ranks_per_node", "2")  # was ignored without a word
+    with pytest.raises(ValueError, match="moe_ranks_per_node is set, but the variable is MOE_R"):
+        ExchangeConfig()
+    clean_env.delenv("moe_ranks_per_node")
+    clean_env.setenv("Moe_Triton_Tma", "1")
+    with pytest.raises(ValueError, match="Moe_Triton_Tma is set, but the variable is MOE_TRITON"):
+        KernelConfig()
+    clean_env.delenv("Moe_Triton_Tma")
+    clean_env.setenv("moe_rank_per_node", "2")  # an unknown name in lowercase: warned about
+    with pytest.warns(UserWarning, match="moe_rank_per_node is not a setting"):
+        ExchangeConfig()
+
+
 @pytest.mark.parametrize(
     "raw, value",
     [("000000000000000000001", 1), ("0" * 30 + "7", 7), (str(2**63 - 1), 2**63 - 1), (" 5 ", 5)],
