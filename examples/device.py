@@ -1,5 +1,6 @@
-"""`--device` and `--precision` of the examples: which device this process trains on, and
-whether its forward passes run under bf16 autocast.
+"""`--device`, `--precision` and `--threads` of the examples: which device this process trains
+on, whether its forward passes run under bf16 autocast, and how many CPU threads it computes
+with.
 
     auto     CUDA when available (under torchrun: LOCAL_RANK's GPU), else the CPU
     cpu      the CPU
@@ -8,6 +9,12 @@ whether its forward passes run under bf16 autocast.
 
 An unknown or unavailable device is a ValueError with one line saying why, raised before any
 work starts (the examples turn it into their `error:` line). Checked against torch 2.11+.
+
+--threads: CPU intra-op threads per process. The default is 1: the examples' tiny models have
+matrices too small for more threads to pay, and on a shared or busy machine threads only wait
+for each other (examples/hf/finetune.py on 2 loaded cores: 6 min with torch's default of one
+thread per core, 27 s with one). 0 keeps torch's default; more than this process's cores
+shared by the node's ranks (LOCAL_WORLD_SIZE) is refused: that oversubscribes.
 """
 
 from __future__ import annotations
@@ -23,12 +30,42 @@ DEVICE_HELP = "auto (CUDA when available), cpu, cuda (LOCAL_RANK's GPU) or cuda:
 PRECISION_HELP = "auto: bf16 autocast on CUDA, fp32 on the CPU; fp32 turns autocast off"
 
 
+THREADS_HELP = (
+    "CPU threads per process (default 1: the tiny models' matrices are too small for more "
+    "threads to pay, they only contend; 0: torch's default)"
+)
+
+
 def add_device_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add --device and --precision to an example's parser."""
+    """Add --device, --precision and --threads to an example's parser."""
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument(
         "--precision", choices=("auto", "fp32", "bf16"), default="auto", help=PRECISION_HELP
     )
+    parser.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
+
+
+def cores_per_rank() -> int:
+    """This process's usable cores shared by the node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max((cores or 1) // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1), 1)
+
+
+def threads_problem(threads: int) -> str | None:
+    """Why --threads cannot be used (one line), or None."""
+    if not 0 <= threads <= cores_per_rank():
+        return (
+            f"--threads must be between 0 (torch's default) and {cores_per_rank()} (this "
+            f"process's share of the cores), got {threads}"
+        )
+    return None
+
+
+def set_threads(threads: int, device: torch.device) -> None:
+    """Compute with `threads` CPU threads (0: torch's default) when training on the CPU."""
+    if device.type == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
 
 
 def local_rank() -> int:

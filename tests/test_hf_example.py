@@ -35,6 +35,8 @@ def test_finetune_example(tmp_path, capsys):
         (["--lr", "inf"], "error: --lr must be a finite number > 0, got inf"),  # issue 41 item 14
         (["--lr", "nan"], "error: --lr must be a finite number > 0, got nan"),
         (["--lr", "-0.1"], "error: --lr must be a finite number > 0, got -0.1"),
+        (["--threads", "-1"], "--threads must be between 0 (torch's default) and"),
+        (["--threads", "100000"], "this process's share of the cores), got 100000"),
     ],
 )
 def test_bad_flags_fail_before_any_work(argv, message, tmp_path, capsys, monkeypatch):

@@ -111,6 +111,7 @@ def test_plan_1t_on_meta(capsys):
         (["--config", "m6-huge"], "unknown config"),
         (["--top-k", "3"], "prototype"),
         (["--global-batch", "30", "--micro-batch", "7"], "must divide"),
+        (["--threads", "100000"], "--threads must be between 0"),  # examples/device.py's rule
     ],
 )
 def test_bad_arguments_fail_before_work(argv, message, tmp_path):

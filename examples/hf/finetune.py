@@ -33,6 +33,8 @@ from examples.device import (  # noqa: E402
     autocast,
     backend,
     resolve_device,
+    set_threads,
+    threads_problem,
 )
 from examples.settings import settings_line  # noqa: E402
 
@@ -57,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.log_every < 1:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
-    problem = _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1"))) or _path_problem(args)
+    problem = (
+        threads_problem(args.threads)
+        or _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+        or _path_problem(args)
+    )
     if problem:
         p.error(problem)
     try:
@@ -115,9 +121,10 @@ def batch(step: int, size: int, seq_len: int, vocab: int, seed: int) -> torch.Te
 
 def start(args) -> tuple:
     """The run's world size, rank and printer (rank 0 unless --quiet): the device activated,
-    the process group started under torchrun, the seed set."""
+    the CPU threads set, the process group started under torchrun, the seed set."""
     world, device = int(os.environ.get("WORLD_SIZE", "1")), args.device
     activate(device)
+    set_threads(args.threads, device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend(device))
     rank = dist.get_rank() if world > 1 else 0

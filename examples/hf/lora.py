@@ -29,7 +29,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moe  # noqa: E402
-from examples.device import add_device_args, resolve_device  # noqa: E402
+from examples.device import (  # noqa: E402
+    add_device_args,
+    resolve_device,
+    threads_problem,
+)
 from examples.hf.finetune import _layout_problem, _path_problem, batch, start  # noqa: E402
 from examples.settings import settings_line  # noqa: E402
 from moe.lora import LoRAConfig, adapter_parameters, add_lora  # noqa: E402
@@ -63,7 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be a finite number > 0, got {value}")
     if args.rank < 1 or args.log_every < 1:
         p.error(f"--rank and --log-every must be >= 1, got {args.rank}, {args.log_every}")
-    problem = _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1"))) or _path_problem(args)
+    problem = (
+        threads_problem(args.threads)
+        or _layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+        or _path_problem(args)
+    )
     if problem:
         p.error(problem)
     try:

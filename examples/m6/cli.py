@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import moe
-from examples.device import add_device_args
+from examples.device import add_device_args, threads_problem
 from examples.m6.auto_layout import add_layout_args
 from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, get_config
 from examples.m6.pipe_args import check_pipeline
@@ -105,14 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     g.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the weights, data order and split")
-    add_device_args(g)
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU intra-op threads (0: torch's default); the tiny model's matrices "
-        "are too small for more threads to pay, they only contend",
-    )
+    add_device_args(g)  # --device, --precision, --threads
     _output_args(p)
     _parallel_args(p)
     g = p.add_argument_group("memory plan (meta device, no allocation)")
@@ -266,7 +259,6 @@ POSITIVE_INTS = (
     ("eval_every", 1),
     ("log_every", 1),
     ("save_every", 0),
-    ("threads", 0),
     ("micro_batch", 1),
     ("pp", 1),
 )
@@ -294,6 +286,8 @@ def check_args(args, cfg: M6Config, world: int) -> None:
         raise UsageError(f"--ep {args.ep} needs an MoE model; {cfg.name} is dense")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if threads_problem(args.threads):
+        raise UsageError(threads_problem(args.threads))
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0, got {args.rebalance_every}")
     if args.spare_slots < 0 or args.spare_slots % ep:

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import moe  # noqa: E402
-from examples.device import autocast, resolve_device  # noqa: E402
+from examples.device import autocast, resolve_device, set_threads  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
 from examples.m6.auto_layout import check_layout_args, layout_auto  # noqa: E402
@@ -222,8 +222,7 @@ def _lock(out: Path) -> RunLock:
 
 def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) -> dict:
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    if device.type == "cpu" and args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     data, cfg = load_data(args, cfg)
