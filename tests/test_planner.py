@@ -1,4 +1,4 @@
-"""Memory planner: meta-device parameter counts, activation formula against saved tensors,
+"""Memory estimate: meta-device parameter counts, activation formula against saved tensors,
 and the M6 1T configuration on 480 x 32 GB."""
 
 import math
@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe
-from moe.memory import plan_memory
-from moe.memory.planner import GiB, PlannerModel, activation_bytes, count_parameters
+from moe.memory import estimate_memory
+from moe.memory.activations import activation_bytes
+from moe.memory.estimate import GiB
+from moe.memory.model_counts import PlannerModel, count_parameters
 
 
 class Attention(nn.Module):
@@ -114,25 +116,25 @@ def test_counts_equal_meta_model():
     assert counts.total == sum(p.numel() for p in real.parameters())
     expert = sum(p.numel() for _, p in moe.parallel.expert_parameters(real))
     assert counts.expert == expert and counts.dense == counts.total - expert
-    p = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32)
+    p = estimate_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32)
     assert p.total_params == counts.total
     assert p.local_params == counts.dense + expert // 4
     assert p.parameters == p.local_params * 4 and p.gradients == p.parameters
     # AdamW: two fp32 states, no masters for fp32; offload moves them to the host.
     assert p.optimizer_state == 8 * p.local_params
-    off = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32, offload="all")
+    off = estimate_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.float32, offload="all")
     assert off.optimizer_state == 0 and off.host_bytes > 0 and off.step_temporaries == 0
-    bf16 = plan_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.bfloat16, offload="optimizer")
+    bf16 = estimate_memory(cfg, world_size=8, dp=2, ep=4, dtype=torch.bfloat16, offload="optimizer")
     assert bf16.optimizer_state == 4 * bf16.local_params  # device fp32 masters only
 
 
 def test_groups_and_checkpointing_reduce_memory():
     cfg = TinyConfig()
-    base = plan_memory(cfg, world_size=1, dp=1, ep=1, groups=1)
-    four = plan_memory(cfg, world_size=1, dp=1, ep=1, groups=4)
+    base = estimate_memory(cfg, world_size=1, dp=1, ep=1, groups=1)
+    four = estimate_memory(cfg, world_size=1, dp=1, ep=1, groups=4)
     assert four.step_temporaries == pytest.approx(base.step_temporaries / 4, rel=0.01)
-    ckpt = plan_memory(cfg, world_size=1, dp=1, ep=1, checkpointing=True, micro_batch_tokens=64)
-    full = plan_memory(cfg, world_size=1, dp=1, ep=1, micro_batch_tokens=64)
+    ckpt = estimate_memory(cfg, world_size=1, dp=1, ep=1, checkpointing=True, micro_batch_tokens=64)
+    full = estimate_memory(cfg, world_size=1, dp=1, ep=1, micro_batch_tokens=64)
     assert ckpt.activations < full.activations
     assert (
         "fits" in str(base)
@@ -143,13 +145,13 @@ def test_groups_and_checkpointing_reduce_memory():
 
 def test_plan_validates():
     with pytest.raises(ValueError, match="world_size"):
-        plan_memory(TinyConfig(), world_size=8, dp=3, ep=2)
+        estimate_memory(TinyConfig(), world_size=8, dp=3, ep=2)
     with pytest.raises(ValueError, match="num_experts"):
-        plan_memory(TinyConfig(num_experts=4), world_size=8, dp=1, ep=8)
+        estimate_memory(TinyConfig(num_experts=4), world_size=8, dp=1, ep=8)
     with pytest.raises(ValueError, match="offload"):
-        plan_memory(TinyConfig(), world_size=1, dp=1, ep=1, offload="gpu")
+        estimate_memory(TinyConfig(), world_size=1, dp=1, ep=1, offload="gpu")
     with pytest.raises(TypeError, match="is not a moe.memory.PlannerModel: it has no n_layers"):
-        plan_memory(object(), world_size=1, dp=1, ep=1)  # e.g. a transformers LlamaConfig
+        estimate_memory(object(), world_size=1, dp=1, ep=1)  # e.g. a transformers LlamaConfig
 
 
 def measured_activation_bytes(model: nn.Module, tokens_BS: torch.Tensor) -> int:
@@ -187,8 +189,8 @@ def test_m6_1t_fits_on_480_v100():
     cfg = m6.get_config("m6-1t")
     kw = dict(world_size=480, dp=1, ep=480, dtype=torch.float16, groups=4)
     kw["micro_batch_tokens"] = 8 * cfg.seq_len
-    without = plan_memory(cfg, **kw)
-    with_offload = plan_memory(cfg, **kw, offload="all")
+    without = estimate_memory(cfg, **kw)
+    with_offload = estimate_memory(cfg, **kw, offload="all")
     assert without.total_params > 1e12 and not without.fits
     assert with_offload.fits and with_offload.headroom > 4 * GiB
 
@@ -196,8 +198,8 @@ def test_m6_1t_fits_on_480_v100():
 def test_fsdp_layout_shards_parameters_gradients_and_optimizer_state():
     cfg = TinyConfig(n_layers=4, moe_every=2, num_experts=8)
     counts = count_parameters(cfg)
-    ddp = plan_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32)
-    fsdp = plan_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32, data_parallel="fsdp")
+    ddp = estimate_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32)
+    fsdp = estimate_memory(cfg, world_size=8, dp=4, ep=2, dtype=torch.float32, data_parallel="fsdp")
     assert "layout fsdp" in str(fsdp) and "layout ddp" in str(ddp)
     assert ddp.local_params == counts.dense + counts.expert // 2
     assert fsdp.local_params == -(-counts.total // 8)  # every parameter over all devices
@@ -207,4 +209,10 @@ def test_fsdp_layout_shards_parameters_gradients_and_optimizer_state():
     assert fsdp.optimizer_state == fsdp.local_params * 2 * 4
     assert fsdp.optimizer_state < ddp.optimizer_state
     with pytest.raises(ValueError, match="data_parallel='zero3'"):
-        plan_memory(cfg, world_size=8, dp=4, ep=2, data_parallel="zero3")
+        estimate_memory(cfg, world_size=8, dp=4, ep=2, data_parallel="zero3")
+
+
+def test_the_names_before_the_rename_are_kept_one_release():
+    """plan_memory / MemoryPlan: the public names before "plan" meant the layout planner."""
+    assert moe.memory.plan_memory is estimate_memory
+    assert moe.memory.MemoryPlan is moe.memory.MemoryEstimate
