@@ -1,17 +1,21 @@
 """Faults inside a pipeline step (issue 47): an exception on one rank (a stage's forward after
 the shapes were found, the router's finite check, a backward) is the same PipelineStepError on
-every rank, naming the rank, its stage and the original error, well within step_timeout; a rank
+every rank, naming the rank, its stage and the original error, within step_timeout; a rank
 killed mid-step ends every other rank's step with an error within step_timeout, never a hang.
+The schedule runs on the thread that calls step() (issue 59): thread-local state around it
+reaches the stages, and no process group outside the pipeline's mesh changes its timeout.
+Times to the error are deadlines that report (a warning), not asserts (issue 62).
 
 4 gloo ranks, pp=2 x ep=2 (stage 0 on ranks 0-1, stage 1 on ranks 2-3; the V schedule puts
 stages 1 and 2 on ranks 2-3). Each case builds its own mesh: a failed step leaves transfers
 pending on its groups."""
 
-import contextvars
+import datetime
 import os
 import re
 import threading
 import time
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -19,15 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe.comm.topology import group_timeout
+from moe.parallel import ParallelConfig
 from moe.pipeline import Pipeline, PipelineConfig, PipelineStepError, init_pipeline_mesh
-from moe.pipeline.faults import _carried, describe
+from moe.pipeline.faults import describe
+from moe.pipeline.torch_internals import CHECKED_ON
 from tests.distributed import run_ranks
 from tests.test_pipeline import ROWS, Block, D, Head, S, V
 
 STEP_TIMEOUT = 10.0  # seconds; a bound on every rank's time to the error, not a timing target
 STALL_TIMEOUT = 3.0  # the step_timeout of the case whose rank stalls (for 30 s)
+MARGIN = 5.0  # seconds past a deadline before it is reported (a loaded machine)
 M = 2  # micro-batches: the fault hits the second one (call 1) or a later step's
 
 
@@ -43,9 +51,12 @@ class _RaiseInBackward(torch.autograd.Function):
 
 class Fault(nn.Module):
     """Identity, except in the `call`-th training forward (0-based, counted over steps) on
-    world rank `rank`: raise, put NaN into the activations, die, stall (a rank alive but stuck:
-    the test's fault, not a synchronisation), or raise in its backward.
+    world rank `rank`: raise, put NaN into the activations, die, stall (a rank alive but stuck
+    in Python code, here sleeping in slices: the test's fault, not a synchronisation), or raise
+    in its backward.
     The eval-mode forward that finds the stage shapes does not count."""
+
+    stall_ended = False
 
     def __init__(self, kind=None, rank=-1, call=1):
         super().__init__()
@@ -64,7 +75,10 @@ class Fault(nn.Module):
         if self.kind == "die":
             os._exit(3)
         if self.kind == "stall":
-            time.sleep(10 * STALL_TIMEOUT)
+            end = time.monotonic() + 10 * STALL_TIMEOUT
+            while time.monotonic() < end:
+                time.sleep(0.05)
+            Fault.stall_ended = True  # not interrupted
             return x
         return _RaiseInBackward.apply(x)
 
@@ -109,7 +123,7 @@ def _pipeline(name):
         step_timeout=STALL_TIMEOUT if name == "stall" else STEP_TIMEOUT,
     )
     mesh = init_pipeline_mesh(2, 1, 2)  # a new mesh, new groups, per case
-    parallel = {"data_parallel": data_parallel, "algorithm": "flat"}
+    parallel = ParallelConfig(data_parallel, "flat")
     return Pipeline(build_model(faults), mesh, config, _loss, parallel)
 
 
@@ -127,6 +141,14 @@ def _timed_step(pipe, x, y):
     return None, time.monotonic() - start
 
 
+def _report_late(what, seconds, deadline):
+    """A deadline that reports: a warning, not a failure (the time depends on the machine)."""
+    if seconds > deadline:
+        warnings.warn(
+            f"{what}: {seconds:.1f} s, past its deadline of {deadline:.1f} s", stacklevel=2
+        )
+
+
 def _body(rank, world):
     out = {}
     x, y = _batch(rank)
@@ -139,6 +161,7 @@ def _body(rank, world):
             error, seconds = _timed_step(pipe, x, y)
         again, again_seconds = _timed_step(pipe, x, y)
         out[name] = {"steps_ok": steps, "error": error, "seconds": seconds, "again": again}
+        out[name]["stall_ended"] = Fault.stall_ended
     dist.barrier()  # every rank is out of its failed steps
     return out
 
@@ -168,8 +191,8 @@ def test_a_failing_rank_is_one_named_error_on_every_rank(results, name):
     for rank, error in enumerate(errors):
         assert error.startswith(EXPECTED[name]), (rank, error)
         assert "Every rank raises PipelineStepError" in error
-        # a bound (the ranks left waiting are released by the failing rank's report)
-        assert results[rank][name]["seconds"] < STEP_TIMEOUT, (rank, results[rank][name])
+        # each wait ends within step_timeout (its peer's closed connection, its timeout)
+        _report_late(f"{name}: rank {rank}", results[rank][name]["seconds"], STEP_TIMEOUT + MARGIN)
     assert len(set(errors)) == 1, errors  # one report, read by every rank
     if name == "nan_router":
         assert "router logits contain NaN or Inf" in errors[0]
@@ -182,14 +205,15 @@ def test_a_failing_rank_is_one_named_error_on_every_rank(results, name):
 
 def test_a_stalled_rank_ends_every_step_within_step_timeout(results):
     """Rank 2 stalls (alive, silent) in its second forward: the waits on it time out after
-    STALL_TIMEOUT, and every rank raises, rank 2 too while its worker still sleeps."""
+    STALL_TIMEOUT, and every rank raises, rank 2 too (the watcher interrupts its stall)."""
     for rank in range(4):
         out = results[rank]["stall"]
         error = out["error"]
         assert error.startswith("pipeline step 1 failed on rank"), (rank, error)
         assert "Timed out waiting" in error, error  # gloo's timeout, after step_timeout
         assert "communication errors only: a rank may have died or stopped" in error, error
-        assert out["seconds"] < STALL_TIMEOUT + 5, (rank, out)  # a bound; the stall is 30 s
+        assert not out["stall_ended"], (rank, out)  # rank 2 was interrupted, not let finish
+        _report_late(f"stall: rank {rank}", out["seconds"], STALL_TIMEOUT + MARGIN)
         assert out["again"].startswith("this Pipeline failed earlier"), out["again"]
 
 
@@ -208,7 +232,7 @@ def _kill_body(rank, world):
 def _pipeline_with(faults):
     config = PipelineConfig("1F1B", microbatches=M, stages=TWO, step_timeout=STEP_TIMEOUT)
     mesh = init_pipeline_mesh(2, 1, 2)
-    return Pipeline(build_model(faults), mesh, config, _loss, {"algorithm": "flat"})
+    return Pipeline(build_model(faults), mesh, config, _loss, ParallelConfig(algorithm="flat"))
 
 
 def test_a_rank_killed_mid_step_ends_every_step_with_an_error():
@@ -222,7 +246,7 @@ def test_a_rank_killed_mid_step_ends_every_step_with_an_error():
     released = dict(re.findall(r"rank (\d) released after ([\d.]+) s", message))
     assert sorted(released) == ["0", "1", "3"], message
     for rank, seconds in released.items():
-        assert float(seconds) < STEP_TIMEOUT + 5, (rank, seconds)
+        _report_late(f"killed rank: rank {rank}", float(seconds), STEP_TIMEOUT + MARGIN)
         assert f"--- rank {rank} failed" in message
 
 
@@ -263,44 +287,92 @@ def test_the_message_names_the_original_errors_before_communication_errors():
     assert "communication errors only: a rank may have died" in only
 
 
-class _Ops(TorchDispatchMode):
+class Probe(nn.Module):
+    """Identity; in each training forward it records the thread it runs on and the timeout of
+    the group `outside` (created outside the pipeline), and saves a tensor for backward."""
+
+    outside = None
+
     def __init__(self):
         super().__init__()
         self.seen = []
 
+    def forward(self, x):
+        if not self.training:
+            return x
+        self.seen.append((threading.get_ident(), group_timeout(Probe.outside).total_seconds()))
+        return x if not x.is_floating_point() else x * torch.ones_like(x).requires_grad_()
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(func.__name__)
+        self.ops += 1
         return func(*args, **(kwargs or {}))
 
 
-def test_the_worker_thread_sees_the_callers_grad_mode_autocast_context_and_modes():
-    """As step() runs its schedule: the call built on the caller's thread inside the caller's
-    modes, run on a worker while the caller waits. A dispatch mode (a memory or FLOP counter)
-    sees the worker's ops, and the worker's stack is empty again after."""
-    var = contextvars.ContextVar("var", default="unset")
-    var.set("caller's")
-    x = torch.randn(3)
-
-    def probe():
-        (x * 2).sum()
-        return (
-            torch.is_grad_enabled(),
-            torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"),
-            var.get(),
-            threading.current_thread() is not threading.main_thread(),
-        )
-
-    counted = _Ops()
-    out = []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), counted:
-        call = _carried(probe)
-        worker = threading.Thread(target=lambda: out.append((call(), torch_dispatch_depth())))
-        worker.start()
-        worker.join()
-    assert out == [((False, True, torch.bfloat16, "caller's", True), 0)]
-    assert counted.seen[:2] == ["mul.Tensor", "sum.default"]
+OUTSIDE_TIMEOUT = 123.0
 
 
-def torch_dispatch_depth() -> int:
-    return len(_get_current_dispatch_mode_stack())
+def _caller_body(rank, world):
+    """pp=2 (one rank per stage), a probe in each stage, a group made before the pipeline."""
+    Probe.outside = dist.new_group(timeout=datetime.timedelta(seconds=OUTSIDE_TIMEOUT))
+    torch.manual_seed(0)
+    children = [("embed", nn.Embedding(V, D)), ("p0", Probe()), ("b0", Block(False))]
+    children += [("p1", Probe()), ("b1", Block(True)), ("head", Head())]
+    model = nn.Sequential(OrderedDict(children)).double()
+    stages = [["embed", "p0", "b0"], ["p1", "b1", "head"]]
+    config = PipelineConfig("1F1B", microbatches=M, stages=stages, step_timeout=STEP_TIMEOUT)
+    pipe = Pipeline(model, init_pipeline_mesh(2, 1, 1), config, _loss)
+    x, y = _batch(rank)
+    packed, unpacked, counted = [], [], _Count()
+
+    def pack(t):
+        packed.append(threading.get_ident())
+        return t
+
+    def unpack(t):
+        unpacked.append(threading.get_ident())
+        return t
+
+    for _ in range(2):  # the first step also finds the stage shapes
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), counted:
+            pipe.step(x, y)
+    probe = next(m for m in pipe.local_model().modules() if isinstance(m, Probe))
+    return {
+        "caller": threading.get_ident(),
+        "probe": probe.seen,
+        "packed": packed,
+        "unpacked": unpacked,
+        "ops": counted.ops,
+        "after": group_timeout(Probe.outside).total_seconds(),
+    }
+
+
+def test_the_schedule_runs_on_the_calling_thread_with_its_thread_local_state():
+    """saved_tensors_hooks and a dispatch mode entered around step() reach the stages' forward
+    and backward; each stage's forward runs on the thread that called step(); a group created
+    outside the pipeline keeps its timeout during (read in a stage's forward) and after a step
+    (the step's own timeout, STEP_TIMEOUT, is set on the pipeline's groups only)."""
+    results = run_ranks(_caller_body, 2, timeout=60)
+    for rank, out in enumerate(results):
+        caller = out["caller"]
+        assert len(out["probe"]) == 2 * M, (rank, out["probe"])  # 2 steps x M micro-batches
+        assert {thread for thread, _ in out["probe"]} == {caller}, (rank, out["probe"])
+        assert {timeout for _, timeout in out["probe"]} == {OUTSIDE_TIMEOUT}, (rank, out)
+        assert out["after"] == OUTSIDE_TIMEOUT
+        assert out["packed"] and set(out["packed"]) == {caller}, rank  # forward: saved tensors
+        assert out["unpacked"] and set(out["unpacked"]) == {caller}, rank  # backward read them
+        assert out["ops"] > 0, rank
+
+
+def test_private_torch_assumptions_were_checked_on_this_torch():
+    """moe.pipeline.torch_internals holds what the fault handling assumes of torch beyond its
+    documented API: on another torch version, check each again and update CHECKED_ON."""
+    version = torch.__version__.split("+")[0]
+    assert version.startswith(CHECKED_ON + "."), (
+        f"torch {version}: re-check moe/pipeline/torch_internals.py (checked on {CHECKED_ON})"
+    )

@@ -203,21 +203,9 @@ class Case:
     def memory_step(self) -> None:
         """One step under the allocation counter, gradients freed before (they count)."""
         counter = AllocationCounter()
-        # the schedule runs on the Pipeline's worker thread (moe.pipeline.faults), and a
-        # dispatch mode is thread-local: the counter is entered around the schedule's step there
-        schedule = self.pipe.schedule
-        original = schedule.step
-
-        def counted(*args, **kwargs):
-            with counter:
-                return original(*args, **kwargs)
-
-        schedule.step = counted
         dist.barrier()
-        try:
+        with counter:  # the schedule runs on this thread: the counter sees the stages' work
             self.pipe.step(self.x, self.y)
-        finally:
-            schedule.step = original
         _zero_grads(self.pipe)
         self.peak = counter.peak
 

@@ -1,56 +1,50 @@
-"""A failure inside a pipeline step is one named error on every rank, in bounded time.
+"""A failure inside a pipeline step is one named error on every rank, in bounded time, while the
+schedule runs on the thread that calls Pipeline.step (thread-local state around step() - grad
+mode, autocast, saved_tensors_hooks, dispatch modes, profilers, streams - reaches the stages).
 
-What PyTorch 2.13 offers on gloo, and what is used: a group created with a timeout bounds its
-P2P receives and collectives (a dead peer's closed connection fails them at once);
-ProcessGroup.set_timeout bounds later collectives of an existing group (not its receives);
-ProcessGroup.abort / shutdown do nothing on gloo (a blocked wait stays blocked), so no rank can
-be woken out of a wait. What is added here, in StepGuard:
+What is used (PyTorch 2.13; what it assumes beyond torch's documented API is in
+moe.pipeline.torch_internals), confined to the pipeline's own process groups:
 
-- the step's schedule runs on a worker thread (one per Pipeline, so thread-local caches
-  persist) while the calling thread watches the default c10d store, the out-of-band channel:
-  a rank whose part fails appends a report (rank, stage, the original exception's type and
-  message) and raises; every other rank's calling thread sees the report within POLL_S to
-  POLL_MAX_S (1 s) and raises the same PipelineStepError, even while its worker still waits
-  for the failed rank;
-- every wait of the step is bounded by step_timeout: the pipeline's P2P groups are created
-  with it, and every process group of the process has it for the step's duration (set
-  before, restored after), so a worker left waiting ends too; a worker that gets out of its
-  wait after the error stops at its next stage forward;
-- the step ends with a barrier over every rank (a gloo group with step_timeout), so a rank
-  that finished its part still learns of a failure later in the step. The check of the
-  step's inputs (and, at the first step, the search for the stage shapes) run on the worker
-  too, watched the same way: a rank that died between steps is an error at the next one.
+- every wait of a step is bounded by step_timeout: the pipeline's P2P groups and its agreement
+  group (gloo, every rank) are created with it, and the groups of its mesh (pp, dp, ep and the
+  stages' dp x ep) have it for the step's duration (set before, restored after). No other
+  process group of the process is touched.
+- a rank whose part fails (an exception, the router's NaN check, a transfer that failed or
+  timed out) appends a report (rank, stage, the original exception's type and message) to the
+  agreement group's store and raises PipelineStepError naming every report it reads.
+- a watcher thread (moe.pipeline.watch) reads the reports during a step; on another rank's
+  report it aborts the pipeline's NCCL communicators (an NCCL wait ends at once) and interrupts
+  the calling thread, which raises the same PipelineStepError: running Python code, at once;
+  blocked in a gloo wait (gloo has no abort), when that wait ends - its peer's closed
+  connection, at the latest its timeout, step_timeout.
+- the step ends with a barrier over every rank (the agreement group), so a rank that finished
+  its part still learns of a failure later in the step. The check of the step's inputs and, at
+  the first step, the search for the stage shapes are watched the same way: a rank that died
+  between steps is an error at the next one.
 
-After a PipelineStepError the Pipeline is unusable: a worker may still wait in a transfer
-(until step_timeout) and the stages' gradients are partial. Every later step() raises at once,
-with no communication.
+After a PipelineStepError the Pipeline is unusable (its groups may hold unfinished transfers;
+the stages' gradients are partial): every later step() raises at once, with no communication.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import datetime
+import functools
 import json
-import queue
-import threading
-import weakref
+import sys
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.stage import _PipelineStageBase
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from moe.comm.consistency import _rank_list, raise_if_any_rank_failed
 from moe.comm.topology import group_timeout
+from moe.parallel.mesh import mesh_group
+from moe.pipeline.torch_internals import can_abort, is_communication_error, original_error
+from moe.pipeline.watch import StepInterrupted, Watcher
 
-# how often a waiting rank reads the store for another rank's report: every POLL_S at first,
-# then less often up to every POLL_MAX_S (one small request per rank, to one store host)
-POLL_S, POLL_MAX_S = 0.05, 1.0
 _KEY = "failures"
 _MESSAGE_CHARS = 400
-_COMM_MARKS = ("third_party/gloo", "Connection closed by peer", "Connection reset", "NCCL")
 
 
 class PipelineStepError(RuntimeError):
@@ -76,26 +70,27 @@ class StepGuard:
             group = dist.new_group(column, timeout=self.timeout, sort_ranks=False)
             if self.rank in column:
                 self.pp_group = group
-        # the agreement group's name is the same on every rank and new per Pipeline
-        self.store = dist.PrefixStore(
-            f"moe.pipeline/{self.group.group_name}/", dist.distributed_c10d._get_default_store()
-        )
+        self.mesh_groups = [mesh.get_group(dim) for dim in ("pp", "dp", "ep")]
+        self.mesh_groups.append(mesh_group(mesh["dp", "ep"]))
+        # the agreement group's store: shared by every rank, new per Pipeline
+        self.store = dist.PrefixStore("moe.pipeline/", self.group.get_group_store())
         self.steps = 0
         self.failed: str | None = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        worker = threading.Thread(target=_serve, args=(self._jobs,), daemon=True)
-        worker.name = f"moe.pipeline step worker {self.group.group_name}"
-        worker.start()
-        # the worker ends with its guard, or at exit before the process groups are torn down
-        # (a worker still running then aborts the process); it may be left in a failed
-        # step's wait: joined for at most a second
-        weakref.finalize(self, _stop_worker, self._jobs, worker)
-        for module in modules:  # before FSDP's own hook: no all-gather for a failed step
-            module.register_forward_pre_hook(self._stop_if_failed, prepend=True)
+        self._stage_error: tuple[int, BaseException] | None = None
+        self._abortable = [g for g in [self.pp_group, *self.mesh_groups] if can_abort(g)]
+        self.watcher = Watcher(
+            functools.partial(_read, self.store),
+            functools.partial(_abort, self._abortable),
+            name=f"moe.pipeline step watcher {self.group.group_name}",
+        )
+        for stage, module in zip(self.stage_indices, modules):
+            module.register_forward_hook(functools.partial(self._note, stage), always_call=True)
 
-    def _stop_if_failed(self, module, args) -> None:
-        if self.failed is not None:
-            raise PipelineStepError(f"stopped: {self.failed}")
+    def _note(self, stage: int, module, args, output) -> None:
+        """After each stage forward: the exception it raised, if any (for the report)."""
+        error = sys.exc_info()[1] if output is None else None
+        if error is not None and self._stage_error is None:
+            self._stage_error = (stage, error)
 
     def refuse_if_failed(self) -> None:
         if self.failed is not None:
@@ -129,85 +124,77 @@ class StepGuard:
         return self.call(then_barrier)
 
     def call(self, fn: Callable, keep: type[BaseException] | tuple = ()):
-        """fn() on the worker thread, every process group's collectives bounded by
-        step_timeout, while this thread watches the store: its value; an exception of a `keep`
-        type as it is (the same on every rank by construction); any other exception reported
-        and raised as PipelineStepError, as is another rank's report."""
+        """fn() on this thread, the mesh's collectives bounded by step_timeout, watched: its
+        value; an exception of a `keep` type as it is (the same on every rank by construction);
+        any other exception reported and raised as PipelineStepError, as is another rank's
+        report."""
         self.refuse_if_failed()
-        saved = _bound_groups(self.timeout)
+        saved = _bound(self.mesh_groups, self.timeout)
+        self._stage_error = None
         try:
-            return self._call(fn, keep)
+            return self._watched(fn, keep)
         finally:
-            _restore_groups(saved)
+            for group, old in saved:
+                group.set_timeout(old)
 
-    def _call(self, fn: Callable, keep) -> object:
-        box: dict = {}
-        done = threading.Event()
-        carried = _carried(fn)
-
-        def job() -> None:
-            try:
-                box["value"] = carried()
-            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-                box["error"] = e
-            finally:
-                done.set()
-
-        self._jobs.put(job)
-        poll = POLL_S
+    def _watched(self, fn: Callable, keep) -> object:
+        error = None
         try:
-            while not done.wait(poll):
-                reports = self._read()
-                if reports:
-                    raise self._fail(reports)
-                poll = min(2 * poll, POLL_MAX_S)
-        except PipelineStepError:
-            raise
-        except BaseException as e:  # interrupted: the worker may still run
-            self.failed = f"pipeline step {self.steps} was interrupted ({type(e).__name__})"
-            raise
-        error = box.get("error")
+            try:
+                self.watcher.begin()
+                value = fn()
+            finally:
+                self.watcher.end()
+        except BaseException as e:  # noqa: BLE001 - reported, then raised as PipelineStepError
+            error = e
+        self.watcher.end()  # again: the interruption may have landed in the first end()
+        if self.watcher.error is not None:
+            raise self._lost(self.watcher.error) from error
+        if self.watcher.reports is not None:  # another rank failed (we may have been interrupted)
+            raise self._fail(self._read_or(self.watcher.reports)) from _cause(error)
         if error is None:
-            return box["value"]
+            return value
         if isinstance(error, keep):
             raise error
-        report = self._report(error)
-        try:
-            reports = self._read() or [report]
-        except PipelineStepError:
-            reports = [report]
+        reports = self._read_or([self._report(error)])
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            self._fail(reports)
+            raise error
         raise self._fail(reports) from error
 
     def _report(self, error: BaseException) -> dict:
-        cause = _original(error)
-        stage = _stage_of(error)
+        cause = original_error(error)
+        noted = self._stage_error
+        stage = noted[0] if noted and noted[1] is cause else _one_or_all(self.stage_indices)
         report = {
             "step": self.steps,
             "rank": self.rank,
-            "stage": stage if stage is not None else _one_or_all(self.stage_indices),
+            "stage": stage,
             "type": type(cause).__name__,
             "message": _clip(cause),
-            "comm": _is_communication(cause),
+            "comm": is_communication_error(cause),
         }
         with contextlib.suppress(Exception):  # the store may be gone with its host
             self.store.append(_KEY, json.dumps(report) + "\n")
         return report
 
-    def _read(self) -> list[dict]:
+    def _read_or(self, fallback: list[dict]) -> list[dict]:
         try:
-            if not self.store.check([_KEY]):
-                return []
-            data = self.store.get(_KEY)
-        except Exception as e:  # noqa: BLE001 - the store's host (rank 0) may have died
-            self.failed = (
-                f"pipeline step {self.steps}: lost the store that carries the ranks' errors "
-                f"({type(e).__name__}: {_clip(e)}); its host (rank 0, or torchrun's agent) "
-                "may have died"
-            )
-            raise PipelineStepError(self.failed) from e
-        return _parse(data)
+            return _read(self.store) or fallback
+        except Exception:  # noqa: BLE001 - the store's host may be gone: what we know
+            return fallback
+
+    def _lost(self, error: BaseException) -> PipelineStepError:
+        _abort(self._abortable)
+        self.failed = (
+            f"pipeline step {self.steps}: lost the store that carries the ranks' errors "
+            f"({type(error).__name__}: {_clip(error)}); its host (rank 0, or torchrun's agent) "
+            "may have died"
+        )
+        return PipelineStepError(self.failed)
 
     def _fail(self, reports: list[dict]) -> PipelineStepError:
+        _abort(self._abortable)
         self.failed = describe(self.steps, reports)
         return PipelineStepError(self.failed)
 
@@ -238,125 +225,8 @@ def describe(step: int, reports: list[dict]) -> str:
     )
 
 
-def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
-    jobs.put(None)
-    if worker is not threading.current_thread():
-        worker.join(timeout=1.0)
-
-
-def _serve(jobs: queue.SimpleQueue) -> None:
-    while (job := jobs.get()) is not None:
-        job()
-
-
-def _carried(fn: Callable) -> Callable:
-    """fn with the calling thread's grad mode, autocast, CUDA device and stream, context
-    variables and TorchDispatchModes (thread-local: a worker thread would not see them; a
-    memory or FLOP counter around step() would silently miss the stages' work). Other
-    thread-local state entered around step() (saved_tensors_hooks, ...) does not reach the
-    stages."""
-    grad = torch.is_grad_enabled()
-    casts = [
-        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
-    ]
-    stream = (
-        torch.cuda.current_stream()
-        if torch.cuda.is_available() and torch.cuda.is_initialized()
-        else None
-    )
-    context = contextvars.copy_context()
-    modes = _get_current_dispatch_mode_stack()
-
-    def call():
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_dispatch_modes(modes))
-            stack.enter_context(torch.set_grad_enabled(grad))
-            for device_type, dtype in casts:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-            if stream is not None:
-                torch.cuda.set_device(stream.device)
-                stack.enter_context(torch.cuda.stream(stream))
-            return context.run(fn)
-
-    return call
-
-
-@contextlib.contextmanager
-def _dispatch_modes(modes: list):
-    """The caller's dispatch modes on this thread's stack (their __enter__ ran on the caller's
-    thread, and the caller waits: only the stack is per thread), popped after."""
-    for mode in modes:
-        _push_mode(mode)
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            _pop_mode(mode.__dict__.get("_dispatch_key") or mode.__dict__.get("_mode_key"))
-
-
-def _bound_groups(timeout: datetime.timedelta) -> list:
-    """Every process group of this process gets `timeout` (later collectives only); their
-    previous timeouts, to restore."""
-    saved = []
-    for group in list(dist.distributed_c10d._world.pg_map):
-        old = group_timeout(group)
-        if old is not None and old != timeout:
-            with contextlib.suppress(RuntimeError):  # a backend without timeouts
-                group.set_timeout(timeout)
-                saved.append((group, old))
-    return saved
-
-
-def _restore_groups(saved: list) -> None:
-    for group, old in saved:
-        group.set_timeout(old)
-
-
-def _original(error: BaseException) -> BaseException:
-    """The exception a stage raised, without PyTorch's pipelining wrappers ("failed to run
-    forward", "Failed to run stage backward": a RuntimeError raised from it)."""
-    while (
-        type(error) is RuntimeError and error.__cause__ is not None and _raised_in_pipelining(error)
-    ):
-        error = error.__cause__
-    return error
-
-
-def _raised_in_pipelining(error: BaseException) -> bool:
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and "torch/distributed/pipelining" in tb.tb_frame.f_code.co_filename
-
-
-def _stage_of(error: BaseException) -> int | None:
-    """The index of the stage whose forward or backward raised (the innermost PipelineStage
-    method on the traceback), None when it was not inside one (a transfer of the schedule)."""
-    stage = None
-    for tb in _frames(error.__traceback__):
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, _PipelineStageBase):
-            stage = owner.stage_index
-    return stage
-
-
 def _one_or_all(stages: list[int]) -> int | list[int]:
     return stages[0] if len(stages) == 1 else stages
-
-
-def _frames(tb):
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
-
-
-def _is_communication(error: BaseException) -> bool:
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        any(mark in text for mark in _COMM_MARKS) or text.startswith("Timed out waiting")
-    )
 
 
 def _clip(error: BaseException) -> str:
@@ -373,3 +243,35 @@ def _parse(data: bytes) -> list[dict]:
             if isinstance(r, dict) and {"rank", "stage", "type", "message", "comm"} <= set(r):
                 reports.append(r)
     return reports
+
+
+def _cause(error: BaseException | None) -> BaseException | None:
+    """The local exception to chain, not the watcher's interruption."""
+    return None if isinstance(error, StepInterrupted) else error
+
+
+def _read(store) -> list[dict]:
+    """Every rank's reports so far (raises when the store is unreachable)."""
+    if not store.check([_KEY]):
+        return []
+    return _parse(store.get(_KEY))
+
+
+def _abort(groups: list) -> None:
+    """Ends the blocked waits of these groups (NCCL's communicator abort)."""
+    for group in groups:
+        with contextlib.suppress(Exception):
+            group.abort()
+
+
+def _bound(groups: list, timeout: datetime.timedelta) -> list:
+    """These groups get `timeout` (later collectives only); their previous timeouts, to
+    restore."""
+    saved = []
+    for group in dict.fromkeys(groups):
+        old = group_timeout(group)
+        if old is not None and old != timeout:
+            with contextlib.suppress(RuntimeError):  # a backend without timeouts
+                group.set_timeout(timeout)
+                saved.append((group, old))
+    return saved

@@ -15,9 +15,9 @@ check on one rank).
 
 Faults (issue 47): an exception on any rank inside a step (a stage's forward or backward,
 the router's finite check, the loss, a dead peer) is one named error,
-moe.pipeline.PipelineStepError, on every rank, promptly when the failing rank is alive and
-within PipelineConfig.step_timeout when it died; no rank waits longer than step_timeout for
-another inside a step (Pipeline.step, moe.pipeline.faults).
+moe.pipeline.PipelineStepError, on every rank, within PipelineConfig.step_timeout; no rank
+waits longer than step_timeout for another inside a step (Pipeline.step, moe.pipeline.faults).
+The schedule runs on the thread that calls step(); a watcher thread only watches.
 """
 
 from collections.abc import Callable
@@ -131,14 +131,17 @@ class Pipeline:
         during the step (a stage's forward or backward, the router's finite check, the loss, a
         dead peer's closed connection) is one PipelineStepError on every rank, naming each
         failing rank, its stage and the original exception's type and message: the failing
-        rank reports it through the default store, and the others raise within a second
-        (0.05 s early in a step) even while they wait for it; a rank that dies without a
-        report ends the others' waits within config.step_timeout (its closed connections
-        usually at once). No rank waits longer than step_timeout for another inside a step
-        (ranks must call step within step_timeout of each other). The schedule runs on a
-        worker thread (moe.pipeline.faults) and the step ends with a barrier over every rank.
-        After a PipelineStepError this Pipeline cannot step again: build a new one on a new
-        mesh."""
+        rank reports it through the agreement group's store; a watcher thread on every other
+        rank reads it (within a second; 0.05 s early in a step) and ends that rank's part (at
+        once in Python code or an NCCL wait, when a gloo wait ends: its peer's closed
+        connection, at the latest step_timeout). A rank that dies without a report ends the
+        others' waits within config.step_timeout (its closed connections usually at once).
+        No rank waits longer than step_timeout for another inside a step (ranks must call
+        step within step_timeout of each other). The schedule runs on the calling thread, so
+        grad mode, autocast, saved_tensors_hooks, dispatch modes and profilers entered around
+        step() apply to the stages; the step ends with a barrier over every rank
+        (moe.pipeline.faults). After a PipelineStepError this Pipeline cannot step again:
+        build a new one on a new mesh."""
         guard = self._step_guard()
         m = self.config.microbatches
         problem = None
