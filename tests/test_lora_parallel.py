@@ -108,7 +108,14 @@ def _body(rank, world, ckpt):
         save_checkpoint(ckpt, model, opt, trainable_only=True)
         saved = {k: _full(v).clone() for k, v in adapter_state_dict(model).items()}
         moments = {n: _full(opt.state[p]["exp_avg"]) for n, p in adapter_parameters(model)}
-        fresh = parallelize(_model(seed=5), init_mesh(dp=2, ep=1), "fsdp")  # another layout
+        other = parallelize(_model(seed=5), init_mesh(dp=2, ep=1), "fsdp")  # another base
+        try:
+            load_checkpoint(ckpt, other)
+        except ValueError as e:
+            assert "trained on another base model" in str(e), e
+        else:
+            raise AssertionError("an adapters-only checkpoint loaded onto another base")
+        fresh = parallelize(_model(seed=0), init_mesh(dp=2, ep=1), "fsdp")  # another layout
         fresh_opt = torch.optim.AdamW([p for _, p in adapter_parameters(fresh)], lr=1e-2)
         load_checkpoint(ckpt, fresh, fresh_opt)
         loaded = {k: _full(v) for k, v in adapter_state_dict(fresh).items()}
@@ -116,8 +123,8 @@ def _body(rank, world, ckpt):
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
         for n, p in adapter_parameters(fresh):
             assert torch.equal(_full(fresh_opt.state[p]["exp_avg"]), moments[n]), n
-        y_a, y_b = model(x_all[mine]), fresh(x_all[mine])  # base from the same seed 0 ...
-        assert not torch.allclose(y_a, y_b)  # ... but seed 5's: the base was not loaded
+        y_a, y_b = model(x_all[mine]), fresh(x_all[mine])  # the base and the adapters
+        torch.testing.assert_close(y_a, y_b, rtol=1e-12, atol=1e-12)
     return diffs
 
 

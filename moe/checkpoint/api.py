@@ -175,7 +175,8 @@ def save_checkpoint(
     removed; a concurrent save into the same folder is a CheckpointError.
     trainable_only: save only the parameters that train (requires_grad; e.g. moe.lora's
     adapters) and their optimizer state: small files; load_checkpoint then loads those alone
-    into a model whose frozen part was loaded elsewhere."""
+    into a model whose frozen part was loaded elsewhere, and refuses a model whose frozen
+    part is another base (a fingerprint of it is saved: moe.checkpoint.base)."""
     if not isinstance(trainable_only, bool):
         raise ValueError(f"save_checkpoint: trainable_only must be a bool, got {trainable_only!r}")
     if extra is not None and not isinstance(extra, dict):
@@ -317,8 +318,9 @@ def load_checkpoint(
     """Load the checkpoint under `path` into `model` and `opt` at any layout (a Pipeline too,
     any (pp, dp, ep): see save_checkpoint). Collective.
     Validates everything first (tensors, optimizer hyper-parameters and state, and the MoE
-    settings each layer was saved with: a difference is an error unless
-    `allow_config_change`); any problem raises CheckpointError (a ValueError) naming it on
+    settings each layer was saved with, and for an adapters-only checkpoint the frozen base
+    it was trained on: a difference is an error unless `allow_config_change`); any problem
+    raises CheckpointError (a ValueError) naming it on
     every rank and changes nothing. Returns the `extra` saved with it (a JSON object, read
     without pickle). `check_extra(extra)` validates the caller's own metadata in that first
     phase: an exception it raises refuses the checkpoint the same way, on every rank (a

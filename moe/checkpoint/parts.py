@@ -137,8 +137,9 @@ def _optimizers(per_rank: list, problems: list):
 
 
 def merge_objects(objects: dict | None, problem: str | None) -> dict:
-    """Every rank's objects merged (MoE layers, replica layouts and optimizer state of every
-    stage; the rest rank 0's), or the same CheckpointError on every rank naming each rank's
+    """Every rank's objects merged (MoE layers, replica layouts, the frozen base's fingerprint
+    and optimizer state of every stage; the rest rank 0's), or the same CheckpointError on
+    every rank naming each rank's
     `problem`. Collective over the world: every rank calls it, also one that failed."""
     record = {"objects": "" if problem else json.dumps(objects), "problem": problem or ""}
     records = all_gather_records(record) if _dist() else [record]
@@ -148,7 +149,7 @@ def merge_objects(objects: dict | None, problem: str | None) -> dict:
     per_rank = [json.loads(rec["objects"]) for rec in records]
     problems: list[str] = []
     out = dict(per_rank[0])
-    for key in ("moe_layers", "slot_layouts"):
+    for key in ("moe_layers", "slot_layouts", "base"):
         out[key] = _union(per_rank, key, problems)
     out["optimizer"] = _optimizers(per_rank, problems)
     if problems:

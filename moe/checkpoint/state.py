@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moe.checkpoint import replicas, slots, validate
+from moe.checkpoint import base, replicas, slots, validate
 from moe.checkpoint.errors import CheckpointError
 from moe.checkpoint.metadata import LAYOUT, TensorEntry, dtype_name
 from moe.checkpoint.parts import is_partial, layout_of
@@ -100,6 +100,8 @@ def collect(
     tensors = {f"model/{k}": v for k, v in _model_state(model, trainable_only).items()}
     objects: dict = {"optimizer": None, "moe_layers": validate.moe_settings(model)}
     objects["trainable_only"] = trainable_only
+    if trainable_only:  # the frozen base it trains on, refused as another at load
+        objects[base.KEY] = base.fingerprint(model)
     objects[slots.KEY] = layouts
     objects[LAYOUT] = layout_of(model)
     if opt is None:
@@ -159,6 +161,8 @@ def targets(
     if not isinstance(only, bool):
         problems.append("objects.trainable_only: expected true or false")
         only = False
+    if only:
+        base.check(model, objects.get(base.KEY), problems, allow_change)
     for k, v in _model_state(model, only).items():
         if k.endswith("slot_of_expert_E") and f"model/{k}" not in stored:
             continue  # saved before expert placement existed: MoELayer loads canonical order
