@@ -1,4 +1,4 @@
-"""MoELayer: route -> plan and dispatch -> experts -> combine -> record, one seam per stage."""
+"""MoELayer: route -> map rows and dispatch -> experts -> combine -> record, one seam per stage."""
 
 import dataclasses
 
@@ -13,8 +13,8 @@ from moe.capacity import capacity_factor_for, expert_capacity
 from moe.config import MoEConfig
 from moe.dispatch.dispatcher import Dispatcher
 from moe.dispatch.local import LocalDispatcher
-from moe.dispatch.permute import DispatchPlan
-from moe.dispatch.replica_split import plan_expert_choice_slots, plan_slots
+from moe.dispatch.permute import RowMap
+from moe.dispatch.replica_split import expert_choice_slot_rows, slot_rows
 from moe.dispatch.wire import DIRECTIONS, wire_for
 from moe.experts import GroupedExperts, LayerExperts
 from moe.gating import Routing, build_router
@@ -100,7 +100,7 @@ class MoELayer(nn.Module):
         self.balance = BalanceTracker(self.config)  # loads, global totals, sequence length
         # The slot layout, kept once (moe.slots.layout.SlotLayout): slot s (row s of
         # experts.w1..., rank s // L under EP) holds canonical expert expert_of_slot_S[s].
-        # Routers, stats and loads stay canonical; only the dispatch plan uses slots. State
+        # Routers, stats and loads stay canonical; only the row map uses slots. State
         # dicts carry the keys every version wrote (_state_dict_slots).
         # Its checksum travels with each forward's count exchange under EP: ranks holding
         # different layouts (a load_state_dict on some ranks) are refused before rows move.
@@ -161,7 +161,7 @@ class MoELayer(nn.Module):
         """The five stages; each is one seam (router, dispatcher, experts, dispatcher, stats)."""
         kernel = self._kernel(x_TD)  # resolved once, checked before any work; handed down
         routing = self._route(x_TD)
-        plan = self._plan(routing, len(x_TD))
+        plan = self._row_map(routing, len(x_TD))
         check = self.name if self.config.check_finite else None
         slot_map = self.expert_of_slot() if check else None  # errors name canonical experts
         experts = LayerExperts(self.experts, kernel, check_finite=check, expert_of_slot_S=slot_map)
@@ -201,17 +201,17 @@ class MoELayer(nn.Module):
             self.route_recorder.add(routing)
         return routing
 
-    def _plan(self, routing: Routing, num_tokens: int) -> DispatchPlan:
-        """The dispatch plan in slots (where the experts' weights sit), from canonical ids;
+    def _row_map(self, routing: Routing, num_tokens: int) -> RowMap:
+        """The row map in slots (where the experts' weights sit), from canonical ids;
         copies (spare slots) split by where the dispatcher says this rank sits."""
         c, slot_E, check = self.config, self._first_slot_E, self.slot_checksum_1
         if routing.token_ids_EC is not None:  # expert choice: expert e's tokens -> its slot
-            return plan_expert_choice_slots(
+            return expert_choice_slot_rows(
                 routing.token_ids_EC, routing.weights_EC, num_tokens, slot_of_expert_E=slot_E,
                 layout_check_X=check,
             )  # fmt: skip
         factor = capacity_factor_for(c, self.training)
-        return plan_slots(
+        return slot_rows(
             routing.expert_ids_TK,
             routing.weights_TK,
             routing.mask_TK,
@@ -233,7 +233,7 @@ class MoELayer(nn.Module):
         elif not finite:
             raise FloatingPointError(message)
 
-    def _record(self, routing: Routing, plan: DispatchPlan, algorithm: str | None) -> None:
+    def _record(self, routing: Routing, plan: RowMap, algorithm: str | None) -> None:
         if in_recomputation():  # checkpointed forward run again in backward: already recorded
             return
         plan = self._canonical_counts(plan)
@@ -274,7 +274,7 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def set_slot_layout(self, layout: SlotLayout) -> None:
         """Adopt `layout` (same experts and slots; checked): the buffer changes in place, so
-        compiled graphs and the dispatch plan see it. Weights do not move (the caller's job)."""
+        compiled graphs and the row map see it. Weights do not move (the caller's job)."""
         if (layout.num_experts, layout.num_slots) != (self.config.num_experts, self.num_slots):
             raise ValueError(
                 f"{self.name}: a slot layout of {layout.num_experts} experts in "
@@ -286,8 +286,8 @@ class MoELayer(nn.Module):
         self._first_slot_E.copy_(first_slots(self.expert_of_slot_S, self.config.num_experts))
         self.slot_checksum_1.fill_(layout.checksum())
 
-    def _canonical_counts(self, plan: DispatchPlan) -> DispatchPlan:
-        """The plan's per-slot counts in canonical expert ids (stats, loads): copies summed."""
+    def _canonical_counts(self, plan: RowMap) -> RowMap:
+        """The row map's per-slot counts in canonical expert ids (stats, loads): copies summed."""
         E, slot_S = self.config.num_experts, self.expert_of_slot_S
         zeros = plan.counts_E.new_zeros(E)
         return dataclasses.replace(

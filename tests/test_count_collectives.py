@@ -1,6 +1,6 @@
 """One count collective per expert-parallel exchange, in every mode (issue 25, item 4).
 
-The plain and the overlapped dispatcher plan from counts through moe.comm.plan_expert_exchange:
+The plain and the overlapped dispatcher plan from counts through moe.comm.exchange_expert_counts:
 one collective of integers per forward (an all-to-all where every rank's own column is enough,
 an all-gather of the count matrix where the 2D exchange or "auto" may need it), none in the
 backward, whichever algorithm "auto" resolves to. Counted by wrapping torch.distributed's
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe.comm import ExchangeConfig
-from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher, plan_token_choice
+from moe.dispatch import ExpertParallelDispatcher, OverlappedDispatcher, token_choice_rows
 from tests.distributed import run_ranks
 
 COLLECTIVES = (
@@ -107,7 +107,7 @@ def _body(rank, world):
             for call in range(2):  # the first call may create subgroups, detect topology
                 x = x_TD.clone().requires_grad_()
                 w = weights_TK.clone().requires_grad_()
-                plan = plan_token_choice(ids_TK, w, E, None)
+                plan = token_choice_rows(ids_TK, w, E, None)
                 ALGORITHMS_SEEN.clear()
                 with Recorder() as rec:
                     y_TD, _ = dispatcher.run(x, plan, experts)

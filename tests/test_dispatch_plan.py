@@ -11,7 +11,7 @@ from moe.dispatch import (
     capacity_factor_for,
     expert_capacity,
     gather_tokens,
-    plan_token_choice,
+    token_choice_rows,
     weighted_sum_rows,
 )
 from moe.gating import ROUTERS
@@ -31,7 +31,7 @@ def test_drops_match_reference_queue(policy, T, K, E, C):
     torch.manual_seed(T * 7 + K)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     weights = torch.rand(T, K)
-    plan = plan_token_choice(ids, weights, E, C, policy)
+    plan = token_choice_rows(ids, weights, E, C, policy)
     keep = ref.keep_mask(ids.tolist(), weights, E, C, policy)
     keep = torch.tensor(keep)
     torch.testing.assert_close(plan.weights_TK, weights * keep)
@@ -54,10 +54,10 @@ def test_drops_match_reference_queue(policy, T, K, E, C):
 
 def test_dropless_and_all_tokens_to_one_expert():
     ids = torch.full((6, 1), 2)
-    plan = plan_token_choice(ids, torch.ones(6, 1), 4, None)
+    plan = token_choice_rows(ids, torch.ones(6, 1), 4, None)
     assert plan.counts_E.tolist() == [0, 0, 6, 0]
     assert plan.token_ids_M.tolist() == list(range(6))
-    capped = plan_token_choice(ids, torch.ones(6, 1), 4, 4)
+    capped = token_choice_rows(ids, torch.ones(6, 1), 4, 4)
     assert capped.counts_E.tolist() == [0, 0, 4, 0] and capped.num_dropped.item() == 2
     assert capped.weights_TK[:, 0].tolist() == [1, 1, 1, 1, 0, 0]  # position: first 4 tokens
 
@@ -68,7 +68,7 @@ def test_gather_and_combine_gradients_match_dense_reference():
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     weights = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
     x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
-    plan = plan_token_choice(ids, weights, E, 3)
+    plan = token_choice_rows(ids, weights, E, 3)
     x_MD = gather_tokens(x, plan)
     out_MD = x_MD * torch.arange(1, x_MD.shape[0] + 1, dtype=torch.float64).unsqueeze(1)
     out_MD = torch.cat([out_MD[: plan.offsets_E[-1]], out_MD[plan.offsets_E[-1] :] * 0])

@@ -12,9 +12,9 @@ from moe.dispatch import (
     ExpertParallelDispatcher,
     LocalDispatcher,
     build_dispatcher,
-    plan_expert_choice,
-    plan_token_choice,
+    expert_choice_rows,
     register_dispatcher,
+    token_choice_rows,
 )
 from tests.distributed import run_ranks
 
@@ -44,7 +44,7 @@ def token_choice_case(T, K, E, capacity, seed):
     ids_TK = torch.rand(T, E, generator=g).argsort(-1)[:, :K]  # K distinct experts per token
     weights_TK = torch.rand(T, K, generator=g, dtype=torch.float64).requires_grad_()
     x_TD = torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_()
-    return x_TD, ids_TK, weights_TK, plan_token_choice(ids_TK, weights_TK, E, capacity)
+    return x_TD, ids_TK, weights_TK, token_choice_rows(ids_TK, weights_TK, E, capacity)
 
 
 def expert_choice_case(T, E, C, seed):
@@ -53,7 +53,7 @@ def expert_choice_case(T, E, C, seed):
     scores_TE = torch.rand(T, E, generator=g, dtype=torch.float64)
     top_EC = scores_TE.t().topk(C, dim=-1)
     weights_EC = top_EC.values.clone().requires_grad_()
-    return x_TD, top_EC.indices, weights_EC, plan_expert_choice(top_EC.indices, weights_EC, T)
+    return x_TD, top_EC.indices, weights_EC, expert_choice_rows(top_EC.indices, weights_EC, T)
 
 
 def run(dispatcher, x_TD, plan, first=0):

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import moe
-from moe.dispatch.permute import plan_token_choice
+from moe.dispatch.permute import token_choice_rows
 from tests.distributed import run_ranks
 
 D, F, E = 10, 14, 6
@@ -154,7 +154,7 @@ def test_capacity_and_drops_follow_the_recorded_choice():
     for name, layer in moe.moe_layers(model):
         record = routes[name][0]
         capacity = -(-19 * 2 // 2 // E)  # ceil(0.5 * 2 * 19 / 6) = 4
-        plan = plan_token_choice(record.expert_ids_TK, record.weights_TK, E, capacity)
+        plan = token_choice_rows(record.expert_ids_TK, record.weights_TK, E, capacity)
         assert torch.equal(layer.stats["tokens_per_expert"], plan.counts_E)
         assert torch.equal(layer.stats["dropped"], plan.num_dropped)
         assert plan.num_dropped > 0

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from moe import MoELayer
-from moe.dispatch.permute import plan_token_choice
-from moe.dispatch.replica_split import copy_candidates, plan_slots, plan_token_choice_replicated
+from moe.dispatch.permute import token_choice_rows
+from moe.dispatch.replica_split import copy_candidates, replicated_rows, slot_rows
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import _transfers
 from moe.slots.layout import SlotLayout
@@ -132,16 +132,16 @@ def test_the_slot_planner_is_each_plan_it_replaces(capacity):
     slot_E = torch.tensor([2, 0, 3, 1])
     eos_S = torch.argsort(slot_E)
     slots = {"expert_of_slot_S": eos_S, "slot_of_expert_E": slot_E}
-    got = plan_slots(ids_TK, w_TK, capacity=capacity, drop_policy="position", **slots)
-    want = plan_token_choice(slot_E[ids_TK], w_TK, E, capacity, "position")
+    got = slot_rows(ids_TK, w_TK, capacity=capacity, drop_policy="position", **slots)
+    want = token_choice_rows(slot_E[ids_TK], w_TK, E, capacity, "position")
     for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     eos_S = torch.tensor([0, 1, 2, 3, 0, 1])
     slot_E = torch.arange(E)
     cands = copy_candidates(eos_S, E, 0, 3, 2)
     slots = {"expert_of_slot_S": eos_S, "slot_of_expert_E": slot_E}
-    got = plan_slots(ids_TK, w_TK, capacity=capacity, candidates=lambda *_: cands, **slots)
-    want = plan_token_choice_replicated(ids_TK, w_TK, eos_S, slot_E, cands, capacity, "position")
+    got = slot_rows(ids_TK, w_TK, capacity=capacity, candidates=lambda *_: cands, **slots)
+    want = replicated_rows(ids_TK, w_TK, eos_S, slot_E, cands, capacity, "position")
     for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 

@@ -12,7 +12,7 @@ from moe.comm.alltoall import (
     cost_model,
 )
 from moe.comm.exchange_config import ExchangeConfig, set_cost_model, set_hierarchical_threshold
-from moe.comm.exchange_plan import ExpertExchange, plan_all_to_all, plan_expert_exchange
+from moe.comm.exchange_plan import ExpertExchange, plan_all_to_all, exchange_expert_counts
 from moe.comm.cost_model import NVLINK_IB, CostModel, load_profile, save_profile
 from moe.comm.consistency import (
     CrossRankError,

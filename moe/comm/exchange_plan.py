@@ -1,6 +1,6 @@
 """Planning an exchange from counts: ONE count collective per exchange, then AllToAllPlans.
 
-`plan_expert_exchange` is what the expert-parallel dispatchers call (counts per rank and local
+`exchange_expert_counts` is what the expert-parallel dispatchers call (counts per rank and local
 expert, both ways, and the resolved algorithm); `plan_all_to_all` is its one-expert-per-rank
 case and `all_to_all` the one-call form (plan + exchange). The exchange's mechanics (flat and
 hierarchical rows, autograd) are in moe/comm/alltoall.py.
@@ -33,7 +33,7 @@ from moe.comm.topology import Topology, get_subgroups, get_topology
 @dataclass(frozen=True, eq=False)
 class ExpertExchange:
     """The counts of one expert-parallel exchange, both ways, from ONE count collective
-    (`plan_expert_exchange`), with the algorithm it resolved to; `plan(first, last)` gives the
+    (`exchange_expert_counts`), with the algorithm it resolved to; `plan(first, last)` gives the
     AllToAllPlan of the rows of local experts [first, last) without another collective.
 
     Host lists (every split size the exchange needs is already read): send_WL[d][l] rows this
@@ -79,7 +79,7 @@ class ExpertExchange:
         return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t)
 
 
-def plan_expert_exchange(
+def exchange_expert_counts(
     counts_WL: torch.Tensor,
     row_bytes: int,
     group: dist.ProcessGroup | None = None,
@@ -248,7 +248,7 @@ def plan_all_to_all(
     exchange_config: ExchangeConfig | None = None,
 ) -> AllToAllPlan:
     """Validate, exchange the counts (one small collective), resolve the algorithm: the
-    one-expert-per-rank case of plan_expert_exchange.
+    one-expert-per-rank case of exchange_expert_counts.
 
     chunks: pipeline depth of the hierarchical path (default: pipeline_chunks()).
     """
@@ -260,7 +260,7 @@ def plan_all_to_all(
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     send_t = torch.tensor(send, dtype=torch.long, device=x_ND.device).view(group_size, 1)
     row_bytes = x_ND.shape[1] * x_ND.element_size()
-    ex = plan_expert_exchange(
+    ex = exchange_expert_counts(
         send_t, row_bytes, group, algorithm, ranks_per_node, None, exchange_config
     )
     plan = ex.plan()

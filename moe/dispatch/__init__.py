@@ -1,4 +1,4 @@
-"""Dispatch: capacity, the sort-based plan of (token, expert) pairs, and the dispatchers that
+"""Dispatch: capacity, the sort-based row map of (token, expert) pairs, and the dispatchers that
 move rows to the experts and back (one class per strategy, registered by name).
 
 The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` is its one public path (the
@@ -22,11 +22,14 @@ from moe.dispatch.overlap_option import validate_overlap
 from moe.dispatch.overlapped import OverlappedDispatcher
 from moe.dispatch.permute import (
     DispatchPlan,
+    RowMap,
+    expert_choice_rows,
     gather_tokens,
     permute_rows,
     plan_expert_choice,
     plan_token_choice,
     sort_rows_by_expert,
+    token_choice_rows,
     weighted_sum_rows,
 )
 from moe.dispatch.wire import RowFormat, RowWire, register_row_format, wire_for

@@ -1,6 +1,6 @@
 """The dispatcher seam: how token rows reach the experts that compute them and come back.
 
-A dispatcher owns the path between the routing plan and the experts, and back:
+A dispatcher owns the path between the row map (RowMap) and the experts, and back:
 
     x_ND, offsets_L, ctx = dispatcher.dispatch(x_TD, plan)   # what the experts read
     out_ND = experts(x_ND, offsets_L, ctx)  # an ExpertFn: the layer's LayerExperts
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.dispatch.permute import DispatchPlan
+from moe.dispatch.permute import RowMap
 from moe.dispatch.replica_split import Candidates, local_candidates
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import ExpertWeights
@@ -151,7 +151,7 @@ class DispatchContext:
     sums the rows the experts return; None: the torch combine.
     """
 
-    plan: DispatchPlan
+    plan: RowMap
     rows: ExpertRows = NO_ROWS_INFO
     algorithm: str | None = None
     kernel: ExpertKernel | None = None
@@ -210,7 +210,7 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan
+        self, x_TD: torch.Tensor, plan: RowMap
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchContext]:
         """-> (x_ND, offsets_L, ctx): the R rows of this rank's L experts in expert-major
         order (or x_TD itself with ctx.gather_ids_R), int32 cumulative row ends per local
@@ -224,7 +224,7 @@ class Dispatcher(ABC):
     def run(
         self,
         x_TD: torch.Tensor,
-        plan: DispatchPlan,
+        plan: RowMap,
         experts: ExpertFn | Callable[..., torch.Tensor],
         shared: Callable[[], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from moe.comm.alltoall import ALGORITHMS, AllToAllPlan
 from moe.comm.exchange_config import ExchangeConfig
-from moe.comm.exchange_plan import ExpertExchange, plan_expert_exchange
+from moe.comm.exchange_plan import ExpertExchange, exchange_expert_counts
 from moe.comm.topology import resolve_ranks_per_node
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
-    DispatchPlan,
+    RowMap,
     gather_tokens,
     permute_rows,
     sort_rows_by_expert,
@@ -56,7 +56,7 @@ class ExpertParallelContext(DispatchContext):
 class ExpertParallelDispatcher(Dispatcher):
     """Installed as `MoELayer.dispatcher` by parallelize(): global expert e lives on EP rank
     e // L. The plan's counts (global E = W * L) are exchanged first, one small collective
-    (moe.comm.plan_expert_exchange, in every algorithm), so each rank knows how many rows it
+    (moe.comm.exchange_expert_counts, in every algorithm), so each rank knows how many rows it
     receives per (source rank, local expert) and which algorithm moves them.
 
     wire: the layer's RowWire (moe.dispatch.wire.wire_for(layer.config), which parallelize
@@ -100,7 +100,7 @@ class ExpertParallelDispatcher(Dispatcher):
             expert_of_slot_S, num_experts, self.ep_rank, self.num_local, self.ranks_per_node
         )
 
-    def _check_plan(self, plan: DispatchPlan) -> None:
+    def _check_rows(self, plan: RowMap) -> None:
         W, L = self.ep_size, self.num_local
         if plan.counts_E.numel() != W * L:  # checked before any collective
             raise ValueError(
@@ -108,15 +108,15 @@ class ExpertParallelDispatcher(Dispatcher):
                 f"num_local_experts={L} x {W} ranks = {W * L}"
             )
 
-    def _plan_exchange(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, extra: torch.Tensor | None = None
+    def _exchange_counts(
+        self, x_TD: torch.Tensor, plan: RowMap, extra: torch.Tensor | None = None
     ) -> ExpertExchange:
-        """The one count collective of this call (moe.comm.plan_expert_exchange): host and
+        """The one count collective of this call (moe.comm.exchange_expert_counts): host and
         device counts and the resolved algorithm, which the contexts carry to the layer."""
-        self._check_plan(plan)
+        self._check_rows(plan)
         counts_WL = plan.counts_E.view(self.ep_size, self.num_local)
         row_bytes = self.wire.dispatch_format.row_bytes(x_TD.shape[1], x_TD.element_size())
-        counts = plan_expert_exchange(
+        counts = exchange_expert_counts(
             counts_WL,
             row_bytes,
             self.group,
@@ -128,8 +128,8 @@ class ExpertParallelDispatcher(Dispatcher):
         check_layouts_agree(plan, counts.extras_W)
         return counts
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
-        counts = self._plan_exchange(x_TD, plan)
+    def dispatch(self, x_TD: torch.Tensor, plan: RowMap):
+        counts = self._exchange_counts(x_TD, plan)
         a2a = counts.plan()
         x_MD = gather_tokens(x_TD, plan)
         recv_RD = self.wire.dispatch(x_MD[: sum(a2a.send)], a2a)

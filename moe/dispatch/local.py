@@ -9,7 +9,7 @@ from moe.dispatch.dispatcher import (
     register_dispatcher,
     rows_only,
 )
-from moe.dispatch.permute import DispatchPlan, weighted_sum_rows
+from moe.dispatch.permute import RowMap, weighted_sum_rows
 from moe.dispatch.wire import PLAIN_WIRE, RowWire
 from moe.kernels.combine import sum_rows
 from moe.kernels.expert_rows import ExpertRows
@@ -17,7 +17,7 @@ from moe.kernels.expert_rows import ExpertRows
 
 @register_dispatcher("local")
 class LocalDispatcher(Dispatcher):
-    """All experts on this device (the default). The rows are the plan's M pairs (R = M,
+    """All experts on this device (the default). The rows are the row map's M pairs (R = M,
     dropped pairs at the tail). The expert kernels gather token rows as they load them, so
     dispatch hands over x_TD with ctx.gather_ids_R instead of a copy, and the combine weights
     as ctx.row_weights_R. When the experts declare that they fuse the combine
@@ -40,9 +40,7 @@ class LocalDispatcher(Dispatcher):
         self.fuse_combine = fuse_combine
         self.wire = wire
 
-    def dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, *, sum_to_tokens=None, weights_after=None
-    ):
+    def dispatch(self, x_TD: torch.Tensor, plan: RowMap, *, sum_to_tokens=None, weights_after=None):
         """-> (x_TD itself, offsets, ctx): the experts gather their rows from the tokens
         (ctx.gather_ids_R) and, with sum_to_tokens, return y_TD; with weights_after (default:
         the wire is not plain) the rows go unweighted and combine weights them."""

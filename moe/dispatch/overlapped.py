@@ -54,7 +54,7 @@ from moe.dispatch.overlap_degree import MAX_DEGREE, choose_degree
 from moe.dispatch.overlap_exchange import Landing, Worker, start_exchange
 from moe.dispatch.overlap_option import validate_overlap
 from moe.dispatch.permute import (
-    DispatchPlan,
+    RowMap,
     gather_tokens,
     permute_rows,
     weighted_sum_rows,
@@ -99,16 +99,16 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         self.calls = 0
         self.times = ForwardTimes()  # this layer's forward, plain and pipelined
 
-    def _plan_counts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> ExpertExchange:
+    def _count_exchange(self, x_TD: torch.Tensor, plan: RowMap) -> ExpertExchange:
         """The one count collective, with the extra columns every rank needs to agree on the
-        degree (moe.comm.plan_expert_exchange)."""
+        degree (moe.comm.exchange_expert_counts)."""
         asked = 0 if self.degree == "auto" else int(self.degree)
         ps_per_row = int(self.clock.seconds_per_row * 1e12)
         plain_us, piped_us = (int(self.times.fastest(k) * 1e6) for k in (False, True))
         extra = torch.tensor(
             [asked, ps_per_row, plain_us, piped_us], dtype=torch.long, device=x_TD.device
         )
-        return self._plan_exchange(x_TD, plan, extra)
+        return self._exchange_counts(x_TD, plan, extra)
 
     def _choose(self, counts: ExpertExchange, topo) -> int:
         """The degree from what every rank received: identical everywhere."""
@@ -154,9 +154,9 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
         began = self.times.start(x_TD)
         self.calls += 1
         L = self.num_local
-        self._check_plan(plan)  # before any collective
+        self._check_rows(plan)  # before any collective
         topo = get_topology(self.group, self.ranks_per_node, self.exchange_config)
-        counts = self._plan_counts(x_TD, plan)
+        counts = self._count_exchange(x_TD, plan)
         n = self._choose(counts, topo)
         self.last_degree = n
         bounds = [c * L // n for c in range(n + 1)]
@@ -329,7 +329,7 @@ class _Experts(torch.autograd.Function):
 
 
 def chunk_order(
-    plan: DispatchPlan, bounds: list[int], L: int, kept: int
+    plan: RowMap, bounds: list[int], L: int, kept: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm_M, inverse_M): the plan's kept rows reordered (chunk, destination rank, local
     expert), row m of the new order being row perm_M[m] of `plan`; within an expert the order
@@ -351,7 +351,7 @@ def chunk_order(
     return perm_M, inverse_M
 
 
-def reordered(plan: DispatchPlan, perm_M: torch.Tensor, inverse_M: torch.Tensor) -> DispatchPlan:
+def reordered(plan: RowMap, perm_M: torch.Tensor, inverse_M: torch.Tensor) -> RowMap:
     """A token-choice plan whose rows come in the order perm_M (chunk_order)."""
     return replace(
         plan, token_ids_M=plan.token_ids_M[perm_M], pair_rows_TK=inverse_M[plan.pair_rows_TK]

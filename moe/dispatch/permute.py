@@ -1,4 +1,4 @@
-"""Sort-based dispatch plan (which token feeds which expert row, with capacity drops) and the
+"""The sort-based row map (which token feeds which expert row, with capacity drops) and the
 row permutations built on it: gather_tokens / weighted_sum_rows, permute_rows and its inverse.
 
 The T*k (token, expert) pairs are stably sorted by expert; kept pairs fill the first rows of
@@ -16,7 +16,7 @@ from moe.kernels.registry import ExpertKernel
 
 
 @dataclass
-class DispatchPlan:
+class RowMap:
     """Rows of the expert buffer: M = (token, expert) pairs, sorted by expert, kept rows first.
     E is every expert of the layer (global ids, also under expert parallelism)."""
 
@@ -31,7 +31,7 @@ class DispatchPlan:
     num_tokens: int
     # long [X]: the slot layout's checksum (MoELayer.slot_checksum_1), which expert-parallel
     # dispatchers send with the counts so every rank checks the group holds one layout (None:
-    # a plan built outside a layer, nothing to check)
+    # a row map built outside a layer, nothing to check)
     layout_check_X: torch.Tensor | None = None
 
     @property
@@ -56,15 +56,15 @@ def _sort_pairs(expert_ids_M, weights_M, policy):
     return torch.argsort(expert_ids_M, stable=True)
 
 
-def plan_token_choice(
+def token_choice_rows(
     expert_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     num_experts: int,
     capacity: int | None,
     drop_policy: str = "position",
     mask_TK: torch.Tensor | None = None,
-) -> DispatchPlan:
-    """Plan for top-k style routing. Position priority is GShard's: every token's first
+) -> RowMap:
+    """The row map of top-k style routing. Position priority is GShard's: every token's first
     choice is queued before any second choice, each in token order."""
     T, K = expert_ids_TK.shape
     E, device = num_experts, expert_ids_TK.device
@@ -95,7 +95,7 @@ def plan_token_choice(
     keep_TK = keep_M.view(K, T).t()
     token_ids_M = order_M % T
     num_dropped = (routed_E - counts_E).sum()
-    return DispatchPlan(
+    return RowMap(
         token_ids_M=token_ids_M,
         counts_E=counts_E,
         routed_E=routed_E,
@@ -108,13 +108,13 @@ def plan_token_choice(
     )
 
 
-def plan_expert_choice(
+def expert_choice_rows(
     token_ids_EC: torch.Tensor, weights_EC: torch.Tensor, num_tokens: int
-) -> DispatchPlan:
-    """Plan for expert choice: expert e's rows are its C chosen tokens; nothing is dropped."""
+) -> RowMap:
+    """The row map of expert choice: expert e's rows are its C chosen tokens; nothing is dropped."""
     E, C = token_ids_EC.shape
     counts_E = torch.full((E,), C, dtype=torch.long, device=token_ids_EC.device)
-    return DispatchPlan(
+    return RowMap(
         token_ids_M=token_ids_EC.reshape(-1),
         counts_E=counts_E,
         routed_E=counts_E,
@@ -144,7 +144,7 @@ class _GatherTokens(torch.autograd.Function):
         return rows_TKD.sum(1), None, None
 
 
-def gather_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def gather_tokens(x_TD: torch.Tensor, plan: RowMap) -> torch.Tensor:
     """The expert-sorted row buffer x_MD (row m holds token plan.token_ids_M[m])."""
     if plan.pair_rows_TK is None:
         return x_TD.index_select(0, plan.token_ids_M)
@@ -152,7 +152,7 @@ def gather_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
 
 
 def weighted_sum_rows(
-    out_MD: torch.Tensor, plan: DispatchPlan, kernel: ExpertKernel | None = None
+    out_MD: torch.Tensor, plan: RowMap, kernel: ExpertKernel | None = None
 ) -> torch.Tensor:
     """The inverse of gather_tokens, weighted: y_TD[t] = sum of token t's rows times their
     combine weights. Token choice uses the gather-sum of the experts' kernel
@@ -191,3 +191,9 @@ def sort_rows_by_expert(expert_N: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def permute_rows(x_ND: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor):
     """x_ND[order_N], differentiable; permute_rows(y, inverse_N, order_N) is its inverse."""
     return _PermuteRows.apply(x_ND, order_N, inverse_N)
+
+
+# the names before 2026-12-07, kept one release (CHANGELOG): "plan" is the layout planner's
+DispatchPlan = RowMap
+plan_token_choice = token_choice_rows
+plan_expert_choice = expert_choice_rows

@@ -1,15 +1,15 @@
-"""The dispatch plan over a slot layout (moe.slots.layout.SlotLayout): the one planner the layer
+"""The row map over a slot layout (moe.slots.layout.SlotLayout): the one row mapper the layer
 calls, for every layout. A layout without copies is a permutation: pairs are sorted by slot
-directly (plan_token_choice on slot ids, the default path's cost). With copies: capacity, drops
+directly (token_choice_rows on slot ids, the default path's cost). With copies: capacity, drops
 and counts per expert, then each kept pair to one copy's slot.
 
 A layer with spare slots holds S = E + R expert slots; expert e sits in every slot s with
 expert_of_slot_S[s] == e. The T*k pairs are sorted and capped per canonical expert exactly as
-plan_token_choice does (so drops, routing statistics and losses never see copies), then kept
+token_choice_rows does (so drops, routing statistics and losses never see copies), then kept
 pair number p of expert e (its position in that order) goes to candidate p mod n of e, where
 the candidates are e's copies on the sending rank if any, else on its node, else all of them:
 deterministic, the same rule on every rank, static shapes, no host sync. Rows are then sorted
-by slot (kept first), which is the plan every dispatcher already takes.
+by slot (kept first), which is the row map every dispatcher already takes.
 """
 
 from collections.abc import Callable
@@ -18,16 +18,16 @@ import torch
 
 from moe.capacity import count_ids
 from moe.dispatch.permute import (
-    DispatchPlan,
+    RowMap,
     _sort_pairs,
-    plan_expert_choice,
-    plan_token_choice,
+    expert_choice_rows,
+    token_choice_rows,
 )
 
 Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def plan_slots(
+def slot_rows(
     expert_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     mask_TK: torch.Tensor | None = None,
@@ -38,19 +38,19 @@ def plan_slots(
     slot_of_expert_E: torch.Tensor,
     candidates: Callable[[torch.Tensor, int], Candidates] | None = None,
     layout_check_X: torch.Tensor | None = None,
-) -> DispatchPlan:
-    """Token-choice plan in slots from canonical expert ids, for any slot layout: capacity per
-    expert, rows by slot. S == E (a permutation, no copies): plan_token_choice on slot ids,
-    exactly as without replicas; S > E: plan_token_choice_replicated, each kept pair to one of
+) -> RowMap:
+    """Token-choice row map in slots from canonical expert ids, for any slot layout: capacity per
+    expert, rows by slot. S == E (a permutation, no copies): token_choice_rows on slot ids,
+    exactly as without replicas; S > E: replicated_rows, each kept pair to one of
     `candidates(expert_of_slot_S, E)` (the dispatcher's copy_candidates, asked only then;
     None: every copy on this rank). The static shapes choose: no sync."""
     E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
     if S == E:
         ids_TK = slot_of_expert_E[expert_ids_TK]
-        plan = plan_token_choice(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
+        plan = token_choice_rows(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
     else:
         choose = candidates or local_candidates
-        plan = plan_token_choice_replicated(
+        plan = replicated_rows(
             expert_ids_TK,
             weights_TK,
             expert_of_slot_S,
@@ -64,33 +64,33 @@ def plan_slots(
     return plan
 
 
-def plan_expert_choice_slots(
+def expert_choice_slot_rows(
     token_ids_EC: torch.Tensor,
     weights_EC: torch.Tensor,
     num_tokens: int,
     *,
     slot_of_expert_E: torch.Tensor,
     layout_check_X: torch.Tensor | None = None,
-) -> DispatchPlan:
-    """Expert-choice plan in slots: expert e's chosen tokens go to slot slot_of_expert_E[e]
+) -> RowMap:
+    """Expert-choice row map in slots: expert e's chosen tokens go to slot slot_of_expert_E[e]
     (expert choice has no copies: the layout is a permutation)."""
     ids_SC = torch.empty_like(token_ids_EC).index_copy_(0, slot_of_expert_E, token_ids_EC)
     weights_SC = torch.zeros_like(weights_EC).index_copy(0, slot_of_expert_E, weights_EC)
-    plan = plan_expert_choice(ids_SC, weights_SC, num_tokens)
+    plan = expert_choice_rows(ids_SC, weights_SC, num_tokens)
     plan.layout_check_X = layout_check_X
     return plan
 
 
-def with_layout_check(plan: DispatchPlan, extra: torch.Tensor | None) -> torch.Tensor | None:
-    """The extra columns of an expert-parallel count exchange with the plan's layout checksum
-    appended (moe.comm.plan_expert_exchange sends them to every rank with the counts)."""
+def with_layout_check(plan: RowMap, extra: torch.Tensor | None) -> torch.Tensor | None:
+    """The extra columns of an expert-parallel count exchange with the row map's layout checksum
+    appended (moe.comm.exchange_expert_counts sends them to every rank with the counts)."""
     check = plan.layout_check_X
     if check is None:
         return extra
     return check if extra is None else torch.cat([extra.to(check), check])
 
 
-def check_layouts_agree(plan: DispatchPlan, extras_W) -> None:
+def check_layouts_agree(plan: RowMap, extras_W) -> None:
     """After the count exchange, before any row moves: every rank of the group must hold the
     slot layout this one holds (the checksums each rank sent last in its extras). The same
     ValueError on every rank otherwise (each received every rank's checksum): no rank hangs."""
@@ -142,7 +142,7 @@ def local_candidates(expert_of_slot_S: torch.Tensor, num_experts: int) -> Candid
     return copy_candidates(expert_of_slot_S, num_experts, 0, S, 1)
 
 
-def plan_token_choice_replicated(
+def replicated_rows(
     expert_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     expert_of_slot_S: torch.Tensor,
@@ -151,8 +151,8 @@ def plan_token_choice_replicated(
     capacity: int | None,
     drop_policy: str = "position",
     mask_TK: torch.Tensor | None = None,
-) -> DispatchPlan:
-    """plan_token_choice in canonical ids (capacity per expert), rows in copy slots. The plan's
+) -> RowMap:
+    """token_choice_rows in canonical ids (capacity per expert), rows in copy slots. The map's
     counts_E are per slot; routed_E per slot counts the slot's kept rows plus, on each expert's
     first slot (slot_of_expert_E), its dropped pairs: summed over copies, the expert's."""
     T, K = expert_ids_TK.shape
@@ -187,7 +187,7 @@ def plan_token_choice_replicated(
     rows_M[order_M] = torch.arange(T * K, device=device)
     keep_M = torch.empty_like(keep_sorted_M)
     keep_M[order_M] = keep_sorted_M
-    return DispatchPlan(
+    return RowMap(
         token_ids_M=order_M % T,
         counts_E=counts_S,
         routed_E=routed_S,
