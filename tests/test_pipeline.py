@@ -14,7 +14,7 @@ from torch import nn
 import moe
 from moe.parallel import ParallelConfig
 from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
-from moe.pipeline.stage_parallel import parallel_keywords
+from moe.pipeline.stage_parallel import stage_config
 from tests.distributed import run_ranks
 
 V, D, FF, E, S = 11, 8, 12, 4, 3  # vocabulary, width, FFN width, experts, tokens per sequence
@@ -124,7 +124,6 @@ class Case(NamedTuple):
     v: int = 1  # stages per rank
     M: int = M  # micro-batches
     variant: str = "float64"
-    typed: bool = False  # parallel= a ParallelConfig instead of keywords
 
 
 @functools.lru_cache
@@ -134,7 +133,7 @@ def _mesh(pp, dp, ep):
 
 
 def _run_case(rank, case):
-    pp, dp, ep, data_parallel, schedule, stages, scale_grads, v, M, variant, typed = case
+    pp, dp, ep, data_parallel, schedule, stages, scale_grads, v, M, variant = case
     mesh = _mesh(pp, dp, ep)
     width = dp * ep
     config = PipelineConfig(
@@ -147,9 +146,7 @@ def _run_case(rank, case):
         mesh,
         config,
         functools.partial(loss_fn, scale=scale),
-        parallel=ParallelConfig(data_parallel, "flat")
-        if typed
-        else {"data_parallel": data_parallel, "algorithm": "flat"},
+        parallel=ParallelConfig(data_parallel, "flat"),
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     r = rank % width
@@ -171,7 +168,7 @@ CASES = {
     "pp1_dp2_ep2_fsdp_gpipe": Case(1, 2, 2, "fsdp", "GPipe"),  # one stage: pp = 1 agrees
     "pp2_dp1_ep2_ddp_gpipe": Case(2, 1, 2, "ddp", "GPipe"),
     "pp2_dp1_ep2_ddp_1f1b": Case(2, 1, 2, "ddp", "1F1B"),
-    "pp2_dp1_ep2_fsdp_gpipe": Case(2, 1, 2, "fsdp", "GPipe", typed=True),
+    "pp2_dp1_ep2_fsdp_gpipe": Case(2, 1, 2, "fsdp", "GPipe"),
     "pp2_dp1_ep2_fsdp_1f1b": Case(2, 1, 2, "fsdp", "1F1B"),
     "pp2_dp2_ep1_ddp_1f1b": Case(2, 2, 1, "ddp", "1F1B"),
     "pp2_dp2_ep1_fsdp_gpipe": Case(2, 2, 1, "fsdp", "GPipe"),
@@ -292,9 +289,8 @@ def test_differences_and_bad_values_are_one_error_on_every_rank(results):
         out = results[rank]
         assert "pipeline.microbatches differs across ranks" in out["differs"], out["differs"]
         assert "rank 3 has 3" in out["differs"]
-        assert "rank 1: data_parallel must be 'ddp' or 'fsdp'" in out["bad_setting"], out[
-            "bad_setting"
-        ]
+        bad = "rank 1: ParallelConfig.data_parallel must be 'ddp' or 'fsdp'"
+        assert bad in out["bad_setting"], out["bad_setting"]
         assert "rank 0: x has 3 rows, not a multiple of microbatches=2" in out["bad_input"]
         assert "pipeline (stage shapes)" in out["stage_fails"], out["stage_fails"]
         assert "rank 2: picky on rank 2" in out["stage_fails"], out["stage_fails"]
@@ -339,7 +335,10 @@ def test_config_and_stage_plan_are_checked_before_any_work():
         plan_stages(model, 2, [["embed", "b0", "b1"], ["b2", "b3"]])
     with pytest.raises(ValueError, match="splits an nn.Sequential"):
         plan_stages(Head(), 2)
-    typed = parallel_keywords({"config": ParallelConfig("fsdp", sync_params=True)})
-    assert typed["data_parallel"] == "fsdp" and "sync_params" not in typed
-    with pytest.raises(ValueError, match="give config or keywords, not both"):
-        parallel_keywords({"config": ParallelConfig(), "algorithm": "flat"})
+    assert stage_config(None) == ParallelConfig()
+    with pytest.warns(FutureWarning, match="pass moe.parallel.ParallelConfig"):
+        assert stage_config({"data_parallel": "fsdp"}) == ParallelConfig("fsdp")
+    with pytest.raises(ValueError, match="set that instead"):
+        stage_config(ParallelConfig(sync_params=False))
+    with pytest.raises(ValueError, match="must be a ParallelConfig"):
+        stage_config(("fsdp",))

@@ -22,7 +22,7 @@ from moe.checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, sav
 from moe.checkpoint.parts import ModelParts
 from moe.checkpoint.storage import read_metadata_json
 from moe.memory import GroupedApply
-from moe.parallel import init_mesh, parallelize
+from moe.parallel import ParallelConfig, init_mesh, parallelize
 from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh
 from tests.distributed import run_ranks
 from tests.test_pipeline import FF, MOE, D, S, V, build_model, loss_fn
@@ -67,7 +67,7 @@ def _pipeline(layout, model=None, data_parallel="fsdp", schedule=None):
         _mesh(*layout),
         config,
         functools.partial(loss_fn, scale=scale),
-        {"data_parallel": data_parallel, "algorithm": "flat"},
+        ParallelConfig(data_parallel, "flat"),
     )
     return pipe, torch.optim.Adam(pipe.parameters(), lr=LR)
 

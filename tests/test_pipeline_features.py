@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 import moe
 from moe.fp8 import FP8Config
+from moe.parallel import ParallelConfig
 from moe.pipeline import Pipeline, PipelineConfig, features
 from moe.trace.replay import Routes
 from tests.distributed import run_ranks
@@ -173,7 +174,7 @@ def _pipeline(case, model):
     )
     scale = 1 / (ROWS * S)
     mesh = _mesh(case.pp, case.dp, case.ep)
-    parallel = {"data_parallel": case.data_parallel, "algorithm": "flat", **dict(case.parallel)}
+    parallel = ParallelConfig(case.data_parallel, "flat", **dict(case.parallel))
     return Pipeline(model, mesh, config, functools.partial(loss_fn, scale=scale), parallel)
 
 

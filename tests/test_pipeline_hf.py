@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe
+from moe.parallel import ParallelConfig
 from moe.pipeline import (
     Pipeline,
     PipelineConfig,
@@ -142,7 +143,7 @@ def _run_case(rank, case, folder):
         _mesh(pp, dp, ep),
         config,
         functools.partial(loss_fn, scale=1 / (ROWS * S)),
-        {"data_parallel": data_parallel, "algorithm": "flat"},
+        ParallelConfig(data_parallel, "flat"),
     )
     save_hf(pipe, stack, os.path.join(folder, "start"))  # before any step
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)

@@ -8,15 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe.plan import HF_CONFIGS, Layout, SearchSpace, load_model, predict, preset, search
+from moe.plan import HF_CONFIGS, Layout, load_model, predict, preset, search
 from moe.plan.cli import main, tokens
 from moe.plan.cluster import Cluster
 from moe.plan.predict import BUBBLE_FACTOR, in_flight
 from moe.plan.profile import fit_link, fit_rate
-from moe.plan.search import _schedules
+from moe.plan.search import refusal
 from moe.plan.skew import imbalance, zipf_load
 from moe.plan.spec import ModelSpec, from_hf_config
-from moe.plan.stages import block_split, chunks, rank_chunks
+from moe.plan.stages import chunks
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,13 +143,11 @@ def test_pipeline_bubble_and_in_flight_rules():
     assert in_flight("Interleaved1F1B", 8, 4, 2, 0) == (2 * 3 + 4 + 1) / 2
     assert in_flight("none", 8, 1, 1, 0) == 1
     assert BUBBLE_FACTOR["InterleavedZeroBubble"] == pytest.approx(1 / 3)
-    assert block_split(7, 3) == [(0, 3), (3, 2), (5, 2)]
-    assert rank_chunks(4, 2, "v") == [[0, 3], [1, 2]]
-    assert rank_chunks(4, 2, "loop") == [[0, 2], [1, 3]]
-    space = SearchSpace()
-    names = [s for s, _ in _schedules(space, 4, 3)]  # 1F1B needs >= pp, DualPipeV >= 2 pp
-    assert "1F1B" not in names and "DualPipeV" not in names and "GPipe" in names
-    assert "DualPipeV" in [s for s, _ in _schedules(space, 4, 8)]
+    spec = _spec(n_layers=8)  # 1F1B needs >= pp micro-batches, DualPipeV >= 2 pp
+    assert refusal(spec, Layout(4, 1, 1, "ddp", "1F1B", 1, 3)) is not None
+    assert refusal(spec, Layout(4, 1, 1, "ddp", "DualPipeV", 2, 3)) is not None
+    assert refusal(spec, Layout(4, 1, 1, "ddp", "GPipe", 1, 3)) is None
+    assert refusal(spec, Layout(4, 1, 1, "ddp", "DualPipeV", 2, 8)) is None
 
 
 def test_more_bandwidth_never_slower_more_memory_never_fits_fewer():

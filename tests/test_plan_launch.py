@@ -51,7 +51,7 @@ def _body(rank, world, layouts):
     lay = layouts[1]
     model = _hf_model()
     names = {"model": model}  # the printed code imports what it needs
-    exec(lay.code().replace("params,", "list(model.parameters()),"), names)
+    exec(lay.code(), names)  # as printed
     x = torch.randint(V, (lay.micro_batch_seqs, SEQ), generator=torch.Generator().manual_seed(rank))
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
@@ -63,8 +63,7 @@ def _body(rank, world, layouts):
         return F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
 
     names = {"model": _stack(), "loss_fn": loss_fn}
-    code = lay.code().replace("params,", "list(pipe.parameters()),")
-    exec(code, names)
+    exec(lay.code(), names)  # as printed
     pipe = names["pipe"]
     rows = lay.microbatches * lay.micro_batch_seqs
     x = torch.randint(V, (rows, SEQ), generator=torch.Generator().manual_seed(1))

@@ -40,6 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import moe
 from bench.memory import AllocationCounter
+from moe.parallel import ParallelConfig
 from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh
 
 _STAGE_METHODS = {
@@ -173,7 +174,7 @@ class Case:
         def loss_fn(logits, target):
             return F.cross_entropy(logits.flatten(0, -2), target.flatten()) / m
 
-        parallel = {"data_parallel": "ddp", "algorithm": "flat"}
+        parallel = ParallelConfig("ddp", "flat")
         self.pipe = Pipeline(build_model(cfg), mesh, config, clock.wrap("loss", loss_fn), parallel)
         g = torch.Generator().manual_seed(1 + dist.get_rank() % width)  # a batch per pipeline
         rows = m * cfg["microbatch_rows"]

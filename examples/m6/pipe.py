@@ -46,6 +46,7 @@ import moe.parallel
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
 from moe.gating.balance import in_recomputation
+from moe.parallel import ParallelConfig
 from moe.pipeline import SCHEDULES, Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
 
 
@@ -100,7 +101,7 @@ class PipelineRun:
             for names in plan
         ]
         self.scale = torch.ones((), dtype=torch.float64)  # W / global target tokens, per step
-        parallel = {"data_parallel": args.data_parallel, "algorithm": args.alltoall}
+        parallel = ParallelConfig(args.data_parallel, args.alltoall)
         self.pipe = Pipeline(seq, self.mesh, self.config, self._loss, parallel=parallel)
         self.modules = nn.ModuleList(self.pipe.modules)
         self._tie_group = self._tie_groups()

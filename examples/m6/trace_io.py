@@ -12,7 +12,7 @@ from pathlib import Path
 import moe
 from examples.m6.cli import UsageError
 from examples.m6.pipe import PipelineRun
-from moe.pipeline.stage_parallel import stage_group
+from moe.parallel.mesh import mesh_group
 
 STAGE_TRACE = "routing_trace.stage-{stage}.jsonl"
 
@@ -62,7 +62,7 @@ def stage_traces(run: PipelineRun, folder: Path, every: int, resume_from) -> _St
     """One moe.RoutingTrace per local stage with MoE layers (single-process layer names)."""
     from examples.m6.pipe_ckpt import stage_views
 
-    group = stage_group(run.pipe.mesh["dp", "ep"])
+    group = mesh_group(run.pipe.mesh["dp", "ep"])
     return _StageTraces(
         {
             s: moe.RoutingTrace(

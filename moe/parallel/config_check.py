@@ -144,8 +144,6 @@ def config_record(
         "dp": dp,
         "ep": ep,
         **settings_record(model, mesh, config, blocks),
-        "moe_layers": len(layers),
-        "moe_layer_names": ",".join(name for name, _ in layers),
     }
     for name, layer in layers:
         c = layer.config
@@ -154,8 +152,21 @@ def config_record(
         if c.num_experts % ep:
             raise ValueError(f"{name}: num_experts={c.num_experts} is not divisible by ep={ep}")
         check_spare_slots(name, layer.slot_layout().expert_of_slot, c, ep)  # any layout
-        record.update(_config_fields(f"{name}.", c))
         _check_wire_dispatcher(name, c, config.dispatcher_name)
+    return {**record, **model_record(model)}
+
+
+def model_record(model: nn.Module) -> dict[str, Scalar]:
+    """The model as ranks must agree on it: its MoE layers (names and every MoEConfig field)
+    and every parameter's and buffer's dtype and shape (parallelize's check over its mesh; the
+    pipeline's over all of its ranks, before any stage communicates)."""
+    layers = moe_layers(model)
+    record: dict[str, Scalar] = {
+        "moe_layers": len(layers),
+        "moe_layer_names": ",".join(name for name, _ in layers),
+    }
+    for name, layer in layers:
+        record.update(_config_fields(f"{name}.", layer.config))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         record[f"tensor {name}"] = _describe(tensor)
     return record

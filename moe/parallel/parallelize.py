@@ -78,9 +78,10 @@ def _divide_expert_grads(experts: nn.Module, ep: int, sum_only: bool) -> None:
 
 
 @torch.no_grad()
-def _broadcast_from_first_rank(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Every parameter and buffer of the group's first rank (the mesh's, not world rank 0)
-    on every rank of the group."""
+def broadcast_from_first_rank(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter and buffer of the mesh's first rank (not world rank 0) on every rank
+    of the mesh (parallelize's sync_params; each pipeline stage's, over its own mesh)."""
+    group = mesh_group(mesh)
     for tensor in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(tensor, group=group, group_src=0)
 
@@ -94,6 +95,19 @@ def _wrapper(config: ParallelConfig):
     if config.data_parallel != "fsdp":
         return replicate, common
     return fully_shard, {**common, "reshard_after_forward": config.reshard_after_forward}
+
+
+def wrap_units(units: list[nn.Module], mesh: DeviceMesh, config: ParallelConfig) -> None:
+    """FSDP2 (fully_shard for "fsdp", replicate for "ddp") on each module of `units`, once
+    each and in order, over all of `mesh`'s ranks: the dense units of parallelize and of a
+    pipeline stage. Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide
+    (FSDP2's own switch)."""
+    wrap, common = _wrapper(config)
+    sum_only = dist.get_backend() != "nccl"
+    flat = mesh._flatten("_".join(mesh.mesh_dim_names))
+    for module in dict.fromkeys(units):  # once each: the model may itself be an MoELayer
+        wrap(module, mesh=flat, **common)
+        module.set_force_sum_reduction_for_comms(sum_only)
 
 
 def _build_dispatcher(
@@ -177,10 +191,9 @@ def parallelize(
     # ExchangeConfig built now if none was given, so the dispatchers get exactly that one
     config = check_config(model, mesh, partial(_config, config, keywords), blocks)
     if config.sync_params:
-        _broadcast_from_first_rank(model, mesh_group(mesh))
+        broadcast_from_first_rank(model, mesh)
     wrap, common = _wrapper(config)
-    # Gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide (FSDP2's own switch).
-    sum_only = dist.get_backend() != "nccl"
+    sum_only = dist.get_backend() != "nccl"  # as wrap_units
     all_ranks = mesh._flatten("dp_ep")  # dense parameters: sharded / replicated over the mesh
     group = mesh.get_group("ep")
     per_node = resolve_ranks_per_node(group, config.ranks_per_node, config.exchange)
@@ -191,8 +204,7 @@ def parallelize(
         layer.mesh = mesh
         wrap(layer.experts, mesh=mesh["dp"], **common)
         _divide_expert_grads(layer.experts, mesh["ep"].size(), sum_only)
-    units = [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model]
-    for module in dict.fromkeys(units):  # once each: the model may itself be an MoELayer
-        wrap(module, mesh=all_ranks, **common)
-        module.set_force_sum_reduction_for_comms(sum_only)
+    wrap_units(
+        [layer for _, layer in moe_layers(model)] + list(blocks or []) + [model], mesh, config
+    )
     return model

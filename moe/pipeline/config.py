@@ -13,7 +13,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from moe.pipeline.split import SPLITS
+from moe.pipeline.split import SPLITS, stage_sizes
 
 # PyTorch's schedules by name (the class name without "Schedule", case-insensitive) and how
 # they place stages: "single" one stage per rank; "loop" stage s on pp rank s % pp;
@@ -30,6 +30,13 @@ SCHEDULES = {cls.__name__.removeprefix("Schedule"): cls for cls in _CLASSES}
 # the schedules that split the backward into input and weight gradients (zero bubble)
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 _BY_KEY = {name.lower(): name for name in SCHEDULES}
+
+
+def schedule_style(schedule: str) -> str:
+    """How the schedule places stages on ranks: "single", "loop" or "v" (case-insensitive)."""
+    if not isinstance(schedule, str) or schedule.lower() not in _BY_KEY:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    return _CLASSES[SCHEDULES[_BY_KEY[schedule.lower()]]]
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ class PipelineConfig:
     @property
     def style(self) -> str:
         """How the schedule places stages on ranks: "single", "loop" or "v"."""
-        return _CLASSES[SCHEDULES[self.schedule]]
+        return schedule_style(self.schedule)
 
     def stage_ranks(self, pp: int) -> list[int]:
         """The pp rank of each of the pp * stages_per_rank stages."""
@@ -148,6 +155,16 @@ class PipelineConfig:
                 "loses the last stage's weight gradients under nested fully_shard units; use "
                 "data_parallel='ddp' or a schedule without zero bubble"
             )
+
+    def check(self, pp: int, data_parallel: str, children: list[int]) -> None:
+        """Everything the pipeline refuses before any work, given pp ranks per pipeline,
+        parallelize's data_parallel and the stack's children (their parameter counts): the
+        stage and micro-batch rules, split-backward with fsdp, and the split itself (one
+        child per stage at least). moe.plan asks this of every layout it returns."""
+        self.check_stages(pp)
+        self.check_data_parallel(data_parallel)
+        if self.stages is None:
+            stage_sizes(children, pp * self.stages_per_rank, self.split)
 
     def record(self) -> dict:
         """Every field as a JSON scalar (compared across ranks)."""

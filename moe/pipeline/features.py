@@ -31,10 +31,10 @@ from moe.comm.consistency import all_gather_records
 from moe.gating.balance import reset_global_balance as _reset_global_balance
 from moe.layer import moe_layers
 from moe.layer import update_router_biases as _update_router_biases
+from moe.parallel.mesh import mesh_group
 from moe.parallel.rebalance import RebalanceReport
 from moe.parallel.rebalance import rebalance_experts as _rebalance_experts
 from moe.parallel.replicas import sum_replica_grads as _sum_replica_grads
-from moe.pipeline.stage_parallel import stage_group
 from moe.trace.replay import Routes, _rank_and_world_now
 from moe.trace.replay import record_routing as _record_routing
 from moe.trace.replay import replay_routing as _replay_routing
@@ -132,7 +132,7 @@ def routing_traces(pipe, path: str | Path, every: int = 1, **kwargs) -> dict[int
         raise ValueError(
             f"routing_traces: path must hold '{{stage}}' (one file per stage), got {path!r}"
         )
-    group = stage_group(pipe.mesh["dp", "ep"])
+    group = mesh_group(pipe.mesh["dp", "ep"])
     out = {}
     for s, module in zip(pipe.stage_indices, pipe.modules):
         if moe_layers(module):

@@ -29,24 +29,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from moe.comm.consistency import raise_if_any_rank_failed
+from moe.parallel import ParallelConfig
+from moe.parallel.config_check import model_record, settings_record
+from moe.parallel.parallelize import broadcast_from_first_rank
 from moe.pipeline.config import PipelineConfig
 from moe.pipeline.faults import StepGuard
 from moe.pipeline.features import local_model, without_routes
 from moe.pipeline.mesh import check_pipeline_mesh
-from moe.pipeline.split import build_stage, plan_stages
-from moe.pipeline.stage_parallel import (
-    broadcast_in_stage,
-    check_parallel_kwargs,
-    parallel_keywords,
-    parallelize_stage,
-)
+from moe.pipeline.split import build_stage, param_count, plan_stages
+from moe.pipeline.stage_parallel import parallelize_stage, stage_config
 
 
 class Pipeline:
     """`model` (an nn.Sequential, identical on every rank) split by `config` over `mesh`
     (moe.pipeline.init_pipeline_mesh); this rank keeps its stages (`modules`, one per stage
     index in `stage_indices`), each parallelized over the rank's ("dp", "ep") mesh with
-    `parallel` (parallelize()'s keywords as a dict, or a settings dataclass with those fields).
+    `parallel` (a moe.parallel.ParallelConfig, as parallelize takes; None: its defaults).
+    Every rank's model (its MoE layers' settings, every tensor's dtype and shape), mesh,
+    config and parallel settings are compared across the whole pipeline, every stage, before
+    any other communication: a difference is the same ValueError on every rank.
     loss_fn(output, target) -> one micro-batch's loss on the last stage (summed over the
     micro-batches unless config.scale_grads). The MoE features per stage (bias updates,
     router record / replay, routing traces, rebalance, replicas): moe.pipeline.features."""
@@ -57,11 +58,11 @@ class Pipeline:
         mesh: DeviceMesh,
         config: PipelineConfig,
         loss_fn: Callable,
-        parallel=None,
+        parallel: ParallelConfig | None = None,
     ):
         problem, values = None, None
         try:
-            parallel = parallel_keywords(parallel)
+            parallel = stage_config(parallel)
             if not isinstance(config, PipelineConfig):
                 raise ValueError(f"config must be a PipelineConfig, got {type(config).__name__}")
             check_pipeline_mesh(mesh)
@@ -70,17 +71,17 @@ class Pipeline:
                     f"the mesh has {mesh.size()} ranks, the world {dist.get_world_size()}"
                 )
             pp = mesh.size(0)
-            config.check_stages(pp)
             plan = plan_stages(model, pp * config.stages_per_rank, config.stages, config.split)
-            check_parallel_kwargs(parallel)
-            config.check_data_parallel(parallel.get("data_parallel", "ddp"))
+            config.check(pp, parallel.data_parallel, [param_count(c) for c in model.children()])
             if not callable(loss_fn):
                 raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+            settings = settings_record(model, mesh["dp", "ep"], parallel, None)
             values = {
                 **config.record(),
                 "mesh": str(tuple(mesh.mesh.shape)),
                 "plan": "|".join(",".join(names) for names in plan),
-                **{f"parallel.{k}": repr(v) for k, v in sorted(parallel.items())},
+                **{f"parallel.{k}": v for k, v in settings.items()},
+                **model_record(model),
             }
         except Exception as e:  # every rank learns of it, before any other communication
             problem = e
@@ -98,7 +99,7 @@ class Pipeline:
         self.modules = [build_stage(model, plan[s], config.aux_scale) for s in self.stage_indices]
         for module in self.modules:
             if config.sync_params:
-                broadcast_in_stage(module, stage_mesh)
+                broadcast_from_first_rank(module, stage_mesh)
             parallelize_stage(module, stage_mesh, parallel)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())

@@ -1,21 +1,26 @@
 """Layout: one point of the planner's search (how a run is parallelized and what it trades
-memory for), and the code that applies it (parallelize / Pipeline keywords, M6 flags)."""
+memory for), as the typed values the library takes (`parallel`: a ParallelConfig, `pipeline`:
+a PipelineConfig, `moe_settings`: MoEConfig fields), and the code and M6 flags rendered from
+those values, so what is printed is what was predicted."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 
-SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
-                  "DualPipeV")  # fmt: skip
+from moe.parallel.parallel_config import ParallelConfig
+from moe.pipeline.config import PipelineConfig
+
 RECOMPUTE = ("none", "moe", "full")  # or "blocks:N": the N first blocks of each rank recomputed
 OFFLOAD = (None, "optimizer", "all")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """pp x dp x ep devices; `schedule` and `stages_per_rank` when pp > 1 ("none" / 1 at
-    pp = 1); `microbatches` of `micro_batch_seqs` sequences per pipeline and step (at pp = 1:
-    gradient accumulation); the rest as moe.parallel / moe.memory / MoEConfig name them."""
+    """pp x dp x ep devices; `schedule`, `stages_per_rank` and `split` when pp > 1 ("none" / 1
+    at pp = 1); `microbatches` of `micro_batch_seqs` sequences per pipeline and step (at pp = 1:
+    gradient accumulation); the rest as moe.parallel / moe.memory / MoEConfig name them. The
+    typed values: `parallel`, `pipeline`, `moe_settings` (built from these fields, checked by
+    their own constructors)."""
 
     pp: int
     dp: int
@@ -34,6 +39,7 @@ class Layout:
     fp8_dispatch: bool = False
     fp8_experts: bool = False
     replicas: int = 0  # MoEConfig.spare_slots: expert slots for copies of hot experts, per layer
+    split: str = "children"  # PipelineConfig.split: how the pipeline cuts the stack
 
     @property
     def world(self) -> int:
@@ -63,74 +69,149 @@ class Layout:
             parts.append(f"cf={self.capacity_factor:g}")
         return " ".join(parts)
 
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The ParallelConfig that parallelize (pp = 1) or each pipeline stage takes."""
+        return ParallelConfig(
+            self.data_parallel,
+            self.exchange if self.ep > 1 else "flat",
+            overlap=self.overlap if self.overlap > 1 else None,
+        )
+
+    @property
+    def pipeline(self) -> PipelineConfig | None:
+        """The PipelineConfig of the pipeline (None at pp = 1)."""
+        if self.pp == 1:
+            return None
+        return PipelineConfig(
+            self.schedule,
+            microbatches=self.microbatches,
+            stages_per_rank=self.stages_per_rank,
+            split=self.split,
+        )
+
+    @property
+    def moe_settings(self) -> dict:
+        """The MoEConfig fields this layout sets on every MoE layer (the rest as the model has
+        them): capacity_factor, recompute (MoE-only recompute), fp8 (an FP8Config),
+        spare_slots."""
+        out: dict = {}
+        if self.capacity_factor:
+            out["capacity_factor"] = self.capacity_factor
+        if self.recompute == "moe":
+            out["recompute"] = True
+        if self.fp8_dispatch or self.fp8_experts:
+            from moe.fp8 import FP8Config  # loaded only when a layout uses it
+
+            out["fp8"] = FP8Config(dispatch=self.fp8_dispatch, experts=self.fp8_experts)
+        if self.replicas:
+            out["spare_slots"] = self.replicas
+        return out
+
+    @property
+    def recompute_blocks(self) -> int | None:
+        """Whole blocks recomputed per pp rank (its first ones): None none, -1 all."""
+        if self.recompute == "full":
+            return -1
+        if self.recompute.startswith("blocks:"):
+            return int(self.recompute.split(":")[1])
+        return None
+
     def record(self) -> dict:
         return asdict(self)
 
     def code(self) -> str:
-        """The calls that apply this layout with moe (mesh, parallelize or Pipeline, MoEConfig
-        fields), as a user pastes them into a torchrun script."""
-        moe_cfg = []
-        if self.capacity_factor:
-            moe_cfg.append(f"capacity_factor={self.capacity_factor:g}")
-        if self.recompute == "moe":
-            moe_cfg.append("recompute=True")
-        if self.fp8_dispatch or self.fp8_experts:
-            moe_cfg.append(
-                f"fp8=FP8Config(dispatch={self.fp8_dispatch}, experts={self.fp8_experts})"
-            )
-        if self.replicas:
-            moe_cfg.append(f"spare_slots={self.replicas}")
-        parallel = (
-            f'ParallelConfig("{self.data_parallel}", "{self.exchange}"'
-            + (f", overlap={self.overlap}" if self.overlap > 1 else "")
-            + ")"
-        )
+        """The calls that apply this layout with moe's public names, rendered from the typed
+        values: a torchrun script pastes them after building `model` with
+        MoEConfig(..., **moe_settings) (and, at pp > 1, defining `loss_fn`)."""
+        settings = self.moe_settings
         lines = ["import moe.memory, moe.parallel" + (", moe.pipeline" if self.pp > 1 else "")]
         lines.append("from moe.parallel import ParallelConfig")
-        if self.fp8_dispatch or self.fp8_experts:
+        if self.pp > 1:
+            lines.append("from moe.pipeline import PipelineConfig")
+        if "fp8" in settings:
             lines.append("from moe.fp8 import FP8Config")
-        if self.recompute.startswith("blocks:"):
-            lines.append("from moe.memory.recompute import find_repeated_blocks")
-        lines.append(f"# MoELayer / MoEConfig: {', '.join(moe_cfg) or 'defaults'}")
-        if self.recompute == "full":
-            lines.append("moe.memory.recompute_blocks(model)  # every block recomputed")
-        elif self.recompute.startswith("blocks:"):
-            n = self.recompute.split(":")[1]
-            lines.append(
-                f"moe.memory.recompute_blocks(model, find_repeated_blocks(model)"
-                f"[:{n}])  # moe.memory.recompute; per stage: its first {n} blocks"
-            )
+        values = ", ".join(f"{k!r}: {render(v)}" for k, v in settings.items())
+        lines.append(f"moe_settings = {{{values}}}  # the MoE layers' MoEConfig fields")
+        blocks = self.recompute_blocks
         if self.pp == 1:
+            if blocks is not None:
+                names = "" if blocks < 0 else f", moe.memory.find_repeated_blocks(model)[:{blocks}]"
+                lines.append(f"moe.memory.recompute_blocks(model{names})")
             lines += [
                 f"mesh = moe.parallel.init_mesh(dp={self.dp}, ep={self.ep})",
-                f"moe.parallel.parallelize(model, mesh, config={parallel})",
+                f"moe.parallel.parallelize(model, mesh, config={render(self.parallel)})",
                 f"# {self.microbatches} micro-batches of {self.micro_batch_seqs} sequences a step",
+                "params = list(model.parameters())",
             ]
         else:
             lines += [
                 f"mesh = moe.pipeline.init_pipeline_mesh(pp={self.pp}, dp={self.dp}, ep={self.ep})",
-                f'config = moe.pipeline.PipelineConfig("{self.schedule}", '
-                f"microbatches={self.microbatches}, stages_per_rank={self.stages_per_rank})",
-                f"pipe = moe.pipeline.Pipeline(model, mesh, config, loss_fn, parallel={parallel})",
+                f"config = {render(self.pipeline)}",
+                f"pipe = moe.pipeline.Pipeline(model, mesh, config, loss_fn, "
+                f"parallel={render(self.parallel)})",
+                f"# micro-batches of {self.micro_batch_seqs} sequences (pipe.step takes "
+                f"{self.microbatches * self.micro_batch_seqs} a step)",
             ]
+            if blocks is not None:
+                lines += [
+                    "stack = [name for name, _ in model.named_children()]  # embedding, blocks, "
+                    "head",
+                    "local = pipe.local_model()  # this rank's stages",
+                    "mine = [name for name, _ in local.named_children() if name in stack[1:-1]]",
+                    "moe.memory.recompute_blocks(local, mine"
+                    + ("" if blocks < 0 else f"[:{blocks}]")
+                    + ")  # this rank's first blocks",
+                ]
+            lines.append("params = list(pipe.parameters())")
         lines.append(  # AdamW applied in `groups` groups (moe.memory), state offloaded or not
             f"opt = moe.memory.GroupedApply(params, groups={self.groups}, offload={self.offload!r})"
         )
         return "\n".join(lines)
 
     def m6_flags(self) -> str:
-        """The M6 example's flags for this layout (torchrun with world = pp x dp x ep ranks)."""
-        flags = [f"--dp {self.dp}", f"--ep {self.ep}", f"--data-parallel {self.data_parallel}"]
-        if self.pp > 1:
-            flags += [f"--pp {self.pp}", f"--schedule {self.schedule}"]
-        if self.ep > 1:
-            flags.append(f"--alltoall {self.exchange}")
+        """The M6 example's flags for this layout (torchrun with world = pp x dp x ep ranks),
+        rendered from the typed values: every field the M6 run sets from them."""
+        parallel, pipeline, settings = self.parallel, self.pipeline, self.moe_settings
+        seqs = self.microbatches * self.micro_batch_seqs * self.dp * self.ep
+        flags = [f"--dp {self.dp}", f"--ep {self.ep}", f"--data-parallel {parallel.data_parallel}"]
+        flags += [f"--global-batch {seqs}", f"--micro-batch {self.micro_batch_seqs}"]
+        if pipeline is not None:
+            flags += [f"--pp {self.pp}", f"--schedule {pipeline.schedule}"]
+            if pipeline.split != "children":
+                flags.append(f"--split {pipeline.split}")
+        flags.append(f"--alltoall {parallel.algorithm}")
+        if parallel.overlap is not None:
+            flags.append(f"--overlap {parallel.overlap}")
+        if "capacity_factor" in settings:
+            flags.append(f"--capacity-factor {settings['capacity_factor']:g}")
+        if "fp8" in settings:
+            fp8 = settings["fp8"]
+            flags.append("--fp8 " + ("all" if fp8.dispatch and fp8.experts else
+                                     "dispatch" if fp8.dispatch else "experts"))  # fmt: skip
+        if settings.get("recompute"):
+            flags.append("--moe-recompute")
+        if self.recompute_blocks is not None:
+            blocks = self.recompute_blocks
+            flags.append("--checkpointing" + ("" if blocks < 0 else f" {blocks}"))
+        if "spare_slots" in settings:
+            flags.append(f"--spare-slots {settings['spare_slots']}")
         if self.offload:
             flags.append(f"--offload {self.offload}")
         if self.groups > 1:
             flags.append(f"--groups {self.groups}")
-        if self.recompute == "full" or self.recompute.startswith("blocks:"):
-            flags.append("--checkpointing")  # every block (the M6 flag is all or none)
-        if self.replicas:
-            flags.append(f"--spare-slots {self.replicas}")
         return " ".join(flags)
+
+
+def render(value) -> str:
+    """Python source for `value`: a dataclass as its constructor with the fields that differ
+    from their defaults (a PipelineConfig always names its schedule), else repr."""
+    if not is_dataclass(value):
+        return repr(value)
+    args = []
+    for f in fields(value):
+        v = getattr(value, f.name)
+        default = f.default if f.default is not MISSING else MISSING
+        if v != default or (isinstance(value, PipelineConfig) and f.name == "schedule"):
+            args.append(f"{f.name}={render(v)}")
+    return f"{type(value).__name__}({', '.join(args)})"

@@ -64,14 +64,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moe.pipeline.config import schedule_style
 from moe.plan.cluster import Cluster
 from moe.plan.layout import Layout
 from moe.plan.skew import imbalance
 from moe.plan.spec import ModelSpec
-from moe.plan.stages import ACT_BYTES, rank_sums, representative_ranks
+from moe.plan.stages import ACT_BYTES, rank_sums
 
-STYLE = {"none": "single", "GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop",
-         "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v", "DualPipeV": "v"}  # fmt: skip
 BUBBLE_FACTOR = {"none": 0.0, "GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 1.0,
                  "InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 0.0, "DualPipeV": 0.0}  # fmt: skip
 OPT_BYTES_PER_PARAM = 32
@@ -131,7 +130,7 @@ def in_flight(schedule: str, m: int, p: int, v: int, r: int) -> float:
         return 1.0
     if schedule == "GPipe":
         return float(m)
-    if STYLE[schedule] == "loop":
+    if schedule_style(schedule) == "loop":
         return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
     if schedule == "DualPipeV":
         return float(min(m, p + 1))
@@ -211,8 +210,9 @@ def predict(
     imb = imbalance(load, L.ep, L.replicas) if load is not None else 1.0
     setup = _Setup(spec, cluster, L, t, cf, imb, (spec.num_experts + L.replicas) / spec.num_experts,
                    t * spec.top_k * cf * spec.d_model)  # fmt: skip
-    sums = rank_sums(spec, seq_len, L.pp, L.stages_per_rank, STYLE[L.schedule], L.capacity_factor)
-    per_rank = [_rank(setup, sums[r], r) for r in representative_ranks(L.pp)]
+    spare = L.replicas if L.split == "params" else 0  # the slots count in a "params" split only
+    sums = rank_sums(spec, seq_len, L.pp, L.pipeline, L.capacity_factor, spare)
+    per_rank = [_rank(setup, sums[r], r) for r in range(L.pp)]
     memory = max((mem for mem, _ in per_rank), key=peak_of)
     times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
     step = sum(times.values())

@@ -1,29 +1,31 @@
 """search(): every layout of a model on a cluster that the library can run, predicted and
 ranked by step time; the ones that do not fit say why.
 
-Searched: pp (and, for the interleaved / V schedules, 2 stages per rank), every schedule that
-PyTorch's rules allow for the micro-batch count (moe.pipeline.PipelineConfig's checks), ep
-dividing the experts, dp the rest, ddp / fsdp, sequences per micro-batch, capacity factors,
-FP8 dispatch / experts (when asked: they change numerics), spare expert slots, and per layout
-the cheapest memory savers that fit: recompute (none, MoE-only, the fewest whole blocks,
-full; Whale's automatic gradient checkpointing), offload (none, optimizer, all) and grouped
-apply groups; flat or hierarchical exchange (when the EP group spans nodes) and the overlap
-degree are picked by predicted time. Pruned before any prediction: pp beyond the block
-count, ep not dividing the experts, batches that do not split into the layout's pipelines.
+Searched: pp (and, for the interleaved schedules, SearchSpace.virtual stages per rank; the
+V ones 2), every schedule and split, ep dividing the experts, dp the rest, ddp / fsdp,
+sequences per micro-batch, capacity factors, FP8 dispatch / experts (when asked: they change
+numerics), spare expert slots, and per layout the fastest memory savers that fit, of every
+offload level: recompute (none, MoE-only, the fewest whole blocks, full; Whale's automatic
+gradient checkpointing), offload (none, optimizer, all) and grouped apply groups; flat or
+hierarchical exchange (when the EP group spans nodes) and the overlap degree are picked by
+predicted time. Pruned before any prediction: every layout the pipeline refuses (its own
+check, PipelineConfig.check, on the layout's typed values: micro-batch minimums, the
+zero-bubble + fsdp refusal, fewer children than stages), ep not dividing the experts,
+batches that do not split into the layout's pipelines.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
+from moe.pipeline.config import schedule_style
 from moe.plan.cluster import Cluster
 from moe.plan.layout import Layout
 from moe.plan.predict import MEMORY_TERMS, Prediction, predict
 from moe.plan.skew import check_load, zipf_load
 from moe.plan.spec import ModelSpec
+from moe.plan.stages import rank_sums, stack_weights
 
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 GiB = 2**30
 
 
@@ -44,6 +46,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "moe", "blocks", "full")
     offload: tuple[str | None, ...] = (None, "optimizer", "all")
     virtual: tuple[int, ...] = (2,)  # stages per rank of the interleaved schedules
+    splits: tuple[str, ...] = ("children",)  # PipelineConfig.split (moe.pipeline.split.SPLITS)
 
 
 @dataclass
@@ -60,22 +63,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(space: SearchSpace, pp: int, m: int) -> list[tuple[str, int]]:
-    """(schedule, stages per rank) pairs PyTorch runs at pp ranks and m micro-batches."""
+def _schedules(space: SearchSpace, pp: int) -> list[tuple[str, int, str]]:
+    """(schedule, stages per rank, split) to try at pp ranks: each schedule with the stage
+    counts it runs (one per rank, two for the V ones, SearchSpace.virtual for the
+    interleaved ones: PipelineConfig.style)."""
     if pp == 1:
-        return [("none", 1)]
+        return [("none", 1, "children")]
     out = []
     for name in space.schedules:
-        least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(name, 1)
-        if m < least:
-            continue
-        if name in ("GPipe", "1F1B"):
-            out.append((name, 1))
-        elif name in ("ZBVZeroBubble", "DualPipeV"):
-            out.append((name, 2))
-        elif m % max(1, m // pp) == 0:  # the interleaved ones: a multiple of their rounds
-            out += [(name, v) for v in space.virtual]
+        style = schedule_style(name)
+        counts = space.virtual if style == "loop" else (2 if style == "v" else 1,)
+        out += [(name, v, split) for v in counts for split in space.splits]
     return out
+
+
+def refusal(spec: ModelSpec, layout: Layout) -> str | None:
+    """Why moe.pipeline would refuse `layout` for `spec`'s stack (embedding, blocks, head),
+    by the pipeline's own check of the layout's typed values; None: it runs."""
+    try:
+        pipeline, parallel = layout.pipeline, layout.parallel
+        if pipeline is not None:
+            children = stack_weights(spec, layout.replicas)
+            pipeline.check(layout.pp, parallel.data_parallel, children)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _binding(pred: Prediction) -> str:
@@ -140,10 +152,14 @@ def search(
         load = zipf_load(spec.num_experts, skew)
     world, seqs = cluster.world, global_batch_tokens // seq_len
     fits, misfits, searched = [], [], 0
-    pps = space.pp or [p for p in _divisors(world) if p <= spec.n_layers]
+    children = spec.n_layers + 2  # the stack the pipeline splits: embedding, blocks, head
+    pps = space.pp or [p for p in _divisors(world) if p <= children]
     for pp in pps:
-        if world % pp or pp > spec.n_layers:
-            raise ValueError(f"pp={pp} does not divide the world {world} or exceeds the blocks")
+        if world % pp or pp > children:
+            raise ValueError(
+                f"pp={pp} does not divide the world {world} or exceeds the stack's {children} "
+                "children (embedding, blocks, head)"
+            )
         for ep in _divisors(world // pp):
             if spec.num_experts % ep:
                 continue
@@ -155,13 +171,11 @@ def search(
                 if per_pipe % mbs:
                     continue
                 m = per_pipe // mbs
-                for schedule, v in _schedules(space, pp, m):
-                    if pp * v > spec.n_layers:
-                        continue
+                for schedule, v, split in _schedules(space, pp):
                     for dpm in space.data_parallel:
-                        if dpm == "fsdp" and schedule in SPLIT_BACKWARD:
-                            continue  # refused by moe.pipeline on PyTorch 2.13
-                        base = Layout(pp, dp, ep, dpm, schedule, v, m, mbs)
+                        base = Layout(pp, dp, ep, dpm, schedule, v, m, mbs, split=split)
+                        if refusal(spec, base) is not None:
+                            continue
                         got, n = _best_variant(spec, cluster, base, space, seq_len,
                                                global_batch_tokens, load)  # fmt: skip
                         searched += n
@@ -185,9 +199,10 @@ def search(
 
 def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Prediction, int]:
     """The fastest fitting variant of `base`, or the one closest to fitting; and how many
-    predictions it took. Memory savers cost time only, so the first offload level at which
-    some recompute fits is kept (the fastest recompute there, the fewest groups that fit);
-    the exchange, overlap and FP8 options are then tried on it."""
+    predictions it took. Of every offload level, the fastest recompute that fits (the fewest
+    whole blocks of a binary search, time growing with them) with the fewest groups that fit
+    (groups cost no predicted time) are compared, so more memory never gives a slower layout;
+    the exchange, overlap and FP8 options are then tried on the fastest."""
     count = 0
 
     def run(**changes) -> Prediction:
@@ -195,7 +210,7 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
         count += 1
         return predict(spec, cluster, replace(base, **changes), seq_len, tokens, load)
 
-    blocks = math.ceil(spec.n_layers / (base.pp * base.stages_per_rank)) * base.stages_per_rank
+    blocks = max(r.blocks for r in rank_sums(spec, seq_len, base.pp, base.pipeline, None))
     least = max(space.groups)
     best = closest = None
     for cf in space.capacity_factors:
@@ -228,7 +243,6 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
                         break
                 if best is None or got.step_time < best.step_time:
                     best = got
-                break
     if best is None:
         return closest, count
     for o, x, fd, fe, r in _ep_options(space, base, cluster):

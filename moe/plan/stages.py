@@ -1,8 +1,9 @@
-"""The model cut into pipeline chunks (pp x stages_per_rank of them, contiguous blocks, the
-embedding on the first and the head on the last, as moe.pipeline splits it), each summarised
-once per (model, sequence length, chunk count): parameters, FLOPs and saved activations per
-token. Activations are moe.memory.planner's per-block formula (Korthikanti et al. 2022, flash
-attention, no dropout, bf16), linear in tokens at a fixed sequence length."""
+"""The model cut into pipeline chunks (pp x stages_per_rank of them) exactly as moe.pipeline
+cuts it: the stack (embedding, each block, head) split by moe.pipeline.split.stage_sizes and
+the chunks placed on pp ranks by PipelineConfig.stage_ranks (the pipeline's own functions),
+each chunk summarised once per (model, sequence length, split): parameters, FLOPs and saved
+activations per token. Activations are moe.memory.planner's per-block formula (Korthikanti et
+al. 2022, flash attention, no dropout, bf16), linear in tokens at a fixed sequence length."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from moe.memory.planner import block_activation_bytes
+from moe.pipeline.config import PipelineConfig
+from moe.pipeline.split import stage_sizes
 from moe.plan.spec import ModelSpec
 
 ACT_BYTES = 2  # bf16 activations
@@ -53,20 +56,37 @@ def _per_token(cfg, moe: bool) -> float:
     return block_activation_bytes(cfg, cfg.seq_len, moe, ACT_BYTES, True, False) / cfg.seq_len
 
 
-def block_split(n_layers: int, n_chunks: int) -> list[tuple[int, int]]:
-    """(first block, block count) of each chunk: even, earlier chunks take the remainder; a
-    chunk may hold no block only when there are fewer blocks than chunks (refused upstream)."""
-    base, extra = divmod(n_layers, n_chunks)
-    out, first = [], 0
-    for c in range(n_chunks):
-        n = base + (c < extra)
-        out.append((first, n))
-        first += n
+def stack_weights(spec: ModelSpec, spare_slots: int = 0) -> list[int]:
+    """Parameters of each child of the stack the pipeline splits: the embedding, each block
+    (its routed experts in E + spare_slots slots, as built), the head."""
+    slots = spare_slots * spec.expert_params()
+    blocks = [d + e + (slots if e else 0) for d, e in map(spec.layer_params, range(spec.n_layers))]
+    return [spec.embedding_params(), *blocks, spec.head_params()]
+
+
+def block_split(
+    spec: ModelSpec, n_chunks: int, split: str = "children", spare_slots: int = 0
+) -> list[tuple[int, int, bool, bool]]:
+    """(first block, block count, holds the embedding, holds the head) of each chunk, by the
+    pipeline's own rule (moe.pipeline.split.stage_sizes) over the stack's children."""
+    sizes = stage_sizes(stack_weights(spec, spare_slots), n_chunks, split)
+    out, start, last = [], 0, spec.n_layers + 1  # child 0: embedding; last: head
+    for n in sizes:
+        first, end = max(start - 1, 0), min(start + n - 1, spec.n_layers)
+        out.append((first, max(end - first, 0), start == 0, start + n - 1 == last))
+        start += n
     return out
 
 
 @functools.lru_cache(maxsize=4096)
-def chunks(spec: ModelSpec, seq_len: int, n_chunks: int, cf: float | None) -> tuple[Chunk, ...]:
+def chunks(
+    spec: ModelSpec,
+    seq_len: int,
+    n_chunks: int,
+    cf: float | None,
+    split: str = "children",
+    spare_slots: int = 0,
+) -> tuple[Chunk, ...]:
     """The model's n_chunks pipeline chunks."""
     moe_cfg = _shim(spec, seq_len, spec.d_ff_expert, cf)
     dense_cfg = _shim(spec, seq_len, spec.d_ff_dense, cf)
@@ -76,7 +96,7 @@ def chunks(spec: ModelSpec, seq_len: int, n_chunks: int, cf: float | None) -> tu
     act_dense = _per_token(dense_cfg, False)
     act_bare = _per_token(bare_cfg, False)
     out = []
-    for c, (first, n) in enumerate(block_split(spec.n_layers, n_chunks)):
+    for first, n, has_embed, has_head in block_split(spec, n_chunks, split, spare_slots):
         dense = experts = moe_blocks = 0
         dflops = rflops = act = act_mr = biggest = 0.0
         for i in range(first, first + n):
@@ -93,7 +113,6 @@ def chunks(spec: ModelSpec, seq_len: int, n_chunks: int, cf: float | None) -> tu
             act += block
             act_mr += act_bare if spec.is_moe(i) else act_dense
             biggest = max(biggest, block)
-        has_embed, has_head = c == 0, c == n_chunks - 1
         if has_embed:
             dense += spec.embedding_params()
         if has_head:
@@ -120,12 +139,10 @@ def chunks(spec: ModelSpec, seq_len: int, n_chunks: int, cf: float | None) -> tu
     return tuple(out)
 
 
-def rank_chunks(n_chunks: int, pp: int, style: str) -> list[list[int]]:
-    """The chunks each pp rank holds: one each ("single"), round robin ("loop"), or the V
-    (rank r: r and 2 pp - 1 - r), as moe.pipeline.PipelineConfig.stage_ranks places them."""
-    if style == "v":
-        return [[r, n_chunks - 1 - r] for r in range(pp)]
-    return [[c for c in range(n_chunks) if c % pp == r] for r in range(pp)]
+def rank_chunks(pp: int, pipeline: PipelineConfig | None) -> list[list[int]]:
+    """The chunks each pp rank holds, as PipelineConfig.stage_ranks places them (pp = 1: one)."""
+    owners = [0] if pipeline is None else pipeline.stage_ranks(pp)
+    return [[c for c, owner in enumerate(owners) if owner == r] for r in range(pp)]
 
 
 @dataclass(frozen=True)
@@ -148,13 +165,19 @@ class RankSums:
 
 @functools.lru_cache(maxsize=4096)
 def rank_sums(
-    spec: ModelSpec, seq_len: int, pp: int, v: int, style: str, cf: float | None
+    spec: ModelSpec,
+    seq_len: int,
+    pp: int,
+    pipeline: PipelineConfig | None,
+    cf: float | None,
+    spare_slots: int = 0,
 ) -> tuple[RankSums, ...]:
     """Per pp rank, the sums over its chunks (cached: the search asks for each many times)."""
-    parts = chunks(spec, seq_len, pp * v, cf)
+    owned = rank_chunks(pp, pipeline)
+    split = "children" if pipeline is None else pipeline.split
+    parts = chunks(spec, seq_len, sum(map(len, owned)), cf, split, spare_slots)
     out = []
-    for owned in rank_chunks(pp * v, pp, style):
-        mine = [parts[c] for c in owned]
+    for mine in ([parts[c] for c in chunks_of] for chunks_of in owned):
         out.append(
             RankSums(
                 chunks=len(mine),
@@ -172,9 +195,3 @@ def rank_sums(
             )
         )
     return tuple(out)
-
-
-def representative_ranks(pp: int) -> tuple[int, ...]:
-    """The pp ranks whose memory and time bound all others: chunks differ by at most one block,
-    the first holds the embedding and the most micro-batches in flight, the last the head."""
-    return tuple(sorted({0, min(1, pp - 1), pp // 2, pp - 1}))
