@@ -271,8 +271,8 @@ def test_plan_reverse_swaps_counts():
     assert rev.recv_counts_W.tolist() == [1, 2]
 
 
-def test_expert_exchange_plans_chunks_of_local_experts():
-    """ExpertExchange.plan(first, last): the split sizes of local experts [first, last), and a
+def test_expert_exchange_splits_chunks_of_local_experts():
+    """ExpertExchange.splits(first, last): the split sizes of local experts [first, last), and a
     reverse that takes its send counts from the device tensors (no host-to-device copy)."""
     send_WL, recv_WL = ((1, 2, 3), (4, 5, 6)), ((0, 1, 0), (2, 0, 7))
     counts = ExpertExchange(
@@ -287,7 +287,7 @@ def test_expert_exchange_plans_chunks_of_local_experts():
         totals_W=(6, 15),
     )
     assert counts.max_rank_bytes == 15 * 8
-    whole, tail = counts.plan(), counts.plan(1, 3)
+    whole, tail = counts.splits(), counts.splits(1, 3)
     assert (whole.send, whole.recv) == ((6, 15), (1, 9))
     assert (tail.send, tail.recv, tail.recv_counts_W.tolist()) == ((5, 11), (1, 7), [1, 7])
     back = tail.reverse()

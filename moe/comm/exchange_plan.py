@@ -33,7 +33,7 @@ from moe.comm.topology import Topology, get_subgroups, get_topology
 @dataclass(frozen=True, eq=False)
 class ExpertExchange:
     """The counts of one expert-parallel exchange, both ways, from ONE count collective
-    (`exchange_expert_counts`), with the algorithm it resolved to; `plan(first, last)` gives the
+    (`exchange_expert_counts`), with the algorithm it resolved to; `splits(first, last)` gives the
     AllToAllPlan of the rows of local experts [first, last) without another collective.
 
     Host lists (every split size the exchange needs is already read): send_WL[d][l] rows this
@@ -61,7 +61,7 @@ class ExpertExchange:
         """The largest send buffer of any rank (bytes): the same number on every rank."""
         return max(self.totals_W, default=0) * self.row_bytes
 
-    def plan(self, first: int = 0, last: int | None = None) -> AllToAllPlan:
+    def splits(self, first: int = 0, last: int | None = None) -> AllToAllPlan:
         """Split sizes of the rows of local experts [first, last) (default: all), grouped by
         destination rank; the hierarchical pipeline depth follows that chunk's size."""
         last = len(self.recv_WL[0]) if last is None else last
@@ -263,7 +263,7 @@ def plan_all_to_all(
     ex = exchange_expert_counts(
         send_t, row_bytes, group, algorithm, ranks_per_node, None, exchange_config
     )
-    plan = ex.plan()
+    plan = ex.splits()
     if chunks is None or plan.algorithm == "flat":
         return plan
     return replace(plan, chunks=chunks)

@@ -130,7 +130,7 @@ class ExpertParallelDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, plan: RowMap):
         counts = self._exchange_counts(x_TD, plan)
-        a2a = counts.plan()
+        a2a = counts.splits()
         x_MD = gather_tokens(x_TD, plan)
         recv_RD = self.wire.dispatch(x_MD[: sum(a2a.send)], a2a)
         order_R, inverse_R = receive_order(counts.recv_counts_WL, 0, recv_RD.shape[0])

@@ -171,7 +171,7 @@ class OverlappedDispatcher(ExpertParallelDispatcher):
             # the plain order and permute only the rows that travel (same sums, bit for bit)
             x_MD = permute_rows(gather_tokens(x_TD, plan), *order)
         pipe = _Pipeline(
-            [counts.plan(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
+            [counts.splits(b0, b1) for b0, b1 in zip(bounds, bounds[1:])],
             bounds,
             counts.recv_counts_WL,
             DispatchContext(plan_c, KEPT_ROWS, algorithm=counts.algorithm, kernel=experts.kernel),
