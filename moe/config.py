@@ -1,16 +1,23 @@
-"""MoEConfig: every option of an MoE layer, validated at construction."""
+"""MoEConfig: every option of an MoE layer, validated at construction.
+
+The core options are declared here (CoreConfig); each feature package adds one field, its
+settings (moe.names.FEATURE_SETTINGS: the field's name and the settings type), so the options
+and their checks name no feature.
+"""
 
 import importlib
 import math
 import types
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 
 from moe.names import (
     ACTIVATIONS,
     BACKENDS,
     BALANCE_LOSSES,
     DROP_POLICIES,
+    FEATURE_SETTINGS,
+    RETIRED,
     ROUTERS,
     ROW_FORMAT_NAMES,
     SCORE_FUNCS,
@@ -57,8 +64,9 @@ def _settings_value(f, value):
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """Options of one MoE layer. Bad values raise ValueError naming the field.
+class CoreConfig:
+    """Options of one MoE layer (MoEConfig: these, and one settings field per feature). Bad
+    values raise ValueError naming the field.
 
     Capacity per expert is ceil(capacity_factor * top_k * T / E), at least `min_capacity`
     (and at most T); `capacity_factor=None` is dropless. Expert choice uses
@@ -100,8 +108,6 @@ class MoEConfig:
     spare_slots: int = 0  # R extra expert slots holding copies of hot experts (replicas.py)
     weight_format: str = "dense"  # how the experts store weights (moe.kernels.weight_format)
     row_format: str = "plain"  # how dispatched rows travel (moe.dispatch.wire)
-    fp8: object = settings("moe.fp8.config.FP8Config")  # FP8 dispatch / expert GEMMs; None: off
-    lora: object = settings("moe.lora.config.LoRAConfig")  # expert adapters (weight_format="lora")
 
     def __post_init__(self):
         for f in fields(self):
@@ -110,6 +116,11 @@ class MoEConfig:
                 continue
             _check_type(f.name, getattr(self, f.name), f.type)
             _check_upper_bound(f.name, getattr(self, f.name))
+        for (name, old), chooser in RETIRED.items():  # as an older release recorded it
+            if getattr(self, name) == old:
+                if getattr(self, chooser) is None:
+                    raise ValueError(f"{name}={old!r} is retired: MoEConfig.{chooser} chooses it")
+                object.__setattr__(self, name, _DEFAULTS[name])
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
             if value <= 0:
@@ -139,11 +150,6 @@ class MoEConfig:
         _choose("backend", self.backend, BACKENDS)
         _choose("weight_format", self.weight_format, WEIGHT_FORMAT_NAMES)
         _choose("row_format", self.row_format, ROW_FORMAT_NAMES)
-        if (self.lora is not None) != (self.weight_format == "lora"):
-            raise ValueError(
-                "lora (a moe.lora.LoRAConfig) and weight_format='lora' go together, got "
-                f"lora={self.lora!r}, weight_format={self.weight_format!r}"
-            )
         _choose("balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.balance_loss != "batch" and self.router not in SEQUENCE_ROUTERS:
             raise ValueError(
@@ -175,6 +181,28 @@ class MoEConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+_DEFAULTS = {f.name: f.default for f in fields(CoreConfig)}
+
+MoEConfig = make_dataclass(
+    "MoEConfig",
+    [(name, object, settings(type_path)) for name, type_path in FEATURE_SETTINGS.items()],
+    bases=(CoreConfig,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": CoreConfig.__doc__},
+)
+
+
+def upgrade_saved(config: dict) -> dict:
+    """A saved MoEConfig (asdict / JSON) as today's MoEConfig reads it: a value an older release
+    recorded for a setting that a feature's field now chooses (moe.names.RETIRED) becomes the
+    setting's default where that field is set. For readers that compare saved settings."""
+    config = dict(config)
+    for (name, old), chooser in RETIRED.items():
+        if config.get(name) == old and config.get(chooser) is not None:
+            config[name] = _DEFAULTS[name]
+    return config
 
 
 def _check_upper_bound(name: str, value) -> None:

@@ -340,8 +340,7 @@ class MoELayer(nn.Module):
         text += f"capacity_factor={c.capacity_factor}"
         text += "" if isinstance(kernel, str) else f", kernel={kernel.name} ({kernel.selected_by})"
         text += "" if c.weight_format == "dense" else f", weight_format={c.weight_format}"
-        wire = wire_for(c)
-        rows = [f"{d}={f.name}" for d, f in zip(DIRECTIONS, wire.formats) if not f.plain]
+        rows = [f"{d}={f.name}" for d, f in zip(DIRECTIONS, wire_for(c).formats) if not f.plain]
         return text + (f", rows on the wire: {' '.join(rows)}" if rows else "")
 
 

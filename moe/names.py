@@ -10,6 +10,7 @@ The registries (each table here; its `register_*` function beside the base class
     KERNELS         register_kernel          moe/kernels/registry.py       MoEConfig.backend
     WEIGHT_FORMATS  register_weight_format   moe/kernels/weight_format.py  MoEConfig.weight_format
     ROW_FORMATS     register_row_format      moe/dispatch/wire.py          MoEConfig.row_format
+    KERNEL_WRAPPERS register_kernel_wrapper  moe/kernels/registry.py       (claimed by settings)
     DISPATCHERS     register_dispatcher      moe/dispatch/dispatcher.py    parallelize(dispatcher=)
 A table is filled when the module that registers an entry is imported (the built-ins by
 `import moe`; a feature package such as moe.fp8 when it is imported; a user's own entries
@@ -29,7 +30,24 @@ ROUTERS: dict[str, type] = {}  # name -> Router subclass (moe.gating.base.Router
 KERNELS: dict[str, object] = {}  # name -> ExpertKernel (moe.kernels.registry)
 WEIGHT_FORMATS: dict[str, object] = {}  # name -> WeightFormat (moe.kernels.weight_format)
 ROW_FORMATS: dict[str, object] = {}  # name -> RowFormat (moe.dispatch.wire)
+KERNEL_WRAPPERS: dict[str, object] = {}  # name -> KernelWrapper (moe.kernels.registry)
 DISPATCHERS: dict[str, type] = {}  # name -> Dispatcher subclass (moe.dispatch.dispatcher)
+
+
+# A feature is one package chosen by one MoEConfig field: the field's name -> the type of its
+# settings (a dataclass in the package, imported only when a value is given). Its registered
+# entries claim what they change through one hook, `claims(config)` (see `claimed`).
+FEATURE_SETTINGS = {"fp8": "moe.fp8.config.FP8Config", "lora": "moe.lora.config.LoRAConfig"}
+# Values older releases recorded for a setting that a feature's own field now chooses alone:
+# (MoEConfig field, old value) -> that feature's field. MoEConfig reads the old value as the
+# field's default when the feature's field is set (saved settings and checkpoints still load).
+RETIRED = {("weight_format", "lora"): "lora"}
+
+
+def claimed(table: dict, config) -> list:
+    """What the entries of a registry `table` claim for a layer with MoEConfig `config`: each
+    entry's `claims(config)` that is not empty (None, {}), in registration order."""
+    return [c for c in (entry.claims(config) for entry in list(table.values())) if c]
 
 
 class _Names(Sequence):

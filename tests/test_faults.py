@@ -57,14 +57,12 @@ ALTERNATIVES = {
     "fp8": FP8Config(dispatch=True, experts=True),
     "weight_format": SCALED.name,  # registered from outside moe/ (tests/toy_formats.py)
     "row_format": INT8.name,
-    "lora": LoRAConfig(rank=2, alpha=4.0),  # with weight_format="lora" (TOGETHER)
+    "lora": LoRAConfig(rank=2, alpha=4.0),
 }
-# fields whose alternative needs another field changed with it
-TOGETHER = {"lora": {"weight_format": "lora"}}
 
 
 def _changed(name: str) -> dict:
-    return {name: ALTERNATIVES[name], **TOGETHER.get(name, {})}
+    return {name: ALTERNATIVES[name]}
 
 
 def test_every_field_has_an_alternative():
@@ -136,7 +134,7 @@ def test_every_mismatch_is_an_error_on_every_rank():
     for rank, out in enumerate(results):
         for name in ALTERNATIVES:
             message = out[name]
-            named = [f"1.{n} differs across ranks" for n in _changed(name)]  # (with TOGETHER's)
+            named = [f"1.{n} differs across ranks" for n in _changed(name)]
             assert any(n in message for n in named), (rank, name, message)
             assert "rank 0 has" in message and "rank 1 has" in message, message
         assert "tensor 0.weight differs" in out["dtype"] and "bfloat16" in out["dtype"]

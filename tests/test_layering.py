@@ -1,5 +1,6 @@
-"""Import direction between the stages (no sideways arrows), and the layer's balance state
-declared and owned by its BalanceTracker (issue 25, items 2 and 5)."""
+"""Import direction between the stages (no sideways arrows), the layer's balance state
+declared and owned by its BalanceTracker (issue 25, items 2 and 5), the core naming no
+feature and no module over 400 lines (issue 59)."""
 
 import ast
 import json
@@ -260,6 +261,47 @@ def test_no_attribute_probing_on_the_layer_path():
             ):
                 probing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not probing, probing
+
+
+# A feature is one package chosen by one MoEConfig field (moe.names.FEATURE_SETTINGS) whose
+# entries claim what they change (`claims`): the core names none of them (issue 59).
+CORE = ["kernels", "gating", "dispatch", "experts.py", "layer.py", "config.py"]
+FEATURE_NAMES = re.compile(r"(?i:adapter|lora|fp8)|moe[./]pipeline|\bPipeline\w*")
+
+
+def _feature_names(text: str, where: str) -> list[str]:
+    return [
+        f"{where}:{n}: {line.strip()}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if FEATURE_NAMES.search(line)
+    ]
+
+
+def test_the_core_names_no_feature():
+    """No feature's name (adapter, lora, fp8, the pipeline package and its types) in code,
+    comments or docstrings of the kernels, gating, dispatch, experts, layer and config; the
+    check itself flags each name and passes the words the core uses ("pipelined" chunks)."""
+    flagged = "x.adapters\n# LoRA\nFP8Kernel\nfrom moe.pipeline import x\nPipelineConfig"
+    assert len(_feature_names(flagged, "a.py")) == 5
+    assert _feature_names("pipelined chunks; class _Pipeline; the Triton pipeliner", "a.py") == []
+    found = []
+    for name in CORE:
+        path = PACKAGE / name
+        for p in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            found += _feature_names(p.read_text(), str(p.relative_to(ROOT)))
+    assert not found, "\n".join(found)
+
+
+MAX_MODULE_LINES = 400  # the developers' guide
+
+
+def test_no_module_over_400_lines():
+    long = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, long
 
 
 MAX_FUNCTION_LINES = 80  # the developers' guide; Triton kernel bodies (moe/kernels/triton) exempt

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 import moe  # noqa: E402
 from moe.capacity import capacity_factor_for, expert_capacity  # noqa: E402
-from moe.kernels import adapted_mlp  # noqa: E402
 from moe.lora import LoRAConfig, adapter_parameters, adapter_state_dict, add_lora, merge  # noqa: E402
+from moe.lora import kernel as lora_kernel  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.fp8_reference import RefFP8Gemm  # noqa: E402
 
@@ -120,7 +120,7 @@ def check(layer, T=11, tol=None, monkeypatch=None, gemm=None, dtype=torch.float6
     p = layer.config.lora.dropout if layer.training else 0.0
     drop = lambda v: sign_dropout(v, p)  # noqa: E731
     if monkeypatch is not None:
-        monkeypatch.setattr(adapted_mlp, "adapter_dropout", sign_dropout)
+        monkeypatch.setattr(lora_kernel, "adapter_dropout", sign_dropout)
     x = torch.randn(T, D, dtype=dtype, generator=torch.Generator().manual_seed(7))
     y_ref, x_ref, P = reference(layer, x, drop, gemm)
     x = x.clone().requires_grad_()
@@ -181,7 +181,7 @@ def test_lora_layer_equals_per_expert_reference(case, monkeypatch):
 def test_router_adapter_logits_and_gradients(monkeypatch):
     """logits = x W^T + scale * drop(x) A^T B^T (fp32 math, here float64), differentiable in
     x, A and B; the router's weight frozen. A switch router (jitter off) takes it as well."""
-    monkeypatch.setattr(adapted_mlp, "adapter_dropout", sign_dropout)
+    monkeypatch.setattr(lora_kernel, "adapter_dropout", sign_dropout)
     for router in ("topk", "switch"):
         top_k = 1 if router == "switch" else 2
         cfg = LoRAConfig(rank=2, alpha=3.0, dropout=P_DROP, router=True)
@@ -255,7 +255,7 @@ def test_add_lora_freezes_keeps_output_and_inits_like_peft():
     assert ex.lora_A_w2.shape == (E, F_, R) and ex.lora_B_w2.shape == (E, R, D)
     assert ex.lora_A_w3.shape == (E, D, R) and ex.lora_B_w3.shape == (E, R, F_)
     assert ex.lora_A_w2.abs().max() <= F_**-0.5 and ex.lora_A_w2.std() > 0
-    assert layer.config.lora.rank == R and layer.config.weight_format == "lora"
+    assert layer.config.lora.rank == R and layer.config.weight_format == "dense"
     trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
     assert trainable == set(adapter_state_dict(layer))
     assert "shared_experts.up_proj.lora_A" in trainable
@@ -276,14 +276,19 @@ def test_merge_folds_the_adapters():
     assert layer.config.lora is None and layer.config.weight_format == "dense"
     assert not adapter_state_dict(layer)
     assert not any("lora" in n for n, _ in layer.named_parameters())
-    assert layer.router.adapter is None
+    assert layer.router.logit_term is None
     torch.testing.assert_close(layer(x), y, rtol=1e-12, atol=1e-12)
 
 
-def test_layer_built_with_lora_format():
-    layer = moe.MoELayer(D, F_, E, weight_format="lora", lora={"rank": 2, "alpha": 1.0})
+def test_one_setting_chooses_lora():
+    """MoEConfig.lora alone builds a LoRA layer; weight_format="lora", as releases before
+    recorded it beside lora=, still reads (as "dense"), and alone is refused."""
+    layer = moe.MoELayer(D, F_, E, lora={"rank": 2, "alpha": 1.0})
     assert layer.experts.lora_B_w2.shape == (E, 2, D) and not layer.experts.w1.requires_grad
-    with pytest.raises(ValueError, match="go together"):
+    assert layer.config.weight_format == "dense"
+    old = moe.MoELayer(D, F_, E, weight_format="lora", lora={"rank": 2, "alpha": 1.0})
+    assert old.config == layer.config
+    with pytest.raises(ValueError, match="weight_format='lora' is retired"):
         moe.MoELayer(D, F_, E, weight_format="lora")
 
 

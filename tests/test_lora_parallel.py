@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import moe
 from moe.checkpoint import load_checkpoint, save_checkpoint
-from moe.kernels import adapted_mlp
 from moe.lora import LoRAConfig, adapter_parameters, adapter_state_dict, add_lora, merge
+from moe.lora import kernel as lora_kernel
 from moe.parallel import init_mesh, parallelize
 from tests.distributed import run_ranks
 
@@ -57,7 +57,7 @@ def _grads(model, x, scale=1.0) -> dict:
 
 
 def _body(rank, world, ckpt):
-    adapted_mlp.adapter_dropout = _sign_dropout  # a known mask, the same on every rank
+    lora_kernel.adapter_dropout = _sign_dropout  # a known mask, the same on every rank
     sizes = [3, 5, 4, 2][:world]
     x_all = torch.randn(
         sum(sizes), D, dtype=torch.float64, generator=torch.Generator().manual_seed(3)

@@ -14,6 +14,10 @@ shared experts), a replicated layer (spare slots), FP8 dispatch and FP8 experts 
 process, and on 2 gloo ranks `parallelize(ep=2)` plain and overlapped, a replicated layer
 under ddp and fsdp, FP8 dispatch and FP8 experts (each rank feeds its own batch; gradients
 gathered to full tensors). FP8 cases run in float32 only (FP8 takes no float64 weights).
+LoRA (moe.lora.add_lora, every adapter's B set non-zero) in one process on the torch, Triton
+and FP8 kernels, with router and shared-expert adapters and dropout, and on 2 gloo ranks under
+ddp, fsdp and FP8 experts; a pipeline (moe.pipeline.Pipeline, pp=2 on 2 gloo ranks, a stack
+of MoE blocks, plain and with LoRA): each stage's output, losses and gradients.
 """
 
 import os
@@ -30,6 +34,8 @@ import moe  # noqa: E402
 
 D, F, E, T = 24, 40, 6, 37
 
+LORA = {"rank": 3, "alpha": 5.0, "dropout": 0.25, "router": True, "targets": ("w1", "w2", "w3")}
+LORA_SHARED = {"rank": 2, "alpha": 3.0, "targets": ("w2", "w1"), "shared_experts": True}
 SINGLE = {
     "torch": {"backend": "torch"},
     "triton": {"backend": "triton"},
@@ -40,6 +46,10 @@ SINGLE = {
     "replicas": {"backend": "torch", "spare_slots": 2},
     "fp8_dispatch": {"backend": "torch", "fp8": {"dispatch": True}},
     "fp8_experts": {"backend": "auto", "fp8": {"experts": True}},
+    "lora": {"backend": "torch", "lora": LORA},
+    "lora_shared": {"backend": "torch", "num_shared_experts": 1, "lora": LORA_SHARED},
+    "lora_triton": {"backend": "triton", "lora": LORA},
+    "lora_fp8_experts": {"backend": "auto", "fp8": {"experts": True}, "lora": LORA},
 }
 RANKS = {  # name -> (layer options, parallelize keywords)
     "ep2": ({"backend": "torch"}, {"data_parallel": "ddp"}),
@@ -48,7 +58,14 @@ RANKS = {  # name -> (layer options, parallelize keywords)
     "ep2_replicas_fsdp": ({"backend": "torch", "spare_slots": 2}, {"data_parallel": "fsdp"}),
     "ep2_fp8_dispatch": ({"backend": "torch", "fp8": {"dispatch": True}}, {"data_parallel": "ddp"}),
     "ep2_fp8_experts": ({"backend": "auto", "fp8": {"experts": True}}, {"data_parallel": "ddp"}),
+    "ep2_lora_ddp": ({"backend": "torch", "lora": LORA}, {"data_parallel": "ddp"}),
+    "ep2_lora_fsdp": ({"backend": "torch", "lora": LORA}, {"data_parallel": "fsdp"}),
+    "ep2_lora_fp8_experts": (
+        {"backend": "auto", "fp8": {"experts": True}, "lora": LORA},
+        {"data_parallel": "ddp"},
+    ),
 }
+PIPELINES = {"pp2": {}, "pp2_lora": LORA}  # name -> the LoRA settings of its MoE blocks
 
 
 def _dtypes(options: dict, wanted: tuple) -> tuple:
@@ -60,12 +77,26 @@ def _dtypes(options: dict, wanted: tuple) -> tuple:
 
 def _layer(options: dict, dtype: torch.dtype) -> moe.MoELayer:
     options = dict(options)
+    lora = options.pop("lora", None)
     if "fp8" in options:
         from moe.fp8 import FP8Config
 
         options["fp8"] = FP8Config(**options["fp8"])
     torch.manual_seed(0)
-    return moe.MoELayer(D, F, E, top_k=2, activation="swiglu", dtype=dtype, **options)
+    layer = moe.MoELayer(D, F, E, top_k=2, activation="swiglu", dtype=dtype, **options)
+    return layer if lora is None else _with_lora(layer, lora)
+
+
+def _with_lora(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
+    """moe.lora.add_lora, then every adapter's B (zero at init) given values that show."""
+    from moe.lora import LoRAConfig, adapter_parameters, add_lora
+
+    add_lora(model, LoRAConfig(**lora))
+    with torch.no_grad():
+        for name, p in adapter_parameters(model):
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    return model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -108,12 +139,60 @@ def _rank_body(rank: int, world_size: int) -> dict:
     return out
 
 
+class _Block(torch.nn.Module):
+    """x + MoE(LayerNorm(x)): one pipeline block."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(D)
+        self.ffn = moe.MoELayer(D, F, E, top_k=2, activation="swiglu", backend="torch")
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+def _pipeline_loss(y, target):
+    return ((y - target) ** 2).sum()
+
+
+def _pipeline_body(rank: int, lora: dict, prefix: str) -> dict:
+    """pp=2 over the 2 ranks (2 blocks a stage, 2 micro-batches), float64: this rank's
+    stage's output and losses (the last stage) and its parameters' gradients."""
+    from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(4)]).double()
+    if lora:
+        _with_lora(model, lora)
+    pipe = Pipeline(model, init_pipeline_mesh(pp=2), PipelineConfig(microbatches=2), _pipeline_loss)
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(4, 5, D, generator=g, dtype=torch.float64)
+    target = torch.randn(4, 5, D, generator=g, dtype=torch.float64)
+    y, losses = pipe.step(x, target)
+    out = {}
+    if y is not None:
+        out[f"{prefix}/y"] = y.detach()
+        out[f"{prefix}/losses"] = torch.stack([t.detach() for t in losses])
+    for name, p in pipe.named_parameters():
+        if p.grad is not None:
+            out[f"{prefix}/grad/{name}"] = _full(p.grad).detach()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _pipelines_body(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, lora in PIPELINES.items():
+        out.update(_pipeline_body(rank, lora, f"{name}/rank{rank}"))
+    return out
+
+
 def dump_ranks() -> dict:
     from tests.distributed import run_ranks
 
     out = {}
-    for part in run_ranks(_rank_body, 2, timeout=120):
-        out.update(part)
+    for body in (_rank_body, _pipelines_body):
+        for part in run_ranks(body, 2, timeout=300):
+            out.update(part)
     return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from moe.config import upgrade_saved
 from moe.memory.grouped_apply import GroupedApply
 
 # Implementation switches belong to the optimizer being loaded into, not to the checkpoint.
@@ -187,7 +188,7 @@ def check_saved_layer_configs(
         if name not in saved:
             problems.append(f"MoE layer {name!r}: in the model but not in the checkpoint")
             continue
-        for field, value in saved[name].items():
+        for field, value in upgrade_saved(saved[name]).items():  # old values read as today's
             if field in MOE_RUNTIME_FIELDS:
                 continue
             if field not in config:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from moe.config import MoEConfig
+from moe.config import MoEConfig, upgrade_saved
 from moe.convert.ffn_match import ConversionError, match_ffn
 from moe.convert.swap import build_layer, install
 from moe.layer import MoELayer, moe_layers
@@ -150,8 +150,10 @@ def swap_ffn_from_settings(model: nn.Module, directory: str | Path) -> nn.Module
 
 
 def _compare(entry: dict, layer: MoELayer) -> None:
-    built = asdict(layer.config)
-    for key, saved in entry["config"].items():
+    # through JSON, as the saved copy comes back (a settings tuple: a list); old values read
+    # as today's (upgrade_saved: weight_format="lora" beside lora=)
+    built = json.loads(json.dumps(asdict(layer.config)))
+    for key, saved in upgrade_saved(entry["config"]).items():
         if built[key] != saved:
             raise ValueError(
                 f"{entry['path']}: MoE setting {key}={built[key]!r} differs from the saved "

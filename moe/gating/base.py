@@ -97,15 +97,15 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.project(x_TD)
 
-    # an additive term on the logits, adapter(router, x_TD) -> [T, E] (moe.lora's router
-    # adapter); None: the plain linear scorer
-    adapter = None
+    # The hook a feature registers an additive term on the logits with (set on the router):
+    # logit_term(router, x_TD) -> [T, E] in the logits' dtype; None: the plain linear scorer.
+    logit_term = None
 
     def project(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T in fp32 math (router_matmul), plus `adapter`'s term when one is set:
-        every router's logits come from here."""
+        """x @ weight^T in fp32 math (router_matmul), plus `logit_term`'s term when one is
+        registered: every router's logits come from here."""
         logits_TE = router_matmul(x_TD, self.weight)
-        return logits_TE if self.adapter is None else logits_TE + self.adapter(self, x_TD)
+        return logits_TE if self.logit_term is None else logits_TE + self.logit_term(self, x_TD)
 
     replayable = True  # picks top-k experts per token: moe.replay_routing can force them
     # The ranks whose observed loads are summed (bias updates, balance_loss="global"): None in

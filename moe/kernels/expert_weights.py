@@ -1,12 +1,12 @@
 """ExpertWeights: one layer's local expert weights as one value (a leaf: the kernels, the
 experts module and the dispatchers import it, it imports nothing from moe).
 
-Why a type and not a (w1, w2, w3, b1, b2) tuple: a weight format with scales (FP8: per-row
-or per-block scales beside each matrix) or another layout adds fields here and a kernel that
-reads them; nothing between the experts module and the kernel changes. Low-rank adapters
-(moe.lora) ride along the same way: `adapters` by name ("A_w1", "B_w1", ...), each [L, ...],
-with their scale and input dropout; every kernel adds them through one function
-(moe/kernels/adapted_mlp.py, called by ExpertKernel.__call__).
+Why a type and not a (w1, w2, w3, b1, b2) tuple: a weight format with scales (per-row or
+per-block scales beside each matrix) puts them in `scales` and a kernel reads them; a feature
+whose weights carry more tensors subclasses it in its own package (its kernel wrapper reads
+them). Nothing between the experts module and the kernel changes: the tensor slots are found
+from the fields (a tensor, None, or a dict of tensors by name), so `tensors`, `slice` and
+`map` carry a subclass's tensors too.
 """
 
 from dataclasses import dataclass, field, fields, replace
@@ -30,11 +30,6 @@ class ExpertWeights:
     b2_LD: torch.Tensor | None = None
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     format: str = DENSE
-    # low-rank adapters by name: A_<w> [L, in, r], B_<w> [L, r, out] for w in w1, w2, w3;
-    # the MLP adds adapter_scale * dropout(x) @ A @ B (dropout p = adapter_dropout) to x @ W
-    adapters: dict[str, torch.Tensor] = field(default_factory=dict)
-    adapter_scale: float = 1.0
-    adapter_dropout: float = 0.0
 
     @property
     def num_experts(self) -> int:
@@ -49,21 +44,28 @@ class ExpertWeights:
         return self.w1_LDF.device
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """Every tensor slot in a fixed order (the weights, the scales by name, the adapters by
-        name): the flat form an autograd.Function takes (`with_tensors` is its inverse)."""
-        mats = tuple(getattr(self, f.name) for f in fields(self) if f.name not in _META)
-        scales = tuple(self.scales[k] for k in sorted(self.scales))
-        return mats + scales + tuple(self.adapters[k] for k in sorted(self.adapters))
+        """Every tensor slot in field order (a dict field's tensors by sorted name): the flat
+        form an autograd.Function takes (`with_tensors` is its inverse)."""
+        out: list[torch.Tensor | None] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                out += [value[k] for k in sorted(value)]
+            elif value is None or isinstance(value, torch.Tensor):
+                out.append(value)
+        return tuple(out)
 
     def with_tensors(self, tensors) -> "ExpertWeights":
         """The same weights with every tensor slot replaced, in `tensors()` order."""
-        names = [f.name for f in fields(self) if f.name not in _META]
-        tensors = tuple(tensors)
-        mats = dict(zip(names, tensors[: len(names)]))
-        rest = tensors[len(names) :]
-        scales = dict(zip(sorted(self.scales), rest[: len(self.scales)]))
-        adapters = dict(zip(sorted(self.adapters), rest[len(self.scales) :]))
-        return replace(self, **mats, scales=scales, adapters=adapters)
+        it = iter(tuple(tensors))
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                changes[f.name] = {k: next(it) for k in sorted(value)}
+            elif value is None or isinstance(value, torch.Tensor):
+                changes[f.name] = next(it)
+        return replace(self, **changes)
 
     def map(self, fn) -> "ExpertWeights":
         """fn applied to every present tensor (None slots stay None)."""
@@ -72,6 +74,3 @@ class ExpertWeights:
     def slice(self, first: int, n: int) -> "ExpertWeights":
         """Local experts [first, first + n): for a dispatcher that computes experts in parts."""
         return self.map(lambda t: t[first : first + n])
-
-
-_META = ("scales", "format", "adapters", "adapter_scale", "adapter_dropout")

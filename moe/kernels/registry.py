@@ -1,12 +1,19 @@
 """The expert-kernel registry: each kernel is one registered object that declares what it takes.
 
-A kernel (torch, triton, triton with CUDA's CUTLASS grouped GEMM for its GEMM roles, later
-FP8 ...) is an `ExpertKernel`: its name, the device types, dtypes and weight formats it takes,
-whether it applies the combine itself (`fuses_combine`), its own settings as dataclass fields,
+A kernel (torch, triton, triton with CUDA's CUTLASS grouped GEMM for its GEMM roles, a feature
+package's own ...) is an `ExpertKernel`: its name, the device types, dtypes and weight formats
+it takes, whether it applies the combine itself (`fuses_combine`), its own settings as dataclass fields,
 and two entry points: `mlp` (the expert MLP of every local expert, the contract of
 moe/kernels/expert_mlp.py) and `combine` (the weighted gather-sum of each token's k rows).
 A new kernel is one file: a subclass and `register_kernel(MyKernel("name"))`; MoEConfig's
 `backend="name"` then selects it (moe.names.BACKENDS reads the registry).
+
+A feature's settings choose a kernel through the one hook every registry entry has,
+`claims(config)` (kernel_for_layer). A `KernelWrapper` (a feature that changes the expert MLP
+of whichever kernel runs, register_kernel_wrapper) claims a layer the same way; the one
+generic step: claimed wrappers apply after the base kernel is chosen (resolve_kernel). A
+wrapper that composes the MLP from the base kernel's grouped GEMMs needs them declared
+(`GroupedGemms`); a kernel without them is refused under it, never bypassed.
 
 The layer resolves its kernel once (moe.experts.GroupedExperts.kernel_for) and hands the
 object down; nothing on the path carries a name.
@@ -18,12 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from moe.kernels.activations import GATED, check_activation
-from moe.kernels.adapted_mlp import adapted_mlp
 from moe.kernels.combine import combine_torch
 from moe.kernels.expert_rows import NO_ROWS_INFO, ExpertRows
 from moe.kernels.expert_weights import DENSE, ExpertWeights
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
-from moe.names import BACKENDS, KERNELS, register
+from moe.names import BACKENDS, KERNEL_WRAPPERS, KERNELS, claimed, register
 
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,10 +41,10 @@ class ExpertKernel(ABC):
     gather on load, scale by the combine weights and sum rows into tokens (the ExpertRows
     contract), so a dispatcher may hand it the combine; takes_row_weights: it may get the
     combine weights on its rows (False: its numerics must see the rows unweighted, as they
-    arrive between ranks, e.g. FP8 GEMMs whose scales are per row).
+    arrive between ranks, e.g. GEMMs in a number format whose scales are per row).
 
     selected_by: the setting that chooses this kernel when a feature's settings do (e.g.
-    "MoEConfig.fp8"): `for_layer` returns the kernel for a layer those settings ask it for,
+    "MoEConfig.<feature>"): `claims` returns the kernel for a layer those settings ask it for,
     and MoEConfig(backend=name) alone is refused (one setting chooses it)."""
 
     name: str
@@ -49,7 +55,7 @@ class ExpertKernel(ABC):
     takes_row_weights: bool = True
     selected_by = None  # class attribute: None, or the setting that chooses it (see above)
 
-    def for_layer(self, config) -> "ExpertKernel | None":
+    def claims(self, config) -> "ExpertKernel | None":
         """The kernel, with the layer's settings, that a layer with MoEConfig `config` must run
         on because its settings ask for it; None: the settings do not (the default)."""
         return None
@@ -79,19 +85,7 @@ class ExpertKernel(ABC):
         check_activation(activation)
         if activation in GATED and weights.w3_LDF is None:
             raise ValueError(f"activation={activation!r} needs w3")
-        if weights.adapters:  # low-rank adapters (moe.lora): one composed path for every kernel
-            return adapted_mlp(self, x_ND, offsets_L, weights, activation=activation, rows=rows)
         return self.mlp(x_ND, offsets_L, weights, activation=activation, rows=rows)
-
-    def grouped_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
-        """This kernel's differentiable ragged grouped GEMM on the experts' weights (rows of
-        group e times w[e], tail rows zero): the base GEMMs of the adapted MLP
-        (moe/kernels/adapted_mlp.py). The torch op unless a kernel has its own (FP8: e4m3)."""
-        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
-
-    def adapter_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
-        """The plain grouped GEMM (the operands' dtype) the adapters' GEMMs run on."""
-        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
 
     @abstractmethod
     def mlp(
@@ -117,6 +111,50 @@ class ExpertKernel(ABC):
         return False
 
 
+class GroupedGemms:
+    """A capability a kernel declares (a mixin of its ExpertKernel class): its differentiable
+    ragged grouped GEMMs (rows of group e times w[e], tail rows zero), so a kernel wrapper can
+    compose an expert MLP of its own from them. `weight_mm`: the GEMM on the experts' weights
+    as this kernel computes them (e.g. in a narrower number format); `plain_mm`: in the
+    operands' dtype, for tensors of the wrapper's own. The torch op unless a kernel has its own."""
+
+    def weight_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
+
+    def plain_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+        return grouped_mm_torch(x_MK, w_EKN, offsets_E)
+
+
+@dataclass(frozen=True)
+class KernelWrapper:
+    """A feature's change to the expert MLP of whichever kernel a layer resolved: `claims`
+    returns the wrapper for a layer whose settings (`selected_by`) ask for it, `wrap` the
+    kernel that runs (an ExpertKernel around the base; its `refuse` says when the base cannot
+    serve, e.g. it lacks a capability the wrapper needs)."""
+
+    name: str
+    selected_by = None  # class attribute: the setting that chooses it
+
+    def claims(self, config) -> "KernelWrapper | None":
+        return None
+
+    def wrap(self, kernel: ExpertKernel) -> ExpertKernel:
+        raise NotImplementedError
+
+
+def register_kernel_wrapper(wrapper: KernelWrapper) -> KernelWrapper:
+    """Make `wrapper` claimable by a layer's settings (kernel_wrappers_for); returns it."""
+    if not isinstance(wrapper, KernelWrapper):
+        raise TypeError(f"register_kernel_wrapper takes a KernelWrapper, got {type(wrapper)}")
+    return register(KERNEL_WRAPPERS, wrapper, "kernel wrapper")
+
+
+def kernel_wrappers_for(config) -> tuple[KernelWrapper, ...]:
+    """The wrappers a layer with MoEConfig `config` applies around its kernel, in registration
+    order (each registered wrapper's `claims`)."""
+    return tuple(claimed(KERNEL_WRAPPERS, config))
+
+
 AUTO_ORDER = ("triton", "torch")  # backend="auto": the first whose auto_on(device) holds
 
 
@@ -137,14 +175,14 @@ def get_kernel(name: str) -> ExpertKernel:
 
 def kernel_for_layer(config) -> "str | ExpertKernel":
     """What a layer's GroupedExperts resolve (their `backend`): the kernel the layer's settings
-    claim (ExpertKernel.for_layer, e.g. FP8 experts), which config.backend must leave to "auto"
-    or name itself; else config.backend. One setting chooses a claimed kernel: naming it
-    without its settings is a ValueError."""
-    claimed = [k for k in (k.for_layer(config) for k in list(KERNELS.values())) if k is not None]
-    if len(claimed) > 1:
-        raise ValueError(f"kernels {[k.name for k in claimed]} each claim this layer's experts")
-    if claimed:
-        kernel = claimed[0]
+    claim (ExpertKernel.claims), which config.backend must leave to "auto" or name itself; else
+    config.backend. One setting chooses a claimed kernel: naming it without its settings is a
+    ValueError."""
+    kernels = claimed(KERNELS, config)
+    if len(kernels) > 1:
+        raise ValueError(f"kernels {[k.name for k in kernels]} each claim this layer's experts")
+    if kernels:
+        kernel = kernels[0]
         if config.backend not in ("auto", kernel.name):
             raise ValueError(
                 f"{kernel.selected_by} runs the experts on kernel {kernel.name!r}, but "
@@ -159,10 +197,20 @@ def kernel_for_layer(config) -> "str | ExpertKernel":
     return config.backend
 
 
-def resolve_kernel(name: "str | ExpertKernel", device: torch.device) -> ExpertKernel:
-    """The kernel a layer with backend=`name` runs on `device`: "auto" -> the first of
-    AUTO_ORDER that is registered and auto_on(device) ("triton" on CUDA with Triton
-    installed, else "torch"); a name -> its kernel; a kernel object -> itself."""
+def resolve_kernel(
+    name: "str | ExpertKernel", device: torch.device, wrappers: tuple[KernelWrapper, ...] = ()
+) -> ExpertKernel:
+    """The kernel a layer with backend=`name` runs on `device`, then each of `wrappers` around
+    it (kernel_wrappers_for: claimed wrappers apply after the base kernel is chosen). The base:
+    "auto" -> the first of AUTO_ORDER that is registered and auto_on(device) ("triton" on CUDA
+    with Triton installed, else "torch"); a name -> its kernel; a kernel object -> itself."""
+    kernel = _base_kernel(name, device)
+    for wrapper in wrappers:
+        kernel = wrapper.wrap(kernel)
+    return kernel
+
+
+def _base_kernel(name: "str | ExpertKernel", device: torch.device) -> ExpertKernel:
     if isinstance(name, ExpertKernel):
         return name
     if name != "auto":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.kernels import gemm_roles
-from moe.kernels.registry import ExpertKernel, register_kernel
+from moe.kernels.registry import ExpertKernel, GroupedGemms, register_kernel
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -19,8 +19,9 @@ def triton_installed() -> bool:
 
 
 @dataclass(frozen=True)
-class TritonKernel(ExpertKernel):
-    """cutlass_roles: the GEMM roles run on CUTLASS; None: KernelConfig.roles_on_cutlass."""
+class TritonKernel(ExpertKernel, GroupedGemms):
+    """cutlass_roles: the GEMM roles run on CUTLASS; None: KernelConfig.roles_on_cutlass.
+    Its grouped GEMMs (GroupedGemms, for a kernel wrapper) are Triton's ragged GEMM."""
 
     dtypes: tuple[torch.dtype, ...] | None = TRITON_DTYPES
     cutlass_roles: tuple[str, ...] | None = None
@@ -46,12 +47,12 @@ class TritonKernel(ExpertKernel):
             activation=activation, rows=rows, cutlass_roles=self.cutlass_roles,
         )  # fmt: skip
 
-    def grouped_mm(self, x_MK, w_EKN, offsets_E):
+    def weight_mm(self, x_MK, w_EKN, offsets_E):
         from moe.kernels.triton.ragged_mm_fn import ragged_mm_triton
 
         return ragged_mm_triton(x_MK, w_EKN, offsets_E)
 
-    adapter_mm = grouped_mm
+    plain_mm = weight_mm
 
     def combine(self, out_MD, pair_rows_TK, weights_TK):
         from moe.kernels.triton.combine import combine_triton

@@ -8,8 +8,9 @@ dicts carry them), and `weights(experts)` builds the ExpertWeights a kernel gets
 for a kernel that reads them: ExpertKernel.formats). DENSE keeps plain weights.
 
 A new format is one file: a subclass and `register_weight_format(MyFormat("name"))`;
-`MoEConfig(weight_format="name")` selects it. FP8 training needs none (its masters stay dense;
-the FP8 kernel quantizes inside each GEMM).
+`MoEConfig(weight_format="name")` selects it. A feature whose own settings choose its format
+overrides `claims(config)` (the hook every registry entry has) and sets `selected_by`; a
+number format that quantizes inside its GEMMs needs none (its masters stay dense).
 """
 
 from dataclasses import dataclass
@@ -18,20 +19,25 @@ from torch import nn
 
 from moe.kernels.expert_weights import DENSE as DENSE_NAME
 from moe.kernels.expert_weights import ExpertWeights
-from moe.names import WEIGHT_FORMAT_NAMES, WEIGHT_FORMATS, register
+from moe.names import WEIGHT_FORMAT_NAMES, WEIGHT_FORMATS, claimed, register
 from moe.shards import local
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How the experts store weights and what a kernel gets. The base is the dense format."""
+    """How the experts store weights and what a kernel gets. The base is the dense format.
+
+    selected_by: the setting that chooses this format when a feature's settings do; then
+    `claims` returns the format (holding those settings) for a layer that asks for it, and
+    MoEConfig(weight_format=name) is refused (one setting chooses it)."""
 
     name: str
+    selected_by = None  # class attribute: None, or the setting that chooses it (see above)
 
-    def for_config(self, config) -> "WeightFormat":
-        """The format a layer with MoEConfig `config` uses (a format with settings of its own,
-        e.g. moe.lora's adapters, returns an instance holding them); the default: itself."""
-        return self
+    def claims(self, config) -> "WeightFormat | None":
+        """The format a layer with MoEConfig `config` must use because its settings ask for
+        it; None (the default): the settings do not (weight_format names the format)."""
+        return None
 
     def setup(self, experts: nn.Module) -> None:
         """Once, when the experts are built (weights initialised): convert or add tensors."""
@@ -58,10 +64,25 @@ DENSE = register_weight_format(WeightFormat(DENSE_NAME))
 
 
 def weight_format_for(config) -> WeightFormat:
-    """The registered format MoEConfig `config` names (config.weight_format)."""
-    fmt = WEIGHT_FORMATS.get(config.weight_format)
-    if fmt is None:
+    """The format of a layer with MoEConfig `config`: the one its settings claim (`claims`),
+    which config.weight_format must leave "dense"; else the registered one it names."""
+    named = WEIGHT_FORMATS.get(config.weight_format)
+    if named is None:
         raise ValueError(
             f"weight_format={config.weight_format!r} is not one of {WEIGHT_FORMAT_NAMES}"
         )
-    return fmt.for_config(config)
+    formats = claimed(WEIGHT_FORMATS, config)
+    if len(formats) > 1:
+        raise ValueError(f"weight formats {[f.name for f in formats]} each claim this layer")
+    if formats:
+        if named is not DENSE:
+            raise ValueError(
+                f"{formats[0].selected_by} stores the experts' weights as {formats[0].name!r}, "
+                f"but weight_format={config.weight_format!r} asks for another format"
+            )
+        return formats[0]
+    if named.selected_by is not None:
+        raise ValueError(
+            f"weight_format={config.weight_format!r} is chosen by {named.selected_by}, not by name"
+        )
+    return named

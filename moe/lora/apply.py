@@ -4,6 +4,7 @@
 import torch
 from torch import nn
 
+from moe.kernels.registry import kernel_wrappers_for
 from moe.kernels.weight_format import weight_format_for
 from moe.layer import MoELayer
 from moe.lora.config import LoRAConfig
@@ -80,10 +81,8 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     for _, layer in layers:
-        layer.config = layer.config.replace(weight_format="lora", lora=config)
-        fmt = weight_format_for(layer.config)
-        layer.experts.weight_format = fmt
-        fmt.setup(layer.experts)
+        _set_lora(layer, config)
+        layer.experts.weight_format.setup(layer.experts)
         with torch.no_grad():  # spare slots (replicas) hold their expert's adapters
             for n, p in layer.experts.named_parameters(recurse=False):
                 if n.startswith(PREFIXES):
@@ -123,9 +122,8 @@ def _fold(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, name:
 
 def merge(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += alpha / r * A B) and remove the adapters:
-    the layers go back to weight_format "dense" (to_hf then writes a merged checkpoint). The
+    the layers go back to plain dense weights (to_hf then writes a merged checkpoint). The
     base weights stay frozen. In place; returns model."""
-    dense = None
     for name, layer in _layers(model):
         lora = layer.config.lora
         if lora is None:
@@ -145,7 +143,13 @@ def merge(model: nn.Module) -> nn.Module:
                 merge_linear_adapter(lin)
         if hasattr(layer.router, "lora_A"):
             merge_router_adapter(layer.router)
-        layer.config = layer.config.replace(weight_format="dense", lora=None)
-        dense = weight_format_for(layer.config)
-        experts.weight_format = dense
+        _set_lora(layer, None)
     return model
+
+
+def _set_lora(layer: MoELayer, config: LoRAConfig | None) -> None:
+    """The layer's one LoRA setting (MoEConfig.lora) and what it claims: the experts' weight
+    format and the kernel wrapper around their kernel."""
+    layer.config = layer.config.replace(lora=config)
+    layer.experts.weight_format = weight_format_for(layer.config)
+    layer.experts.wrappers = kernel_wrappers_for(layer.config)

@@ -1,12 +1,12 @@
-"""The "lora" weight format: the experts' dense weights, frozen, plus per-expert low-rank
-adapters lora_A_<w> [E, in, r] and lora_B_<w> [E, r, out] for each target w of w1, w2, w3
-(dim 0 the expert: expert parallelism and FSDP shard them as they shard the weights). The
-kernel gets them in ExpertWeights.adapters and adds scale * dropout(x) A B to each projection
-(moe/kernels/adapted_mlp.py). MoEConfig(weight_format="lora", lora=LoRAConfig(...)) selects it;
-moe.lora.add_lora puts it on a built model."""
+"""LoRA's weight format: the experts' dense weights, frozen, plus per-expert low-rank adapters
+lora_A_<w> [E, in, r] and lora_B_<w> [E, r, out] for each target w of w1, w2, w3 (dim 0 the
+expert: expert parallelism and FSDP shard them as they shard the weights). The kernel gets
+LoRAWeights (the experts' weights + the adapters) and LoRAKernel adds scale * dropout(x) A B to
+each projection (moe/lora/kernel.py). Claimed by MoEConfig(lora=LoRAConfig(...)), the one
+setting; moe.lora.add_lora puts it on a built model."""
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -17,6 +17,21 @@ from moe.lora.config import LoRAConfig
 from moe.shards import local
 
 PREFIXES = ("lora_A_", "lora_B_")
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAWeights(ExpertWeights):
+    """The experts' weights plus their adapters by name: A_<w> [L, in, r], B_<w> [L, r, out]
+    for w in w1, w2, w3; the MLP adds scale * dropout(x) @ A @ B (dropout p) to x @ W. Sliced,
+    mapped and flattened with the weights (ExpertWeights' tensor slots include `adapters`)."""
+
+    adapters: dict[str, torch.Tensor] = field(default_factory=dict)
+    scale: float = 1.0
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, base: ExpertWeights, **lora) -> "LoRAWeights":
+        return cls(**{f.name: getattr(base, f.name) for f in fields(base)}, **lora)
 
 
 def projection_shape(experts: nn.Module, target: str) -> tuple[int, int] | None:
@@ -47,18 +62,17 @@ def init_lora_A(a: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class LoRAFormat(WeightFormat):
-    """config: the layer's LoRAConfig (MoEConfig.lora; `for_config` returns the instance)."""
+    """config: the layer's LoRAConfig (MoEConfig.lora; `claims` returns the instance)."""
 
     config: LoRAConfig | None = None
+    selected_by = "MoEConfig.lora"
 
-    def for_config(self, config) -> "LoRAFormat":
-        return LoRAFormat(self.name, config.lora)
+    def claims(self, config) -> "LoRAFormat | None":
+        return None if config.lora is None else LoRAFormat(self.name, config.lora)
 
     def setup(self, experts: nn.Module) -> None:
         """Freeze the experts' weights and add the adapters (A random, B zero: output unchanged)."""
         c = self.config
-        if c is None:
-            raise ValueError("weight_format='lora' needs MoEConfig.lora (a LoRAConfig)")
         for p in experts.parameters(recurse=False):
             p.requires_grad_(False)
         for t in c.targets:
@@ -74,7 +88,7 @@ class LoRAFormat(WeightFormat):
             setattr(experts, f"lora_A_{t}", a)
             setattr(experts, f"lora_B_{t}", nn.Parameter(torch.zeros(E, c.rank, shape[1], **kw)))
 
-    def weights(self, experts: nn.Module) -> ExpertWeights:
+    def weights(self, experts: nn.Module) -> LoRAWeights:
         base = super().weights(experts)
         adapters = {}
         for t in self.config.targets:
@@ -83,9 +97,7 @@ class LoRAFormat(WeightFormat):
                 adapters[f"A_{t}"] = local(a)
                 adapters[f"B_{t}"] = local(getattr(experts, f"lora_B_{t}"))
         dropout = self.config.dropout if experts.training else 0.0
-        return replace(
-            base, adapters=adapters, adapter_scale=self.config.scale, adapter_dropout=dropout
-        )
+        return LoRAWeights.of(base, adapters=adapters, scale=self.config.scale, dropout=dropout)
 
 
 LORA = register_weight_format(LoRAFormat("lora"))

@@ -1,15 +1,16 @@
 """Plain per-matrix LoRA on a dense weight W [out, in] (the shared experts' nn.Linear layers and
 the router's scorer): parameters lora_A [r, in] and lora_B [out, r] on the module (PEFT's
 shapes) and a term scale * dropout(x) A^T B^T added to its output (a forward hook on an
-nn.Linear; Router.adapter on the router, whose logits are fp32). The module's own keys
-(weight, bias) stay as they are, so checkpoints and export read the base weights unchanged."""
+nn.Linear; on the router, whose logits are fp32, its generic hook Router.logit_term). The
+module's own keys (weight, bias) stay as they are, so checkpoints and export read the base
+weights unchanged."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moe.kernels import adapted_mlp
+from moe.lora import kernel
 from moe.lora.config import LoRAConfig
 from moe.lora.format import check_rank, init_lora_A
 
@@ -24,11 +25,11 @@ class DenseAdapter:
     def term(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         a, b = module.lora_A, module.lora_B
         dtype = torch.promote_types(a.dtype, torch.float32) if self.fp32 else a.dtype
-        x = adapted_mlp.adapter_dropout(x, self.dropout if module.training else 0.0)
+        x = kernel.adapter_dropout(x, self.dropout if module.training else 0.0)
         return F.linear(F.linear(x.to(dtype), a.to(dtype)), b.to(dtype)) * self.scale
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Router.adapter's form: the term itself."""
+        """Router.logit_term's form: the term itself."""
         return self.term(module, x)
 
 
@@ -59,7 +60,7 @@ def add_linear_adapter(linear: nn.Linear, config: LoRAConfig, where: str) -> Non
 def add_router_adapter(router: nn.Module, config: LoRAConfig, where: str) -> None:
     """lora_A [r, D], lora_B [E, r] on the router, its logits + the term (fp32 math)."""
     _add_adapter_params(router, router.weight, config, where)
-    router.adapter = DenseAdapter(config.scale, config.dropout, fp32=True)
+    router.logit_term = DenseAdapter(config.scale, config.dropout, fp32=True)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -87,5 +88,5 @@ def merge_linear_adapter(linear: nn.Linear) -> None:
 
 
 def merge_router_adapter(router: nn.Module) -> None:
-    _fold(router, router.adapter.scale)
-    del router.adapter  # back to the class attribute: None
+    _fold(router, router.logit_term.scale)
+    del router.logit_term  # back to the class attribute: None

@@ -1,6 +1,6 @@
 """A differentiable ragged grouped GEMM on the Triton kernels (ragged_mm for y and dx,
-ragged_reduce_mm for dw): the base and adapter GEMMs of the adapted expert MLP
-(moe/kernels/adapted_mlp.py) on the Triton expert kernels. Tail rows (at or past offsets[-1])
+ragged_reduce_mm for dw): the Triton kernels' GroupedGemms (moe/kernels/registry.py), what a
+kernel wrapper composes its expert MLP from. Tail rows (at or past offsets[-1])
 come out zero, and so do their input gradients; empty groups get zero weight gradients.
 Wrapped as torch.library custom ops (fake and autograd registrations) so torch.compile sees
 them, as moe::grouped_mm is on the torch path."""
