@@ -13,7 +13,7 @@
 - e4m3 writes by operand (the quantization passes: every op or launch whose result is float8),
   named by the caller's `operand` (shape -> name);
 - host syncs (`_local_scalar_dense`: .item(), int(t); a copy to the CPU) and collectives (c10d
-  ops) with their bytes.
+  ops) with the bytes each sends (its arguments that it does not write).
 Ops on CPU tensors only (an optimizer's step counts) are host work, not counted.
 Every count is deterministic: no data is read, no time is measured.
 """
@@ -76,6 +76,10 @@ def _base(func) -> str:
     return func._schema.name.split("::")[-1]
 
 
+def _written(arg) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
+
+
 def _is_view(func) -> bool:
     rets = func._schema.returns
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
@@ -134,8 +138,9 @@ class Counter:
             p.syncs += 1
             return
         if func.namespace in ("c10d", "_c10d_functional"):
+            sent = [a for a, s in zip(args, func._schema.arguments) if not _written(s)]
             p.collectives += 1
-            p.collective_bytes += sum(distinct_bytes(t) for t in _tensors((args, kwargs)))
+            p.collective_bytes += sum(map(distinct_bytes, _tensors(sent)))
             p.ops[f"{func.namespace}.{name}"] += 1
             return
         if name in NO_LAUNCH or _is_view(func):
@@ -145,7 +150,7 @@ class Counter:
         mutated = [
             args[i] if i < len(args) else kwargs.get(a.name)
             for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
+            if _written(a)
         ]
         ins = [t for t in _tensors((args, kwargs)) if id(t) not in written]
         if name in WRITE_ONLY or func._overloadname == "out":

@@ -103,4 +103,23 @@ def test_counting_rules():
 
 def test_fp8_verdicts_name_the_targets(measured):
     lines = budget.fp8_vs_bf16(list(measured.values()))
-    assert len(lines) == 4 and all("tiny, fp8" in line for line in lines)
+    assert len(lines) == 5 and all("tiny, fp8" in line for line in lines)
+    assert "= bf16 torch ep2 +" in lines[-1]
+
+
+def test_expert_parallel_exchange_counted(measured):
+    """EP = 2 (a fake process group): the count exchange (one all_to_all and its one host
+    read), the rows there and back (2), and their backward (2); the same expert GEMM FLOPs as
+    one process (balanced routing: this rank's experts receive R rows), the weighted combine
+    as a bmm after the exchange."""
+    for v in ("bf16 torch ep2", "fp8 rowwise +dispatch ep2"):
+        p = measured[v].first
+        assert (p.collectives, p.syncs) == (5, 1), v
+        assert p.ops["c10d.alltoall_base_"] == 5, v
+    ep, one = measured["bf16 torch ep2"].first, measured["bf16 torch"].first
+    s = budget.TINY
+    assert ep.gemm_flops == one.gemm_flops + 2 * s.T * s.k * s.d  # + the combine's bmm
+    rows_bytes = s.T * s.k * s.d * 2  # R bf16 rows
+    assert ep.collective_bytes >= 4 * rows_bytes  # out and back, forward and backward
+    fp8 = measured["fp8 rowwise +dispatch ep2"].first.collective_bytes
+    assert fp8 <= ep.collective_bytes - rows_bytes // 4  # the dispatch's rows in e4m3 + scales
