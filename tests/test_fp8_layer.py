@@ -71,7 +71,7 @@ def test_fp8_experts_layer_runs_the_fp8_kernel_with_its_config():
     assert isinstance(layer.experts.kernel, FP8Kernel) and layer.experts.kernel.config == fp8
     x_TD = x.reshape(-1, D)
     routing = layer.router(x_TD)
-    plan = layer._plan(routing, len(x_TD))
+    plan = layer._row_map(routing, len(x_TD))
     w = layer.experts
     rows_RD = fp8_expert_mlp(
         x_TD, plan.offsets_E, w.w1, w.w2, w.w3, activation="swiglu",

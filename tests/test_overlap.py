@@ -332,7 +332,7 @@ def test_default_run_is_dispatch_experts_combine():
     experts = layer.experts
     layer.experts.register_forward_hook(lambda *_: calls.append("experts"))
     y = layer(x)
-    plan = layer._plan(layer._route(x), 7)
+    plan = layer._row_map(layer._route(x), 7)
     y_TD, shared = layer.dispatcher.run(
         x,
         plan,
