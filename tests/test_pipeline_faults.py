@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe.comm.topology import group_timeout
 from moe.parallel import ParallelConfig
 from moe.pipeline import Pipeline, PipelineConfig, PipelineStepError, init_pipeline_mesh
+from moe.pipeline.config import MIN_STEP_TIMEOUT
 from moe.pipeline.faults import describe
 from moe.pipeline.torch_internals import CHECKED_ON
 from tests.distributed import run_ranks
@@ -256,6 +257,10 @@ def test_step_timeout_is_checked():
     for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(ValueError, match="step_timeout must be seconds > 0"):
             PipelineConfig(step_timeout=bad)
+    assert PipelineConfig(step_timeout=MIN_STEP_TIMEOUT).step_timeout == MIN_STEP_TIMEOUT
+    for short in (1e-6, 0.5, MIN_STEP_TIMEOUT - 1e-9):  # every step would fail (issue 62)
+        with pytest.raises(ValueError, match="step_timeout must be at least 1 s"):
+            PipelineConfig(step_timeout=short)
 
 
 def test_the_message_names_the_original_errors_before_communication_errors():
@@ -338,6 +343,11 @@ def _caller_body(rank, world):
         unpacked.append(threading.get_ident())
         return t
 
+    try:  # x on rank 0, target on rank 1: 2 target rows for 4 of x (issue 62)
+        pipe.step(x, y[:2])
+        mispaired = "no error"
+    except ValueError as e:
+        mispaired = str(e)
     for _ in range(2):  # the first step also finds the stage shapes
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack), counted:
             pipe.step(x, y)
@@ -349,6 +359,7 @@ def _caller_body(rank, world):
         "unpacked": unpacked,
         "ops": counted.ops,
         "after": group_timeout(Probe.outside).total_seconds(),
+        "mispaired": mispaired,
     }
 
 
@@ -356,7 +367,9 @@ def test_the_schedule_runs_on_the_calling_thread_with_its_thread_local_state():
     """saved_tensors_hooks and a dispatch mode entered around step() reach the stages' forward
     and backward; each stage's forward runs on the thread that called step(); a group created
     outside the pipeline keeps its timeout during (read in a stage's forward) and after a step
-    (the step's own timeout, STEP_TIMEOUT, is set on the pipeline's groups only)."""
+    (the step's own timeout, STEP_TIMEOUT, is set on the pipeline's groups only). Before, a
+    target with other rows than x is one ValueError on both ranks (x and target on different
+    ranks), before any work."""
     results = run_ranks(_caller_body, 2, timeout=60)
     for rank, out in enumerate(results):
         caller = out["caller"]
@@ -367,6 +380,8 @@ def test_the_schedule_runs_on_the_calling_thread_with_its_thread_local_state():
         assert out["packed"] and set(out["packed"]) == {caller}, rank  # forward: saved tensors
         assert out["unpacked"] and set(out["unpacked"]) == {caller}, rank  # backward read them
         assert out["ops"] > 0, rank
+        want = "pipeline step: rank 1: target has 2 rows, x has 4: one target row per row of x"
+        assert out["mispaired"].startswith(want), out["mispaired"]  # then steps: before work
 
 
 def test_private_torch_assumptions_were_checked_on_this_torch():

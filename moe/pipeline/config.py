@@ -29,6 +29,7 @@ _CLASSES = {
 SCHEDULES = {cls.__name__.removeprefix("Schedule"): cls for cls in _CLASSES}
 # the schedules that split the backward into input and weight gradients (zero bubble)
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+MIN_STEP_TIMEOUT = 1.0  # seconds: PipelineConfig.step_timeout's lower bound
 _BY_KEY = {name.lower(): name for name in SCHEDULES}
 
 
@@ -55,9 +56,9 @@ class PipelineConfig:
     (its dp x ep ranks only) before it is parallelized, so its ranks start from one model.
     split: how stages=None splits the model: "children" (even child counts) or "params"
     (contiguous stages minimising the largest stage's parameter count; embedding first).
-    step_timeout: seconds (> 0) any rank waits for another inside a step (to enter it, each
-    transfer and collective) before the step fails with PipelineStepError on every rank
-    (moe.pipeline.faults); None: the default process group's timeout."""
+    step_timeout: seconds (>= MIN_STEP_TIMEOUT, 1) any rank waits for another inside a step (to
+    enter it, each transfer and collective) before the step fails with PipelineStepError on
+    every rank (moe.pipeline.faults); None: the default process group's timeout."""
 
     schedule: str = "1F1B"
     microbatches: int = 2
@@ -98,6 +99,12 @@ class PipelineConfig:
         if t is not None:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
                 raise ValueError(f"PipelineConfig.step_timeout must be seconds > 0, got {t!r}")
+            if t < MIN_STEP_TIMEOUT:
+                raise ValueError(
+                    f"PipelineConfig.step_timeout must be at least {MIN_STEP_TIMEOUT:g} s, got "
+                    f"{t!r}: a shorter wait fails steps that are merely slow (and the ranks "
+                    "read each other's failures about once a second)"
+                )
             object.__setattr__(self, "step_timeout", float(t))
 
     @property

@@ -35,6 +35,7 @@ import json
 import sys
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from moe.comm.consistency import _rank_list, raise_if_any_rank_failed
@@ -69,7 +70,7 @@ class StepGuard:
         for column in layout.t().tolist():
             group = dist.new_group(column, timeout=self.timeout, sort_ranks=False)
             if self.rank in column:
-                self.pp_group = group
+                self.pp_group, self.pipeline_ranks = group, column
         self.mesh_groups = [mesh.get_group(dim) for dim in ("pp", "dp", "ep")]
         self.mesh_groups.append(mesh_group(mesh["dp", "ep"]))
         # the agreement group's store: shared by every rank, new per Pipeline
@@ -99,18 +100,26 @@ class StepGuard:
                 f"mesh ({self.failed})"
             )
 
-    def agree(self, problem: BaseException | None) -> None:
+    def agree(self, problem: BaseException | None, rows: list[int]) -> None:
         """Begins a step: the step's input problems (one per rank, or None) exchanged over
         every rank (raise_if_any_rank_failed): a problem anywhere is one ValueError everywhere.
-        Ranks must enter the step within step_timeout of each other."""
+        rows: this rank's rows of x and of target (-1: not held here); a pipeline whose target
+        has other rows than its x is a problem too (a loss that broadcasts would train on
+        mispaired rows). Ranks must enter the step within step_timeout of each other."""
         self.refuse_if_failed()
         self.steps += 1
-        self.call(
-            lambda: raise_if_any_rank_failed(
-                problem, self.group, error=ValueError, what="pipeline step"
-            ),
-            keep=ValueError,
-        )
+        self.call(lambda: self._agree(problem, rows), keep=ValueError)
+
+    def _agree(self, problem: BaseException | None, rows: list[int]) -> None:
+        mine = torch.tensor(rows, dtype=torch.long)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        x_rows, target_rows = torch.stack([every[r] for r in self.pipeline_ranks]).amax(0).tolist()
+        if problem is None and rows[1] >= 0 and x_rows >= 0 and x_rows != target_rows:
+            problem = ValueError(
+                f"target has {target_rows} rows, x has {x_rows}: one target row per row of x"
+            )
+        raise_if_any_rank_failed(problem, self.group, error=ValueError, what="pipeline step")
 
     def run(self, fn: Callable):
         """call(fn) (the schedule) then a barrier over every rank: its value, or the same

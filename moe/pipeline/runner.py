@@ -159,7 +159,11 @@ class Pipeline:
                 self._check_batch("target", target)
         except Exception as e:
             problem = e
-        guard.agree(problem)
+        rows = [
+            t.shape[0] if problem is None and use else -1
+            for t, use in ((x, self.is_first), (target, self.is_last))
+        ]
+        guard.agree(problem, rows)
         if self.schedule is None:
             guard.call(lambda: self._build(x), keep=ValueError)
         for module in self.modules:
