@@ -127,3 +127,38 @@ def test_a_trace_mixing_layouts_from_an_earlier_release_is_split_on_resume(tmp_p
     (tmp_path / "routing_trace.jsonl").write_text(json.dumps(line(5, 1)) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"routing_trace.jsonl:2: "):
         prepare_resume(trace, 5, 1)
+
+
+def _pp_run(rank, world_size, run_dir, extra):
+    summary = train.run([*RUN, "--run-dir", run_dir, "--quiet", *extra])
+    return summary.get("plots"), summary["steps"]
+
+
+def test_a_pp_run_resumed_without_pp_plots_every_step(tmp_path, monkeypatch):
+    """--pp 2 for steps 1-3 (its stage traces), resumed at --ep 2 for 4-6: expert_load.png
+    draws steps 1-6 (the stage traces were left out: steps 4-6 only), each step once per
+    layer; the stage traces keep their lines up to the checkpoint, none after it."""
+    from examples.m6 import plots, report
+
+    run_dir = str(tmp_path)
+    out = run_ranks(_pp_run, 2, run_dir, ["--pp", "2", "--stop-after", "3"], timeout=300)
+    assert out[0][1] == 3
+    stage = tmp_path / "routing_trace.stage-0.jsonl"
+    assert _steps(stage) == [1, 2, 3]
+    stale = json.loads(stage.read_text().splitlines()[-1])
+    with stage.open("a") as f:  # a line past the checkpoint (a run that went on, then died)
+        f.write(json.dumps({**stale, "step": 4}) + "\n")
+    run_ranks(_pp_run, 2, run_dir, ["--ep", "2", "--resume", "--stop-after", "6"], timeout=300)
+    names = [p.name for p in tmp_path.glob("routing_trace*.jsonl")]
+    lines = [json.loads(x) for n in names for x in (tmp_path / n).read_text().splitlines()]
+    per_layer = {}
+    for r in lines:
+        per_layer.setdefault(r["layer"], []).append(r["step"])
+    assert per_layer and all(sorted(s) == [1, 2, 3, 4, 5, 6] for s in per_layer.values())
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)
+    monkeypatch.setattr(plots, "plot_loss", lambda *args: None)
+    report.make_plots({"title": "t"}, None, {"pp": 1, "samples": []}, tmp_path)
+    drawn = [ln for ax in figures[0].axes for ln in ax.lines if ln.get_label() in per_layer]
+    assert drawn  # the metric panels: one line per layer over every step
+    assert all(list(ln.get_xdata()) == [1, 2, 3, 4, 5, 6] for ln in drawn)

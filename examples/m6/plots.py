@@ -50,10 +50,11 @@ def plot_loss(history: dict, path: Path) -> Path:
 
 
 def plot_expert_load(files: list, path: Path, title: str) -> Path | None:
-    """The run's routing trace (moe.trace.segments: one file per EP layout, in step
-    order; or one list of a --pp run's stage files) drawn with moe.trace.plot's panels: per MoE layer a heatmap of canonical
-    experts x steps (share of routed pairs: the same E in every layout, so one heatmap spans
-    them all), each EP rank's share of the layer's pairs (each layout's own ranks over its own
+    """The run's routing trace (examples/m6/trace_io.trace_files: one file per EP layout,
+    moe.trace.segments, and a --pp run's stage files, each with its own layers; in any order:
+    the lines are drawn in step order, one layout per run of steps at one EP size) drawn with
+    moe.trace.plot's panels: per MoE layer a heatmap of canonical experts x steps (share of
+    routed pairs: the same E in every layout, so one heatmap spans them all), each EP rank's share of the layer's pairs (each layout's own ranks over its own
     steps), the load metrics; a dashed line where the layout changed and a dotted red line at
     each expert rebalance (moe.parallel.rebalance_experts), named in the legend."""
     import numpy as np
@@ -61,15 +62,15 @@ def plot_expert_load(files: list, path: Path, title: str) -> Path | None:
     from moe.trace import plot as tp
     from moe.trace.routing_trace import read_trace
 
-    parts = [  # a list of files: one layout's pipeline stages, each holding its own layers
-        [r for g in f for r in read_trace(g)] if isinstance(f, list) else read_trace(f)
-        for f in files
-    ]
-    routing = [[r for r in part if "kind" not in r] for part in parts]
-    routing = [part for part in routing if part]
+    lines = [r for f in files for r in read_trace(f)]
+    routing: list[list[dict]] = []  # runs of steps at one EP size, in step order
+    for r in sorted((r for r in lines if "kind" not in r), key=lambda r: r["step"]):
+        if not routing or r["ep"] != routing[-1][-1]["ep"]:
+            routing.append([])
+        routing[-1].append(r)
     if not routing:
         return None
-    rebalances = sorted({r["step"]: r for part in parts for r in part if "kind" in r}.values(),
+    rebalances = sorted({r["step"]: r for r in lines if "kind" in r}.values(),
                         key=lambda r: r["step"])  # fmt: skip
     pieces = [tp.by_layer(part) for part in routing]  # one layout each
     names = list(dict.fromkeys(n for piece in pieces for n in piece))

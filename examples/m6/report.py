@@ -57,13 +57,12 @@ TRACE = "routing_trace.jsonl"
 
 def make_plots(history, data, summary, out: Path) -> list[str]:
     from examples.m6 import plots
-    from examples.m6.trace_io import stage_trace_files
-    from moe.trace.segments import segments
+    from examples.m6.trace_io import trace_files
 
     paths = [
         plots.plot_loss(history, out / "loss.png"),
         plots.plot_expert_load(
-            [stage_trace_files(out)] if summary.get("pp", 1) > 1 else segments(out / TRACE),
+            trace_files(out),  # with and without --pp: a run resumed at another layout
             out / "expert_load.png",
             f"expert load per MoE layer (uniform = 1/E)\n{history.get('title', '')}",
         ),

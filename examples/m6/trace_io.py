@@ -9,10 +9,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch.distributed as dist
+
 import moe
 from examples.m6.cli import UsageError
 from examples.m6.pipe import PipelineRun
+from moe.comm.consistency import all_gather_records
 from moe.parallel.mesh import mesh_group
+from moe.trace.segments import prepare_resume, segments
 
 STAGE_TRACE = "routing_trace.stage-{stage}.jsonl"
 
@@ -88,11 +92,44 @@ def stage_trace_files(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def trace_files(folder: Path) -> list[Path]:
+    """Every routing-trace file of the run in `folder`: the trace's segments (one per EP
+    layout, moe.trace.segments) and a --pp run's stage traces with theirs, so that a run
+    resumed with or without --pp draws all its steps (examples/m6/plots.plot_expert_load)."""
+    from examples.m6.report import TRACE
+
+    stages = [f for p in stage_trace_files(folder) for f in segments(p)]
+    return [*segments(folder / TRACE), *stages]
+
+
+def _retire_other_kind(model, path: Path, start: int) -> None:
+    """Resuming with --pp after a run without it (or the other way): the other kind's traces
+    keep their lines up to `start` in segment files of their own (moe.trace.segments) and
+    start no new lines; later lines (past the checkpoint) are dropped. World rank 0 writes;
+    a damaged file is its ValueError on every rank."""
+    problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        others = [path] if isinstance(model, PipelineRun) else stage_trace_files(path.parent)
+        try:
+            for other in others:
+                prepare_resume(other, start, layout=None)  # no layout continues there
+        except (ValueError, OSError) as e:
+            problem = str(e)
+    if dist.is_initialized():
+        records = all_gather_records({"problem": problem})
+        problem = next((r["problem"] for r in records if r["problem"] is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def open_trace(model, path: Path, args, start: int):
-    """The run's routing trace; resuming keeps its lines up to `start`. A damaged trace or a
+    """The run's routing trace; resuming keeps its lines up to `start` (the other kind's too:
+    a --pp run's stage traces, or the trace of a run without --pp). A damaged trace or a
     path that is not a regular file is a UsageError naming it (file:line) on every rank."""
     resume_from = start if args.resume else None  # other layouts' lines: files of their own
     try:
+        if resume_from is not None:
+            _retire_other_kind(model, path, resume_from)
         if isinstance(model, PipelineRun):
             return stage_traces(model, path.parent, args.log_every, resume_from)
         if not moe.moe_layers(model):
