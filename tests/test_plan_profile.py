@@ -1,6 +1,7 @@
 """moe.plan profile (issue 48): under torchrun it measures the ranks, and its figures are
 the ranks' agreed statistics (the repeat counts every rank runs, the median over ranks)."""
 
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,18 @@ from tests.distributed import free_port, run_ranks
 
 def test_profile_under_torchrun_measures_the_ranks(tmp_path):
     """`python -m moe.plan profile` launched by torchrun joins a process group itself: the
-    link between its 2 ranks and a collective call are measured, not kept from the preset."""
+    link between its 2 ranks and a collective call are measured, not kept from the preset.
+    It says what it measures as it goes (rank 0) and no warning reaches the user."""
     out = tmp_path / "cluster.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "moe.plan", "profile", "--out", str(out),
            "--d-model", "32", "--d-ff", "32", "--tokens", "16"]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # (else torchrun warns that it sets it)
+    done = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True, env=env)
+    steps = [line for line in done.stdout.splitlines() if line.startswith("moe.plan profile: ")]
+    assert [s.split()[2] for s in steps[:4]] == ["1/4", "2/4", "3/4", "4/4"], done.stdout
+    assert "wrote" in steps[4] and len(steps) == 5, done.stdout
+    assert "Warning" not in done.stderr, done.stderr
     cluster = Cluster.load(out)
     assert (cluster.nodes, cluster.gpus_per_node) == (1, 2)
     assert "intra-node link" not in cluster.source and cluster.collective_latency > 0

@@ -2,45 +2,79 @@
 
   python -m moe.plan --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem 80 --tokens 4M
   python -m moe.plan profile --out cluster.json      # under torchrun: measure this cluster
-  python -m moe.plan --model m6-tiny --cluster cluster.json --tokens 16K --seq-len 64
+  python -m moe.plan --model m6-tiny --cluster cluster.json --tokens 14K  # 512 x its 28
 
-Every flag is checked before any work (a bad value: one error naming the flag).
+Every flag is checked before any work (a bad value: one error naming the flag and its bounds,
+exit status 2), the model config and the --json / --plot destinations included.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
 from moe.plan.cluster import PRESETS, Cluster, preset
-from moe.plan.models import load_model
-from moe.plan.report import plot, table
+from moe.plan.models import default_seq_len, load_model
+from moe.plan.report import figures_line, plot, table
 from moe.plan.search import SearchSpace, search
+from moe.settings import check_path
 
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+MAX_TOKENS = 2**50  # a step's global batch
 
 
 def tokens(text: str) -> int:
-    """'4M' -> 4 * 2**20, '65536' -> 65536 (K, M, G: powers of 1024)."""
+    """'4M' -> 4 * 2**20, '65536' -> 65536 (K, M, G: powers of 1024), in [1, 2**50]."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a token count like 4M or 65536: {text!r}")
+    if (
+        len(m.group(1).lstrip("0")) > 20
+        or not 1 <= int(m.group(1)) * _SUFFIX[m.group(2)] <= MAX_TOKENS
+    ):
+        raise argparse.ArgumentTypeError(f"must be in [1, 2**50], got {text!r}")
     return int(m.group(1)) * _SUFFIX[m.group(2)]
 
 
-def positive(kind):
+def bounded(kind, low, high, *, open_low: bool = True):
+    """An argparse type: a finite `kind` in (low, high] (or [low, high] with open_low=False)."""
+
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        if not v > 0 or v != v or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text!r}")
+        inside = (low < v if open_low else low <= v) and v <= high
+        if not inside:  # NaN is never inside
+            bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text!r}")
         return v
 
     return parse
+
+
+def positive(kind, high=2**31):
+    """> 0, finite and at most `high`."""
+    return bounded(kind, 0, high)
+
+
+def output_problem(flag: str, path: str) -> str | None:
+    """Why `path` cannot be written as a file (checked before any work), or None."""
+    try:
+        check_path(flag, path)
+    except ValueError as e:
+        return str(e)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a directory, not a file to write"
+    if not os.path.isdir(folder):
+        return f"{flag} {path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {path!r}: the folder {folder!r} is not writable"
+    return None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,16 +82,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="config.json path or a preset name")
     p.add_argument("--preset", default="h100", choices=sorted(PRESETS), help="datasheet node")
     p.add_argument("--cluster", help="a cluster file (python -m moe.plan profile) instead")
-    p.add_argument("--nodes", type=positive(int), default=1)
-    p.add_argument("--gpus-per-node", type=positive(int), help="default: the preset's (8)")
-    p.add_argument("--gpu-mem", type=positive(float), help="GiB per device (default: preset)")
-    p.add_argument("--tokens", type=tokens, required=True, help="global batch tokens a step")
-    p.add_argument("--seq-len", type=positive(int), help="default: the model's, else 4096")
-    p.add_argument("--top", type=positive(int), default=5, help="layouts to print")
+    p.add_argument("--nodes", type=positive(int, 2**16), default=1, help="in [1, 65536]")
+    p.add_argument("--gpus-per-node", type=positive(int, 1024),
+                   help="in [1, 1024]; default: the preset's (8)")  # fmt: skip
+    p.add_argument("--gpu-mem", type=positive(float, 2**20),
+                   help="GiB per device, in (0, 2**20] (default: the preset's)")  # fmt: skip
+    p.add_argument("--tokens", type=tokens, required=True,
+                   help="global batch tokens a step, in [1, 2**50]")  # fmt: skip
+    p.add_argument("--seq-len", type=positive(int, 2**22),
+                   help="tokens per sequence; default: an M6 config's own, else 4096")  # fmt: skip
+    p.add_argument("--top", type=positive(int, 100), default=5, help="layouts to print (<= 100)")
     p.add_argument("--fp8", action="store_true", help="also FP8 dispatch / experts")
-    p.add_argument("--skew", type=float, help="Zipf skew of expert loads (0: uniform)")
-    p.add_argument("--capacity-factor", type=positive(float), action="append",
-                   help="also try this capacity factor (tokens past it are dropped)")  # fmt: skip
+    p.add_argument("--skew", type=bounded(float, 0, 10, open_low=False),
+                   help="Zipf skew of expert loads, in [0, 10] (0: uniform)")  # fmt: skip
+    p.add_argument("--capacity-factor", type=bounded(float, 0.1, 1e4, open_low=False),
+                   action="append", help="also try this capacity factor, in [0.1, 1e4] "
+                   "(tokens past it are dropped)")  # fmt: skip
     p.add_argument("--json", help="write the predictions as JSON here")
     p.add_argument("--plot", help="write the breakdown plot (PNG) here")
     return p
@@ -79,10 +119,14 @@ def main(argv=None) -> int:
         return profile_main(argv[1:])
     p = parser()
     args = p.parse_args(argv)
+    for flag in ("json", "plot"):
+        problem = getattr(args, flag) and output_problem(f"--{flag}", getattr(args, flag))
+        if problem:
+            p.error(problem)
     try:
         spec = load_model(args.model)
         cluster = cluster_of(args)
-        seq_len = args.seq_len or getattr(spec, "seq_len", None) or 4096
+        seq_len = args.seq_len or default_seq_len(args.model)
         space = SearchSpace(fp8=args.fp8, capacity_factors=(None, *(args.capacity_factor or ())))
         result = search(spec, cluster, args.tokens, seq_len, space=space, skew=args.skew,
                         top=args.top)  # fmt: skip
@@ -90,8 +134,9 @@ def main(argv=None) -> int:
         p.error(str(e))
     print(f"moe.plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters, "
           f"{spec.active_params() / 1e9:.3g}B active) on {cluster.nodes} x "
-          f"{cluster.gpus_per_node} {cluster.name} ({cluster.source}), {args.tokens:,} tokens "
+          f"{cluster.gpus_per_node} {cluster.name}, {args.tokens:,} tokens "
           f"a step in sequences of {seq_len}; {result.searched:,} predictions")  # fmt: skip
+    print(figures_line(cluster, args.cluster))
     print(table(result.fits))
     for i, pred in enumerate(result.fits, 1):
         print(f"\n# {i}: {pred.layout.short()}\n{pred.layout.code()}")

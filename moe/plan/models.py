@@ -1,5 +1,5 @@
 """Named model presets: the published configs (config.json fields, as the model cards give
-them) the planner is checked against, and the M6 example's presets (`m6-<name>`)."""
+them) the planner is checked against, and the M6 example's presets (`m6-tiny`, `m6-1t`, ...)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,51 @@ HF_CONFIGS: dict[str, dict] = {
     ),  # fmt: skip
 }
 _MAX_CONFIG_BYTES = 1 << 20
+# The sizes a config.json may give (inclusive bounds): an integer outside them (or a string,
+# a float, a missing required field) is one error naming the field before any search.
+SIZE_BOUNDS = {
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 1 << 17),
+    "vocab_size": (1, 1 << 22),
+    "num_attention_heads": (1, 1024),
+}
+OPTIONAL_SIZE_BOUNDS = {
+    "intermediate_size": (1, 1 << 20),
+    "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 1 << 14),
+    "num_experts": (0, 1 << 14),
+    "num_local_experts": (0, 1 << 14),
+    "n_routed_experts": (0, 1 << 14),
+    "num_experts_per_tok": (1, 1 << 10),
+    "n_shared_experts": (0, 1 << 10),
+    "first_k_dense_replace": (0, 1024),
+    "decoder_sparse_step": (1, 1024),
+    "moe_layer_freq": (1, 1024),
+    "q_lora_rank": (0, 1 << 17),
+    "kv_lora_rank": (0, 1 << 17),
+    "qk_nope_head_dim": (0, 1 << 14),
+    "qk_rope_head_dim": (0, 1 << 14),
+    "v_head_dim": (0, 1 << 14),
+}
+
+
+def check_config(doc: dict, where: str) -> None:
+    """Every size field of a config.json (its text_config, for a nested one) an integer within
+    SIZE_BOUNDS / OPTIONAL_SIZE_BOUNDS, the required ones present; else one ValueError."""
+    text = doc.get("text_config")
+    cfg = text if isinstance(text, dict) and "num_hidden_layers" not in doc else doc
+    for field, (low, high) in {**SIZE_BOUNDS, **OPTIONAL_SIZE_BOUNDS}.items():
+        value = cfg.get(field)
+        if value is None:
+            if field in SIZE_BOUNDS:
+                raise ValueError(f"{where}: the model config has no {field}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(
+                f"{where}: {field} must be an integer in [{low:,}, {high:,}], got {value!r}"
+            )
 
 
 def m6_presets() -> dict:
@@ -96,24 +141,34 @@ def m6_presets() -> dict:
     return dict(config.CONFIGS)
 
 
+DEFAULT_SEQ_LEN = 4096
+
+
+def default_seq_len(name_or_path: str) -> int:
+    """The sequence length a model is planned at when none is given: an M6 config's own (its
+    patches + text), else DEFAULT_SEQ_LEN."""
+    config = m6_presets().get(name_or_path)
+    return config.seq_len if config is not None else DEFAULT_SEQ_LEN
+
+
 def load_model(name_or_path: str) -> ModelSpec:
-    """A ModelSpec from a preset name (HF_CONFIGS, or `m6-<preset>`) or a transformers
+    """A ModelSpec from a preset name (HF_CONFIGS, or an M6 config: `m6-tiny`) or a transformers
     config.json path (untrusted: size-limited JSON). Unknown names: one error listing them."""
     if name_or_path in HF_CONFIGS:
         return from_hf_config(HF_CONFIGS[name_or_path], name_or_path)
     if name_or_path.startswith("m6-"):
-        presets = m6_presets()
-        key = name_or_path.removeprefix("m6-")
-        if key in presets:
-            return from_planner_model(presets[key], name_or_path)
+        presets = m6_presets()  # named as the M6 example names them: m6-tiny, m6-1t, ...
+        if name_or_path in presets:
+            return from_planner_model(presets[name_or_path], name_or_path)
     check_path("model", name_or_path)
     path = Path(name_or_path)
     if path.suffix == ".json" or path.is_file():
         doc = read_json(path, max_bytes=_MAX_CONFIG_BYTES, what="model config")
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: a model config must be a JSON object")
+        check_config(doc, str(path))
         return from_hf_config(doc, path.stem if path.stem != "config" else path.parent.name)
-    names = [*HF_CONFIGS, *(f"m6-{k}" for k in m6_presets())]
+    names = [*HF_CONFIGS, *m6_presets()]
     raise ValueError(
         f"unknown model {name_or_path!r}: a config.json path or one of {', '.join(names)}"
     )

@@ -29,12 +29,14 @@ import datetime
 import math
 import platform
 import time
+import warnings
 from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe.plan.cli import output_problem, positive
 from moe.plan.cluster import PRESETS, Cluster
 from moe.plan.overhead import D, T, measure_overheads
 from moe.settings import local_world_size, torchrun_ranks
@@ -193,8 +195,11 @@ def measure_reduce_scatter(device, nbytes: int = 1 << 18) -> float:
     world = dist.get_world_size()
     shard = torch.randn(nbytes // 4, device=device)
     full = torch.randn(world * shard.numel(), device=device)
-    gather = _synced(lambda: dist.all_gather_into_tensor(full, shard), 2)
-    scatter = _synced(lambda: dist.reduce_scatter_tensor(shard, full), 2)
+    # torch 2.13's names (the older ones warn there); torch 2.11 has only the older ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = _synced(lambda: all_gather(full, shard), 2)
+    scatter = _synced(lambda: reduce_scatter(shard, full), 2)
     return max(scatter / gather, 1.0)
 
 
@@ -251,21 +256,32 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the cluster file to write (JSON)")
     p.add_argument("--preset", default="h100", choices=sorted(PRESETS),
                    help="figures that cannot be measured here")  # fmt: skip
-    p.add_argument(
-        "--device-mem", type=float, help="GiB per device (default: CUDA's, else the preset's)"
-    )
-    p.add_argument("--d-model", type=int, default=1024, help="the expert GEMM's input width")
-    p.add_argument("--d-ff", type=int, default=1024, help="the expert GEMM's output width")
-    p.add_argument("--tokens", type=int, default=128, help="tokens of one micro-batch")
+    p.add_argument("--device-mem", type=positive(float, 2**20),
+                   help="GiB per device, in (0, 2**20] (default: CUDA's, else the preset's)")  # fmt: skip
+    p.add_argument("--d-model", type=positive(int, 1 << 16), default=1024,
+                   help="the expert GEMM's input width, in [1, 65536]")  # fmt: skip
+    p.add_argument("--d-ff", type=positive(int, 1 << 16), default=1024,
+                   help="the expert GEMM's output width, in [1, 65536]")  # fmt: skip
+    p.add_argument("--tokens", type=positive(int, 1 << 16), default=128,
+                   help="tokens of one micro-batch, in [1, 65536]")  # fmt: skip
     p.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
         help="the training precision (default: bfloat16 on CUDA, else float32)",
     )
     args = p.parse_args(argv)
+    problem = output_problem("--out", args.out)
+    if problem:  # before any measurement
+        p.error(problem)
     cuda = torch.cuda.is_available()
     with _process_group(cuda):
         return _profile(args, cuda)
+
+
+def _say(text: str) -> None:
+    """A progress line (rank 0): the profile measures for a minute or two."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"moe.plan profile: {text}", flush=True)
 
 
 @contextlib.contextmanager
@@ -293,15 +309,21 @@ def _profile(args: argparse.Namespace, cuda: bool) -> int:
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    _say(f"1/4 the expert GEMM's rate ({args.d_model} x {args.d_ff}, {dtype}) on {world} rank(s)")
     R, h = measure_gemm(args.d_model, args.d_ff, device, dtype)
     rate = lambda rows: R * rows / (rows + h)  # noqa: E731 - the cluster's gemm_rate
     size = (args.d_model, args.d_ff, args.tokens)
-    overheads = measure_overheads(dtype, size=size, rate=rate) if not cuda else {}
+    _say("2/4 the fixed framework costs (moe/plan/overhead.py)" + (": not on CUDA" if cuda else ""))
+    with warnings.catch_warnings():  # the reference modules' random init on a CPU mesh
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)
+        overheads = measure_overheads(dtype, size=size, rate=rate) if not cuda else {}
     extra = overheads.pop("ep_block_extra", None)  # ep_overhead, once the links are known
+    _say("3/4 memory and host bandwidth")
     mem_bw, host_bw = measure_copy(1 << 26, device)
     base = PRESETS[args.preset]
-    world = dist.get_world_size() if dist.is_initialized() else 1
     local = int(local_world_size() or world)
+    _say("4/4 the links between ranks" + ("" if world > 1 else ": one process, none"))
     links, kept = measure_links(base, device, world, local)
     mem = args.device_mem or (
         torch.cuda.get_device_properties(device).total_memory / 2**30

@@ -9,6 +9,29 @@ from moe.plan.predict import TIME_TERMS, Prediction
 GiB = 2**30
 
 
+def figures_line(cluster, path: str | None) -> str:
+    """One line saying whose device figures a plan used: a measured cluster file (`path`,
+    python -m moe.plan profile) or a datasheet preset, which is not this machine."""
+    if path:
+        return f"device figures: {path} ({cluster.source})"
+    return (
+        f"device figures: {cluster.name}, {cluster.source}, not this machine's (measure it: "
+        "python -m moe.plan profile --out cluster.json, then --cluster cluster.json)"
+    )
+
+
+def table(preds: list[Prediction]) -> str:
+    """A markdown table: layout, step time and its terms, tokens/s per device, MFU, memory."""
+    head = ["#", "layout", "step s", *TIME_TERMS, "tok/s/dev", "MFU", "peak GiB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, p in enumerate(preds, 1):
+        cells = [str(i), p.layout.short(), f"{p.step_time:.3g}"]
+        cells += [f"{p.time[k]:.3g}" for k in TIME_TERMS]
+        cells += [f"{p.tokens_per_s_per_device:,.0f}", f"{p.mfu:.1%}", f"{p.peak_memory / GiB:.1f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 RESIDENT = ("parameters", "gradients", "optimizer")  # held through the step
 PHASES = (  # never live at once (moe.plan.predict.peak_of): side by side, the taller the peak
     ("forward / backward", ("activations", "comms"), -0.2),
