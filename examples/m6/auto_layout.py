@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import moe
 from examples.m6.config import M6Config
+from moe.memory import GroupedApply
 from moe.pipeline import SCHEDULES
-from moe.plan import Cluster, Prediction, SearchSpace, from_planner_model, preset, search
+from moe.plan import Cluster, Layout, Prediction, SearchSpace, from_planner_model, preset, search
 
 GiB = 2**30
 # the flags --layout auto sets: given with it, each is refused by name
@@ -123,3 +125,50 @@ def layout_auto(args, cfg: M6Config, world: int, rank: int) -> None:
         why = choose(args, cfg, world)
         if rank == 0 and not args.quiet:
             print(why)
+
+
+def run_layout(model, opt, args, cfg: M6Config, world: int) -> Layout:
+    """The layout this run built, read from its objects (the planner's flags run to it): the
+    mesh, the Pipeline's PipelineConfig and ParallelConfig (--pp) or the micro-batches
+    taken (--pp 1), this rank's MoE layers' settings and dispatchers (a stage without one:
+    the settings every MoE layer was built with), the optimizer and the blocks recomputed on
+    this rank."""
+    from examples.m6.pipe import PipelineRun
+    from examples.m6.setup import parallel_config
+
+    piped = isinstance(model, PipelineRun)
+    layers = [layer for _, layer in moe.moe_layers(model.modules if piped else model)]
+    if piped:
+        pipe = model.pipe
+        pp, dp, ep = pipe.mesh.mesh.shape
+        parallel, config = pipe.parallel, pipe.config
+        schedule, v, m, split = (
+            config.schedule,
+            config.stages_per_rank,
+            config.microbatches,
+            config.split,
+        )
+    else:
+        dp, ep = layers[0].mesh.mesh.shape if layers[0].mesh is not None else (1, 1)
+        pp, parallel, schedule, v, split = 1, parallel_config(args), "none", 1, "children"
+        m = args.global_batch // world // (args.micro_batch or args.global_batch // world)
+    options = layers[0].config if layers else moe.MoEConfig(
+        d_model=cfg.d_model, d_ff=cfg.d_ff, num_experts=cfg.num_experts, top_k=cfg.top_k,
+        **cfg.moe_options(),
+    )  # fmt: skip
+    dispatcher = layers[0].dispatcher if layers else None
+    recompute = "moe" if options.recompute else "none"
+    if args.checkpointing:
+        recomputed = getattr(args, "recomputed", [])
+        recompute = "full" if args.checkpointing is True else f"blocks:{len(recomputed)}"
+    grouped, fp8 = isinstance(opt, GroupedApply), options.fp8
+    return Layout(
+        int(pp), int(dp), int(ep), parallel.data_parallel, schedule, v, m,
+        args.global_batch // (dp * ep) // m, recompute=recompute,
+        offload=opt.offload if grouped else None, groups=opt.num_groups if grouped else 1,
+        capacity_factor=options.capacity_factor,
+        exchange=getattr(dispatcher, "algorithm", parallel.algorithm),
+        overlap=int(getattr(dispatcher, "degree", parallel.overlap or 1)),
+        fp8_dispatch=bool(fp8 and fp8.dispatch), fp8_experts=bool(fp8 and fp8.experts),
+        replicas=options.spare_slots, split=split,
+    )  # fmt: skip

@@ -18,6 +18,7 @@ from examples.m6.config import DEFAULT_GLOBAL_BATCH, TRAIN_DEFAULTS, M6Config, g
 from examples.m6.pipe_args import check_pipeline
 from examples.m6.plan import check_layout
 from moe.pipeline import SCHEDULES
+from moe.pipeline.split import SPLITS
 
 DESCRIPTION = """Train the M6-style multimodal MoE model: one command from a laptop CPU to DP x EP.
 
@@ -205,7 +206,29 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         help="optimizer state (optimizer), also the fp32 masters (all) in host memory "
         "(moe.memory.GroupedApply; any layout)",
     )
-    g.add_argument("--checkpointing", action="store_true", help="recompute blocks in backward")
+    g.add_argument(
+        "--checkpointing",
+        type=int,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="N",
+        help="recompute blocks in backward: every block, or each rank's first N",
+    )
+    g.add_argument(
+        "--moe-recompute",
+        action="store_true",
+        help="recompute only the MoE layers in backward (MoEConfig.recompute)",
+    )
+    g.add_argument(
+        "--overlap", type=int, help="overlapped expert exchange of this degree (ParallelConfig)"
+    )
+    g.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="children",
+        help="with --pp: stages by even child counts or by parameters (PipelineConfig.split)",
+    )
     add_layout_args(g)
     g.add_argument(
         "--rebalance-every",
@@ -246,6 +269,8 @@ def resolve_config(args) -> M6Config:
         changes["spare_slots"] = args.spare_slots
     if getattr(args, "fp8", None) is not None:
         changes["fp8"] = args.fp8
+    if getattr(args, "moe_recompute", False):
+        changes["moe_recompute"] = True
     cfg = cfg.replace(**changes) if changes else cfg
     return cfg.equal_flops_dense() if args.dense else cfg
 
@@ -261,6 +286,7 @@ POSITIVE_INTS = (
     ("save_every", 0),
     ("micro_batch", 1),
     ("pp", 1),
+    ("overlap", 1),
 )
 
 
@@ -328,6 +354,10 @@ def check_args(args, cfg: M6Config, world: int) -> None:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be a finite number {bound}, got {value}"
             )
+    if not isinstance(args.checkpointing, bool) and args.checkpointing < 1:
+        raise UsageError(f"--checkpointing N must be >= 1, got {args.checkpointing}")
+    if args.split != "children" and pp == 1:
+        raise UsageError(f"--split {args.split} needs --pp > 1 (pipeline stages)")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.data and not (Path(args.data) / "captions.jsonl").is_file():

@@ -44,6 +44,7 @@ class M6Config:
     dense_equivalent: bool = False
     spare_slots: int = 0  # expert slots for replicas of hot experts per MoE layer (--spare-slots)
     fp8: str = "off"  # FP8 dispatch and/or expert GEMMs in every MoE layer (--fp8, FP8_MODES)
+    moe_recompute: bool = False  # every MoE layer recomputed in backward (--moe-recompute)
     nominal_params: float | None = None  # the size the source states (e.g. 1e12), if any
     source: str = ""  # where the sizes come from, or which of them are assumptions
 
@@ -114,6 +115,8 @@ class M6Config:
             options["eval_capacity_factor"] = self.num_experts / self.top_k
         if self.spare_slots:
             options["spare_slots"] = self.spare_slots
+        if self.moe_recompute:
+            options["recompute"] = True
         if self.fp8 != "off":
             from moe.fp8 import FP8Config
 

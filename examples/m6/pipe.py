@@ -45,8 +45,8 @@ import moe.memory
 import moe.parallel
 from examples.m6 import data as m6data
 from examples.m6.pipe_model import TIED, pack_inputs, to_sequential
+from examples.m6.setup import parallel_config
 from moe.gating.balance import in_recomputation
-from moe.parallel import ParallelConfig
 from moe.pipeline import SCHEDULES, Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
 
 
@@ -57,7 +57,10 @@ def pipeline_config(args, per_pipeline: int) -> PipelineConfig:
     name = {key.lower(): key for key in SCHEDULES}.get(given.lower(), given)
     single = name in SCHEDULES and issubclass(SCHEDULES[name], PipelineScheduleSingle)
     return PipelineConfig(  # one stage per rank, or two (interleaved and V schedules)
-        name, microbatches=per_pipeline // micro, stages_per_rank=1 if single else 2
+        name,
+        microbatches=per_pipeline // micro,
+        stages_per_rank=1 if single else 2,
+        split=args.split,
     )
 
 
@@ -86,10 +89,14 @@ class PipelineRun:
         self.mesh = init_pipeline_mesh(pp, dp, ep, device_type=device.type)
         self.config = pipeline_config(args, args.global_batch // self.width)
         seq, self.names = to_sequential(model, (cfg.channels, cfg.image_size, cfg.image_size))
-        if args.checkpointing:  # each block recomputed in backward, as at pp = 1
-            moe.memory.recompute_blocks(seq, [n for n, _ in seq.named_children() if "blocks_" in n])
         keep = _gathered(model)
-        plan = plan_stages(seq, pp * self.config.stages_per_rank)
+        plan = plan_stages(seq, pp * self.config.stages_per_rank, None, self.config.split)
+        if args.checkpointing:  # every block recomputed in backward, or this rank's first N
+            rank = self.mesh.get_local_rank("pp")
+            mine = [s for s, r in enumerate(self.config.stage_ranks(pp)) if r == rank]
+            blocks = [n for s in mine for n in plan[s] if "blocks_" in n]
+            first = None if args.checkpointing is True else args.checkpointing
+            args.recomputed = moe.memory.recompute_blocks(seq, blocks[:first])
         children = dict(seq.named_children())
         self.stage_tensors = [  # (stage name, single-process name) of every stage's tensors
             [
@@ -101,8 +108,7 @@ class PipelineRun:
             for names in plan
         ]
         self.scale = torch.ones((), dtype=torch.float64)  # W / global target tokens, per step
-        parallel = ParallelConfig(args.data_parallel, args.alltoall)
-        self.pipe = Pipeline(seq, self.mesh, self.config, self._loss, parallel=parallel)
+        self.pipe = Pipeline(seq, self.mesh, self.config, self._loss, parallel_config(args))
         self.modules = nn.ModuleList(self.pipe.modules)
         self._tie_group = self._tie_groups()
         self._counts = torch.zeros(2, dtype=torch.float64, device=device)  # dropped, routed

@@ -45,12 +45,21 @@ def setup_parallel(model, args):
     if _world() > 1 and moe.moe_layers(model):
         ep = args.ep or 1
         mesh = moe.parallel.init_mesh(dp=args.dp or _world() // ep, ep=ep)
-        model = moe.parallel.parallelize(model, mesh, args.data_parallel, algorithm=args.alltoall)
-    if args.checkpointing:
-        moe.memory.recompute_blocks(model)
+        model = moe.parallel.parallelize(model, mesh, config=parallel_config(args))
+    if args.checkpointing:  # every block, or the first N
+        first = None if args.checkpointing is True else args.checkpointing
+        args.recomputed = moe.memory.recompute_blocks(
+            model, moe.memory.find_repeated_blocks(model)[:first]
+        )
     if _world() > 1 and mesh is None:
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model, mesh
+
+
+def parallel_config(args) -> moe.parallel.ParallelConfig:
+    """The ParallelConfig of --data-parallel, --alltoall and --overlap (parallelize's at
+    --pp 1, every stage's under --pp)."""
+    return moe.parallel.ParallelConfig(args.data_parallel, args.alltoall, overlap=args.overlap)
 
 
 def unwrap(model):

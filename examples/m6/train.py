@@ -26,7 +26,7 @@ import moe  # noqa: E402
 from examples.device import autocast, resolve_device, set_threads  # noqa: E402
 from examples.m6 import data as m6data  # noqa: E402
 from examples.m6 import schedule as lr_schedule  # noqa: E402
-from examples.m6.auto_layout import check_layout_args, layout_auto  # noqa: E402
+from examples.m6.auto_layout import check_layout_args, layout_auto, run_layout  # noqa: E402
 from examples.m6.ckpt_io import rank0_then_all, resume, save_step, start_fresh  # noqa: E402
 from examples.m6.cli import (  # noqa: E402
     RunError,
@@ -342,6 +342,7 @@ def train_locked(args, cfg: M6Config, rank: int, world: int, device, out: Path) 
         "steady_tokens_per_s": _steady(first_read, done, elapsed, tokens_per_step),
         "settings": settings, "global_batch": args.global_batch,
         "layout": getattr(args, "auto_layout", None),
+        "run_layout": run_layout(model, opt, args, cfg, world).record() if cfg.is_moe else None,
     }  # fmt: skip
     if stop < args.steps and not out_of_time:  # preempted on purpose: no evaluation
         say(f"stopped after step {stop}; checkpoint {ckpt} (continue with --resume)")

@@ -86,7 +86,7 @@ class Pipeline:
         except Exception as e:  # every rank learns of it, before any other communication
             problem = e
         raise_if_any_rank_failed(problem, error=ValueError, what="pipeline", values=values)
-        self.config, self.loss_fn, self.mesh = config, loss_fn, mesh
+        self.config, self.parallel, self.loss_fn, self.mesh = config, parallel, loss_fn, mesh
         pp = mesh.size(0)
         self.stage_ranks = config.stage_ranks(pp)  # pp rank of each stage
         self.num_stages = len(self.stage_ranks)
