@@ -116,6 +116,8 @@ FRAGMENTS = {
     "AutoModelForCausalLM.from_pretrained(path)": "a hub folder (tests/test_hf_example.py)",
     "loss = cross_entropy + moe.aux_loss(model)": "a line of examples/m6/train.py",
     "mesh = moe.pipeline.init_pipeline_mesh(pp=2": "4 ranks: tests/test_pipeline*.py run it",
+    "AutoPeftModelForCausalLM.from_pretrained(folder)": "after examples/hf/lora.py: "
+    "tests/test_hf_lora_example.py runs it as a file in a fresh process",
 }
 
 

@@ -6,7 +6,7 @@ transformers + PEFT generating the same tokens from it.
     python examples/hf/lora.py --model path/to/hf_dir   # any local Mixtral / Qwen-MoE / OLMoE
     torchrun --nproc-per-node 2 examples/hf/lora.py --ep 2
 
-Steps: build (or load) the model -> moe.from_hf -> moe.lora.add_lora (the base frozen, per-
+Steps: build (and save as <out>/base) or load the model -> moe.from_hf -> moe.lora.add_lora (the base frozen, per-
 expert adapters on w1 / w3 / w2) -> optionally moe.parallel.parallelize over (dp, ep) -> train
 the adapters on the synthetic counting task of finetune.py -> moe.interop.to_peft writes the
 PEFT adapter -> peft.PeftModel.from_pretrained(the original transformers model, adapter)
@@ -99,6 +99,22 @@ def tiny(family: str):
     return T.Qwen3MoeForCausalLM(config)
 
 
+def load_base(args, rank: int, world: int):
+    """The transformers model the adapter is for, loaded from a folder whose absolute path the
+    adapter records (base_model_name_or_path), so it loads in any process: --model, or the
+    tiny model built here and saved first as <out>/base (rank 0 writes, the others wait)."""
+    from transformers import AutoModelForCausalLM
+
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(os.path.abspath(args.model))
+    folder = os.path.abspath(os.path.join(args.out, "base"))
+    if rank == 0:
+        tiny(args.family).save_pretrained(folder)
+    if world > 1:
+        dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
 @torch.no_grad()
 def greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
     """n greedy tokens after `prompt` (full recompute per token: the same work on every rank,
@@ -110,13 +126,10 @@ def greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def main(argv=None) -> dict:
-    from transformers import AutoModelForCausalLM
-
     args = parse_args(argv)
     world, rank, say = start(args)
     device = args.device
-    base = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny(args.family)
-    base = base.float().eval()
+    base = load_base(args, rank, world).float().eval()
     model = moe.from_hf(copy.deepcopy(base))  # `base` stays transformers' own, for PEFT
     add_lora(model, LoRAConfig(rank=args.rank, alpha=args.alpha))
     model.to(device)
@@ -164,7 +177,8 @@ def main(argv=None) -> dict:
         result["theirs"] = theirs.tolist()
         result["same_tokens"] = bool(torch.equal(ours, theirs))
         say(
-            f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}; PEFT adapter {args.out}"
+            f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}; PEFT adapter "
+            f"{args.out}, for the base {base.config._name_or_path}"
         )
         for i in range(prompt.shape[0]):
             say(f"prompt {prompt[i].tolist()}")
