@@ -13,6 +13,9 @@ What it provides:
   `fp8_combine(y_ND, plan, config)` for the combine direction, where plan is a
   moe.comm.AllToAllPlan (anything with .run(rows) and .reverse()); each replaces
   moe.comm.exchange(x, plan) in its direction (the generic wire with the FP8 row format).
+- weights: their e4m3 forms are made once per optimizer step and reused by every micro-batch
+  (moe/fp8/weight_cache.py); `weights_changed()` drops them after a `.data` write made between
+  the micro-batches of one step (every other change to a weight is seen by itself).
 - settings: `FP8Config` (MoEConfig.fp8, moe/fp8/config.py), checked across ranks by
   `agree_across_ranks` and, as part of MoEConfig, by parallelize's config check.
 - registrations: moe/fp8/kernel.py the "fp8" expert kernel (FP8Kernel; a layer with
@@ -25,6 +28,7 @@ from moe.fp8.expert_mlp import fp8_expert_mlp
 from moe.fp8.grouped_mm import fp8_grouped_mm
 from moe.fp8.kernel import FP8Kernel
 from moe.fp8.payload import pack_rows, unpack_rows
+from moe.fp8.weight_cache import weights_changed
 from moe.fp8.wire import FP8Rows, fp8_combine, fp8_dispatch
 
 __all__ = [
@@ -38,4 +42,5 @@ __all__ = [
     "fp8_grouped_mm",
     "pack_rows",
     "unpack_rows",
+    "weights_changed",
 ]

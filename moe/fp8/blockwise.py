@@ -20,14 +20,19 @@ from moe.fp8.quant import (
     quantize_row_tiles,
     quantize_weight_blocks,
 )
+from moe.fp8.weight_cache import cached_form
 from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
 
 BLOCK = 128
 
 
-def _weight(w_EKN: Tensor, pow2: bool, floor: float) -> Tensor:
-    """w through its 128 x 128 blocks, float32."""
-    q, s = quantize_weight_blocks(w_EKN, BLOCK, pow2, floor)
+def weight(w_EKN: Tensor, pow2: bool, floor: float) -> Tensor:
+    """w through its 128 x 128 blocks, float32: its e4m3 codes and block scales are made once
+    per optimizer step (moe/fp8/weight_cache.py) and serve the forward and, transposed, the
+    dgrad (square blocks: the transposed weight is a re-index of the same codes and scales)."""
+    q, s = cached_form(  # 1 byte per element kept
+        ("blocks", pow2, floor), w_EKN, lambda w: quantize_weight_blocks(w, BLOCK, pow2, floor)
+    )
     return dequantize(q, expand_weight_blocks(s, *w_EKN.shape[1:], BLOCK))
 
 
@@ -35,7 +40,7 @@ def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: f
     """(y_MN float32, x's e4m3 bytes as uint8 [M, K], its block scales [M, ceil(K / 128)])."""
     q_MK, s_MB = quantize_blocks(x_MK, BLOCK, pow2, floor)
     x_q = dequantize_blocks(q_MK, s_MB, BLOCK)
-    return mm_groups(x_q, _weight(w_EKN, pow2, floor), offsets_E), q_MK.view(torch.uint8), s_MB
+    return mm_groups(x_q, weight(w_EKN, pow2, floor), offsets_E), q_MK.view(torch.uint8), s_MB
 
 
 def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
@@ -45,7 +50,7 @@ def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
 
 def dgrad(dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
     q_MN, s_MB = quantize_blocks(dy_MN, BLOCK, pow2, floor)
-    w_ENK = _weight(w_EKN, pow2, floor).transpose(1, 2).contiguous()
+    w_ENK = weight(w_EKN, pow2, floor).transpose(1, 2).contiguous()
     return mm_groups(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E)
 
 

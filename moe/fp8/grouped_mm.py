@@ -42,6 +42,7 @@ from moe.fp8.quant import (
     quantize_blocks,
     quantize_groups,
 )
+from moe.fp8.weight_cache import cached_form
 from moe.kernels.torch_grouped_mm import mm_groups, wgrad_fits, wgrad_groups
 
 
@@ -54,10 +55,33 @@ def _scaled_gemm_ok(a: Tensor, w: Tensor) -> bool:
     return a.shape[1] % 16 == 0 and w.shape[2] % 16 == 0
 
 
+def column_major(q_EKN: Tensor) -> Tensor:
+    """q laid out as torch._scaled_grouped_mm takes its weight: [E, K, N] with K contiguous."""
+    return q_EKN if q_EKN.stride(1) == 1 else q_EKN.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def fprop_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
+    """w's forward operand, rowwise: (e4m3 [E, K, N], one scale per output column [E, 1, N]),
+    made once per optimizer step (moe/fp8/weight_cache.py), column-major where
+    torch._scaled_grouped_mm runs (the layout it takes)."""
+
+    def make(w):
+        q, s = quantize_along(w, 1, pow2, floor)
+        return (column_major(q) if _scaled_gemm_ok(q, q) else q), s
+
+    return cached_form(("fprop", pow2, floor), w_EKN, make)
+
+
+def dgrad_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
+    """w's input-gradient operand, rowwise: (e4m3 [E, K, N], one scale per (e, k) row
+    [E, K, 1]), made once per optimizer step; its transpose [E, N, K] is column-major."""
+    return cached_form(("dgrad", pow2, floor), w_EKN, lambda w: quantize_along(w, 2, pow2, floor))
+
+
 def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
     """sum_k q[m, k] s[m] * q[e, k, n] s[e, n] per group; tail rows zero; in out_dtype."""
     if _scaled_gemm_ok(q_MK, q_EKN):
-        b_EKN = q_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major, as required
+        b_EKN = column_major(q_EKN)  # a copy only for a weight not made by fprop_weight
         y = torch._scaled_grouped_mm(
             q_MK.contiguous(), b_EKN, s_M1.reshape(-1), s_E1N.reshape(q_EKN.shape[0], -1),
             offs=offsets_E, out_dtype=torch.bfloat16,
@@ -86,7 +110,7 @@ def _fwd_op(
         y, q_MK, s_MB = blockwise.forward(x_MK, w_EKN, offsets_E, pow2, floor)
         return y.to(x_MK.dtype), q_MK, s_MB
     q_MK, s_M1 = quantize_along(x_MK, -1, pow2, floor)
-    q_EKN, s_E1N = quantize_along(w_EKN, 1, pow2, floor)
+    q_EKN, s_E1N = fprop_weight(w_EKN, pow2, floor)
     y = scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, x_MK.dtype)
     return y, q_MK.view(torch.uint8), s_M1
 
@@ -118,8 +142,8 @@ def _fwd_quantized_op(
     MLP's gate GEMM shares the up GEMM's e4m3 x)."""
     if recipe == "blockwise":
         x_q = blockwise.saved_x(q_MK, s_MB)
-        return mm_groups(x_q, blockwise._weight(w_EKN, pow2, floor), offsets_E).to(out_dtype)
-    q_EKN, s_E1N = quantize_along(w_EKN, 1, pow2, floor)
+        return mm_groups(x_q, blockwise.weight(w_EKN, pow2, floor), offsets_E).to(out_dtype)
+    q_EKN, s_E1N = fprop_weight(w_EKN, pow2, floor)
     return scaled_mm_groups(q_MK.view(E4M3), s_MB, q_EKN, s_E1N, offsets_E, out_dtype)
 
 
@@ -154,7 +178,7 @@ def _dgrad_op(
     if recipe == "blockwise":
         return blockwise.dgrad(dy_MN, w_EKN, offsets_E, pow2, floor).to(dy_MN.dtype)
     q_MN, s_M1 = quantize_along(dy_MN, -1, pow2, floor)
-    q_EKN, s_EK1 = quantize_along(w_EKN, 2, pow2, floor)
+    q_EKN, s_EK1 = dgrad_weight(w_EKN, pow2, floor)
     w_t = (q_EKN.transpose(1, 2), s_EK1.transpose(1, 2))  # [E, N, K] and [E, 1, K]
     return scaled_mm_groups(q_MN, s_M1, *w_t, offsets_E, dy_MN.dtype)
 

@@ -60,10 +60,11 @@ def e4m3_cap(scale: Tensor) -> Tensor:
     return (c.view(torch.uint8) - step).view(E4M3).float()
 
 
-def to_e4m3(x: Tensor, scale: Tensor) -> Tensor:
+def to_e4m3(x: Tensor, scale: Tensor, cap: Tensor | None = None) -> Tensor:
     """clamp(x / scale, +-cap) as e4m3 (cap = e4m3_cap(scale), 448 for every scale but the
-    largest), in float32; scale broadcasts against x."""
-    cap = e4m3_cap(scale)
+    largest; given: e4m3_cap of the scale, e.g. of compact block scales before expanding), in
+    float32; scale broadcasts against x."""
+    cap = e4m3_cap(scale) if cap is None else cap
     return torch.clamp(x.float() / scale, -cap, cap).to(E4M3)
 
 
@@ -127,7 +128,8 @@ def quantize_weight_blocks(
     wb = _blocks_last(w.detach().float(), block)  # [..., K, nb, block]
     wb = _blocks_last(wb.transpose(-3, -1), block)  # [..., block, nb, kb, block]
     scales = scale_of(wb.abs().amax(dim=(-4, -1)), pow2, floor).transpose(-2, -1)  # [.., kb, nb]
-    return to_e4m3(w.detach(), expand_weight_blocks(scales, K, N, block)), scales
+    cap = expand_weight_blocks(e4m3_cap(scales), K, N, block)  # per block, then expanded
+    return to_e4m3(w.detach(), expand_weight_blocks(scales, K, N, block), cap), scales
 
 
 def expand_weight_blocks(scales: Tensor, K: int, N: int, block: int = 128) -> Tensor:
