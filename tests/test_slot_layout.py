@@ -141,7 +141,7 @@ def test_the_slot_planner_is_each_plan_it_replaces(capacity):
     cands = copy_candidates(eos_S, E, 0, 3, 2)
     slots = {"expert_of_slot_S": eos_S, "slot_of_expert_E": slot_E}
     got = slot_rows(ids_TK, w_TK, capacity=capacity, candidates=lambda *_: cands, **slots)
-    want = replicated_rows(ids_TK, w_TK, eos_S, slot_E, cands, capacity, "position")
+    want = replicated_rows(ids_TK, w_TK, capacity=capacity, candidates=cands, **slots)
     for f in ("token_ids_M", "counts_E", "routed_E", "offsets_E", "weights_TK", "pair_rows_TK"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 

@@ -47,21 +47,21 @@ def slot_rows(
     E, S = slot_of_expert_E.numel(), expert_of_slot_S.numel()
     if S == E:
         ids_TK = slot_of_expert_E[expert_ids_TK]
-        plan = token_choice_rows(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
+        rows = token_choice_rows(ids_TK, weights_TK, E, capacity, drop_policy, mask_TK)
     else:
         choose = candidates or local_candidates
-        plan = replicated_rows(
+        rows = replicated_rows(
             expert_ids_TK,
             weights_TK,
-            expert_of_slot_S,
-            slot_of_expert_E,
-            choose(expert_of_slot_S, E),
-            capacity,
-            drop_policy,
             mask_TK,
+            capacity=capacity,
+            drop_policy=drop_policy,
+            expert_of_slot_S=expert_of_slot_S,
+            slot_of_expert_E=slot_of_expert_E,
+            candidates=choose(expert_of_slot_S, E),
         )
-    plan.layout_check_X = layout_check_X
-    return plan
+    rows.layout_check_X = layout_check_X
+    return rows
 
 
 def expert_choice_slot_rows(
@@ -76,25 +76,25 @@ def expert_choice_slot_rows(
     (expert choice has no copies: the layout is a permutation)."""
     ids_SC = torch.empty_like(token_ids_EC).index_copy_(0, slot_of_expert_E, token_ids_EC)
     weights_SC = torch.zeros_like(weights_EC).index_copy(0, slot_of_expert_E, weights_EC)
-    plan = expert_choice_rows(ids_SC, weights_SC, num_tokens)
-    plan.layout_check_X = layout_check_X
-    return plan
+    rows = expert_choice_rows(ids_SC, weights_SC, num_tokens)
+    rows.layout_check_X = layout_check_X
+    return rows
 
 
-def with_layout_check(plan: RowMap, extra: torch.Tensor | None) -> torch.Tensor | None:
+def with_layout_check(rows: RowMap, extra: torch.Tensor | None) -> torch.Tensor | None:
     """The extra columns of an expert-parallel count exchange with the row map's layout checksum
     appended (moe.comm.exchange_expert_counts sends them to every rank with the counts)."""
-    check = plan.layout_check_X
+    check = rows.layout_check_X
     if check is None:
         return extra
     return check if extra is None else torch.cat([extra.to(check), check])
 
 
-def check_layouts_agree(plan: RowMap, extras_W) -> None:
+def check_layouts_agree(rows: RowMap, extras_W) -> None:
     """After the count exchange, before any row moves: every rank of the group must hold the
     slot layout this one holds (the checksums each rank sent last in its extras). The same
     ValueError on every rank otherwise (each received every rank's checksum): no rank hangs."""
-    check = plan.layout_check_X
+    check = rows.layout_check_X
     if check is None:
         return
     n = check.numel()
@@ -145,12 +145,13 @@ def local_candidates(expert_of_slot_S: torch.Tensor, num_experts: int) -> Candid
 def replicated_rows(
     expert_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    expert_of_slot_S: torch.Tensor,
-    slot_of_expert_E: torch.Tensor,
-    candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask_TK: torch.Tensor | None = None,
+    *,
     capacity: int | None,
     drop_policy: str = "position",
-    mask_TK: torch.Tensor | None = None,
+    expert_of_slot_S: torch.Tensor,
+    slot_of_expert_E: torch.Tensor,
+    candidates: Candidates,
 ) -> RowMap:
     """token_choice_rows in canonical ids (capacity per expert), rows in copy slots. The map's
     counts_E are per slot; routed_E per slot counts the slot's kept rows plus, on each expert's
