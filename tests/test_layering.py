@@ -29,15 +29,16 @@ ALLOWED = {
     "moe.gating": {"moe.names", "moe.capacity"},
 }
 # Arrows that must not exist even where the rest of a unit's imports is free to change.
+FEATURES = {"moe.fp8", "moe.lora", "moe.pipeline"}  # plug into the registries; the core names none
 FORBIDDEN = {
-    "moe.dispatch": {"moe.gating", "moe.config", "moe.layer", "moe.fp8"},
-    "moe.kernels": {"moe.gating", "moe.config", "moe.layer", "moe.fp8"},
+    "moe.dispatch": {"moe.gating", "moe.config", "moe.layer", *FEATURES},
+    "moe.kernels": {"moe.gating", "moe.config", "moe.layer", *FEATURES},
     "moe.comm": {"moe.gating", "moe.dispatch", "moe.kernels", "moe.layer", "moe.fp8"},
     # FP8 plugs into the registries (moe.kernels, moe.dispatch.wire); nothing above names it
     "moe.fp8": {"moe.layer", "moe.parallel", "moe.gating", "moe.config"},
-    "moe.layer": {"moe.fp8"},
-    "moe.parallel": {"moe.fp8"},
-    "moe.experts": {"moe.fp8"},
+    "moe.layer": FEATURES,
+    "moe.parallel": {"moe.fp8", "moe.lora"},
+    "moe.experts": FEATURES,
 }
 
 
