@@ -28,7 +28,7 @@ from bench.plan_measured_lib.models import Batch, Sizes, build, loss_fn
 from moe.fp8 import FP8Config
 from moe.memory import GroupedApply, recompute_blocks
 from moe.memory.recompute import find_repeated_blocks
-from moe.parallel import ParallelConfig, init_mesh, parallelize
+from moe.parallel import init_mesh, parallelize
 from moe.plan.layout import Layout
 
 
@@ -141,14 +141,6 @@ def _recompute(model, layout: Layout) -> None:
         recompute_blocks(model, find_repeated_blocks(model)[:n])
 
 
-def _parallel(layout: Layout) -> ParallelConfig:
-    return ParallelConfig(
-        layout.data_parallel,
-        layout.exchange if layout.ep > 1 else "flat",
-        overlap=layout.overlap if layout.overlap > 1 else None,
-    )
-
-
 def prepare(model_name: str, sizes: Sizes, layout: Layout):
     """(forward + backward function, optimizer) of `layout` on this rank; all of it built
     here."""
@@ -162,7 +154,7 @@ def prepare(model_name: str, sizes: Sizes, layout: Layout):
         if layout.microbatches != 1:
             raise ValueError("pp = 1 layouts run one micro-batch per step here")
         mesh = init_mesh(dp=layout.dp, ep=layout.ep)
-        parallelize(model, mesh, config=_parallel(layout))
+        parallelize(model, mesh, config=layout.parallel)
         params = model.named_parameters()
 
         def forward_backward():
@@ -170,22 +162,17 @@ def prepare(model_name: str, sizes: Sizes, layout: Layout):
             (loss + moe.aux_loss(model)).backward()
 
     else:
-        from moe.pipeline import Pipeline, PipelineConfig, hf_stack, init_pipeline_mesh
+        from moe.pipeline import Pipeline, hf_stack, init_pipeline_mesh
 
         if model_name != "mixtral":
             raise ValueError("pp > 1 layouts run the Mixtral-like model (moe.pipeline.hf_stack)")
         mesh = init_pipeline_mesh(layout.pp, layout.dp, layout.ep)
-        config = PipelineConfig(
-            layout.schedule,
-            microbatches=layout.microbatches,
-            stages_per_rank=layout.stages_per_rank,
-        )
         tokens = layout.micro_batch_seqs * sizes.seq_len
 
         def pipe_loss(logits, target):
             return loss_fn(logits, target) * target.numel() / tokens / layout.microbatches
 
-        pipe = Pipeline(hf_stack(model), mesh, config, pipe_loss, parallel=_parallel(layout))
+        pipe = Pipeline(hf_stack(model), mesh, layout.pipeline, pipe_loss, layout.parallel)
         params = pipe.named_parameters()
 
         def forward_backward():
