@@ -163,7 +163,7 @@ def _body(rank, world):
         again, again_seconds = _timed_step(pipe, x, y)
         out[name] = {"steps_ok": steps, "error": error, "seconds": seconds, "again": again}
         out[name]["stall_ended"] = Fault.stall_ended
-    dist.barrier()  # every rank is out of its failed steps
+    dist.barrier()  # every rank is out of its failed steps; the world group still works
     return out
 
 

@@ -5,25 +5,27 @@ mode, autocast, saved_tensors_hooks, dispatch modes, profilers, streams - reache
 What is used (PyTorch 2.13; what it assumes beyond torch's documented API is in
 moe.pipeline.torch_internals), confined to the pipeline's own process groups:
 
-- every wait of a step is bounded by step_timeout: the pipeline's P2P groups and its agreement
-  group (gloo, every rank) are created with it, and the groups of its mesh (pp, dp, ep and the
-  stages' dp x ep) have it for the step's duration (set before, restored after). No other
-  process group of the process is touched.
+- every group a step communicates over is the pipeline's own (moe.pipeline.groups: an
+  agreement group over every rank, the P2P groups, the stages' dp / ep / dp x ep groups),
+  created with step_timeout, so every wait of a step is bounded by it. No other process group
+  of the process is touched.
 - a rank whose part fails (an exception, the router's NaN check, a transfer that failed or
   timed out) appends a report (rank, stage, the original exception's type and message) to the
-  agreement group's store and raises PipelineStepError naming every report it reads.
+  agreement group's store, closes the pipeline's groups (NCCL: abort; gloo: their connections
+  shut down, so the peers waiting on it wake at once) and raises PipelineStepError naming
+  every report it reads.
 - a watcher thread (moe.pipeline.watch) reads the reports during a step; on another rank's
-  report it aborts the pipeline's NCCL communicators (an NCCL wait ends at once) and interrupts
-  the calling thread, which raises the same PipelineStepError: running Python code, at once;
-  blocked in a gloo wait (gloo has no abort), when that wait ends - its peer's closed
-  connection, at the latest its timeout, step_timeout.
+  report it closes the pipeline's groups here too (a blocked wait on them ends at once) and
+  interrupts the calling thread (running Python code, it stops at its next bytecode), which
+  raises the same PipelineStepError. Where gloo's connections could not be recorded, a gloo
+  wait ends at its timeout, step_timeout.
 - the step ends with a barrier over every rank (the agreement group), so a rank that finished
   its part still learns of a failure later in the step. The check of the step's inputs and, at
   the first step, the search for the stage shapes are watched the same way: a rank that died
   between steps is an error at the next one.
 
-After a PipelineStepError the Pipeline is unusable (its groups may hold unfinished transfers;
-the stages' gradients are partial): every later step() raises at once, with no communication.
+After a PipelineStepError the Pipeline is unusable (its groups are closed; the stages'
+gradients are partial): every later step() raises at once, with no communication.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ import torch.distributed as dist
 
 from moe.comm.consistency import _rank_list, raise_if_any_rank_failed
 from moe.comm.topology import group_timeout
-from moe.parallel.mesh import mesh_group
-from moe.pipeline.torch_internals import can_abort, is_communication_error, original_error
+from moe.pipeline.groups import PipelineGroups
+from moe.pipeline.torch_internals import is_communication_error, original_error
 from moe.pipeline.watch import StepInterrupted, Watcher
 
 _KEY = "failures"
@@ -55,35 +57,32 @@ class PipelineStepError(RuntimeError):
 
 
 class StepGuard:
-    """The fault handling of one Pipeline (see the module docstring). Built collectively at
-    its first step: a gloo group over every rank and one P2P group per pipeline, both with
-    `timeout`; `pp_group` is this rank's."""
+    """The fault handling of one Pipeline (see the module docstring), built collectively with
+    it, before its stages are parallelized: `mesh` (the user's mesh's layout over the
+    pipeline's own groups, PipelineGroups) is what the stages communicate over, `pp_group`
+    their P2P group."""
 
-    def __init__(self, mesh, modules: list, stage_indices: list[int], step_timeout: float | None):
+    def __init__(self, mesh, stage_indices: list[int], step_timeout: float | None):
         default = group_timeout(None) or datetime.timedelta(minutes=30)
         self.timeout = default if step_timeout is None else datetime.timedelta(seconds=step_timeout)
         self.stage_indices = list(stage_indices)
         self.rank = dist.get_rank()
-        self.group = dist.new_group(timeout=self.timeout, backend="gloo")
-        layout = mesh.mesh.reshape(mesh.size(0), -1)  # pp x (one column per pipeline)
-        self.pp_group = None
-        for column in layout.t().tolist():
-            group = dist.new_group(column, timeout=self.timeout, sort_ranks=False)
-            if self.rank in column:
-                self.pp_group, self.pipeline_ranks = group, column
-        self.mesh_groups = [mesh.get_group(dim) for dim in ("pp", "dp", "ep")]
-        self.mesh_groups.append(mesh_group(mesh["dp", "ep"]))
+        self.groups = PipelineGroups(mesh, self.timeout)
+        self.group, self.mesh = self.groups.agreement, self.groups.mesh
+        self.pp_group, self.pipeline_ranks = self.groups.pp_group, self.groups.pipeline_ranks
         # the agreement group's store: shared by every rank, new per Pipeline
         self.store = dist.PrefixStore("moe.pipeline/", self.group.get_group_store())
         self.steps = 0
         self.failed: str | None = None
         self._stage_error: tuple[int, BaseException] | None = None
-        self._abortable = [g for g in [self.pp_group, *self.mesh_groups] if can_abort(g)]
         self.watcher = Watcher(
             functools.partial(_read, self.store),
-            functools.partial(_abort, self._abortable),
+            self.groups.close,
             name=f"moe.pipeline step watcher {self.group.group_name}",
         )
+
+    def watch(self, modules: list) -> None:
+        """Notes which of this rank's stages (`modules`, by stage index) raised in forward."""
         for stage, module in zip(self.stage_indices, modules):
             module.register_forward_hook(functools.partial(self._note, stage), always_call=True)
 
@@ -133,18 +132,12 @@ class StepGuard:
         return self.call(then_barrier)
 
     def call(self, fn: Callable, keep: type[BaseException] | tuple = ()):
-        """fn() on this thread, the mesh's collectives bounded by step_timeout, watched: its
-        value; an exception of a `keep` type as it is (the same on every rank by construction);
-        any other exception reported and raised as PipelineStepError, as is another rank's
-        report."""
+        """fn() on this thread, watched: its value; an exception of a `keep` type as it is (the
+        same on every rank by construction); any other exception reported and raised as
+        PipelineStepError, as is another rank's report."""
         self.refuse_if_failed()
-        saved = _bound(self.mesh_groups, self.timeout)
         self._stage_error = None
-        try:
-            return self._watched(fn, keep)
-        finally:
-            for group, old in saved:
-                group.set_timeout(old)
+        return self._watched(fn, keep)
 
     def _watched(self, fn: Callable, keep) -> object:
         error = None
@@ -194,7 +187,7 @@ class StepGuard:
             return fallback
 
     def _lost(self, error: BaseException) -> PipelineStepError:
-        _abort(self._abortable)
+        self.groups.close()
         self.failed = (
             f"pipeline step {self.steps}: lost the store that carries the ranks' errors "
             f"({type(error).__name__}: {_clip(error)}); its host (rank 0, or torchrun's agent) "
@@ -203,7 +196,7 @@ class StepGuard:
         return PipelineStepError(self.failed)
 
     def _fail(self, reports: list[dict]) -> PipelineStepError:
-        _abort(self._abortable)
+        self.groups.close()  # after the report: a peer released by it reads the report
         self.failed = describe(self.steps, reports)
         return PipelineStepError(self.failed)
 
@@ -264,23 +257,3 @@ def _read(store) -> list[dict]:
     if not store.check([_KEY]):
         return []
     return _parse(store.get(_KEY))
-
-
-def _abort(groups: list) -> None:
-    """Ends the blocked waits of these groups (NCCL's communicator abort)."""
-    for group in groups:
-        with contextlib.suppress(Exception):
-            group.abort()
-
-
-def _bound(groups: list, timeout: datetime.timedelta) -> list:
-    """These groups get `timeout` (later collectives only); their previous timeouts, to
-    restore."""
-    saved = []
-    for group in dict.fromkeys(groups):
-        old = group_timeout(group)
-        if old is not None and old != timeout:
-            with contextlib.suppress(RuntimeError):  # a backend without timeouts
-                group.set_timeout(timeout)
-                saved.append((group, old))
-    return saved

@@ -94,13 +94,15 @@ class Pipeline:
         self.stage_indices = [s for s, r in enumerate(self.stage_ranks) if r == rank]
         self.is_first = 0 in self.stage_indices
         self.is_last = self.num_stages - 1 in self.stage_indices
-        self.pp_group = mesh.get_group("pp")
-        stage_mesh = mesh["dp", "ep"]
+        # the pipeline's own groups (moe.pipeline.groups): the stages communicate over them
+        self._guard = StepGuard(mesh, self.stage_indices, config.step_timeout)
+        self.pp_group, stage_mesh = self._guard.pp_group, self._guard.mesh["dp", "ep"]
         self.modules = [build_stage(model, plan[s], config.aux_scale) for s in self.stage_indices]
         for module in self.modules:
             if config.sync_params:
                 broadcast_from_first_rank(module, stage_mesh)
             parallelize_stage(module, stage_mesh, parallel)
+        self._guard.watch(self.modules)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend() == "nccl"
@@ -132,11 +134,11 @@ class Pipeline:
         during the step (a stage's forward or backward, the router's finite check, the loss, a
         dead peer's closed connection) is one PipelineStepError on every rank, naming each
         failing rank, its stage and the original exception's type and message: the failing
-        rank reports it through the agreement group's store; a watcher thread on every other
-        rank reads it (within a second; 0.05 s early in a step) and ends that rank's part (at
-        once in Python code or an NCCL wait, when a gloo wait ends: its peer's closed
-        connection, at the latest step_timeout). A rank that dies without a report ends the
-        others' waits within config.step_timeout (its closed connections usually at once).
+        rank reports it through the agreement group's store and closes the pipeline's groups;
+        a watcher thread on every other rank reads it (within a second; 0.05 s early in a
+        step), closes them there too (a wait on them ends at once) and interrupts that rank's
+        part. A rank that dies without a report ends the others' waits within
+        config.step_timeout (its closed connections usually at once).
         No rank waits longer than step_timeout for another inside a step (ranks must call
         step within step_timeout of each other). The schedule runs on the calling thread, so
         grad mode, autocast, saved_tensors_hooks, dispatch modes and profilers entered around
@@ -178,16 +180,9 @@ class Pipeline:
         return (output, losses) if self.is_last else (None, None)
 
     def _step_guard(self) -> StepGuard:
-        """The pipeline's StepGuard, built (collectively) at the first step: from then on the
-        stages exchange activations over its P2P groups, created with config.step_timeout."""
-        guard = getattr(self, "_guard", None)
-        if guard is None:
-            guard = self._guard = StepGuard(
-                self.mesh, self.modules, self.stage_indices, self.config.step_timeout
-            )
-            self.pp_group = guard.pp_group
-        guard.refuse_if_failed()
-        return guard
+        """The pipeline's StepGuard (moe.pipeline.faults), refusing a Pipeline that failed."""
+        self._guard.refuse_if_failed()
+        return self._guard
 
     def _check_batch(self, name: str, t) -> None:
         m = self.config.microbatches

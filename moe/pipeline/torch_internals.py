@@ -9,6 +9,10 @@ torch version, so each assumption is checked again before it is relied on.
   the transport: a closed or reset connection, a timeout, NCCL.
 - ProcessGroup.abort() ends a blocked wait on NCCL; on gloo it does nothing (a wait ends only at
   its timeout or its peer's closed connection).
+- A gloo group opens its own listening socket and its TCP connections while dist.new_group runs
+  (unless gloo's lazy init is on); shutting a connection down ends every wait on it, here and
+  at the peer, with "Connection closed"; shutting the listener down aborts the process
+  (moe.pipeline.groups).
 """
 
 from __future__ import annotations
