@@ -175,14 +175,14 @@ class MoELayer(nn.Module):
         return y_TD
 
     def _kernel(self, x_TD: torch.Tensor) -> ExpertKernel:
-        """The experts' kernel (GroupedExperts.kernel_for), refusing an input it cannot take
-        in one error naming this layer, the kernel and the reason; checked again only when the
-        kernel, the input's device type or the weights' dtype changes, so a forward builds its
-        weights once (in the experts' call, where FSDP2 has gathered them)."""
+        """The experts' kernel; an input it cannot take is one error naming this layer, the
+        kernel and the reason, asked again only when kernel, device type or dtype change."""
         kernel = self.experts.kernel_for(x_TD)
         key = (kernel, x_TD.device.type, self.experts.w1.dtype)
         if self._kernel_checked != key:
-            reason = kernel.refuse(x_TD, self.experts.weights())
+            with torch.no_grad():  # dtype and format only: nothing saved for a recomputation
+                weights = self.experts.weights()  # (which asks no more): built once a forward
+            reason = kernel.refuse(x_TD, weights)
             if reason is not None:
                 raise ValueError(
                     f"{self.name}: kernel {kernel.name!r} cannot run this layer: {reason}"
