@@ -37,7 +37,13 @@ def test_tiny_trains_and_loss_falls(uninterrupted):
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < 0.7 * first, (first, last)
     assert uninterrupted["caption_total"] == len(m6data.load_digits().test)
-    assert 0.0 <= uninterrupted["caption_accuracy"] <= 1.0
+    # the accuracy is the graded share, and a sample is graded correct iff it is the reference
+    correct, total = uninterrupted["caption_correct"], uninterrupted["caption_total"]
+    assert uninterrupted["caption_accuracy"] == correct / total
+    samples = uninterrupted["samples"]
+    graded = [s["generated"] == " ".join(s["reference"].lower().split()) for s in samples]
+    assert samples and [s["correct"] for s in samples] == graded
+    assert sum(s["correct"] for s in samples) <= correct
 
 
 def test_resume_continues_with_the_same_losses(uninterrupted, tmp_path):
