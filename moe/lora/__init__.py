@@ -15,12 +15,12 @@ from moe.lora.apply import (
 )
 from moe.lora.config import EXPERT_TARGETS, LoRAConfig
 from moe.lora.format import LORA, LoRAFormat, LoRAWeights
-from moe.lora.kernel import LORA_KERNEL, LoRAKernel
+from moe.lora.kernel import LORA_WRAPPER, LoRAKernel
 
 __all__ = [
     "EXPERT_TARGETS",
     "LORA",
-    "LORA_KERNEL",
+    "LORA_WRAPPER",
     "LoRAConfig",
     "LoRAFormat",
     "LoRAKernel",

@@ -84,7 +84,7 @@ class LoRAWrapper(KernelWrapper):
         return LoRAKernel.around(kernel)
 
 
-LORA_KERNEL = register_kernel_wrapper(LoRAWrapper("lora"))
+LORA_WRAPPER = register_kernel_wrapper(LoRAWrapper("lora"))
 
 
 def _row_bias(b_LX: Tensor, offsets_L: Tensor, R: int) -> Tensor:
