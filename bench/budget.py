@@ -50,6 +50,7 @@ VARIANTS = {  # name -> MoELayer options (lora: adapters added after the build)
     "bf16 cutlass": {"backend": "triton_cutlass"},
     "fp8 rowwise": lambda: _fp8(experts=True),
     "fp8 rowwise +dispatch": lambda: _fp8(experts=True, dispatch=True),
+    "fp8 rowwise bf16-wgrad": lambda: _fp8(experts=True, wgrad_bf16=True),
     "fp8 blockwise": lambda: _fp8(experts=True, recipe="blockwise"),
     "fp8 blockwise +dispatch": lambda: _fp8(experts=True, dispatch=True, recipe="blockwise"),
     "lora r16": {"backend": "torch", "lora": 16},

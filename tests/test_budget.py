@@ -103,7 +103,7 @@ def test_counting_rules():
 
 def test_fp8_verdicts_name_the_targets(measured):
     lines = budget.fp8_vs_bf16(list(measured.values()))
-    assert len(lines) == 5 and all("tiny, fp8" in line for line in lines)
+    assert len(lines) == 6 and all("tiny, fp8" in line for line in lines)
     assert "= bf16 torch ep2 +" in lines[-1]
 
 

@@ -81,6 +81,7 @@ def fp8_expert_mlp(
         float(config.amax_floor),
         config.save_fp8_inputs,
         config.recipe,
+        config.wgrad_bf16,
     )
     y_RD = _FP8MLP.apply(
         x_ND.contiguous(), ids_R, offsets_L, w1_LDF.contiguous(), w2_LFD.contiguous(),

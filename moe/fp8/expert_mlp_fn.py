@@ -20,6 +20,7 @@ from moe.fp8.grouped_mm import (
 )
 from moe.fp8.quant import group_of_rows
 from moe.kernels.activations import activation_backward, apply_activation
+from moe.kernels.torch_grouped_mm import wgrad_groups
 
 
 def row_bias(b_LX: Tensor, group_R: Tensor) -> Tensor:
@@ -44,6 +45,14 @@ def _gather(t: Tensor, ids_R: Tensor | None) -> Tensor:
     return t if ids_R is None else t.index_select(0, ids_R)
 
 
+def _wgrad(x_RK: Tensor, dy_RN: Tensor, op: tuple, bf16: bool) -> Tensor:
+    """dw = x^T dy per expert: FP8 (moe::fp8_grouped_mm_wgrad), or with bf16 (FP8Config.
+    wgrad_bf16) the operands unquantized in dy's dtype on the plain grouped GEMM."""
+    if bf16:
+        return wgrad_groups(x_RK.to(dy_RN.dtype).contiguous(), dy_RN, op[0])
+    return _wgrad_op(x_RK, dy_RN, *op)
+
+
 class _FP8MLP(torch.autograd.Function):
     """y_RD = down(act(up(x) + b1, gate(x)) * w_R1) with every GEMM in FP8; tail rows zero.
     x_ND's rows are quantized once, per token (rowwise and 1 x 128 scales are per row, so the
@@ -51,7 +60,7 @@ class _FP8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, ids_R, offsets_L, w1, w2, w3, b1, w_R1, activation, gemm):
-        pow2, floor, save_fp8, recipe = gemm
+        pow2, floor, save_fp8, recipe, _ = gemm
         q_x, s_x = quantize_input(x_ND, pow2, floor, recipe)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
         h_RF = _fwd_quantized_op(q_R, s_R, w1, offsets_L, pow2, floor, recipe, x_ND.dtype)
@@ -74,7 +83,7 @@ class _FP8MLP(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise NotImplementedError("the FP8 expert MLP has no double backward")
         ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x = ctx.saved_tensors
-        pow2, floor, save_fp8, recipe = ctx.gemm
+        pow2, floor, save_fp8, recipe, bf16_wgrad = ctx.gemm
         x_shape, x_dtype = ctx.x_shape
         op = (offsets_L, pow2, floor, recipe)
         need = ctx.needs_input_grad
@@ -82,9 +91,9 @@ class _FP8MLP(torch.autograd.Function):
         a_RF, a_w = _activation(h_RF, g_RF, w_R1, ctx.activation)
         dw2 = None
         if need[4]:  # the down GEMM's input as its forward kept it, recomputed
-            if save_fp8:
+            if save_fp8 and not bf16_wgrad:
                 a_w = kept_input(quantize_input(a_w.contiguous(), pow2, floor, recipe), recipe)
-            dw2 = _wgrad_op(a_w, dy_RD, *op).to(w2.dtype)
+            dw2 = _wgrad(a_w, dy_RD, op, bf16_wgrad).to(w2.dtype)
         del a_w
         da_w = _dgrad_op(dy_RD, w2, *op).to(x_dtype)
         d_rw = (da_w * a_RF).sum(1, keepdim=True) if w_R1 is not None and need[7] else None
@@ -105,8 +114,10 @@ class _FP8MLP(torch.autograd.Function):
         x_RD = None
         if need[3] or need[5]:
             x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
-        dw1 = _wgrad_op(x_RD, dh, *op).to(w1.dtype) if need[3] else None
-        dw3 = _wgrad_op(x_RD, dg, *op).to(w3.dtype) if dg is not None and need[5] else None
+        dw1 = _wgrad(x_RD, dh, op, bf16_wgrad).to(w1.dtype) if need[3] else None
+        dw3 = None
+        if dg is not None and need[5]:
+            dw3 = _wgrad(x_RD, dg, op, bf16_wgrad).to(w3.dtype)
         return dx, None, None, dw1, dw2, dw3, db1, d_rw, None, None
 
 
