@@ -135,7 +135,13 @@ def test_benchmark_end_to_end_on_loopback(tmp_path):
         assert len(row["bubble"]) == 2 and all(0.0 <= b <= 1.0 for b in row["bubble"])
         assert row["bubble_mean"] == pytest.approx(statistics.fmean(row["bubble"]))
         assert row["step_ms"] > 0 and all(b > 0 for b in row["busy_ms"])
-        assert row["backward_over_forward"] > 0 and 0 < row["busy_on_cpu"] <= 1.05
+        # from the raw records (CPU time over wall time has no bound on a loaded machine)
+        mine = [r for r in layout["rows"] if r["schedule"] == row["schedule"]]
+        fwd = sum(r["busy_parts_s"]["forward"] for r in mine)
+        bwd = sum(r["busy_parts_s"]["backward"] + r["busy_parts_s"]["weight"] for r in mine)
+        assert len(mine) == 2 and row["backward_over_forward"] == pytest.approx(bwd / fwd)
+        cpu = statistics.fmean(sum(r["busy_cpu_s"]) / sum(r["busy_s"]) for r in mine)
+        assert row["busy_on_cpu"] == pytest.approx(cpu)
         assert row["step_vs_1f1b"] is None and row["work_vs_1f1b"] is None  # no 1F1B row here
         assert all(p > 0 for p in row["step_peak_mib"])
         assert sum(row["param_mib"]) * 2**20 == model_bytes  # each parameter on one stage
