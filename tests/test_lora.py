@@ -20,6 +20,7 @@ from moe.lora import LoRAConfig, adapter_parameters, adapter_state_dict, add_lor
 from moe.lora import kernel as lora_kernel  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.fp8_reference import RefFP8Gemm  # noqa: E402
+from tests.tolerance import assert_close_in  # noqa: E402
 
 E, D, F_, R = 5, 7, 9, 3
 P_DROP = 0.25
@@ -129,8 +130,9 @@ def check(layer, T=11, tol=None, monkeypatch=None, gemm=None, dtype=torch.float6
     (y.double() * g).sum().backward()
     (y_ref * g).sum().backward()
     tol = tol or {"rtol": 1e-9, "atol": 1e-10}
-    torch.testing.assert_close(y.double(), y_ref, **tol)
-    torch.testing.assert_close(x.grad.double(), x_ref.grad, **tol)
+    close = tol if callable(tol) else lambda a, b: torch.testing.assert_close(a, b, **tol)
+    close(y.double(), y_ref)
+    close(x.grad.double(), x_ref.grad)
     slots = layer.expert_of_slot_S
     n_grads = 0
     for n, p in layer.named_parameters():
@@ -143,11 +145,11 @@ def check(layer, T=11, tol=None, monkeypatch=None, gemm=None, dtype=torch.float6
         if not n.startswith("experts."):  # a shared expert's: the reference's leaf
             mod = layer.get_submodule(n.rpartition(".")[0])
             want = getattr(mod, "ref_" + n.rpartition("_")[2]).grad
-            torch.testing.assert_close(p.grad.double(), want, **tol)
+            close(p.grad.double(), want)
             continue
         name = n.removeprefix("experts.")
         got = torch.zeros_like(P[name].grad).index_add_(0, slots, p.grad.double())
-        torch.testing.assert_close(got[:E], P[name].grad[:E], **tol)
+        close(got[:E], P[name].grad[:E])
         n_grads += 1
     assert n_grads == 2 * len(layer.config.lora.targets)
 
@@ -239,7 +241,11 @@ def test_fp8_experts_with_adapters(dtype, monkeypatch):
 
     layer = build(dtype=dtype, fp8=FP8Config(experts=True))
     assert layer.experts.kernel_for(torch.zeros(1)).name == "fp8"
-    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 6e-2}
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    if dtype == torch.bfloat16:  # bf16 roundings of the values' scale (FP8 steps shared with
+        # the reference): measured 3.0 eps on y, 4.8 on dx (its bf16 gradient quantized to FP8
+        # a step apart from the float64 one's here and there), 1.4 on the adapters' gradients
+        tol = lambda a, b: assert_close_in(torch.bfloat16, a, b, ulps=6)  # noqa: E731
     check(layer, tol=tol, monkeypatch=monkeypatch, gemm=_fp8_gemm, dtype=dtype)
 
 
