@@ -13,7 +13,7 @@ from torch import nn
 
 import moe
 from moe.parallel import ParallelConfig
-from moe.pipeline import Pipeline, PipelineConfig, init_pipeline_mesh, plan_stages
+from moe.pipeline import Pipeline, PipelineConfig, features, init_pipeline_mesh, plan_stages
 from moe.pipeline.stage_parallel import stage_config
 from tests.distributed import run_ranks
 
@@ -342,3 +342,8 @@ def test_config_and_stage_plan_are_checked_before_any_work():
         stage_config(ParallelConfig(sync_params=False))
     with pytest.raises(ValueError, match="must be a ParallelConfig"):
         stage_config(("fsdp",))
+    no_stages = type("NoStages", (), {"modules": []})()  # the deprecated per-pipe aliases
+    for name, core in (("update_router_biases", "moe"), ("reset_global_balance", "moe"),
+                       ("sum_replica_grads", "moe.parallel")):  # fmt: skip
+        with pytest.warns(FutureWarning, match=rf"call {core}.{name}\(pipe.local_model\(\)\)"):
+            getattr(features, name)(no_stages)

@@ -196,7 +196,7 @@ def _train_pipeline(pipe, case, rank, trace_dir=None):
             losses += part or []
         out = None if outs[0] is None else torch.cat(outs)
         if case.replicas:
-            features.sum_replica_grads(pipe)
+            moe.parallel.sum_replica_grads(pipe.local_model())
         grads = {n: p.grad.full_tensor() for n, p in pipe.named_parameters()}
         opt.step()
         stats = {
@@ -205,8 +205,8 @@ def _train_pipeline(pipe, case, rank, trace_dir=None):
             if "global_balance_loss" in layer.stats
         }
         if case.balance:
-            features.update_router_biases(pipe)
-            features.reset_global_balance(pipe)
+            moe.update_router_biases(pipe.local_model())
+            moe.reset_global_balance(pipe.local_model())
         if case.replicas:
             reports = features.rebalance_experts(pipe, opt, min_gain=0.0)
             moved += sum(report.moved_experts for report in reports.values())

@@ -1,12 +1,14 @@
 """The MoE features on a pipeline's stages (issue 47): each acts on this rank's stage modules
 with the stage's own ranks, as pp = 1 code acts on a whole model with the mesh's.
 
-- `local_model(pipe)`: this rank's stages' children in one nn.Module, under their names in the
-  whole model (moved nothing: the same modules), for calls that take a model. Every MoE layer
-  on a rank (both stages of a rank under interleaved / V schedules) is on the rank's
-  ("dp", "ep") mesh, so their collectives run over the stage's dp x ep ranks.
-- `update_router_biases(pipe)`: aux-loss-free bias updates (router load_group = the stage's
-  ranks, set by parallelize on the stage mesh); `reset_global_balance(pipe)` after each step.
+- `local_model(pipe)` (`Pipeline.local_model()`): this rank's stages' children in one
+  nn.Module, under their names in the whole model (moved nothing: the same modules), for the
+  core calls that take a model, as at pp = 1: `moe.update_router_biases`,
+  `moe.reset_global_balance`, `moe.parallel.sum_replica_grads`. Every MoE layer on a rank
+  (both stages of a rank under interleaved / V schedules) is on the rank's ("dp", "ep") mesh,
+  so their collectives run over the stage's dp x ep ranks. `update_router_biases(pipe)`,
+  `reset_global_balance(pipe)` and `sum_replica_grads(pipe)` here are deprecated aliases of
+  those (one release).
 - `record_routing(pipe)` / `replay_routing(pipe, routes)`: router record / replay on every
   rank, with or without MoE layers on it (a rank without records none and joins replay's
   agreement). Records are kept per layer, one per forward in the order the stage ran them:
@@ -17,11 +19,12 @@ with the stage's own ranks, as pp = 1 code acts on a whole model with the mesh's
 - `routing_traces(pipe, path)`: one moe.RoutingTrace per local stage with MoE layers,
   reduced over the stage's ranks and written by its first rank; "{stage}" in `path` becomes
   the stage index.
-- `rebalance_experts(pipe, optimizer)` / `sum_replica_grads(pipe)`: over the stage's ranks
+- `rebalance_experts(pipe, optimizer)`: one report per stage, over the stage's ranks
   (moe.parallel.mesh.layers_group).
 """
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,15 +63,23 @@ def local_model(pipe) -> nn.Module:
     return LocalStages(pipe.modules)
 
 
+def _deprecated(name: str, core: str) -> None:
+    warnings.warn(
+        f"moe.pipeline.features.{name}(pipe) is deprecated: call {core}(pipe.local_model())",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
 def update_router_biases(pipe) -> None:
-    """moe.update_router_biases on this rank's stages: each router's bias moves by the load of
-    every micro-batch of the step summed over its stage's ranks. Call on every rank, once per
-    optimizer step (a stage without a bias router does nothing)."""
+    """Deprecated: moe.update_router_biases(pipe.local_model())."""
+    _deprecated("update_router_biases", "moe.update_router_biases")
     _update_router_biases(local_model(pipe))
 
 
 def reset_global_balance(pipe) -> None:
-    """Start a new step of balance_loss="global" on this rank's stages (after each step)."""
+    """Deprecated: moe.reset_global_balance(pipe.local_model())."""
+    _deprecated("reset_global_balance", "moe.reset_global_balance")
     _reset_global_balance(local_model(pipe))
 
 
@@ -153,6 +164,6 @@ def rebalance_experts(
 
 
 def sum_replica_grads(pipe) -> int:
-    """moe.parallel.sum_replica_grads on this rank's stages (after the step's backward, before
-    clipping and optimizer.step(), on every rank): bytes this rank contributed."""
-    return sum(_sum_replica_grads(module) for module in pipe.modules)
+    """Deprecated: moe.parallel.sum_replica_grads(pipe.local_model())."""
+    _deprecated("sum_replica_grads", "moe.parallel.sum_replica_grads")
+    return _sum_replica_grads(local_model(pipe))
