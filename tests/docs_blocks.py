@@ -1,4 +1,4 @@
-"""The fenced code blocks of the README files, for tests/test_docs.py: shell commands (one per
+"""The fenced code blocks of the README files and docs/*.md, for tests/test_docs.py: shell commands (one per
 line, backslash continuations joined, trailing comments cut), python snippets, the commands
 written inline in the prose (`python -m bench.rebalance`), and the output blocks (fences
 without a language)."""
@@ -7,7 +7,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "examples/m6/README.md", "examples/hf/README.md")
+DOCS = (
+    "README.md",
+    "examples/m6/README.md",
+    "examples/hf/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 

@@ -99,7 +99,7 @@ def test_state_dict_round_trip_is_exact_and_safe():
     assert torch.equal(model(x), fresh(x))
 
 
-# The README's "Public names: one path each" table, path by path.
+# docs/reference.md's "Public names: one path each" table (moved from the README), path by path.
 README_PUBLIC_NAMES = {
     "moe": ["MoELayer", "MoEConfig", "GroupedExperts", "aux_loss", "moe_layers",
             "update_router_biases", "reset_global_balance", "swap_ffn", "ConversionError",
@@ -175,14 +175,14 @@ MOVED = {
 
 
 def test_readme_public_names_are_its_table_and_resolve_after_import_moe():
-    """Every path of the README's public-name table is in the README and resolves after a plain
+    """Every path of the public-name table (docs/reference.md) is in it and resolves after a plain
     `import moe` without a warning (a subprocess: fresh imports, DeprecationWarning an error)."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs/reference.md").read_text()
     table = readme[readme.index("## Public names: one path each") :]
     table = table[: table.index("\n## ")]
     rows = {line.split("|")[1].strip(" `."): line.split("|")[2] for line in table.splitlines()

@@ -27,12 +27,12 @@ import re
 import runpy
 import shlex
 import shutil
+import subprocess
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.distributed import run_ranks
 from tests.docs_blocks import DOCS, ROOT, blocks, commands, inline_commands, outputs
@@ -40,7 +40,9 @@ from tests.docs_blocks import DOCS, ROOT, blocks, commands, inline_commands, out
 GPU = "needs a GPU (run by tests/test_cuda.py and scripts/gpu_check.sh on GPU machines)"
 SKIP = {
     "bash scripts/quickstart.sh": "installs packages (the network); its M6 run is run below",
-    "bash .ci/run": "is CI itself",
+    "bash .ci/run --quick": "is CI itself (the quick tier)",
+    "python -m moe.plan --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem 80 "
+    "--tokens 4M": "the same command written in the README's prose runs (PROSE)",
     "python3 -m venv .venv && . .venv/bin/activate": "a new environment (quickstart.sh's)",
     ". .venv/bin/activate": "activates quickstart.sh's environment (this suite runs in CI's)",
     'pip install -e ".[examples]"': "installs packages (CI installs these extras)",
@@ -65,6 +67,25 @@ TOO_BIG = "too big for CI: --help here (the module and its parser load)"
 # ("help", why) or ("skip", why).
 PROSE = {
     "python3 -m venv": ("skip", "a fragment of the fenced venv command"),
+    "bash .ci/run": ("skip", "is CI itself (the full run)"),
+    "bash .ci/run tests/test_layer.py -x": ("skip", "is CI itself"),
+    "python -m bench.alltoall": ("help", "spawns 8 ranks, minutes per size: " + TOO_BIG),
+    "torchrun --nproc-per-node 8 -m bench.alltoall": ("skip", "8 ranks, minutes per size"),
+    "python -m bench.alltoall --emulate 2x4": ("skip", "root: network namespaces and tc"),
+    "python -m bench.alltoall --model-only": ("run", []),  # a projection: no ranks
+    "python -m tools.token_path": ("skip", "tests/test_token_path.py runs it"),
+    "python -m bench.budget": ("help", "every variant's step, a report: " + TOO_BIG),
+    "torchrun --nproc-per-node 4 examples/m6/train.py --pp 2 --ep 2": (
+        "skip",
+        "4 pipeline ranks of M6: tests/test_m6_pipeline.py runs the example at --pp 2",
+    ),
+    "python -m bench.pipeline --ep2 --out bench/results/DATE-cpu-pipeline": (
+        "help",
+        "an emulated network (root, ip netns, tc), minutes",
+    ),
+    "python -m bench.plan_published": ("skip", "tests/test_plan.py runs its cases"),
+    "python -m bench.plan_measured --emulate 2x2 --rates 100,400 --out "
+    "bench/results/2026-12-06-cpu-plan-measured": ("skip", "an emulated network (root), hours"),
     "scripts/gpu_check.sh": ("skip", GPU),
     "python -m bench.alltoall --suite": ("help", "spawns 8 ranks, minutes per size: " + TOO_BIG),
     "python -m bench.rebalance": (
@@ -332,11 +353,19 @@ def _is_fragment(code: str) -> bool:
 
 
 @pytest.mark.parametrize("doc, i", [(d, i) for d, i, code in _snippets() if not _is_fragment(code)])
-def test_python_snippets_run_as_written(doc, i, tmp_path, monkeypatch):
+def test_python_snippets_run_as_files(doc, i, tmp_path):
+    """Each snippet saved as a file and run by a new python in an empty directory without
+    PYTHONPATH, as from a fresh clone (moe installed, as the quick start installs it). The
+    examples' READMEs are read inside the checkout: their snippets run as a file in the
+    repository root would, with the checkout's examples/ beside them."""
     code = blocks(doc, "python")[i]
-    monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    exec(compile(code, f"{doc} python block {i}", "exec"), {"__name__": "__docs__"})
+    (tmp_path / "snippet.py").write_text(code)
+    if doc.startswith("examples/"):
+        (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, f"{doc} python block {i}:\n{done.stderr[-4000:]}"
 
 
 # -- what the docs show a command printing (issue 49 item 24) ----------------------------------
