@@ -5,7 +5,7 @@ those values, so what is printed is what was predicted."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 from moe.parallel.parallel_config import ParallelConfig
 from moe.pipeline.config import PipelineConfig
@@ -210,8 +210,7 @@ def render(value) -> str:
         return repr(value)
     args = []
     for f in fields(value):
-        v = getattr(value, f.name)
-        default = f.default if f.default is not MISSING else MISSING
-        if v != default or (isinstance(value, PipelineConfig) and f.name == "schedule"):
+        v = getattr(value, f.name)  # (a field without a default is always named)
+        if v != f.default or (isinstance(value, PipelineConfig) and f.name == "schedule"):
             args.append(f"{f.name}={render(v)}")
     return f"{type(value).__name__}({', '.join(args)})"
