@@ -13,6 +13,10 @@ torch version, so each assumption is checked again before it is relied on.
   (unless gloo's lazy init is on); shutting a connection down ends every wait on it, here and
   at the peer, with "Connection closed"; shutting the listener down aborts the process
   (moe.pipeline.groups).
+- Two private torch APIs reached through shared helpers: a group's timeout read from
+  ProcessGroup._get_backend(...).options._timeout (moe.comm.topology.group_timeout: the
+  default step_timeout), and DeviceMesh._flatten (moe.parallel.mesh.mesh_group: the stages'
+  dp x ep group).
 """
 
 from __future__ import annotations
