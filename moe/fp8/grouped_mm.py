@@ -62,12 +62,12 @@ def column_major(q_EKN: Tensor) -> Tensor:
 
 def fprop_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
     """w's forward operand, rowwise: (e4m3 [E, K, N], one scale per output column [E, 1, N]),
-    made once per optimizer step (moe/fp8/weight_cache.py), column-major where
-    torch._scaled_grouped_mm runs (the layout it takes)."""
+    made once per optimizer step (moe/fp8/weight_cache.py), column-major (K contiguous: the
+    layout torch._scaled_grouped_mm takes) from the rows of w's transpose."""
 
-    def make(w):
-        q, s = quantize_along(w, 1, pow2, floor)
-        return (column_major(q) if _scaled_gemm_ok(q, q) else q), s
+    def make(w):  # each column of w is a row of its transpose: one row quantization
+        q_ENK, s_EN1 = quantize_along(w.transpose(1, 2).contiguous(), -1, pow2, floor)
+        return q_ENK.transpose(1, 2), s_EN1.transpose(1, 2)  # column-major [E, K, N], [E, 1, N]
 
     return cached_form(("fprop", pow2, floor), w_EKN, make)
 

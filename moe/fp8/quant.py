@@ -29,6 +29,8 @@ Scale layouts (scales always float32, broadcastable against q where that is natu
 import torch
 from torch import Tensor
 
+from moe.kernels.triton_kernel import triton_installed
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 AMAX_FLOOR = E4M3_MAX * 2.0**-126  # 7 * 2^-120 ~ 5.27e-36: the scale floor is 2^-126, exactly
@@ -83,7 +85,14 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> 
 def quantize_along(
     x: Tensor, dim: int = -1, pow2: bool = False, floor: float = AMAX_FLOOR
 ) -> tuple[Tensor, Tensor]:
-    """One scale per slice along `dim` (the amax is taken over dim): (q, scale keepdim)."""
+    """One scale per slice along `dim` (the amax is taken over dim): (q, scale keepdim). Along
+    the last dim of a CUDA tensor (rows with unit stride, 2-D or contiguous): one Triton launch
+    (moe/fp8/triton_quant.py, the same codes and scales)."""
+    rows = x.dim() >= 1 and dim in (-1, x.dim() - 1) and x.stride(-1) == 1
+    if x.is_cuda and rows and (x.dim() == 2 or x.is_contiguous()) and triton_installed():
+        from moe.fp8.triton_quant import quantize_rows_triton
+
+        return quantize_rows_triton(x, pow2, floor)
     scale = scale_of(x.detach().abs().amax(dim=dim, keepdim=True), pow2, floor)
     return to_e4m3(x.detach(), scale), scale
 
