@@ -148,7 +148,7 @@ def test_unsupported_block_is_a_clear_error():
         ValueError, match=r"1 \(StrangeSparseBlock\) is a sparse-MoE block of an unsupported"
     ):
         moe.from_hf(model)
-    with pytest.raises(ValueError, match="no supported sparse-MoE block in Sequential"):
+    with pytest.raises(ValueError, match="no sparse-MoE block in Sequential: neither"):
         moe.from_hf(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 

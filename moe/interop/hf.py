@@ -1,12 +1,14 @@
 """from_hf / to_hf: transformers' sparse-MoE blocks <-> moe layers, in place, weights copied.
 
-    model = AutoModelForCausalLM.from_pretrained(...)   # Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3
-    moe.from_hf(model)           # every sparse-MoE block -> HFMoELayer (an MoELayer), same function
+    model = AutoModelForCausalLM.from_pretrained(...)   # any family on the experts contract
+    moe.from_hf(model)           # the table's blocks -> HFMoELayer, every other experts module on
+                                 # the contract -> HFExpertsLayer (hf_contract.py); same function
     moe.parallel.parallelize(model, mesh)  # as for any model with MoE layers
     ...train...
     moe.to_hf(model).save_pretrained(path)  # the original block classes, trained weights
 
-Converted block state-dict names (under the block's path, e.g. `model.layers.3.mlp.`):
+The table's families (hf_families.py: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) convert whole;
+their converted block state-dict names (under the block's path, e.g. `model.layers.3.mlp.`):
     router.weight [E, d]                        <- gate.weight
     router.expert_bias [E]                      <- gate.e_score_correction_bias (DeepSeek-V3)
     experts.w1 / experts.w3 [E, d, F]           <- experts.gate_up_proj[:, :F] / [:, F:], transposed
@@ -21,6 +23,7 @@ import weakref
 import torch
 from torch import nn
 
+from moe.interop import hf_contract
 from moe.interop.hf_families import FAMILIES
 from moe.layer import MoELayer
 
@@ -95,10 +98,9 @@ def _check_supported(model: nn.Module) -> None:
     belong to no supported family are an error naming the path and class."""
     for name, module in model.named_modules():
         cls = type(module).__name__
-        looks_sparse = hasattr(module, "gate") and hasattr(
-            getattr(module, "experts", None), "gate_up_proj"
-        )
-        if looks_sparse and cls not in FAMILIES:
+        experts = getattr(module, "experts", None)
+        looks_sparse = hasattr(module, "gate") and hasattr(experts, "gate_up_proj")
+        if looks_sparse and cls not in FAMILIES and not hf_contract.on_contract(experts):
             raise ValueError(
                 f"from_hf: {name} ({cls}) is a sparse-MoE block of an unsupported family; "
                 f"supported: {sorted(FAMILIES)}"
@@ -113,11 +115,18 @@ def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
     config = model.config.get_text_config() if hasattr(model, "config") else None
     _check_supported(model)
     blocks = hf_blocks(model)
-    if not blocks:
+    inside = tuple(f"{path}." for path, _ in blocks)  # the table's blocks convert whole
+    contract = [
+        (n, m) for n, m in model.named_modules() if hf_contract.on_contract(m)
+        if not n.startswith(inside)
+    ]  # fmt: skip
+    if not blocks and not contract:
         raise ValueError(
-            f"from_hf: no supported sparse-MoE block in {type(model).__name__}; "
-            f"supported: {sorted(FAMILIES)}"
+            f"from_hf: no sparse-MoE block in {type(model).__name__}: neither transformers' "
+            f"experts contract (@use_experts_implementation) nor {sorted(FAMILIES)}"
         )
+    for _, experts in contract:  # every refusal before anything changes
+        hf_contract.experts_options(experts)
     for path, block in blocks:
         family = FAMILIES[type(block).__name__]
         ref = block.experts.down_proj
@@ -131,11 +140,15 @@ def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
             spare_slots=spare_slots,
             **family.options(config),
         )
+        # the router keeps float32 (float64 in a float64 model: its weights exactly)
+        layer.router.to(torch.promote_types(block.gate.weight.dtype, torch.float32))
         _copy_in(layer, block)
         layer.train(block.training)
         parent, attr = _parent(model, path)
         setattr(parent, attr, layer)
-    if model not in _ROUTER_LOGITS_GUARDS:
+    for path, experts in contract:  # the family's block and router kept, experts moe's
+        hf_contract.convert(model, path, experts, spare_slots)
+    if blocks and model not in _ROUTER_LOGITS_GUARDS:
         _ROUTER_LOGITS_GUARDS[model] = model.register_forward_pre_hook(
             _refuse_router_logits, with_kwargs=True
         )
@@ -164,19 +177,28 @@ def to_hf(model: nn.Module) -> nn.Module:
     """Put the original transformers blocks back, with the layers' (trained) weights. In place;
     returns the model. The experts must be whole (not sharded by expert parallelism)."""
     for path, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoELayer)]:
-        if layer.experts.num_experts != layer.num_slots:
-            raise ValueError(
-                f"to_hf: {path} holds {layer.experts.num_experts} of {layer.config.num_experts} "
-                "experts (expert parallel); use moe.save_hf_checkpoint, or load the full model "
-                "in one process first"
-            )
+        _check_whole(path, layer)
         ref = layer.experts.w2
         block = layer.hf_block_class(layer.hf_config).to(device=ref.device, dtype=ref.dtype)
         _copy_out(block, layer)
         block.train(layer.training)
         parent, attr = _parent(model, path)
         setattr(parent, attr, block)
+    for path, layer in [
+        (n, m) for n, m in model.named_modules() if isinstance(m, hf_contract.HFExpertsLayer)
+    ]:
+        _check_whole(path, layer)
+        hf_contract.restore(model, path, layer)
     guard = _ROUTER_LOGITS_GUARDS.pop(model, None)
     if guard is not None:  # the gates are back: transformers' router logits work again
         guard.remove()
     return model
+
+
+def _check_whole(path: str, layer: MoELayer) -> None:
+    if layer.experts.num_experts != layer.num_slots:
+        raise ValueError(
+            f"to_hf: {path} holds {layer.experts.num_experts} of {layer.config.num_experts} "
+            "experts (expert parallel); use moe.save_hf_checkpoint, or load the full model "
+            "in one process first"
+        )

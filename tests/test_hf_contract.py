@@ -1,0 +1,36 @@
+"""Every transformers family on the experts contract (@use_experts_implementation), tiny and
+random, each built once and checked two ways (tests/hf_matrix.py): experts_implementation="moe"
+(moe.interop.hf_experts) and the generic conversion (moe.from_hf, moe.interop.hf_contract).
+Logits, loss and every gradient equal transformers' eager run (float64, 1e-10 relative, where
+transformers runs in float64), or from_hf refuses with one error: a silent mismatch fails."""
+
+import pytest
+
+pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
+
+from tests.hf_matrix import TABLE_TOL, check_family  # noqa: E402
+from tests.hf_tiny import NOT_BUILT, contract_families  # noqa: E402
+
+FAMILIES = [f for f in contract_families() if f not in NOT_BUILT]
+
+
+def test_matrix_covers_the_contract():
+    """The walk covers every family on the contract but the listed ones, and enough of them."""
+    assert set(contract_families()) >= NOT_BUILT
+    assert len(FAMILIES) >= 24
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_on_moe(family):
+    r = check_family(family)
+    assert r.ran_eager and r.ran_moe == r.ran_eager, family  # the same experts calls...
+    assert r.moe_ran_all, family  # ...each on moe's forward
+    worst = max(r.impl_errors, key=r.impl_errors.get)
+    assert r.impl_errors[worst] <= r.tol, (family, worst, r.impl_errors[worst])
+    if r.converted is None:  # refused: one error naming the experts class and the flag
+        assert "cannot be converted" in r.refusal and "Experts" in r.refusal, r.refusal
+        return
+    assert r.state_dict_exact, family  # to_hf gives back the same state dict, bit for bit
+    tol = max(r.tol, TABLE_TOL) if r.converted == "table" else r.tol
+    worst = max(r.conversion_errors, key=r.conversion_errors.get)
+    assert r.conversion_errors[worst] <= tol, (family, worst, r.conversion_errors[worst])
