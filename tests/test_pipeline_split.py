@@ -109,19 +109,42 @@ def test_a_parameterless_module_used_twice_keeps_every_position():
     torch.testing.assert_close(y, stack(x), rtol=0, atol=0)
 
 
+def _repeated_act():
+    torch.manual_seed(0)
+    act = nn.Tanh()  # one module at positions 1 and 3, on both stages
+    return nn.Sequential(nn.Linear(3, 3), act, nn.Linear(3, 3), act).double()
+
+
 def _shared_body(rank, world):
     from moe.pipeline import Pipeline, init_pipeline_mesh
 
     mesh = init_pipeline_mesh(2, 1, 1)
+    loss = lambda y, t: (y - t).square().sum()  # noqa: E731
     try:
-        Pipeline(_tied().double(), mesh, PipelineConfig(microbatches=2), lambda y, t: y.sum())
+        Pipeline(_tied().double(), mesh, PipelineConfig(microbatches=2), loss)
+        message = "no error"
     except ValueError as e:
-        return str(e)
-    return "no error"
+        message = str(e)
+    pipe = Pipeline(_repeated_act(), mesh, PipelineConfig(microbatches=2), loss)
+    x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    out, _ = pipe.step(x, t)
+    grads = {n: p.grad.full_tensor() for n, p in pipe.named_parameters()}
+    return message, x, t, out, grads
 
 
-def test_pipeline_refuses_tied_weights_on_every_rank():
+def test_pipeline_refuses_tied_weights_and_runs_a_repeated_module_at_each_position():
     from tests.distributed import run_ranks
 
-    for message in run_ranks(_shared_body, 2, timeout=120):
+    results = run_ranks(_shared_body, 2, timeout=120)
+    for message, *_ in results:
         assert "embed.weight (child 'embed') and head.weight (child 'head')" in message, message
+    _, x, t, out, _ = results[1]  # the last stage's output: the whole stack's, Tanh twice
+    model = _repeated_act()
+    y = model(x)
+    torch.testing.assert_close(out, y.detach(), rtol=1e-12, atol=1e-12)
+    (y - t).square().sum().backward()
+    for rank, names in ((0, {"0.weight", "0.bias"}), (1, {"2.weight", "2.bias"})):
+        grads = results[rank][4]
+        assert set(grads) == names
+        for n, g in grads.items():
+            torch.testing.assert_close(g, model.get_parameter(n).grad, rtol=1e-12, atol=1e-12)
