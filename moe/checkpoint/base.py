@@ -23,10 +23,24 @@ RTOL = 1e-9  # float64 sums of the same values in another order agree far closer
 
 
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
-    """float64 sum of each row along dim 0 ([n]; a 0-d tensor: [1]), the whole tensor's."""
-    t = t.detach()
-    rows = t.sum(dim=tuple(range(1, t.dim())), dtype=torch.float64) if t.dim() > 1 else t.double()
-    rows = rows.full_tensor() if isinstance(rows, DTensor) else rows
+    """float64 sum of each row along dim 0 ([n]; a 0-d tensor: [1]), the whole tensor's: each
+    rank sums its shard's rows (whole rows: shards split dim 0), then the [n] sums are
+    gathered on the mesh's device (a CPU-offloaded shard's too)."""
+    local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
+    dims = tuple(range(1, local.dim()))
+    rows = local.sum(dim=dims, dtype=torch.float64) if dims else local.double()
+    if isinstance(t, DTensor):
+        kind = t.device_mesh.device_type
+        device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else kind
+        stride = (1,) if t.dim() else ()
+        rows = DTensor.from_local(
+            rows.to(device),
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape[:1],
+            stride=stride,
+        ).full_tensor()
     return rows.reshape(-1)
 
 
