@@ -26,7 +26,8 @@ def plan_stages(model: nn.Module, num_stages: int, stages=None, by: str = "child
     """The child names of each stage: `stages` checked (every child once, in order), or an
     even split: by="children", by child count (the first len % num_stages stages take one
     more); by="params", contiguous stages minimising the largest stage's parameter count
-    (moe.pipeline.split.balance)."""
+    (moe.pipeline.split.balance). Children are positions (a module used twice is two); one
+    parameter at two positions is refused (check_shared)."""
     if not isinstance(model, nn.Sequential):
         raise ValueError(
             f"the pipeline splits an nn.Sequential stack (children run in order), got "
