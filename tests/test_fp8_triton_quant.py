@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moe.fp8 import quant as Q  # noqa: E402
-from moe.fp8.triton_quant import quantize_rows_triton  # noqa: E402
+from moe.fp8.triton_quant import fake_quant_groups_triton, quantize_rows_triton  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -87,3 +87,22 @@ def test_weight_forms_as_rows(dim):
     if dim == 1:
         q, s = q.transpose(1, 2), s.transpose(1, 2)
     assert _same(q, q_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_columns_as_the_eager_quantizer(dtype):
+    """The weight gradient's operands (each column scaled within each expert's rows), in one
+    launch: the eager dequantize_groups(quantize_groups(...)) bit for bit, in float32 and in
+    bf16; an empty expert, tail rows (zero), Inf / NaN, a group of tiny values, an uneven
+    width and a group longer than the kernel's row block."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(90, 40, generator=g) * 3).to(dtype)
+    x[5, 3], x[40, 1] = float("inf"), float("nan")
+    x[20:30] *= 1e-20
+    offs = torch.tensor([10, 10, 33, 81], dtype=torch.int32)
+    ref = Q.dequantize_groups(*Q.quantize_groups(x, offs, True, Q.AMAX_FLOOR), offs)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = fake_quant_groups_triton(x, offs, True, Q.AMAX_FLOOR, out_dtype)
+        want = ref.to(out_dtype)
+        assert bool(((out == want) | (out.isnan() & want.isnan())).all())
+    assert (out[81:] == 0).all()

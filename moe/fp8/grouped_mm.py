@@ -43,7 +43,8 @@ from moe.fp8.quant import (
     quantize_groups,
 )
 from moe.fp8.weight_cache import cached_form
-from moe.kernels.torch_grouped_mm import mm_groups, wgrad_fits, wgrad_groups
+from moe.kernels.torch_grouped_mm import mm_groups, wgrad_fits, wgrad_groups, zero_tail_rows
+from moe.kernels.triton_kernel import triton_installed
 
 
 def _scaled_gemm_ok(a: Tensor, w: Tensor) -> bool:
@@ -86,8 +87,7 @@ def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
             q_MK.contiguous(), b_EKN, s_M1.reshape(-1), s_E1N.reshape(q_EKN.shape[0], -1),
             offs=offsets_E, out_dtype=torch.bfloat16,
         )  # fmt: skip
-        rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1)
-        return y.masked_fill(rows >= offsets_E[-1], 0).to(out_dtype)
+        return zero_tail_rows(y, offsets_E).to(out_dtype)  # on CUDA: a pass over the tail only
     w_EKN = dequantize(q_EKN, s_E1N).contiguous()  # dgrad passes a transposed view
     y = mm_groups(dequantize(q_MK, s_M1), w_EKN, offsets_E)
     return y.to(out_dtype)
@@ -196,12 +196,16 @@ def _wgrad_op(
     each 128-row tile of them); float32."""
     if recipe == "blockwise":
         return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor)
+    if pow2 and x_MK.is_cuda and triton_installed():  # e4m3 x 2^k is exact in bf16
+        from moe.fp8.triton_quant import fake_quant_groups_triton as fake_quant
+
+        x_b = fake_quant(x_MK.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
+        dy_b = fake_quant(dy_MN.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
+        if wgrad_fits(x_b.shape[0], x_b, dy_b):  # one launch per operand, bf16 tensor cores
+            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).float()
+        return wgrad_groups(x_b.float(), dy_b.float(), offsets_E)
     x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
     dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
-    if pow2 and x_q.device.type == "cuda":  # e4m3 x 2^k is exact in bf16: its tensor cores
-        x_b, dy_b = x_q.bfloat16(), dy_q.bfloat16()
-        if wgrad_fits(x_b.shape[0], x_b, dy_b):
-            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).float()
     return wgrad_groups(x_q, dy_q, offsets_E)
 
 

@@ -29,6 +29,40 @@ def _nan_max(a, b):
 
 
 @triton.jit
+def _e4m3_abs(v):
+    """|v| (within e4m3's range) rounded to nearest even on e4m3's grid, in float32: steps of
+    2^(e - 3) in binade e, 2^-9 below 2^-6; by adding and subtracting a power of two."""
+    a = tl.abs(v)
+    a_e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    magic = tl.exp2((tl.maximum(a_e, -6) - 3 + 23).to(tl.float32)) * 1.5
+    return (a + magic) - magic
+
+
+@triton.jit
+def _cap(scale):
+    """quant.e4m3_cap: the largest e4m3 value c with c * scale finite (448 unless scale is above
+    2^119), rounded down onto e4m3's grid (0 for an Inf scale)."""
+    lim = F32_MAX / scale
+    lim = tl.where(lim > E4M3_MAX, E4M3_MAX, lim)
+    lim_e = ((lim.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = tl.exp2((tl.maximum(lim_e, -6) - 3).to(tl.float32))
+    return tl.floor(lim / step) * step
+
+
+@triton.jit
+def _scale(amax, floor, POW2: tl.constexpr):
+    """quant.scale_of: max(amax, floor) / 448, rounded up to a power of two with POW2 (powers
+    of two, Inf and NaN as they are)."""
+    scale = tl.where(amax < floor, floor, amax) / E4M3_MAX  # NaN stays NaN
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        expo = (bits >> 23) & 0xFF
+        up = ((expo + 1) << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(((bits & 0x7FFFFF) == 0) | (expo == 255), scale, up)
+    return scale
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
     POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -41,19 +75,9 @@ def _quant_rows_kernel(
         ok = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
         amax = _nan_max(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, _nan_max))
-    scale = tl.where(amax < floor, floor, amax) / E4M3_MAX  # NaN stays NaN
-    if POW2:  # the next power of two; powers of two, Inf and NaN as they are
-        bits = scale.to(tl.int32, bitcast=True)
-        expo = (bits >> 23) & 0xFF
-        up = ((expo + 1) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(((bits & 0x7FFFFF) == 0) | (expo == 255), scale, up)
+    scale = _scale(amax, floor, POW2)
     tl.store(s_ptr + rows, scale, mask=row_ok)
-    # the cap: the largest e4m3 value c with c * scale finite (448 but for scales > 2^119)
-    lim = F32_MAX / scale
-    lim = tl.where(lim > E4M3_MAX, E4M3_MAX, lim)
-    lim_e = ((lim.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = tl.exp2((tl.maximum(lim_e, -6) - 3).to(tl.float32))
-    cap = tl.floor(lim / step) * step  # rounded down onto e4m3's grid (0 for an Inf scale)
+    cap = _cap(scale)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (cols[None, :] < K)
@@ -62,10 +86,7 @@ def _quant_rows_kernel(
         c = cap[:, None]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))  # NaN stays NaN
         bits = v.to(tl.int32, bitcast=True)
-        a = tl.abs(v)
-        a_e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        magic = tl.exp2((tl.maximum(a_e, -6) - 3 + 23).to(tl.float32)) * 1.5
-        r = (a + magic) - magic  # |v| rounded to nearest even on e4m3's grid: 2^(e - 3) steps
+        r = _e4m3_abs(v)
         rb = r.to(tl.int32, bitcast=True)
         r_e = ((rb >> 23) & 0xFF) - 127
         normal = ((r_e + 7) << 3) | ((rb >> 20) & 0x7)  # e4m3: bias 7, 3 mantissa bits
@@ -92,3 +113,60 @@ def quantize_rows_triton(x: torch.Tensor, pow2: bool, floor: float):
         POW2=pow2, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return q, s
+
+
+@triton.jit
+def _fake_quant_groups_kernel(
+    x_ptr, out_ptr, offsets_ptr, M, K, E, stride_xm, floor,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)  # expert e's rows, or (e == E) the tail rows past the last offset
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    start = tl.load(offsets_ptr + tl.maximum(e - 1, 0)) * (e > 0).to(tl.int32)
+    end = tl.load(offsets_ptr + tl.minimum(e, E - 1))
+    end = tl.where(e < E, end, M)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        ok = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+        amax = _nan_max(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, _nan_max))
+    scale = _scale(amax, floor, POW2)
+    cap = _cap(scale)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        ok = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+        v = x.to(tl.float32) / scale[None, :]
+        c = cap[None, :]
+        v = tl.where(v > c, c, tl.where(v < -c, -c, v))
+        r = _e4m3_abs(v)
+        r = (r.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(
+            tl.float32, bitcast=True
+        )
+        y = tl.where(v != v, v, r) * scale[None, :]
+        y = tl.where(e < E, y, 0.0)  # tail rows: zero
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=ok)  # fmt: skip
+
+
+def fake_quant_groups_triton(
+    x_MK: torch.Tensor, offsets_E: torch.Tensor, pow2: bool, floor: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """dequantize_groups(*quant.quantize_groups(x, offsets, pow2, floor), offsets) in `dtype`,
+    in one launch: each column scaled within each expert's rows (the weight gradient's
+    operands), tail rows zero. With pow2 the values are exact in bf16 (e4m3 x 2^k)."""
+    M, K = x_MK.shape
+    out = torch.empty((M, K), dtype=dtype, device=x_MK.device)
+    E = offsets_E.shape[0]
+    if M == 0 or K == 0:
+        return out
+    if E == 0:
+        return out.zero_()
+    BLOCK_M, BLOCK_K = 32, min(128, triton.next_power_of_2(max(K, 16)))
+    _fake_quant_groups_kernel[(E + 1, triton.cdiv(K, BLOCK_K))](
+        x_MK.detach(), out, offsets_E, M, K, E, x_MK.stride(0), float(floor),
+        POW2=pow2, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return out
