@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 
+from moe.plan.checks import bounded, output_problem, positive
 from moe.plan.cluster import PRESETS, Cluster, preset
 from moe.plan.models import default_seq_len, load_model
 from moe.plan.report import figures_line, plot, table
 from moe.plan.search import SearchSpace, search
-from moe.settings import check_path
 
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 MAX_TOKENS = 2**50  # a step's global batch
@@ -37,44 +36,6 @@ def tokens(text: str) -> int:
     ):
         raise argparse.ArgumentTypeError(f"must be in [1, 2**50], got {text!r}")
     return int(m.group(1)) * _SUFFIX[m.group(2)]
-
-
-def bounded(kind, low, high, *, open_low: bool = True):
-    """An argparse type: a finite `kind` in (low, high] (or [low, high] with open_low=False)."""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        inside = (low < v if open_low else low <= v) and v <= high
-        if not inside:  # NaN is never inside
-            bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text!r}")
-        return v
-
-    return parse
-
-
-def positive(kind, high=2**31):
-    """> 0, finite and at most `high`."""
-    return bounded(kind, 0, high)
-
-
-def output_problem(flag: str, path: str) -> str | None:
-    """Why `path` cannot be written as a file (checked before any work), or None."""
-    try:
-        check_path(flag, path)
-    except ValueError as e:
-        return str(e)
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a directory, not a file to write"
-    if not os.path.isdir(folder):
-        return f"{flag} {path!r}: the folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{flag} {path!r}: the folder {folder!r} is not writable"
-    return None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -132,7 +93,8 @@ def main(argv=None) -> int:
                         top=args.top)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
-    print(f"moe.plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters, "
+    print(f"moe.plan: {spec.name} ({spec.total_params():,} = {spec.total_params() / 1e9:.3g}B "
+          "parameters, "
           f"{spec.active_params() / 1e9:.3g}B active) on {cluster.nodes} x "
           f"{cluster.gpus_per_node} {cluster.name}, {args.tokens:,} tokens "
           f"a step in sequences of {seq_len}; {result.searched:,} predictions")  # fmt: skip

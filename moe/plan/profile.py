@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe.plan.cli import output_problem, positive
+from moe.plan.checks import output_problem, positive
 from moe.plan.cluster import PRESETS, Cluster
 from moe.plan.overhead import D, T, measure_overheads
 from moe.settings import local_world_size, torchrun_ranks
