@@ -1,5 +1,6 @@
 """The blockwise recipe's three GEMMs (DeepSeek-V3's scaling), emulated: e4m3 operands
-dequantized to float32, then the float32 grouped GEMM (moe.kernels.torch_grouped_mm).
+dequantized to float32, then the grouped GEMM (moe/fp8/exact_mm.py: bf16 tensor cores on CUDA
+with power-of-two scales, float32 elsewhere).
 
 - forward  y = x @ w:     x one scale per 1 x 128 block along K, w one per 128 x 128 block;
 - dgrad   dx = dy @ w^T:  dy one scale per 1 x 128 block along N, w the same 128 x 128 blocks;
@@ -11,6 +12,7 @@ Partial blocks at the edges (widths not multiples of 128, experts with rows % 12
 import torch
 from torch import Tensor
 
+from moe.fp8.exact_mm import mm_exact, wgrad_exact
 from moe.fp8.quant import (
     E4M3,
     dequantize,
@@ -21,7 +23,6 @@ from moe.fp8.quant import (
     quantize_weight_blocks,
 )
 from moe.fp8.weight_cache import cached_form
-from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups
 
 BLOCK = 128
 
@@ -40,7 +41,8 @@ def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: f
     """(y_MN float32, x's e4m3 bytes as uint8 [M, K], its block scales [M, ceil(K / 128)])."""
     q_MK, s_MB = quantize_blocks(x_MK, BLOCK, pow2, floor)
     x_q = dequantize_blocks(q_MK, s_MB, BLOCK)
-    return mm_groups(x_q, weight(w_EKN, pow2, floor), offsets_E), q_MK.view(torch.uint8), s_MB
+    y = mm_exact(x_q, weight(w_EKN, pow2, floor), offsets_E, pow2)
+    return y, q_MK.view(torch.uint8), s_MB
 
 
 def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
@@ -51,7 +53,7 @@ def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
 def dgrad(dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
     q_MN, s_MB = quantize_blocks(dy_MN, BLOCK, pow2, floor)
     w_ENK = weight(w_EKN, pow2, floor).transpose(1, 2).contiguous()
-    return mm_groups(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E)
+    return mm_exact(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E, pow2)
 
 
 def _tiles(x_MK: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
@@ -61,4 +63,4 @@ def _tiles(x_MK: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
 
 def wgrad(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
     x_q, dy_q = _tiles(x_MK, offsets_E, pow2, floor), _tiles(dy_MN, offsets_E, pow2, floor)
-    return wgrad_groups(x_q, dy_q, offsets_E)
+    return wgrad_exact(x_q, dy_q, offsets_E, pow2)

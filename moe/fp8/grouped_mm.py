@@ -33,6 +33,7 @@ from torch import Tensor
 
 from moe.fp8 import blockwise
 from moe.fp8.config import AMAX_FLOOR_RANGE, RECIPES
+from moe.fp8.exact_mm import mm_exact
 from moe.fp8.quant import (
     AMAX_FLOOR,
     E4M3,
@@ -142,7 +143,8 @@ def _fwd_quantized_op(
     MLP's gate GEMM shares the up GEMM's e4m3 x)."""
     if recipe == "blockwise":
         x_q = blockwise.saved_x(q_MK, s_MB)
-        return mm_groups(x_q, blockwise.weight(w_EKN, pow2, floor), offsets_E).to(out_dtype)
+        y = mm_exact(x_q, blockwise.weight(w_EKN, pow2, floor), offsets_E, pow2)
+        return y.to(out_dtype)
     q_EKN, s_E1N = fprop_weight(w_EKN, pow2, floor)
     return scaled_mm_groups(q_MK.view(E4M3), s_MB, q_EKN, s_E1N, offsets_E, out_dtype)
 
