@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from moe.plan.built import count_params
 from moe.plan.spec import ModelSpec, from_hf_config, from_planner_model
 from moe.settings import check_path
 from moe.untrusted import read_json
@@ -29,9 +30,10 @@ HF_CONFIGS: dict[str, dict] = {
         first_k_dense_replace=3,
         **_MLA,
     ),  # fmt: skip
-    # moonshotai/Kimi-K2-Instruct (1.04T total, 32B active)
+    # moonshotai/Kimi-K2-Instruct (1.04T total, 32B active); its config.json says "kimi_k2",
+    # its architecture is DeepseekV3ForCausalLM (the type transformers builds it as)
     "kimi-k2": dict(
-        model_type="kimi_k2",
+        model_type="deepseek_v3",
         vocab_size=163840,
         hidden_size=7168,
         intermediate_size=18432,
@@ -151,11 +153,23 @@ def default_seq_len(name_or_path: str) -> int:
     return config.seq_len if config is not None else DEFAULT_SEQ_LEN
 
 
+def built_spec(doc: dict, name: str, where: str) -> ModelSpec:
+    """A config.json's ModelSpec with the parameter counts of the model itself (moe.plan.built:
+    a meta-device build; a multimodal model's towers counted), its sizes from the text model's
+    config as transformers completes it (defaults filled in)."""
+    from transformers import AutoConfig  # count_params has checked it is installed
+
+    counts = count_params(doc, where)
+    fields = {k: v for k, v in doc.items() if k != "model_type"}
+    text = AutoConfig.for_model(doc["model_type"], **fields).get_text_config().to_dict()
+    return from_hf_config({**text, "model_type": doc["model_type"]}, name).with_(built=counts)
+
+
 def load_model(name_or_path: str) -> ModelSpec:
     """A ModelSpec from a preset name (HF_CONFIGS, or an M6 config: `m6-tiny`) or a transformers
     config.json path (untrusted: size-limited JSON). Unknown names: one error listing them."""
     if name_or_path in HF_CONFIGS:
-        return from_hf_config(HF_CONFIGS[name_or_path], name_or_path)
+        return built_spec(HF_CONFIGS[name_or_path], name_or_path, name_or_path)
     if name_or_path.startswith("m6-"):
         presets = m6_presets()  # named as the M6 example names them: m6-tiny, m6-1t, ...
         if name_or_path in presets:
@@ -167,7 +181,7 @@ def load_model(name_or_path: str) -> ModelSpec:
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: a model config must be a JSON object")
         check_config(doc, str(path))
-        return from_hf_config(doc, path.stem if path.stem != "config" else path.parent.name)
+        return built_spec(doc, path.stem if path.stem != "config" else path.parent.name, str(path))
     names = [*HF_CONFIGS, *m6_presets()]
     raise ValueError(
         f"unknown model {name_or_path!r}: a config.json path or one of {', '.join(names)}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moe.names import GATED_ACTIVATIONS
+from moe.plan.built import BuiltCounts
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ModelSpec:
     # multi-head latent attention (DeepSeek-V2/V3, Kimi K2); None: grouped-query attention
     mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, nope, rope, v_head
     qk_norm: int = 0  # per-layer weights of query / key norms (Qwen3: per head; OLMoE: whole)
+    # the counts of the model itself (moe.plan.built: a meta-device build of its config); when
+    # set, every parameter count below is read from it, not from the arithmetic
+    built: BuiltCounts | None = None
 
     def __post_init__(self) -> None:
         for f in ("n_layers", "d_model", "n_heads", "vocab_size", "top_k", "d_ff_expert"):
@@ -67,6 +71,8 @@ class ModelSpec:
         return self.head_dim or self.d_model // self.n_heads
 
     def is_moe(self, i: int) -> bool:
+        if self.built is not None:
+            return self.built.layers[i][1] > 0
         return i >= self.first_dense and (i + 1) % self.moe_every == 0
 
     @property
@@ -92,6 +98,8 @@ class ModelSpec:
 
     def layer_params(self, i: int) -> tuple[int, int]:
         """(dense, routed-expert) parameters of block i (router and shared experts are dense)."""
+        if self.built is not None:
+            return self.built.layers[i]
         dense = self.attention_params() + 2 * self.d_model + self.qk_norm
         if not self.is_moe(i):
             return dense + self.mats * self.d_model * self.d_ff_dense, 0
@@ -99,10 +107,21 @@ class ModelSpec:
         experts = self.num_experts * self.expert_params()
         return dense + self.d_model * self.num_experts + shared, experts
 
+    def active_expert_params(self, i: int) -> int:
+        """The routed-expert parameters one token meets in block i (top_k of its experts)."""
+        experts = self.layer_params(i)[1]
+        return experts * self.top_k // self.num_experts
+
     def embedding_params(self) -> int:
+        """Embeddings (with a built model: every parameter outside the blocks and the head,
+        a multimodal model's vision tower included)."""
+        if self.built is not None:
+            return self.built.embedding
         return self.vocab_size * self.d_model
 
     def head_params(self) -> int:
+        if self.built is not None:
+            return self.built.head
         return self.d_model + (0 if self.tie_embeddings else self.vocab_size * self.d_model)
 
     def total_params(self) -> int:
@@ -114,7 +133,7 @@ class ModelSpec:
         total = self.embedding_params() + self.head_params()
         for i in range(self.n_layers):
             dense, experts = self.layer_params(i)
-            total += dense + (self.top_k * self.expert_params() if experts else 0)
+            total += dense + self.active_expert_params(i)
         return total
 
     def layer_flops(self, i: int, seq_len: int) -> tuple[float, float]:
@@ -122,7 +141,7 @@ class ModelSpec:
         dense, experts = self.layer_params(i)
         qk, v = (self.mla[2] + self.mla[3], self.mla[4]) if self.mla else (self.hdim, self.hdim)
         attn_core = 2 * self.n_heads * (qk + v) * seq_len / 2
-        routed = 2 * self.top_k * self.expert_params() if experts else 0
+        routed = 2 * self.active_expert_params(i)
         return 2 * dense + attn_core, routed
 
     def head_flops(self) -> float:
@@ -142,7 +161,7 @@ def _get(cfg: dict, *names, default=None):
 def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a transformers config.json's fields (Qwen3-MoE, Qwen2-MoE, Mixtral,
     OLMoE, DeepSeek-V3, Kimi K2). A config without routed experts is refused."""
-    experts = _get(cfg, "num_experts", "num_local_experts", "n_routed_experts")
+    experts = _get(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     if not experts:
         raise ValueError(
             f"config {name or cfg.get('model_type')!r} has no routed experts (num_experts, "
@@ -179,7 +198,7 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
         n_heads=cfg["num_attention_heads"],
         vocab_size=cfg["vocab_size"],
         num_experts=experts,
-        top_k=_get(cfg, "num_experts_per_tok", "top_k", default=2),
+        top_k=_get(cfg, "num_experts_per_tok", "top_k", "moe_topk", "moe_k", default=2),
         d_ff_expert=d_ff_expert,
         d_ff_dense=d_ff or d_ff_expert,
         n_kv_heads=cfg.get("num_key_value_heads"),
