@@ -165,6 +165,15 @@ def test_layout_is_peft_delta_weight():
             torch.testing.assert_close(torch.cat([d1, d3], 2).transpose(1, 2), want)
             back_a, back_b = L.gate_up_to_peft(*got["w1"], *got["w3"])  # rank 6, block-diag
             assert back_a.shape == (E * 6, 24) and back_b.shape == (2 * F, 6 * E)
+            # the export against PEFT itself (not only our reader): rank 6, alpha 14, as
+            # to_peft writes it, gives PEFT's delta of the rank-3 adapter
+            six = peft.LoraConfig(r=6, lora_alpha=14, target_modules=[], target_parameters=TARGETS)
+            pm6 = peft.get_peft_model(build("qwen3_moe").double(), six)
+            w6 = pm6.base_model.model.model.layers[0].mlp.experts.base_layer
+            with torch.no_grad():
+                w6.lora_A["default"].weight.copy_(back_a)
+                w6.lora_B["default"].weight.copy_(back_b)
+            torch.testing.assert_close(w6.get_delta_weight("default"), want)
             split = L.gate_up_from_peft(back_a, back_b, E, F, 3, {"w1", "w3"})
             for t in ("w1", "w3"):
                 torch.testing.assert_close(torch.bmm(*split[t]), torch.bmm(*got[t]))
