@@ -14,7 +14,7 @@ from moe.parallel import ParallelConfig
 from moe.pipeline import SCHEDULES, PipelineConfig, plan_stages
 from moe.pipeline.split import SPLITS
 from moe.plan import Layout, SearchSpace, preset, search
-from moe.plan.search import refusal
+from moe.plan.search import _ep_options, refusal
 from moe.plan.spec import ModelSpec
 from moe.plan.stages import block_split, rank_sums, stack_weights
 
@@ -151,3 +151,19 @@ def test_refusal_is_the_pipelines_error(pp):
     with pytest.raises(ValueError) as e:
         bad.pipeline.check_data_parallel("fsdp")
     assert refusal(spec, bad) == str(e.value)
+
+
+def test_spare_slots_parallelize_refuses_are_never_returned():
+    """parallelize's own rule (moe.slots.layout.check_spare_slots): a multiple of ep and at
+    most E x (ep - 1) copies; with 2 experts at ep = 2, 4 spare slots are refused."""
+    spec = ModelSpec(name="t", n_layers=2, d_model=64, n_heads=2, vocab_size=100,
+                     num_experts=2, top_k=1, d_ff_expert=64, d_ff_dense=64)  # fmt: skip
+    space = SearchSpace(pp=(1,), replicas=(0, 2, 3, 4, 6), micro_batch_seqs=(1,))
+    result = search(spec, preset("h100", 1, gpus_per_node=2), 8 * 16, 16, space=space,
+                    top=10**6, skew=2.0)  # fmt: skip
+    layouts = [p.layout for p in result.fits]
+    assert {lay.replicas for lay in layouts if lay.ep == 2} <= {0, 2}
+    tried = _ep_options(spec, space, Layout(1, 1, 2), preset("h100", 1, gpus_per_node=2))
+    assert {r for *_, r in tried} == {0, 2}  # what the search tries at ep = 2
+    assert refusal(spec, Layout(1, 1, 2, replicas=4)).endswith("(2 experts x 2 ranks)")
+    assert all(refusal(spec, lay) is None for lay in layouts)

@@ -17,6 +17,7 @@ batches that do not split into the layout's pipelines.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from moe.pipeline.config import schedule_style
 from moe.plan.cluster import Cluster
@@ -25,6 +26,7 @@ from moe.plan.predict import MEMORY_TERMS, Prediction, predict
 from moe.plan.skew import check_load, zipf_load
 from moe.plan.spec import ModelSpec
 from moe.plan.stages import rank_sums, stack_weights
+from moe.slots.layout import check_spare_slots, initial_expert_of_slot
 
 GiB = 2**30
 
@@ -41,7 +43,7 @@ class SearchSpace:
     capacity_factors: tuple[float | None, ...] = (None,)
     overlap: tuple[int, ...] = (1, 2, 4)
     fp8: bool = False  # also FP8 dispatch and FP8 experts
-    replicas: tuple[int, ...] = (0,)  # spare slots per MoE layer (multiples of ep are kept)
+    replicas: tuple[int, ...] = (0,)  # spare slots per MoE layer (those parallelize takes)
     groups: tuple[int, ...] = (1, 4, 16)
     recompute: tuple[str, ...] = ("none", "moe", "blocks", "full")
     offload: tuple[str | None, ...] = (None, "optimizer", "all")
@@ -78,13 +80,18 @@ def _schedules(space: SearchSpace, pp: int) -> list[tuple[str, int, str]]:
 
 
 def refusal(spec: ModelSpec, layout: Layout) -> str | None:
-    """Why moe.pipeline would refuse `layout` for `spec`'s stack (embedding, blocks, head),
-    by the pipeline's own check of the layout's typed values; None: it runs."""
+    """Why moe.pipeline or parallelize would refuse `layout` for `spec`'s stack (embedding,
+    blocks, head), by their own checks of the layout's typed values (PipelineConfig.check,
+    moe.slots.layout.check_spare_slots on a layer's first placement); None: it runs."""
     try:
         pipeline, parallel = layout.pipeline, layout.parallel
         if pipeline is not None:
             children = stack_weights(spec, layout.replicas)
             pipeline.check(layout.pp, parallel.data_parallel, children)
+        if layout.replicas:
+            layer = SimpleNamespace(num_experts=spec.num_experts, spare_slots=layout.replicas)
+            slots = initial_expert_of_slot(spec.num_experts, layout.replicas)
+            check_spare_slots("every MoE layer", slots, layer, layout.ep)
     except ValueError as e:
         return str(e)
     return None
@@ -245,7 +252,7 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
                     best = got
     if best is None:
         return closest, count
-    for o, x, fd, fe, r in _ep_options(space, base, cluster):
+    for o, x, fd, fe, r in _ep_options(spec, space, base, cluster):
         got = run(**{**_memory_of(best.layout), "overlap": o, "exchange": x,
                      "fp8_dispatch": fd, "fp8_experts": fe, "replicas": r})  # fmt: skip
         if got.fits and got.step_time < best.step_time:
@@ -258,7 +265,7 @@ def _memory_of(layout: Layout) -> dict:
     return {k: getattr(layout, k) for k in keys}
 
 
-def _ep_options(space: SearchSpace, base: Layout, cluster: Cluster) -> list[tuple]:
+def _ep_options(spec: ModelSpec, space: SearchSpace, base: Layout, cluster: Cluster) -> list:
     """(overlap, exchange, fp8 dispatch, fp8 experts, spare slots) to try."""
     fp8 = [(False, False)]
     if space.fp8:
@@ -266,7 +273,7 @@ def _ep_options(space: SearchSpace, base: Layout, cluster: Cluster) -> list[tupl
     if base.ep == 1:
         return [(1, "flat", fd, fe, 0) for fd, fe in fp8]
     exchanges = ("flat", "hierarchical") if base.ep > cluster.gpus_per_node else ("flat",)
-    reps = [r for r in space.replicas if r % base.ep == 0]
+    reps = [r for r in space.replicas if refusal(spec, replace(base, replicas=r)) is None]
     return [
         (o, x, fd, fe, r) for o in space.overlap for x in exchanges for fd, fe in fp8 for r in reps
     ]
