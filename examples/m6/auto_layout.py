@@ -84,16 +84,20 @@ def ranked(cfg: M6Config, world: int, global_batch: int, cluster: Cluster) -> li
 
 
 def apply_layout(args, pred: Prediction) -> None:
-    """Set the example's flags from the planner's layout."""
+    """Set the example's flags from the planner's layout's typed values (the search tries no
+    overlap, FP8 or replicas: those flags stay as given)."""
     lay = pred.layout
+    parallel, pipeline = lay.parallel, lay.pipeline
     args.pp, args.dp, args.ep = lay.pp, lay.dp, lay.ep
-    args.data_parallel = lay.data_parallel
-    args.pp_schedule = lay.schedule if lay.pp > 1 else None
+    args.data_parallel = parallel.data_parallel
+    args.pp_schedule = None if pipeline is None else pipeline.schedule
+    args.split = "children" if pipeline is None else pipeline.split
     args.micro_batch = lay.micro_batch_seqs
-    args.checkpointing = lay.recompute != "none"
+    blocks = lay.recompute_blocks  # None: none; -1: every block; N: each rank's first N
+    args.checkpointing = {None: False, -1: True}.get(blocks, blocks)
     args.offload = lay.offload or "none"
     args.groups = lay.groups
-    args.alltoall = lay.exchange if lay.ep > 1 else args.alltoall
+    args.alltoall = parallel.algorithm if lay.ep > 1 else args.alltoall
 
 
 def choose(args, cfg: M6Config, world: int) -> str:
