@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe.checkpoint import replicas
+from moe.shards import local
 
 KEY = "base"
 RTOL = 1e-9  # float64 sums of the same values in another order agree far closer than this
@@ -26,9 +27,9 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     """float64 sum of each row along dim 0 ([n]; a 0-d tensor: [1]), the whole tensor's: each
     rank sums its shard's rows (whole rows: shards split dim 0), then the [n] sums are
     gathered on the mesh's device (a CPU-offloaded shard's too)."""
-    local = t.detach().to_local() if isinstance(t, DTensor) else t.detach()
-    dims = tuple(range(1, local.dim()))
-    rows = local.sum(dim=dims, dtype=torch.float64) if dims else local.double()
+    local_t = local(t).detach()
+    dims = tuple(range(1, local_t.dim()))
+    rows = local_t.sum(dim=dims, dtype=torch.float64) if dims else local_t.double()
     if isinstance(t, DTensor):
         kind = t.device_mesh.device_type
         device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else kind
