@@ -32,21 +32,27 @@ class StepInterrupted(BaseException):
 
 class Watcher:
     """Watches one step at a time: begin() on the calling thread starts it, end() stops it.
-    `read` and `on_failure` must not hold the Watcher's owner (the thread would keep it)."""
+    The thread holds the Watcher weakly and reaches `read` and `on_failure` through it."""
 
     def __init__(self, read: Callable[[], list], on_failure: Callable[[], None], name: str):
         self.reports: list | None = None
         self.error: BaseException | None = None  # read() raised (the store was lost)
+        self.read, self.on_failure = read, on_failure
         self._lock = threading.Lock()
         self._active = threading.Event()  # set while a step is watched
+        stopped = threading.Event()  # set when the Watcher is collected, or at exit
         self._target: int | None = None  # the calling thread's id while a step runs
         self._sent = False
         thread = threading.Thread(
-            target=_loop, args=(weakref.ref(self), self._active, read, on_failure), daemon=True
+            target=_loop,
+            args=(weakref.ref(self), self._active, stopped),
+            daemon=True,
         )
         thread.name = name
         thread.start()
-        weakref.finalize(self, self._active.set)  # the loop finds its Watcher gone and ends
+        # the thread ends with the Watcher, or at interpreter exit before the process groups
+        # are torn down (a thread still reading the store then aborted the process)
+        weakref.finalize(self, _stop, stopped, self._active)
 
     def begin(self) -> None:
         with self._lock:
@@ -74,24 +80,31 @@ class Watcher:
             return True
 
 
-def _loop(ref, active: threading.Event, read: Callable, on_failure: Callable) -> None:
-    """The watcher thread; it holds its Watcher weakly and ends when the Watcher is gone."""
+def _stop(stopped: threading.Event, active: threading.Event) -> None:
+    stopped.set()
+    active.set()  # wakes the loop, which returns
+
+
+def _loop(ref, active: threading.Event, stopped: threading.Event) -> None:
+    """The watcher thread; it holds its Watcher weakly and ends when `stopped` is set."""
     while True:
         active.wait()
-        if ref() is None:
+        if stopped.is_set():
             return
         poll = POLL_S
-        while active.is_set():
+        while active.is_set() and not stopped.is_set():
+            watcher = ref()
+            if watcher is None:
+                return
             reports, error = None, None
             try:
-                reports = read() or None
+                reports = watcher.read() or None
             except Exception as e:  # noqa: BLE001 - the store's host may be gone
                 error = e
+            if (reports is not None or error is not None) and watcher._fire(reports, error):
+                watcher.on_failure()
+            del watcher
             if reports is not None or error is not None:
-                watcher = ref()
-                if watcher is not None and watcher._fire(reports, error):
-                    on_failure()
-                del watcher
                 break
             time.sleep(poll)
             poll = min(2 * poll, POLL_MAX_S)
