@@ -45,12 +45,12 @@ def _gather(t: Tensor, ids_R: Tensor | None) -> Tensor:
     return t if ids_R is None else t.index_select(0, ids_R)
 
 
-def _wgrad(x_RK: Tensor, dy_RN: Tensor, op: tuple, bf16: bool) -> Tensor:
-    """dw = x^T dy per expert: FP8 (moe::fp8_grouped_mm_wgrad), or with bf16 (FP8Config.
-    wgrad_bf16) the operands unquantized in dy's dtype on the plain grouped GEMM."""
+def _wgrad(x_RK: Tensor, dy_RN: Tensor, op: tuple, bf16: bool, w: Tensor) -> Tensor:
+    """dw = x^T dy per expert in w's dtype: FP8 (moe::fp8_grouped_mm_wgrad), or with bf16
+    (FP8Config.wgrad_bf16) the operands unquantized in dy's dtype on the plain grouped GEMM."""
     if bf16:
-        return wgrad_groups(x_RK.to(dy_RN.dtype).contiguous(), dy_RN, op[0])
-    return _wgrad_op(x_RK, dy_RN, *op)
+        return wgrad_groups(x_RK.to(dy_RN.dtype).contiguous(), dy_RN, op[0]).to(w.dtype)
+    return _wgrad_op(x_RK, dy_RN, *op, w.dtype)
 
 
 class _FP8MLP(torch.autograd.Function):
@@ -93,7 +93,7 @@ class _FP8MLP(torch.autograd.Function):
         if need[4]:  # the down GEMM's input as its forward kept it, recomputed
             if save_fp8 and not bf16_wgrad:
                 a_w = kept_input(quantize_input(a_w.contiguous(), pow2, floor, recipe), recipe)
-            dw2 = _wgrad(a_w, dy_RD, op, bf16_wgrad).to(w2.dtype)
+            dw2 = _wgrad(a_w, dy_RD, op, bf16_wgrad, w2)
         del a_w
         da_w = _dgrad_op(dy_RD, w2, *op).to(x_dtype)
         d_rw = (da_w * a_RF).sum(1, keepdim=True) if w_R1 is not None and need[7] else None
@@ -114,10 +114,10 @@ class _FP8MLP(torch.autograd.Function):
         x_RD = None
         if need[3] or need[5]:
             x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
-        dw1 = _wgrad(x_RD, dh, op, bf16_wgrad).to(w1.dtype) if need[3] else None
+        dw1 = _wgrad(x_RD, dh, op, bf16_wgrad, w1) if need[3] else None
         dw3 = None
         if dg is not None and need[5]:
-            dw3 = _wgrad(x_RD, dg, op, bf16_wgrad).to(w3.dtype)
+            dw3 = _wgrad(x_RD, dg, op, bf16_wgrad, w3)
         return dx, None, None, dw1, dw2, dw3, db1, d_rw, None, None
 
 

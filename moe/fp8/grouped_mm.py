@@ -192,28 +192,35 @@ def _(dy_MN, w_EKN, offsets_E, pow2, floor, recipe):
 
 @torch.library.custom_op("moe::fp8_grouped_mm_wgrad", mutates_args=())
 def _wgrad_op(
-    x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, pow2: bool, floor: float, recipe: str
+    x_MK: Tensor,
+    dy_MN: Tensor,
+    offsets_E: Tensor,
+    pow2: bool,
+    floor: float,
+    recipe: str,
+    out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """dw[e] = x^T dy over e's rows, both scaled per column within e's rows (blockwise: within
-    each 128-row tile of them); float32."""
+    each 128-row tile of them); in out_dtype (the weight's: on CUDA the bf16 GEMM's output is
+    not widened to float32 and narrowed back)."""
     if recipe == "blockwise":
-        return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor)
+        return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor).to(out_dtype)
     if pow2 and x_MK.is_cuda and triton_installed():  # e4m3 x 2^k is exact in bf16
         from moe.fp8.triton_quant import fake_quant_groups_triton as fake_quant
 
         x_b = fake_quant(x_MK.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
         dy_b = fake_quant(dy_MN.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
         if wgrad_fits(x_b.shape[0], x_b, dy_b):  # one launch per operand, bf16 tensor cores
-            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).float()
-        return wgrad_groups(x_b.float(), dy_b.float(), offsets_E)
+            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).to(out_dtype)
+        return wgrad_groups(x_b.float(), dy_b.float(), offsets_E).to(out_dtype)
     x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
     dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
-    return wgrad_groups(x_q, dy_q, offsets_E)
+    return wgrad_groups(x_q, dy_q, offsets_E).to(out_dtype)
 
 
 @_wgrad_op.register_fake
-def _(x_MK, dy_MN, offsets_E, pow2, floor, recipe):
-    return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1], dtype=torch.float32)
+def _(x_MK, dy_MN, offsets_E, pow2, floor, recipe, out_dtype=torch.float32):
+    return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1], dtype=out_dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -235,7 +242,7 @@ def _backward(ctx, dy_MN, _dq, _ds):
         dx = _dgrad_op(dy_MN, w_EKN, offsets_E, *ctx.gemm).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         x_MK = kept_input(tuple(saved_x), ctx.gemm[2])
-        dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm).to(w_EKN.dtype)
+        dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm, w_EKN.dtype)
     return dx, dw, None, None, None, None, None
 
 
