@@ -391,3 +391,50 @@ def test_private_torch_assumptions_were_checked_on_this_torch():
     assert version.startswith(CHECKED_ON + "."), (
         f"torch {version}: re-check moe/pipeline/torch_internals.py (checked on {CHECKED_ON})"
     )
+
+
+def _watcher(reports, name="test watcher"):
+    from moe.pipeline.watch import Watcher
+
+    failures = []
+    return Watcher(lambda: list(reports), lambda: failures.append(1), name), failures
+
+
+def test_the_watcher_interrupts_python_code_once_and_not_after_end():
+    """A report during a watched step: StepInterrupted in the calling thread (here a Python
+    loop, as a stalled rank), on_failure once; nothing is raised after end()."""
+    from moe.pipeline.watch import StepInterrupted
+
+    reports = []
+    watcher, failures = _watcher(reports)
+    watcher.begin()
+    start = time.monotonic()
+    with pytest.raises(StepInterrupted):
+        while time.monotonic() - start < 30:
+            reports.append({"rank": 1})  # another rank's report
+            time.sleep(0.01)
+    watcher.end()
+    _report_late("watcher interrupt", time.monotonic() - start, 2.0)
+    assert failures == [1] and watcher.reports
+    watcher.begin()  # a report already there: the next step is interrupted too
+    with pytest.raises(StepInterrupted):
+        for _ in range(3000):
+            time.sleep(0.01)
+    watcher.end()
+    reports.clear()
+    watcher.begin()
+    watcher.end()  # no report: nothing pending after end()
+    for _ in range(30):
+        time.sleep(0.01)
+    assert watcher.reports is None and failures == [1, 1]
+
+
+def test_the_watcher_thread_ends_with_its_watcher():
+    import gc
+
+    watcher, _ = _watcher([], name="test watcher to collect")
+    (thread,) = [t for t in threading.enumerate() if t.name == "test watcher to collect"]
+    del watcher
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
