@@ -37,3 +37,12 @@ def test_trained_export_reloads_exactly(family, tmp_path):
     for name, t in reloaded.state_dict().items():
         assert torch.equal(t, state[name]), (family, name)
     assert relative_error(reloaded(input_ids=ids).logits, want) <= 1e-5, family
+
+
+def test_hub_checkpoint_functions_name_the_contract_path(tmp_path):
+    """save_hf_checkpoint knows the table families' hub names only: a contract-converted model
+    is refused naming the layer and what to use instead."""
+    model = moe.from_hf(tiny_model("glm4_moe"))
+    with pytest.raises(moe.interop.HFCheckpointError, match=r"mlp.experts was converted through"):
+        moe.save_hf_checkpoint(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -30,6 +30,7 @@ from moe.checkpoint.api import fsync_dir
 from moe.checkpoint.folder import FolderLock, make_staging, new_id, remove_stale_staging
 from moe.comm.consistency import all_gather_records
 from moe.interop.hf import HFMoELayer
+from moe.interop.hf_contract import HFExpertsLayer
 from moe.interop.hf_families import FAMILIES
 from moe.interop.hf_files import (
     INDEX,
@@ -68,6 +69,12 @@ def _world() -> tuple[int, int]:
 
 def _layers(model: nn.Module) -> dict[str, HFMoELayer]:
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    other = [n for n, m in model.named_modules() if isinstance(m, HFExpertsLayer)]
+    if other:  # hub names are known for the table's five families only
+        raise HFCheckpointError(
+            f"{other[0]} was converted through the experts contract: save it with "
+            "moe.to_hf(model).save_pretrained(path) (experts whole, one process)"
+        )
     if not layers:
         raise HFCheckpointError("the model has no converted block: call moe.from_hf(model) first")
     return layers
