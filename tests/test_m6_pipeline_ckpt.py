@@ -129,7 +129,7 @@ def test_stage_traces_hold_the_one_process_expert_loads(results, tmp_path):
     assert len(single) == 4 * 2  # 4 steps x 2 MoE layers
     assert _loads(files) == single
     assert _loads(stage_trace_files(root / "stop")) == single  # stopped at 2, resumed to 4
-    png = plots.plot_expert_load([files], tmp_path / "expert_load.png", "--pp 2 --ep 2")
+    png = plots.plot_expert_load(files, tmp_path / "expert_load.png", "--pp 2 --ep 2")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
