@@ -27,6 +27,7 @@ QUICK = (
     "tests/test_checkpoint.py::test_bit_exact_continuation",  # a checkpoint round trip
     "tests/test_m6.py::test_tiny_trains_and_loss_falls",  # the M6 smoke run
     "tests/test_hf_parity.py::test_from_hf_matches_transformers",  # HF conversion
+    "tests/test_hf_contract_export.py",  # contract families: train, export, reload
     "tests/test_plan_cli.py",  # the planner's command line, every bad value refused
     "tests/test_convert.py",  # swap_ffn, saved settings, the public names
     "tests/test_untrusted.py",
