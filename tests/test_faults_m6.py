@@ -64,7 +64,7 @@ def _fresh_model_and_opt():
         (["--run-dir", "/dev/null/run"], "--run-dir /dev/null/run is not writable"),
         (["--eval-batch", "0"], "--eval-batch must be >= 1, got 0"),
         (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
-        (["--threads", "-1"], "--threads must be >= 0, got -1"),
+        (["--threads", "-1"], "--threads must be between 0 (torch's default) and"),
         (["--log-every", "0"], "--log-every must be >= 1, got 0"),
         (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
         (["--ep", "0"], "--ep must be >= 1, got 0"),

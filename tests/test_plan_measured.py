@@ -84,7 +84,7 @@ def test_measured_rows_are_predicted_and_reported(measured, tmp_path):
         assert r["step_time"] == min(r["pass_times"])
         assert r["peak_memory"] > r["resident_memory"] > 0  # a step allocates on top
         # each phase's peak; forward + backward allocates on top too (the pipeline's stages
-        # run on a worker thread, which the counter sees)
+        # run on the caller's thread, where the counter is)
         assert r["peak_memory"] == max(r["backward_peak"], r["optimizer_peak"])
         assert r["backward_peak"] > r["resident_memory"]
     cluster = preset("h100", nodes=2, gpus_per_node=2, block_overhead=1e-3, moe_overhead=1e-3)
