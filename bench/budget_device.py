@@ -14,8 +14,9 @@ are counted with the CUDA branches they take (what torch.profiler shows on a GPU
 Patched while `cuda_stand_in()` is active, and put back after:
 - torch.cuda's lazy init (skipped: a CPU build has no driver), get_device_capability and
   get_device_properties (an H100 SXM: sm_90, 132 SMs);
-- triton's JITFunction.run and Autotuner.run: a launch is handed to `on_triton` (kernel name,
-  grid, tensor arguments) and not run (meta tensors have no data);
+- triton's JITFunction.run, Autotuner.run and (under TRITON_INTERPRET=1) InterpretedFunction.run:
+  a launch is handed to `on_triton` (kernel name, grid, tensor arguments) and not run (meta
+  tensors have no data);
 - `_local_scalar_dense` (.item(), int(t), torch.equal) and copies to the CPU (.tolist(),
   .cpu()): a host sync on a GPU; reported to the counter and answered with `SYNC_VALUE`, or for
   a copy with what `host_values` makes of it (e.g. balanced expert offsets: the per-expert loop
@@ -121,6 +122,7 @@ def _patch_triton(on_triton: Callable) -> list:
     """Replace triton's launchers by on_triton(name, grid, args, kwargs); the undo list."""
     try:
         from triton.runtime.autotuner import Autotuner
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
     except ImportError:
         return []
@@ -132,7 +134,7 @@ def _patch_triton(on_triton: Callable) -> list:
         on_triton(fn.__name__, grid, args, kwargs)
 
     undo = []
-    for cls in (JITFunction, Autotuner):
+    for cls in (JITFunction, Autotuner, InterpretedFunction):  # (TRITON_INTERPRET=1: the last)
         undo.append((cls, "run", cls.__dict__["run"]))
         cls.run = launch
     return undo
