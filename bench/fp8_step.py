@@ -67,7 +67,7 @@ def _ops(cfg: dict, rank: int, W: int) -> dict:
     """The timed ops of this rank, each returning when its forward ended."""
     import moe
     from moe.comm.alltoall import exchange
-    from moe.comm.exchange_plan import plan_all_to_all
+    from moe.comm.expert_exchange import all_to_all_splits
     from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch
 
     D, F, E, T, K = cfg["d_model"], cfg["d_ff"], cfg["experts"], cfg["tokens"], cfg["top_k"]
@@ -76,7 +76,7 @@ def _ops(cfg: dict, rank: int, W: int) -> dict:
     dest = torch.randint(0, W, (T * K,), generator=g)
     send = torch.bincount(dest, minlength=W).tolist()
     rows = torch.randn(T * K, D, generator=g).bfloat16()
-    plan = plan_all_to_all(rows, send, algorithm="flat")
+    plan = all_to_all_splits(rows, send, algorithm="flat")
     torch.manual_seed(0)
     experts = moe.MoELayer(D, F, L, top_k=1, activation="swiglu", backend="torch").experts
     experts = experts.to(torch.bfloat16)

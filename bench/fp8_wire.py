@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import write_report
-from moe.comm.exchange_plan import plan_all_to_all
+from moe.comm.expert_exchange import all_to_all_splits
 from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch
 
 VARIANTS = {
@@ -51,7 +51,7 @@ def _layer_bytes(rank: int, d: int, rows: int, config: FP8Config | None) -> tupl
     """(dispatch-forward bytes, bytes of all four exchanges) sent by this rank."""
     counts = [0, rows] if rank == 0 else [rows, 0]
     x = torch.randn(rows, d, dtype=torch.bfloat16, requires_grad=True)
-    plan = plan_all_to_all(x, counts)  # the count exchange happens here, before the spy
+    plan = all_to_all_splits(x, counts)  # the count exchange happens here, before the spy
     spy = _Spy(rank)
     dist.all_to_all_single = spy
     try:

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from moe.comm.alltoall import (
-    AllToAllPlan,
+    AllToAllSplits,
     choose_algorithm,
     default_hierarchical_threshold,
     exchange,
 )
 from moe.comm.exchange_config import ExchangeConfig
-from moe.comm.exchange_plan import ExpertExchange, all_to_all, plan_all_to_all
+from moe.comm.expert_exchange import ExpertExchange, all_to_all, all_to_all_splits
 from moe.comm.topology import Topology
 from tests.distributed import run_ranks
 
@@ -60,7 +60,7 @@ def reference(C: torch.Tensor, xs: list, gs: list, rank: int):
 def _check_exchange(label, x_src, counts, C, gs, rank, algorithm, L, group=None, chunks=None):
     """Run one forward+backward exchange and describe any mismatch with the reference.
 
-    chunks=None goes through all_to_all; a number through plan_all_to_all + exchange with that
+    chunks=None goes through all_to_all; a number through all_to_all_splits + exchange with that
     pipeline depth."""
     xs_all, g_all = x_src
     y_ref, grad_ref = reference(C, xs_all, g_all, rank)
@@ -68,7 +68,7 @@ def _check_exchange(label, x_src, counts, C, gs, rank, algorithm, L, group=None,
     if chunks is None:
         y, recv = all_to_all(x, counts, group=group, algorithm=algorithm, ranks_per_node=L)
     else:
-        plan = plan_all_to_all(x, counts, group, algorithm, ranks_per_node=L, chunks=chunks)
+        plan = all_to_all_splits(x, counts, group, algorithm, ranks_per_node=L, chunks=chunks)
         y, recv = exchange(x, plan), plan.recv_counts_W
     (y * g_all[rank]).sum().backward()
     problems = []
@@ -115,12 +115,12 @@ def _plan_checks(rank: int, world_size: int) -> list[str]:
     C, xs, _ = make_case("random", seed=99, W=world_size, D=5, dtype=torch.float32)
     x = xs[rank]
     chosen = {
-        "gloo default": plan_all_to_all(x, C[rank], algorithm="auto", ranks_per_node=4).algorithm
+        "gloo default": all_to_all_splits(x, C[rank], algorithm="auto", ranks_per_node=4).algorithm
     }
     one_mib, zero = (ExchangeConfig(hierarchical_max_bytes=n) for n in (1 << 20, 0))
     for name, per_node, config in [("L=4", 4, one_mib), ("L=8", 8, one_mib),
                                    ("L=4,threshold=0", 4, zero)]:  # fmt: skip
-        chosen[name] = plan_all_to_all(
+        chosen[name] = all_to_all_splits(
             x, C[rank], algorithm="auto", ranks_per_node=per_node, exchange_config=config
         ).algorithm
     want = {
@@ -133,7 +133,7 @@ def _plan_checks(rank: int, world_size: int) -> list[str]:
         problems.append(f"auto chose {chosen}, want {want}")
     os.environ["MOE_RANKS_PER_NODE"] = "2"
     try:
-        plan = plan_all_to_all(x, C[rank], algorithm="hierarchical")
+        plan = all_to_all_splits(x, C[rank], algorithm="hierarchical")
     finally:
         del os.environ["MOE_RANKS_PER_NODE"]
     if plan.topo is None or plan.topo.ranks_per_node != 2:
@@ -265,7 +265,7 @@ def test_choose_algorithm_needs_more_than_one_node():
 
 def test_plan_reverse_swaps_counts():
     C = ((1, 2), (3, 4))
-    plan = AllToAllPlan("hierarchical", None, (1, 2), (1, 3), torch.tensor([1, 3]), C, None)
+    plan = AllToAllSplits("hierarchical", None, (1, 2), (1, 3), torch.tensor([1, 3]), C, None)
     rev = plan.reverse()
     assert (rev.send, rev.recv, rev.counts_WW) == ((1, 3), (1, 2), ((1, 3), (2, 4)))
     assert rev.recv_counts_W.tolist() == [1, 2]

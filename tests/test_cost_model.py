@@ -20,7 +20,7 @@ from moe.comm.cost_model import (
     load_profile,
     save_profile,
 )
-from moe.comm.exchange_plan import all_to_all, plan_all_to_all
+from moe.comm.expert_exchange import all_to_all, all_to_all_splits
 from tests.distributed import run_ranks
 
 TRUE = CostModel(
@@ -173,7 +173,7 @@ def _auto_body(rank: int, world_size: int) -> list[str]:
             ]
         )
         xs = [torch.randn(int(C[s].sum()), D, generator=g) for s in range(world_size)]
-        plan = plan_all_to_all(
+        plan = all_to_all_splits(
             xs[rank], C[rank], algorithm="auto", ranks_per_node=2, exchange_config=small
         )
         flags = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]

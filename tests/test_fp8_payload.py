@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.comm.exchange_plan import plan_all_to_all
+from moe.comm.expert_exchange import all_to_all_splits
 from moe.fp8 import FP8Config, fp8_combine, fp8_dispatch, fp8_expert_mlp, pack_rows, unpack_rows
 from moe.fp8.config import agree_across_ranks
 from moe.fp8.payload import dequantize_payload, quantize_payload, scale_bytes
@@ -69,7 +69,7 @@ def _exchange_body(rank, world_size):
     agree_across_ranks(FP8Config(dispatch=True))  # equal configs pass
     counts = [[2, 5], [0, 4]][rank]  # uneven, rank 1 sends nothing to rank 0
     x = torch.randn(sum(counts), 300) * 5
-    plan = plan_all_to_all(x, counts)
+    plan = all_to_all_splits(x, counts)
     back = plan.reverse()
     ok = {}
     for fmt in FORMATS:
@@ -93,7 +93,7 @@ def _exchange_body(rank, world_size):
     ok["off"] = torch.equal(plain, plan.run(x)) and torch.equal(fp8_dispatch(x, plan, None), plain)
     # bytes at d = 7168, counted at the collective
     xb = torch.randn(4, 7168, dtype=torch.bfloat16)
-    plan_b = plan_all_to_all(xb, [2, 2])
+    plan_b = all_to_all_splits(xb, [2, 2])
     sent = {"bf16": _sent_bytes(rank, lambda: plan_b.run(xb))}
     xl = xb.clone().requires_grad_()  # bf16 in, bf16 out, bf16 gradient home
     y = fp8_dispatch(xl, plan_b, FP8Config(dispatch=True))
@@ -150,7 +150,7 @@ def _ep_body(rank, world_size):
     x_all, e_all, dy_all = x_WTD.flatten(0, 1), expert_WT.flatten(), dy_WTD.flatten(0, 1)
     ref = step(x_all, e_all, w, _Local(), dy_all)
     counts = torch.bincount(expert_WT[rank], minlength=2)
-    plan = plan_all_to_all(x_WTD[rank], counts)
+    plan = all_to_all_splits(x_WTD[rank], counts)
     got = step(x_WTD[rank], expert_WT[rank], [t[rank : rank + 1] for t in w], plan, dy_WTD[rank])
     mine = slice(rank * T, (rank + 1) * T)
     pairs = [(got[0], ref[0][mine]), (got[1], ref[1][mine])]

@@ -115,11 +115,11 @@ def test_deprecated_setters_warn_still_work_and_a_field_given_wins(monkeypatch):
 def _one_value_body(rank, world):
     """ExchangeConfig(ranks_per_node=1) on 2 ranks: the exchange and the replica split must
     read one value (they read 1 and 2 before ParallelConfig)."""
-    import moe.comm.exchange_plan as exchange_plan
+    import moe.comm.expert_exchange as expert_exchange
     import moe.dispatch.expert_parallel as split_module
 
     seen = {"exchange": set(), "split": set()}
-    get_topology, copy_candidates = exchange_plan.get_topology, split_module.copy_candidates
+    get_topology, copy_candidates = expert_exchange.get_topology, split_module.copy_candidates
 
     def topology_spy(*args, **kwargs):
         topo = get_topology(*args, **kwargs)
@@ -130,7 +130,7 @@ def _one_value_body(rank, world):
         seen["split"].add(args[-1])  # ranks_per_node
         return copy_candidates(*args)
 
-    exchange_plan.get_topology, split_module.copy_candidates = topology_spy, split_spy
+    expert_exchange.get_topology, split_module.copy_candidates = topology_spy, split_spy
     out = {}
     for name in ("keywords", "config"):
         torch.manual_seed(0)

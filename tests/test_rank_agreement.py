@@ -1,6 +1,6 @@
 """A failure or a differing value on one rank becomes the same named error on every rank, at
 once (issue 32 item 5): the agreement helper itself, load_checkpoint's check_extra callback,
-and the low-level plan_all_to_all with per-rank cost models. Real gloo ranks whose collective
+and the low-level all_to_all_splits with per-rank cost models. Real gloo ranks whose collective
 timeout (20 s) is far longer than the time each error may take: the old code waited it out."""
 
 import os
@@ -16,7 +16,7 @@ from moe.comm import (
     NVLINK_IB,
     CrossRankError,
     ExchangeConfig,
-    plan_all_to_all,
+    all_to_all_splits,
     raise_if_any_rank_failed,
     same_error_on_every_rank,
 )
@@ -116,7 +116,7 @@ def _plan_body(rank, world, bad_profile):
     counts = [1] * (world - 1) + [1 + rank]
 
     def plan(exchange=None):
-        return plan_all_to_all(
+        return all_to_all_splits(
             x_ND, counts, algorithm="auto", ranks_per_node=2, exchange_config=exchange
         )
 

@@ -23,7 +23,7 @@ import moe
 from moe.comm import set_cost_model
 from moe.comm.alltoall import exchange
 from moe.comm.cost_model import MAX_BANDWIDTH, CostModel
-from moe.comm.exchange_plan import plan_all_to_all
+from moe.comm.expert_exchange import all_to_all_splits
 from moe.comm.topology import get_topology
 from moe.dispatch.overlap_clock import EXPLORE
 from moe.parallel import init_mesh, parallelize
@@ -69,7 +69,7 @@ def fit_link(x_ND, send, N: int, L: int) -> CostModel:
     for div in (1, 4):
         rows = [c // div for c in send]
         x = x_ND[: sum(rows)]
-        plan = plan_all_to_all(x, rows, algorithm="flat")
+        plan = all_to_all_splits(x, rows, algorithm="flat")
         t = statistics.median(
             _timed(lambda x=x, plan=plan: _one_exchange(x, plan))[0] for _ in range(3)
         )
@@ -119,7 +119,7 @@ def worker_main(cfg: dict) -> None:
     dist.all_to_all_single(recv_WL, counts_WL.contiguous())
     send = counts_WL.sum(1).tolist()
     rows = torch.randn(sum(send), D)
-    plan = plan_all_to_all(rows, send, algorithm="flat")
+    plan = all_to_all_splits(rows, send, algorithm="flat")
     x_RD = torch.randn(int(recv_WL.sum()), D)
     offsets_L = torch.cumsum(recv_WL.sum(0), 0).to(torch.int32)
 

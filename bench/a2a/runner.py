@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from bench.a2a.tables import console_line, console_tables
 from moe.comm.alltoall import exchange
-from moe.comm.exchange_plan import all_to_all, plan_all_to_all
+from moe.comm.expert_exchange import all_to_all, all_to_all_splits
 
 ALGOS = ("raw", "flat", "hier", "flat*", "hier*", "raw+cnt")
 
@@ -66,8 +66,8 @@ def measure_size(size: int, cfg: dict, device: torch.device, sync) -> dict:
     C = split_matrix(size, W, row_elems, elem, cfg["uneven"], seed=cfg["seed"] + size)
     send, recv = C[rank], [C[s][rank] for s in range(W)]
     x = torch.randn(sum(send), row_elems, device=device)
-    flat_plan = plan_all_to_all(x, send, algorithm="flat")
-    hier_plan = plan_all_to_all(x, send, algorithm="hierarchical", ranks_per_node=L)
+    flat_plan = all_to_all_splits(x, send, algorithm="flat")
+    hier_plan = all_to_all_splits(x, send, algorithm="hierarchical", ranks_per_node=L)
 
     def raw():
         y = torch.empty(sum(recv), row_elems, device=device)

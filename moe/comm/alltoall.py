@@ -200,7 +200,7 @@ def _relayout(x_ND: torch.Tensor, sizes: list[int], order: list[int], slot: tupl
 
 
 @dataclass(frozen=True, eq=False)
-class AllToAllPlan:
+class AllToAllSplits:
     """Split sizes of one exchange, resolved on the host; reusable, reversible, no collectives.
 
     ``reverse()`` is the plan for sending the received rows back (counts swapped, same
@@ -220,12 +220,12 @@ class AllToAllPlan:
     # host-to-device copy, which on CUDA would wait for the stream: a host sync)
     send_counts_W: torch.Tensor | None = field(default=None, repr=False)
 
-    def reverse(self) -> AllToAllPlan:
+    def reverse(self) -> AllToAllSplits:
         send_t = self.send_counts_W
         if send_t is None:
             send_t = torch.tensor(self.send, dtype=torch.long, device=self.recv_counts_W.device)
         counts_WW = None if self.counts_WW is None else tuple(zip(*self.counts_WW))
-        return AllToAllPlan(
+        return AllToAllSplits(
             self.algorithm,
             self.group,
             self.recv,
@@ -308,7 +308,7 @@ class _Exchange(torch.autograd.Function):
     """y = plan.run(x); grad_x = plan.reverse().run(grad_y), itself differentiable."""
 
     @staticmethod
-    def forward(ctx, x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+    def forward(ctx, x_ND: torch.Tensor, plan: AllToAllSplits) -> torch.Tensor:
         ctx.plan = plan
         return plan.run(x_ND)
 
@@ -317,6 +317,10 @@ class _Exchange(torch.autograd.Function):
         return _Exchange.apply(grad_ND.contiguous(), ctx.plan.reverse()), None
 
 
-def exchange(x_ND: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+def exchange(x_ND: torch.Tensor, plan: AllToAllSplits) -> torch.Tensor:
     """Autograd-aware exchange of rows by a precomputed plan (no count exchange)."""
     return _Exchange.apply(x_ND, plan)
+
+
+# the name before 2026-12-07, kept one release (CHANGELOG): "plan" is the layout planner's
+AllToAllPlan = AllToAllSplits

@@ -5,7 +5,7 @@ The uneven all-to-all lives in moe.comm; `moe.dispatch.all_to_all` is its one pu
 one re-export here).
 """
 
-from moe.comm.exchange_plan import all_to_all
+from moe.comm.expert_exchange import all_to_all
 from moe.capacity import capacity_factor_for, expert_capacity
 from moe.dispatch.dispatcher import (
     DISPATCHERS,

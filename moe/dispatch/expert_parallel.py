@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import ALGORITHMS, AllToAllPlan
+from moe.comm.alltoall import ALGORITHMS, AllToAllSplits
 from moe.comm.exchange_config import ExchangeConfig
-from moe.comm.exchange_plan import ExpertExchange, exchange_expert_counts
+from moe.comm.expert_exchange import ExpertExchange, exchange_expert_counts
 from moe.comm.topology import resolve_ranks_per_node
 from moe.dispatch.dispatcher import DispatchContext, Dispatcher, register_dispatcher
 from moe.dispatch.permute import (
@@ -47,7 +47,7 @@ def receive_order(
 
 @dataclass
 class ExpertParallelContext(DispatchContext):
-    a2a: AllToAllPlan | None = None  # the rows' exchange (its algorithm is ctx.algorithm)
+    a2a: AllToAllSplits | None = None  # the rows' exchange (its algorithm is ctx.algorithm)
     order_R: torch.Tensor | None = None  # received (source rank, expert) order -> expert-major
     inverse_R: torch.Tensor | None = None
 

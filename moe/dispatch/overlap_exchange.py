@@ -5,14 +5,14 @@ backward).
 Flat: one `all_to_all_single(async_op=True)`. On NCCL that already runs on the communicator's
 own stream, ordered after the producer by an event, and `work.wait()` makes the current stream
 wait on its completion event: no host sync. On gloo it runs on gloo's worker threads.
-Hierarchical: the two-stage exchange of moe.comm (`AllToAllPlan.run`) runs on one worker
+Hierarchical: the two-stage exchange of moe.comm (`AllToAllSplits.run`) runs on one worker
 thread per dispatcher; a single FIFO thread keeps the order of collectives the same on every
 rank. On CUDA that thread runs on a dedicated stream with events
 (ExchangeConfig.overlap_cuda_stream; off by default and not run on a GPU yet); without it a CUDA hierarchical exchange runs at
 launch, in order, and simply does not overlap. Reviewed without a GPU: the side stream waits
 for x's producer (event recorded at submit), x is recorded on the side stream and y on the
 consumer's, the consumer waits by event, and the host waits only for the worker thread to
-have enqueued (AllToAllPlan.reverse needs no host-to-device copy since it carries device send
+have enqueued (AllToAllSplits.reverse needs no host-to-device copy since it carries device send
 counts). Open risk to check on a GPU: the worker's NCCL collectives on the 2D subgroups can be
 in flight while the main thread launches FSDP collectives on other communicators, in an order
 that may differ across ranks; NCCL can deadlock on that.
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import AllToAllPlan
+from moe.comm.alltoall import AllToAllSplits
 from moe.comm.exchange_config import ExchangeConfig, overlap_cuda_stream
 
 Landing = Callable[[], torch.Tensor]
@@ -41,7 +41,7 @@ class Worker:
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None
 
-    def submit(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
+    def submit(self, plan: AllToAllSplits, x_ND: torch.Tensor) -> Landing:
         if x_ND.is_cuda and not overlap_cuda_stream(self.exchange_config):
             y_ND = plan.run(x_ND)  # guarded: no side stream, no overlap
             return lambda: y_ND
@@ -52,7 +52,7 @@ class Worker:
             return future.result
         return self._submit_cuda(plan, x_ND)
 
-    def _submit_cuda(self, plan: AllToAllPlan, x_ND: torch.Tensor) -> Landing:
+    def _submit_cuda(self, plan: AllToAllSplits, x_ND: torch.Tensor) -> Landing:
         """The exchange on a side stream: it waits for x's producer by an event, and the
         consumer's stream waits for its end by an event; the host only waits for the worker
         thread to have enqueued the work (no device sync)."""
@@ -83,12 +83,12 @@ class Worker:
         return land
 
 
-def _run_no_grad(plan: AllToAllPlan, x_ND: torch.Tensor) -> torch.Tensor:
+def _run_no_grad(plan: AllToAllSplits, x_ND: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # grad mode is per thread: the caller's autograd Function owns it
         return plan.run(x_ND)
 
 
-def start_exchange(x_ND: torch.Tensor, plan: AllToAllPlan, worker: Worker) -> Landing:
+def start_exchange(x_ND: torch.Tensor, plan: AllToAllSplits, worker: Worker) -> Landing:
     """Start exchanging x_ND's rows by `plan`; the returned function waits and gives y."""
     x_ND = x_ND.contiguous()
     if plan.algorithm != "flat":

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from moe.comm.alltoall import cost_model
 from moe.comm.exchange_config import ExchangeConfig
-from moe.comm.exchange_plan import ExpertExchange
+from moe.comm.expert_exchange import ExpertExchange
 from moe.comm.topology import get_topology
 from moe.dispatch.dispatcher import DispatchContext, ExpertFn, register_dispatcher, rows_only
 from moe.dispatch.expert_parallel import KEPT_ROWS, ExpertParallelDispatcher, receive_order

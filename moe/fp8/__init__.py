@@ -11,7 +11,7 @@ What it provides:
   fuses the combine (rows.sum_to_tokens) like the torch kernel.
 - exchange: `fp8_dispatch(x_ND, plan, config, grad_fp8=False)` for the dispatch direction and
   `fp8_combine(y_ND, plan, config)` for the combine direction, where plan is a
-  moe.comm.AllToAllPlan (anything with .run(rows) and .reverse()); each replaces
+  moe.comm.AllToAllSplits (anything with .run(rows) and .reverse()); each replaces
   moe.comm.exchange(x, plan) in its direction (the generic wire with the FP8 row format).
 - weights: their e4m3 forms are made once per optimizer step and reused by every micro-batch
   (moe/fp8/weight_cache.py); `weights_changed()` drops them after a `.data` write made between

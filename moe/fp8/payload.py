@@ -1,5 +1,5 @@
 """FP8 dispatch payload: token rows as e4m3 bytes plus 1 x block scales, packed into ONE uint8
-row buffer that any row exchange moves as it is (moe.comm's AllToAllPlan.run sends rows of any
+row buffer that any row exchange moves as it is (moe.comm's AllToAllSplits.run sends rows of any
 dtype: flat or hierarchical, the split sizes count rows), and unpacked on arrival.
 
 Row layout of the packed buffer [R, D + S]: D bytes of e4m3 (element order), then the row's

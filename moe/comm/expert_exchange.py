@@ -1,8 +1,8 @@
-"""Planning an exchange from counts: ONE count collective per exchange, then AllToAllPlans.
+"""An exchange from counts: ONE count collective per exchange, then its AllToAllSplits.
 
 `exchange_expert_counts` is what the expert-parallel dispatchers call (counts per rank and local
-expert, both ways, and the resolved algorithm); `plan_all_to_all` is its one-expert-per-rank
-case and `all_to_all` the one-call form (plan + exchange). The exchange's mechanics (flat and
+expert, both ways, and the resolved algorithm); `all_to_all_splits` is its one-expert-per-rank
+case and `all_to_all` the one-call form (split sizes + exchange). The exchange's mechanics (flat and
 hierarchical rows, autograd) are in moe/comm/alltoall.py.
 """
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe.comm.alltoall import (
     ALGORITHMS,
-    AllToAllPlan,
+    AllToAllSplits,
     Counts,
     choose_algorithm,
     exchange,
@@ -34,7 +34,7 @@ from moe.comm.topology import Topology, get_subgroups, get_topology
 class ExpertExchange:
     """The counts of one expert-parallel exchange, both ways, from ONE count collective
     (`exchange_expert_counts`), with the algorithm it resolved to; `splits(first, last)` gives the
-    AllToAllPlan of the rows of local experts [first, last) without another collective.
+    AllToAllSplits of the rows of local experts [first, last) without another collective.
 
     Host lists (every split size the exchange needs is already read): send_WL[d][l] rows this
     rank sends to rank d for its local expert l, recv_WL[s][l] rows it receives from rank s for
@@ -61,7 +61,7 @@ class ExpertExchange:
         """The largest send buffer of any rank (bytes): the same number on every rank."""
         return max(self.totals_W, default=0) * self.row_bytes
 
-    def splits(self, first: int = 0, last: int | None = None) -> AllToAllPlan:
+    def splits(self, first: int = 0, last: int | None = None) -> AllToAllSplits:
         """Split sizes of the rows of local experts [first, last) (default: all), grouped by
         destination rank; the hierarchical pipeline depth follows that chunk's size."""
         last = len(self.recv_WL[0]) if last is None else last
@@ -70,13 +70,15 @@ class ExpertExchange:
         recv_t = self.recv_counts_WL[:, first:last].sum(1)
         send_t = self.send_counts_WL[:, first:last].sum(1)
         if self.algorithm == "flat":
-            return AllToAllPlan("flat", self.group, send, recv, recv_t, send_counts_W=send_t)
+            return AllToAllSplits("flat", self.group, send, recv, recv_t, send_counts_W=send_t)
         assert self.topo is not None and self.counts_WWL is not None
         C = tuple(tuple(sum(c_L[first:last]) for c_L in row) for row in self.counts_WWL)
         max_bytes = max(sum(r) for r in C) * self.row_bytes
         chunks = pipeline_chunks(max_bytes, self.topo.num_nodes, self.exchange_config)
         topo = self.topo
-        return AllToAllPlan("hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t)
+        return AllToAllSplits(
+            "hierarchical", self.group, send, recv, recv_t, C, topo, chunks, send_t
+        )
 
 
 def exchange_expert_counts(
@@ -238,7 +240,7 @@ def _check_thresholds(thresholds_W: list[int], problem: ValueError | None) -> No
     ) from problem
 
 
-def plan_all_to_all(
+def all_to_all_splits(
     x_ND: torch.Tensor,
     send_counts_W: Counts,
     group: dist.ProcessGroup | None = None,
@@ -246,7 +248,7 @@ def plan_all_to_all(
     ranks_per_node: int | None = None,
     chunks: int | None = None,
     exchange_config: ExchangeConfig | None = None,
-) -> AllToAllPlan:
+) -> AllToAllSplits:
     """Validate, exchange the counts (one small collective), resolve the algorithm: the
     one-expert-per-rank case of exchange_expert_counts.
 
@@ -291,7 +293,11 @@ def all_to_all(
     must then take part in the backward too. A tensor send_counts_W costs one host read for
     validation, the received counts one more.
     """
-    plan = plan_all_to_all(
+    plan = all_to_all_splits(
         x_ND, send_counts_W, group, algorithm, ranks_per_node, None, exchange_config
     )
     return exchange(x_ND, plan), plan.recv_counts_W
+
+
+# the name before 2026-12-07, kept one release (CHANGELOG): "plan" is the layout planner's
+plan_all_to_all = all_to_all_splits
