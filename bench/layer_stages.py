@@ -53,7 +53,7 @@ def _fwd_bwd(layer: moe.MoELayer, x_TD: torch.Tensor, dy_TD: torch.Tensor) -> No
     with record_function("stage:route"):
         routing = layer._route(x_TD)
     with record_function("stage:plan"):
-        plan = layer._plan(routing, len(x_TD))
+        plan = layer._row_map(routing, len(x_TD))
         x_RD, offsets_L, ctx = layer.dispatcher.dispatch(x_TD, plan)
     with record_function("stage:experts"):
         out = layer.experts(x_RD, offsets_L, rows=ctx.expert_rows())
@@ -115,7 +115,7 @@ def padded_vs_ragged(d: int, F: int, E: int, k: int, tokens: int) -> tuple[float
     layer = moe.MoELayer(d, F, E, top_k=k, capacity_factor=None)
     x = torch.randn(tokens, d, requires_grad=True)
     with torch.no_grad():
-        plan = layer._plan(layer._route(x), tokens)
+        plan = layer._row_map(layer._route(x), tokens)
     ragged = (plan.token_ids_M, plan.row_weights().detach(), plan.offsets_E)
     ids_S, weights_S, offsets_S, pad = _padded(plan)
     w = layer.experts

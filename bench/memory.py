@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 import moe
 from bench.common import device_name, time_interleaved, write_report
-from moe.memory import GroupedApply, plan_memory, recompute_blocks
+from moe.memory import GroupedApply, estimate_memory, recompute_blocks
 
 GiB, MiB = 2**30, 2**20
 
@@ -256,7 +256,7 @@ def size_layers(args, device, dtype) -> int:
     one = BenchConfig(1, args.d_model, args.heads, args.d_ff, args.experts, 2, args.seq, 1000)
     per_layer = sum(p.numel() for p in one.build().to("meta").parameters())
     per_param = 20 if dtype == torch.float32 else 24  # + fp32 masters and grad copies
-    act = plan_memory(
+    act = estimate_memory(
         one, world_size=1, dp=1, ep=1, dtype=dtype, micro_batch_tokens=args.batch * args.seq
     )
     return max(1, int(0.9 * free / (per_layer * per_param + act.activations)))
@@ -277,7 +277,7 @@ def m6_plans() -> str:
         "```",
     ]
     for offload, ckpt in ((None, False), ("all", False), ("all", True)):
-        p = plan_memory(cfg, **kw, offload=offload, checkpointing=ckpt)
+        p = estimate_memory(cfg, **kw, offload=offload, checkpointing=ckpt)
         lines += [str(p), ""]
     lines.append("```")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """Per-rank bytes of parameters + gradients + AdamW state, measured from the local shards each
 rank holds, ddp vs fsdp at (dp, ep) = (4,1), (2,2), (1,4) on 4 gloo ranks, next to
-moe.memory.plan_memory's prediction for the same layout (its local_params x 4 B x (parameter +
+moe.memory.estimate_memory's prediction for the same layout (its local_params x 4 B x (parameter +
 gradient + 2 AdamW moments); docs/parallelism.md).
 
     torchrun --nproc-per-node 4 -m bench.memory_fsdp     # from the repository root
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from bench.common import gather_on_four_gloo_ranks
 from bench.memory import BenchConfig
-from moe.memory import plan_memory
+from moe.memory import estimate_memory
 from moe.parallel import init_mesh, parallelize
 
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]
@@ -50,8 +50,10 @@ def measure_rank() -> torch.Tensor:
 
 
 def predict(mode, dp, ep):
-    """moe.memory.plan_memory's persistent bytes per device for this layout."""
-    p = plan_memory(CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode)
+    """moe.memory.estimate_memory's persistent bytes per device for this layout."""
+    p = estimate_memory(
+        CFG, world_size=dp * ep, dp=dp, ep=ep, dtype=torch.float32, data_parallel=mode
+    )
     return p.local_params * 4 * 4  # params + grads + 2 AdamW moments, fp32
 
 

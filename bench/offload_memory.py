@@ -1,6 +1,6 @@
 """Per-rank bytes of GroupedApply's optimizer state and fp32 master weights that stay in device
 memory, with offload None / "optimizer" / "all", at dp 2 x ep 2 (ddp and fsdp, fp32 and bf16
-parameters) on 4 gloo ranks, next to moe.memory.plan_memory's `optimizer_state` for the same
+parameters) on 4 gloo ranks, next to moe.memory.estimate_memory's `optimizer_state` for the same
 layout.
 
     torchrun --nproc-per-node 4 -m bench.offload_memory     # from the repository root
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from bench.common import gather_on_four_gloo_ranks
 from bench.memory import BenchConfig
-from moe.memory import GroupedApply, plan_memory
+from moe.memory import GroupedApply, estimate_memory
 from moe.parallel import init_mesh, parallelize
 
 CFG = BenchConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, num_experts=8, top_k=2,
@@ -66,7 +66,7 @@ def measure_rank() -> torch.Tensor:
 
 
 def predict(mode: str, dtype: torch.dtype, offload: str | None) -> int:
-    plan = plan_memory(CFG, world_size=4, dp=2, ep=2, dtype=dtype, offload=offload,
+    plan = estimate_memory(CFG, world_size=4, dp=2, ep=2, dtype=dtype, offload=offload,
                        data_parallel=mode)  # fmt: skip
     return plan.optimizer_state
 

@@ -1,4 +1,4 @@
-"""LoRA on the experts (issue 50) in training: moe.memory.plan_memory counts the adapters as
+"""LoRA on the experts (issue 50) in training: moe.memory.estimate_memory counts the adapters as
 the trainable parameters, GroupedApply (and its CPU offload) trains them as AdamW does, whole
 and adapters-only checkpoints load exactly, and docs/lora.md's snippet runs."""
 
@@ -28,11 +28,11 @@ class _Planned:
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_plan_memory_counts_adapters_as_trainable(layout):
-    from moe.memory import plan_memory
+    from moe.memory import estimate_memory
 
     kw = {"world_size": 2, "dp": 1, "ep": 2, "data_parallel": layout, "dtype": torch.float32}
-    plain = plan_memory(_Planned(None), **kw)
-    lora = plan_memory(_Planned(LoRAConfig(rank=2, alpha=2.0)), **kw)
+    plain = estimate_memory(_Planned(None), **kw)
+    lora = estimate_memory(_Planned(LoRAConfig(rank=2, alpha=2.0)), **kw)
     adapters = 2 * 4 * 3 * (16 * 2 + 2 * 24)  # layers x experts x (w1, w2, w3) x (A + B)
     assert lora.trainable_params == adapters and plain.trainable_params == plain.total_params
     assert lora.total_params == plain.total_params + adapters

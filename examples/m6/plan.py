@@ -104,7 +104,7 @@ def plan_report(
     device_memory_bytes: int | None = None,
     data_parallel: str = "ddp",
 ) -> str:
-    """Counts from the meta-built model, the static memory floor, and moe.memory.plan_memory's
+    """Counts from the meta-built model, the static memory floor, and moe.memory.estimate_memory's
     full plan when that function is available."""
     check_layout(cfg, world_size, dp, ep)
     with torch.device("meta"):
@@ -133,8 +133,8 @@ def plan_report(
         f"cluster: {world_size} devices as dp={dp} x ep={ep}; "
         f"{cfg.num_experts // ep if cfg.is_moe else 0} experts per device per MoE layer"
     )
-    if hasattr(moe.memory, "plan_memory"):
-        result = moe.memory.plan_memory(
+    if hasattr(moe.memory, "estimate_memory"):
+        result = moe.memory.estimate_memory(
             cfg,
             world_size=world_size,
             dp=dp,
@@ -152,7 +152,7 @@ def plan_report(
         return "\n".join(lines)
     mem = static_memory(dense, experts, ep, dtype, offload, groups)
     lines.append(
-        f"static floor per device (moe.memory.plan_memory unavailable: no activations): "
+        f"static floor per device (moe.memory.estimate_memory unavailable: no activations): "
         f"weights {mem['weights'] / GiB:.1f} GiB + grads {mem['grads'] / GiB:.1f} GiB + "
         f"optimizer {mem['optimizer'] / GiB:.1f} GiB = {mem['device_total'] / GiB:.1f} GiB"
         + (f"; host {mem['host'] / GiB:.1f} GiB" if mem["host"] else "")

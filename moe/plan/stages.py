@@ -2,7 +2,7 @@
 cuts it: the stack (embedding, each block, head) split by moe.pipeline.split.stage_sizes and
 the chunks placed on pp ranks by PipelineConfig.stage_ranks (the pipeline's own functions),
 each chunk summarised once per (model, sequence length, split): parameters, FLOPs and saved
-activations per token. Activations are moe.memory.planner's per-block formula (Korthikanti et
+activations per token. Activations are moe.memory.activations' per-block formula (Korthikanti et
 al. 2022, flash attention, no dropout, bf16), linear in tokens at a fixed sequence length."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from moe.memory.planner import block_activation_bytes
+from moe.memory.activations import block_activation_bytes
 from moe.pipeline.config import PipelineConfig
 from moe.pipeline.split import stage_sizes
 from moe.plan.spec import ModelSpec
