@@ -88,6 +88,14 @@ def _custom_body(func):
     return None if opdef is None else opdef._init_fn
 
 
+def _composite(name: str) -> bool:
+    """An op with no kernel of its own (CompositeImplicitAutograd only): its parts are what
+    runs. An op that also has a device kernel (silu_backward) runs as that one kernel; the CPU
+    kernel stands for the CUDA one this build does not have."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has(name, "CompositeImplicitAutograd") and not has(name, "CPU")
+
+
 class StandInMode(TorchDispatchMode):
     """on_op(func, args, kwargs, out, depth) after each aten op (args and out as plain meta);
     on_custom(func, depth) before a custom op's body runs; depth counts enclosing custom ops."""
@@ -103,7 +111,7 @@ class StandInMode(TorchDispatchMode):
             self.on_custom(func, self.depth)
             with StandInMode(self.on_op, self.on_custom, self.depth + 1):
                 return tree_map(stand_in, body(*tree_map(stand_in, args), **kwargs))
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        if _composite(func.name()):
             with StandInMode(self.on_op, self.on_custom, self.depth):  # its parts are counted
                 return func.decompose(*args, **kwargs)
         a, k = tree_map(_plain, (args, kwargs))
