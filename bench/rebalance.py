@@ -1,5 +1,5 @@
 """Load-aware expert placement on skewed routing: largest / mean rank load before and after
-moe.parallel.plan_placement, then with replicas (moe.slots.replica_plan.plan_replicas,
+moe.parallel.choose_placement, then with replicas (moe.slots.replica_placement.choose_replicas,
 --spare-slots per layer, default one per rank), and the MoE-layer step time that implies.
 
     python -m bench.rebalance [--m6-trace runs/x/routing_trace.jsonl] [--write]
@@ -35,9 +35,9 @@ import torch
 from bench.common import write_report
 from moe.comm.cost_model import NVLINK_IB
 from moe.slots.layout import initial_expert_of_slot
-from moe.slots.placement_plan import plan_placement, rank_loads
-from moe.slots.replica_plan import plan_replicas
-from moe.slots.replica_plan import rank_loads as replica_rank_loads
+from moe.slots.placement import choose_placement, rank_loads
+from moe.slots.replica_placement import choose_replicas
+from moe.slots.replica_placement import rank_loads as replica_rank_loads
 
 H100_BF16_FLOPS = 600e12  # assumed achieved dense bf16 GEMM rate: a projection, not measured
 
@@ -96,7 +96,7 @@ def layer_time(rows: float, d: int, F: int, n_mats: int, flops: float, ranks: in
 def replica_cells(load, W, R, scale, d, F, n_mats, cpu_rate) -> str:
     """The replica columns of one row (see the module docstring)."""
     E = len(load)
-    q = plan_replicas(load, initial_expert_of_slot(E, R), W, min_gain=0.0)
+    q = choose_replicas(load, initial_expert_of_slot(E, R), W, min_gain=0.0)
     check = max(replica_rank_loads(load, q.expert_of_slot, W)) / q.mean
     assert abs(check - q.max_after / q.mean) < 1e-9
     copied = sum(c > 1 for c in q.copies)
@@ -113,7 +113,7 @@ def replica_cells(load, W, R, scale, d, F, n_mats, cpu_rate) -> str:
 
 def row(label, load, W, tokens_rows, d, F, n_mats, cpu_rate, R=0):
     E = len(load)
-    p = plan_placement(load, list(range(E)), W, min_gain=0.0)
+    p = choose_placement(load, list(range(E)), W, min_gain=0.0)
     mean = p.mean
     L = E // W  # the hottest expert's rank also holds L - 1 others, at least the coldest
     bound = max(mean, max(load) + sum(sorted(load)[: L - 1])) / mean

@@ -16,7 +16,7 @@ from moe.checkpoint import load_checkpoint, save_checkpoint
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.slots.layout import SlotLayout
-from moe.slots.placement_plan import lpt_groups, plan_placement, rank_loads
+from moe.slots.placement import choose_placement, lpt_groups, rank_loads
 from tests.distributed import run_ranks
 
 D, F, E = 12, 20, 8
@@ -48,7 +48,7 @@ def test_placement_against_brute_force_optimum():
     for E_, W in [(6, 3), (8, 4), (8, 2), (9, 3), (12, 4), (12, 6)]:
         for _ in range(60):
             load = [int(rng.paretovariate(1.2) * 10) for _ in range(E_)]
-            p = plan_placement(load, list(range(E_)), W, min_gain=0.0)
+            p = choose_placement(load, list(range(E_)), W, min_gain=0.0)
             assert sorted(p.slot_of_expert) == list(range(E_))
             assert p.max_after == max(rank_loads(load, p.slot_of_expert, W))
             best = _brute_force(load, W)
@@ -63,28 +63,28 @@ def test_placement_against_brute_force_optimum():
 def test_swaps_fix_what_lpt_misses():
     load = [8, 7, 6, 5, 4, 0]  # LPT alone: {8, 5, 4} = 17 vs {7, 6, 0}; optimum 15
     assert max(sum(load[e] for e in g) for g in lpt_groups(load, 2)) == 17
-    p = plan_placement(load, list(range(6)), 2)
+    p = choose_placement(load, list(range(6)), 2)
     assert p.max_after == 15 == _brute_force(load, 2)
 
 
 def test_placement_moves_only_what_it_must_and_keeps_small_gains():
     load = [10, 9, 1, 1, 1, 1, 1, 1]  # experts 0, 1 both on rank 0 of 4
-    p = plan_placement(load, list(range(8)), 4)
+    p = choose_placement(load, list(range(8)), 4)
     assert p.max_before == 19 and p.max_after == 11 and p.mean == 6.25
     # only expert 1 (or 0) has to leave rank 0, swapping with one expert of another rank
     assert len(p.moved) == 2
     for e in range(8):
         if e not in p.moved:
             assert p.slot_of_expert[e] == e  # stays in its slot
-    again = plan_placement(load, p.slot_of_expert, 4)
+    again = choose_placement(load, p.slot_of_expert, 4)
     assert not again.changed and again.slot_of_expert == p.slot_of_expert
-    small = plan_placement([10, 10, 9, 9], [0, 1, 2, 3], 2, min_gain=0.1)  # 20 -> 19: kept
+    small = choose_placement([10, 10, 9, 9], [0, 1, 2, 3], 2, min_gain=0.1)  # 20 -> 19: kept
     assert not small.changed and small.slot_of_expert == (0, 1, 2, 3)
-    assert plan_placement([10, 10, 9, 9], [0, 1, 2, 3], 2, min_gain=0.0).max_after == 19
+    assert choose_placement([10, 10, 9, 9], [0, 1, 2, 3], 2, min_gain=0.0).max_after == 19
     with pytest.raises(ValueError, match="permutation"):
-        plan_placement(load, [0, 0, 1, 2, 3, 4, 5, 6], 4)
+        choose_placement(load, [0, 0, 1, 2, 3, 4, 5, 6], 4)
     with pytest.raises(ValueError, match="evenly"):
-        plan_placement(load, list(range(8)), 3)
+        choose_placement(load, list(range(8)), 3)
 
 
 def _place(layer, slot_of_expert):

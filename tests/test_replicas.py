@@ -21,10 +21,10 @@ from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import rebalance_experts
 from moe.parallel.replicas import sum_replica_grads
 from moe.slots.layout import initial_expert_of_slot
-from moe.slots.replica_plan import (
+from moe.slots.replica_placement import (
     check_replica_placement,
     choose_copies,
-    plan_replicas,
+    choose_replicas,
     rank_loads,
 )
 from tests.distributed import run_ranks
@@ -41,7 +41,7 @@ def test_planner_copies_hot_experts_on_different_ranks_and_meets_the_bound():
     for E_, W, R in [(8, 2, 2), (8, 4, 4), (12, 4, 8), (16, 8, 8), (64, 8, 8), (6, 3, 3)]:
         for _ in range(20):
             load = [rng.paretovariate(1.1) for _ in range(E_)]
-            p = plan_replicas(load, initial_expert_of_slot(E_, R), W, min_gain=0.0)
+            p = choose_replicas(load, initial_expert_of_slot(E_, R), W, min_gain=0.0)
             check_replica_placement(p.expert_of_slot, E_, W)  # copies on different ranks
             assert len(p.expert_of_slot) == E_ + R
             assert abs(max(rank_loads(load, p.expert_of_slot, W)) - p.max_after) < 1e-9
@@ -54,14 +54,14 @@ def test_planner_copies_hot_experts_on_different_ranks_and_meets_the_bound():
 
     for E_ in (64, 128):
         load = zipf_load(E_, 1.2)
-        p = plan_replicas(load, initial_expert_of_slot(E_, 8), 8, min_gain=0.0)
+        p = choose_replicas(load, initial_expert_of_slot(E_, 8), 8, min_gain=0.0)
         assert p.max_after / p.mean <= 1.05, p.max_after / p.mean
 
 
 def test_planner_keeps_small_gains_and_moves_only_changed_slots():
     load = [10.0, 1, 1, 1, 1, 1, 1, 1]
-    p = plan_replicas(load, initial_expert_of_slot(8, 2), 2, min_gain=0.0)
-    again = plan_replicas(load, p.expert_of_slot, 2, min_gain=0.05)
+    p = choose_replicas(load, initial_expert_of_slot(8, 2), 2, min_gain=0.0)
+    again = choose_replicas(load, p.expert_of_slot, 2, min_gain=0.05)
     assert not again.changed and again.expert_of_slot == p.expert_of_slot
     assert set(p.moved_slots) == {
         s for s in range(10) if p.expert_of_slot[s] != initial_expert_of_slot(8, 2)[s]
@@ -69,7 +69,7 @@ def test_planner_keeps_small_gains_and_moves_only_changed_slots():
     with pytest.raises(ValueError, match="more copies than there are ranks"):
         choose_copies([1.0, 2.0], 6, 2)
     with pytest.raises(ValueError, match="two copies of one expert"):
-        plan_replicas(load, [0, 1, 2, 3, 0, 0, 4, 5, 6, 7], 2)
+        choose_replicas(load, [0, 1, 2, 3, 0, 0, 4, 5, 6, 7], 2)
 
 
 def test_copy_candidates_prefer_the_sending_rank_then_its_node():

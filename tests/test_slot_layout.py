@@ -15,8 +15,8 @@ from moe.dispatch.replica_split import copy_candidates, replicated_rows, slot_ro
 from moe.parallel import init_mesh, parallelize
 from moe.parallel.rebalance import _transfers
 from moe.slots.layout import SlotLayout
-from moe.slots.placement_plan import plan_placement
-from moe.slots.replica_plan import plan_layout, plan_replicas
+from moe.slots.placement import choose_placement
+from moe.slots.replica_placement import choose_layout, choose_replicas
 from tests.distributed import run_ranks
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "moe"
@@ -118,9 +118,11 @@ def test_slot_by_slot_moves_of_a_permutation_are_the_per_expert_ones(seed):
 def test_one_planner_per_decision_a_permutation_planned_as_before():
     load = [9.0, 1.0, 1.0, 1.0, 7.0, 1.0, 2.0, 1.0]
     perm = SlotLayout.of_placement([3, 1, 2, 0, 4, 5, 6, 7])
-    assert plan_layout(load, perm, 2, 0.0) == plan_placement(load, perm.slot_of_expert, 2, 0.0)
+    assert choose_layout(load, perm, 2, 0.0) == choose_placement(load, perm.slot_of_expert, 2, 0.0)
     copies = SlotLayout(8, (*range(8), 0, 1))
-    assert plan_layout(load, copies, 2, 0.0) == plan_replicas(load, copies.expert_of_slot, 2, 0.0)
+    assert choose_layout(load, copies, 2, 0.0) == choose_replicas(
+        load, copies.expert_of_slot, 2, 0.0
+    )
 
 
 @pytest.mark.parametrize("capacity", [None, 3])

@@ -7,7 +7,7 @@ import torch
 
 import moe
 from moe.parallel.rebalance import RebalanceReport
-from moe.slots.placement_plan import plan_placement
+from moe.slots.placement import choose_placement
 from moe.trace.routing_trace import RoutingTrace, read_trace
 
 
@@ -21,8 +21,8 @@ def test_bad_steps_and_foreign_reports_are_clear_errors(tmp_path):
         with pytest.raises(ValueError, match=r"RoutingTrace.step: step must be an int >= 0"):
             trace.step(bad)
     trace.step(0)
-    mine = RebalanceReport(layers={"0": plan_placement([5.0, 1, 1, 1], [0, 1, 2, 3], 2, 0.0)})
-    other = RebalanceReport(layers={"ffn": plan_placement([5.0, 1], [0, 1], 2, 0.0)})
+    mine = RebalanceReport(layers={"0": choose_placement([5.0, 1, 1, 1], [0, 1, 2, 3], 2, 0.0)})
+    other = RebalanceReport(layers={"ffn": choose_placement([5.0, 1], [0, 1], 2, 0.0)})
     with pytest.raises(ValueError, match="record_rebalance: step must be an int >= 0, got -1"):
         trace.record_rebalance(-1, mine)
     with pytest.raises(ValueError, match="expected the RebalanceReport .* got NoneType"):

@@ -3,7 +3,7 @@ parallelize, gradient clipping, and load-aware expert placement.
 
 Public names (one path each, the README's): init_mesh, parallelize, ParallelConfig,
 clip_grad_norm_,
-rebalance_experts, RebalanceReport, plan_placement, Placement, plan_replicas,
+rebalance_experts, RebalanceReport, choose_placement, Placement, choose_replicas,
 ReplicaPlacement, sum_replica_grads, expert_parameters,
 dense_parameters, is_expert_parameter. The memory features live in moe.memory and checkpoint
 I/O in moe.checkpoint.
@@ -14,9 +14,9 @@ from moe.parallel.mesh import init_mesh
 from moe.parallel.parallel_config import ParallelConfig
 from moe.parallel.parallelize import parallelize
 from moe.parallel.clip import clip_grad_norm_
-from moe.slots.placement_plan import Placement, plan_placement
+from moe.slots.placement import Placement, choose_placement, plan_placement
 from moe.parallel.rebalance import RebalanceReport, rebalance_experts
-from moe.slots.replica_plan import ReplicaPlacement, plan_replicas
+from moe.slots.replica_placement import ReplicaPlacement, choose_replicas, plan_replicas
 from moe.parallel.replicas import sum_replica_grads
 
 __all__ = [
@@ -30,6 +30,8 @@ __all__ = [
     "init_mesh",
     "is_expert_parameter",
     "parallelize",
+    "choose_placement",
+    "choose_replicas",
     "plan_placement",
     "plan_replicas",
     "rebalance_experts",

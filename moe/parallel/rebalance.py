@@ -6,7 +6,7 @@ rank's all-to-all volume and GEMMs set every rank's step time. After an optimize
     report = moe.parallel.rebalance_experts(model, optimizer)
 
 sums each layer's per-expert load since the previous call over all ranks (one all-reduce),
-plans a placement minimising the largest rank load (moe.slots.placement_plan: LPT with L experts
+plans a placement minimising the largest rank load (moe.slots.placement: LPT with L experts
 per rank, pairwise swaps, kept when the gain is below `min_gain`) and applies it exactly.
 
 Why a placement map and not a permutation of expert ids: every MoELayer keeps its router in
@@ -25,7 +25,7 @@ training continues as it would have (float32 reduction-order differences at most
 Checkpoints carry the placement (the buffer is in the state dict), so a save after a rebalance
 reloads exactly at any (dp, ep) or in one process; moe.to_hf exports canonical expert order.
 
-Every layer is planned from its slot layout (moe.slots.replica_plan.plan_layout): a layout
+Every layer is planned from its slot layout (moe.slots.replica_placement.choose_layout): a layout
 without copies as a placement, one with spare slots (moe.parallel.replicas) also deciding which
 experts the spare slots copy; each slot whose expert changes is filled from a slot holding that
 expert now, in the same exchange.
@@ -46,8 +46,8 @@ from moe.memory.grouped_apply import GroupedApply
 from moe.parallel.mesh import layers_group
 from moe.shards import local
 from moe.slots import guard as replica_guard
-from moe.slots.placement_plan import Placement
-from moe.slots.replica_plan import ReplicaPlacement, plan_layout
+from moe.slots.placement import Placement
+from moe.slots.replica_placement import ReplicaPlacement, choose_layout
 
 
 @dataclass
@@ -265,7 +265,7 @@ def rebalance_experts(
     ranges = [_slot_range(layer) for (_, layer), w in zip(layers, sizes) if w > 1]
     loads = _summed_loads(layers, group)
     _restart_counts(layers)
-    plans = _plan_layers(layers, sizes, loads, min_gain)
+    plans = _choose_layouts(layers, sizes, loads, min_gain)
     report.layers.update((name, plan) for (name, _), plan in zip(layers, plans))
     changed = [i for i, p in enumerate(plans) if p.changed]
     if not changed:  # every rank computed the same plans: no rank exchanges
@@ -315,12 +315,12 @@ def _summed_loads(layers, group=None) -> list[int]:
     return load[:nc].tolist()
 
 
-def _plan_layers(layers, sizes, loads: list[int], min_gain: float) -> list:
+def _choose_layouts(layers, sizes, loads: list[int], min_gain: float) -> list:
     """Each layer's new layout from its summed loads (every rank computes the same)."""
     plans, start = [], 0
     for (_, layer), w in zip(layers, sizes):
         E = layer.config.num_experts
-        plans.append(plan_layout(loads[start : start + E], layer.slot_layout(), w, min_gain))
+        plans.append(choose_layout(loads[start : start + E], layer.slot_layout(), w, min_gain))
         start += E
     return plans
 

@@ -4,7 +4,7 @@ Pure host-side arithmetic on the per-expert load (identical input -> identical o
 rank: no randomness, ties broken by index). Placement is a map slot_of_expert (expert e sits
 in slot s = row s of the layer's stacked expert weights; rank r holds slots [r*L, (r+1)*L)).
 
-    placement = plan_placement(load_E, slot_of_expert, num_ranks, min_gain=0.05)
+    placement = choose_placement(load_E, slot_of_expert, num_ranks, min_gain=0.05)
 
 1. LPT with a cardinality limit: experts by decreasing load, each to the least loaded rank
    that still has a free slot.
@@ -180,7 +180,7 @@ def slots_for(load_E, groups: list[list[int]], current: list[int]) -> tuple[int,
     return tuple(new)
 
 
-def plan_placement(load_E, slot_of_expert, num_ranks: int, min_gain: float = 0.05) -> Placement:
+def choose_placement(load_E, slot_of_expert, num_ranks: int, min_gain: float = 0.05) -> Placement:
     """A placement of the E experts on `num_ranks` ranks (E / W each) minimising the largest
     rank load (LPT + pairwise swaps), or the current one when the largest load would drop by
     less than `min_gain` of it."""
@@ -207,3 +207,7 @@ def plan_placement(load_E, slot_of_expert, num_ranks: int, min_gain: float = 0.0
     L = E // num_ranks
     moved = tuple(e for e in range(E) if new[e] // L != current[e] // L)
     return Placement(new, max(before), after, mean, moved)
+
+
+# the name before 2026-12-07, kept one release (CHANGELOG): "plan" is the layout planner's
+plan_placement = choose_placement

@@ -6,7 +6,7 @@ computes the same answer. A placement is `expert_of_slot` (slot s = row s of the
 expert weights holds a copy of expert expert_of_slot[s]; rank r holds slots [r*L, (r+1)*L)).
 A replicated expert's pairs are split over its copies, so each copy carries load / copies.
 
-    placement = plan_replicas(load_E, expert_of_slot, num_ranks, min_gain=0.05)
+    placement = choose_replicas(load_E, expert_of_slot, num_ranks, min_gain=0.05)
 
 1. Copies: every expert one; each of the R spare slots goes to the expert with the largest
    load per copy (at most W copies), which is exactly the allocation minimising the largest
@@ -29,11 +29,11 @@ from moe.slots.layout import (
     copies_of,
     primary_slots,
 )
-from moe.slots.placement_plan import (
+from moe.slots.placement import (
     Placement,
+    choose_placement,
     improve_by_swaps,
     max_overlap_assignment,
-    plan_placement,
 )
 
 
@@ -162,7 +162,7 @@ def slots_for_groups(groups: list[list[int]], current: list[int]) -> tuple[int, 
     return tuple(new)
 
 
-def plan_replicas(
+def choose_replicas(
     load_E, expert_of_slot, num_ranks: int, min_gain: float = 0.05
 ) -> ReplicaPlacement:
     """A placement of E experts in the current number of slots on `num_ranks` ranks
@@ -192,13 +192,17 @@ def plan_replicas(
     return ReplicaPlacement(new, max(before), after, mean, bound, moved)
 
 
-def plan_layout(
+def choose_layout(
     load_E, layout: SlotLayout, num_ranks: int, min_gain: float = 0.05
 ) -> "Placement | ReplicaPlacement":
     """A layer's next slot layout from its experts' loads, for any layout (the one planner
     moe.parallel.rebalance_experts calls): S == E slots, a permutation, is planned as a
-    placement (plan_placement: whole experts change rank); S > E by plan_replicas (which
+    placement (choose_placement: whole experts change rank); S > E by choose_replicas (which
     experts the spare slots copy is decided too). Either decision's .layout(E) is a SlotLayout."""
     if layout.num_slots == layout.num_experts:
-        return plan_placement(load_E, layout.slot_of_expert, num_ranks, min_gain)
-    return plan_replicas(load_E, layout.expert_of_slot, num_ranks, min_gain)
+        return choose_placement(load_E, layout.slot_of_expert, num_ranks, min_gain)
+    return choose_replicas(load_E, layout.expert_of_slot, num_ranks, min_gain)
+
+
+# the name before 2026-12-07, kept one release (CHANGELOG): "plan" is the layout planner's
+plan_replicas = choose_replicas
