@@ -13,7 +13,17 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moe.fp8 import quant as Q  # noqa: E402
-from moe.fp8.triton_quant import fake_quant_groups_triton, quantize_rows_triton  # noqa: E402
+from moe.fp8.triton_quant import fake_quant_groups_triton  # noqa: E402
+from moe.fp8.triton_quant import quantize_rows_triton as _rows_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
+
+
+def quantize_rows_triton(x, pow2, floor):
+    """The kernel on DEV; results back on the CPU (the eager references run there)."""
+    q, s = _rows_triton(x.to(DEV), pow2, floor)
+    return q.cpu(), s.cpu()
+
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,8 +59,9 @@ def test_same_codes_and_scales_as_the_eager_quantizer(dtype, pow2, floor):
 def test_rounding_against_float64(pow2):
     """Each finite row dequantizes within half an e4m3 step (2^-4 relative) of x in float64,
     and an odd width (K = 150, not a block multiple) and strided rows are read right."""
-    x = torch.randn(6, 300, dtype=torch.float64)[:, :150]  # row stride 300
-    q, s = quantize_rows_triton(x.float(), pow2, Q.AMAX_FLOOR)
+    x = torch.randn(6, 300, dtype=torch.float64)
+    q, s = _rows_triton(x.float().to(DEV)[:, :150], pow2, Q.AMAX_FLOOR)  # row stride 300
+    q, s, x = q.cpu(), s.cpu(), x[:, :150]
     deq = q.double() * s.double()
     err = (deq - x).abs()
     step = 2.0 ** (torch.floor(torch.log2((x / s.double()).abs().clamp_min(2**-6))) - 3)
@@ -102,7 +113,8 @@ def test_group_columns_as_the_eager_quantizer(dtype):
     offs = torch.tensor([10, 10, 33, 81], dtype=torch.int32)
     ref = Q.dequantize_groups(*Q.quantize_groups(x, offs, True, Q.AMAX_FLOOR), offs)
     for out_dtype in (torch.float32, torch.bfloat16):
-        out = fake_quant_groups_triton(x, offs, True, Q.AMAX_FLOOR, out_dtype)
+        out = fake_quant_groups_triton(x.to(DEV), offs.to(DEV), True, Q.AMAX_FLOOR, out_dtype)
+        out = out.cpu()
         want = ref.to(out_dtype)
         assert bool(((out == want) | (out.isnan() & want.isnan())).all())
     assert (out[81:] == 0).all()
