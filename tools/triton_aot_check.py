@@ -32,6 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moe.fp8 import triton_quant as fp8_quant
 from moe.kernels.triton import activations as activations
 from moe.kernels.triton import gather_sum as gather_sum
 from moe.kernels.triton import grouped_mm as rows
@@ -221,6 +222,29 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     if gelu:
         yield from misc_variants(p, M, D, T)
         yield from row_variants(p, M, D, F)
+        yield from fp8_variants(p, M, D)
+
+
+def fp8_variants(p, M, D):
+    """The FP8 quantization passes (moe/fp8/triton_quant.py): row-wise e4m3 codes and scales,
+    and each expert's column-scaled weight-gradient operand, at the launchers' block sizes."""
+    block_k = min(512, triton.next_power_of_2(D))
+    qr = dict(x_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", M=M, K=D, stride_xm=D, floor="fp32")
+    for pow2 in (False, True):
+        consts = dict(POW2=pow2, BLOCK_M=4, BLOCK_K=block_k)
+        yield (
+            f"fp8 quant rows pow2={pow2}",
+            fp8_quant._quant_rows_kernel,
+            qr,
+            consts,
+            None,
+            False,
+            False,
+        )
+    fq = dict(x_ptr=p, out_ptr="*bf16", offsets_ptr="*i32", M=M, K=D, E=8, stride_xm=D,
+              floor="fp32")  # fmt: skip
+    consts = dict(POW2=True, BLOCK_M=32, BLOCK_K=min(128, triton.next_power_of_2(D)))
+    yield "fp8 wgrad operand", fp8_quant._fake_quant_groups_kernel, fq, consts, None, False, False
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):

@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
-F32_MAX = 3.4028234663852886e38
+# constexpr: a compiled kernel reads only constexpr globals (the interpreter reads any)
+E4M3_MAX = tl.constexpr(448.0)
+F32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
