@@ -20,7 +20,6 @@ function at every expert-parallel layout.
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -129,9 +128,10 @@ class RowWire:
             self.combine_grad_format,
         )
 
-    @cached_property
+    @property
     def plain(self) -> bool:
-        """Every direction plain: the rows travel as they are (fixed: worked out once)."""
+        """Every direction plain: the rows travel as they are. (A property, not a
+        functools.cached_property: Python 3.11's takes an RLock, a graph break under compile.)"""
         return all(fmt.plain for fmt in self.formats)
 
     def dispatch(self, x_ND: Tensor, plan) -> Tensor:
