@@ -13,8 +13,14 @@ each layer of the stack in a few minutes on 2 cores; the full suite runs everyth
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("MOE_TRITON_AUTOTUNE", "0")
+# Without a GPU every Triton kernel runs in Triton's interpreter. @triton.jit picks compiled or
+# interpreted when a kernel's module is imported, so the variable is set here, before any test
+# module imports one (the test files that set it themselves run later in collection order).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Test ids (a file, or a file::test covering its parameters) marked `quick`.
 QUICK = (

@@ -32,7 +32,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe.fp8 import triton_quant as fp8_quant
 from moe.kernels.triton import activations as activations
 from moe.kernels.triton import gather_sum as gather_sum
 from moe.kernels.triton import grouped_mm as rows
@@ -227,7 +226,11 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
 
 def fp8_variants(p, M, D):
     """The FP8 quantization passes (moe/fp8/triton_quant.py): row-wise e4m3 codes and scales,
-    and each expert's column-scaled weight-gradient operand, at the launchers' block sizes."""
+    and each expert's column-scaled weight-gradient operand, at the launchers' block sizes.
+    Imported here, not with this module: @triton.jit picks compiled or interpreted when the
+    kernel module is imported, and the tests import this module before TRITON_INTERPRET is set."""
+    from moe.fp8 import triton_quant as fp8_quant
+
     block_k = min(512, triton.next_power_of_2(D))
     qr = dict(x_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", M=M, K=D, stride_xm=D, floor="fp32")
     for pow2 in (False, True):
