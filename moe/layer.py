@@ -176,9 +176,9 @@ class MoELayer(nn.Module):
 
     def _kernel(self, x_TD: torch.Tensor) -> ExpertKernel:
         """The experts' kernel; an input it cannot take is one error naming this layer, the
-        kernel and the reason, asked again only when kernel, device type or dtype change."""
+        kernel and the reason, asked again when kernel, device, dtype or weight format change."""
         kernel = self.experts.kernel_for(x_TD)
-        key = (kernel, x_TD.device.type, self.experts.w1.dtype)
+        key = (kernel, x_TD.device.type, self.experts.w1.dtype, self.experts.weight_format)
         if self._kernel_checked != key:
             with torch.no_grad():  # dtype and format only: nothing saved for a recomputation
                 weights = self.experts.weights()  # (which asks no more): built once a forward
