@@ -37,7 +37,11 @@ DISPATCHERS: dict[str, type] = {}  # name -> Dispatcher subclass (moe.dispatch.d
 # A feature is one package chosen by one MoEConfig field: the field's name -> the type of its
 # settings (a dataclass in the package, imported only when a value is given). Its registered
 # entries claim what they change through one hook, `claims(config)` (see `claimed`).
-FEATURE_SETTINGS = {"fp8": "moe.fp8.config.FP8Config", "lora": "moe.lora.config.LoRAConfig"}
+FEATURE_SETTINGS = {
+    "fp8": "moe.fp8.config.FP8Config",
+    "lora": "moe.lora.config.LoRAConfig",
+    "quirks": "moe.quirks.config.Quirks",
+}
 # Values older releases recorded for a setting that a feature's own field now chooses alone:
 # (MoEConfig field, old value) -> that feature's field. MoEConfig reads the old value as the
 # field's default when the feature's field is set (saved settings and checkpoints still load).

@@ -29,7 +29,8 @@ ALLOWED = {
     "moe.gating": {"moe.names", "moe.capacity"},
 }
 # Arrows that must not exist even where the rest of a unit's imports is free to change.
-FEATURES = {"moe.fp8", "moe.lora", "moe.pipeline"}  # plug into the registries; the core names none
+# features plug into the registries; the core names none
+FEATURES = {"moe.fp8", "moe.lora", "moe.pipeline", "moe.quirks"}
 FORBIDDEN = {
     "moe.dispatch": {"moe.gating", "moe.config", "moe.layer", *FEATURES},
     "moe.kernels": {"moe.gating", "moe.config", "moe.layer", *FEATURES},
@@ -267,7 +268,7 @@ def test_no_attribute_probing_on_the_layer_path():
 # A feature is one package chosen by one MoEConfig field (moe.names.FEATURE_SETTINGS) whose
 # entries claim what they change (`claims`): the core names none of them (issue 59).
 CORE = ["kernels", "gating", "dispatch", "experts.py", "layer.py", "config.py"]
-FEATURE_NAMES = re.compile(r"(?i:adapter|lora|fp8)|moe[./]pipeline|\bPipeline\w*")
+FEATURE_NAMES = re.compile(r"(?i:adapter|lora|fp8|quirk)|moe[./]pipeline|\bPipeline\w*")
 
 
 def _feature_names(text: str, where: str) -> list[str]:

@@ -11,21 +11,30 @@ What the experts compute is read from the module's declared flags (moe.interop.h
     gated, gate rows first, the default `_apply_gate`, SiLU, no bias, no post norm -> swiglu
     not gated (`up_proj`), an activation moe has (silu, gelu, gelu_tanh, relu), biases or not
                                                    -> that activation, b1 / b2 from the biases
-Anything else (an overridden `_apply_gate` such as GPT-OSS's clamped SwiGLU, a bias on gated
-experts, a post-expert norm, another activation) is refused with one ValueError naming the
-experts class and the flag; those families run on moe's kernels through
-experts_implementation="moe" instead. Router replay and routing traces need moe's own router:
-not available on these layers.
+    anything else: an overridden `_apply_gate` (GPT-OSS's clamped SwiGLU, soft caps, ...),
+    gate / up interleaved, biases on gated experts, an activation moe lacks (squared ReLU), a
+    post-expert norm -> MoEConfig.quirks (moe.quirks): the family's own function and norm run
+    between moe's grouped GEMMs; w1 / w3 hold the gate / up columns (in the module's order
+    when interleaved), b1 / b3 / b2 the biases; the module's scalars, activation modules and
+    post_expert_norm are the layer's (family_module), under the module's own names.
+Refused with one ValueError naming the experts class and what: tensors beyond the contract's,
+and a module whose own forward wraps the contract's (it computes more than the flags say).
+Router replay and routing traces need moe's own router: not available on these layers.
 """
+
+import copy
 
 import torch
 from torch import nn
 
 from moe.gating.base import Routing
-from moe.interop.hf_experts import activation_name, gemm_weights, layout_flags
+from moe.interop.hf_experts import activation_name, gemm_weights, is_plain_swiglu, layout_flags
 from moe.layer import MoELayer
+from moe.quirks import Quirks
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_selected_experts")
+CONTRACT = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias")
+CONTRACT += ("down_proj_bias",)  # the contract's tensors (the rest: family_module)
 
 
 def on_contract(module: nn.Module) -> bool:
@@ -36,25 +45,17 @@ def on_contract(module: nn.Module) -> bool:
 def experts_options(experts: nn.Module) -> dict:
     """MoELayer options computing what `experts` computes, or a ValueError naming the experts
     class and the flag moe's experts cannot honour."""
-    name = type(experts).__name__
+    name, cls = type(experts).__name__, type(experts)
     flags = layout_flags(experts)
-    known = {"gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias"}
-    known |= {"down_proj_bias"}
+    norm = flags["has_post_expert_norm"]
     extra = [n for n, _ in [*experts.named_parameters(), *experts.named_buffers()]]
-    extra = [n for n in extra if n not in known and not n.startswith("post_expert_norm.")]
-    act = activation_name(experts.act_fn) if hasattr(experts, "act_fn") else None
+    extra = [
+        n for n in extra if n not in CONTRACT and not (norm and n.startswith("post_expert_norm."))
+    ]
     if extra:
-        reason = f"it holds tensors moe's experts do not have: {extra}"
-    elif flags["has_post_expert_norm"]:
-        reason = "has_post_expert_norm=True (a norm on each expert's output)"
-    elif flags["has_gate"] and not flags["default_gate"]:
-        reason = f"its own _apply_gate ({type(experts).__qualname__}._apply_gate)"
-    elif flags["has_gate"] and not flags["is_concatenated"]:
-        reason = "is_concatenated=False (interleaved gate/up) with the default _apply_gate"
-    elif flags["has_gate"] and flags["has_bias"]:
-        reason = "has_bias=True on gated experts (moe's gated experts have no up-projection bias)"
-    elif flags["has_gate"] and act != "silu" or act is None:
-        reason = f"activation {type(experts.act_fn).__name__} (moe has silu, gelu, gelu_tanh, relu)"
+        reason = f"it holds tensors the contract's flags do not declare: {extra}"
+    elif getattr(cls.forward, "__wrapped__", None) is None:  # the decorator's forward wraps
+        reason = f"its own forward ({cls.__qualname__}.forward) around the contract's"
     else:
         reason = None
     if reason is not None:
@@ -62,6 +63,18 @@ def experts_options(experts: nn.Module) -> dict:
             f"from_hf: {name} cannot be converted: {reason}; run it on moe's kernels with "
             "experts_implementation='moe' (moe.interop.register_experts_implementation)"
         )
+    act = activation_name(experts.act_fn) if hasattr(experts, "act_fn") else None
+    gated = flags["has_gate"]
+    plain = is_plain_swiglu(experts) or not gated and act is not None and not norm
+    scalars = [(k, v) for k, v in sorted(vars(experts).items()) if k != "training"]
+    quirks = None if plain else Quirks(
+        experts_class=f"{cls.__module__}.{cls.__qualname__}",
+        function="_apply_gate" if gated else "act_fn",
+        interleaved=gated and not flags["is_concatenated"],
+        up_bias=gated and flags["has_bias"],
+        post_norm=norm,
+        scalars=tuple(p for p in scalars if type(p[1]) in (bool, int, float, str)),
+    )  # fmt: skip
     up_EDN, down_EFD = gemm_weights(experts)
     config = experts.config
     top_k = next((getattr(config, n) for n in TOP_K_NAMES if getattr(config, n, None)), 1)
@@ -71,10 +84,31 @@ def experts_options(experts: nn.Module) -> dict:
         num_experts=experts.num_experts,
         top_k=min(int(top_k), experts.num_experts),
         capacity_factor=None,
-        activation="swiglu" if flags["has_gate"] else act,
+        activation="swiglu" if gated else act or "relu",  # (quirks: the family's function)
         bias=bool(flags["has_bias"]),
         aux_loss_coef=0.0,  # the family's router keeps its own loss (output_router_logits)
+        quirks=quirks,
     )
+
+
+def family_module(experts: nn.Module) -> nn.Module:
+    """The experts module without the contract's tensors: what its own function reads (its
+    scalars, its parameter-free activation modules, its post_expert_norm), the submodules
+    copied. Its `_apply_gate` / `act_fn` then runs on moe's GEMM outputs (moe.quirks)."""
+    family = copy.copy(experts)
+    family._parameters, family._buffers = {}, {}  # experts_options: all the contract's
+    family._modules = copy.deepcopy(experts._modules)
+    return family
+
+
+def gate_up_columns(experts: nn.Module, F: int) -> tuple[slice, slice | None]:
+    """(gate, up) columns of the up GEMM's output [..., N] in the module's order: gate ones
+    first, or interleaved (g0 u0 g1 u1 ...); without a gate all F columns and None."""
+    if not experts.has_gate:
+        return slice(None), None
+    if experts.is_concatenated:
+        return slice(0, F), slice(F, 2 * F)
+    return slice(0, None, 2), slice(1, None, 2)
 
 
 class GivenRouting(nn.Module):
@@ -107,11 +141,17 @@ class HFExpertsLayer(MoELayer):
     top_k_index, top_k_weights) as the contract says. `hf_template` (the original module on
     the meta device, not a submodule) lets `to_hf` put the family's module back."""
 
-    def __init__(self, template: nn.Module, **options):
+    def __init__(self, template: nn.Module, family: nn.Module | None = None, **options):
         super().__init__(**options)
         self.router = GivenRouting()
         self.router.num_experts = self.config.num_experts
         self.hf_template = (template,)  # a tuple: not registered (no meta parameters here)
+        if family is not None:  # MoEConfig.quirks: the family module's function computes
+            for n, m in family.named_children():  # its norm and activations: this layer's,
+                if hasattr(self, n):  # under the module's own names (dense parameters)
+                    raise ValueError(f"from_hf: {type(template).__name__}.{n} is a name of moe's")
+                self.add_module(n, m)
+            self.experts.family = (family,)  # for the weight format (not registered twice)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if top_k_index.shape[-1] != self.config.top_k or top_k_index.dim() != 2:
@@ -129,30 +169,36 @@ class HFExpertsLayer(MoELayer):
 @torch.no_grad()
 def _copy_in(layer: HFExpertsLayer, experts: nn.Module) -> None:
     up_EDN, down_EFD = gemm_weights(experts)
-    F = layer.config.d_ff
+    gate, up = gate_up_columns(experts, layer.config.d_ff)
     slot_S = layer.expert_of_slot()
     w = layer.experts
-    w.w1.copy_(up_EDN[..., :F][slot_S])
+    w.w1.copy_(up_EDN[..., gate][slot_S])
     w.w2.copy_(down_EFD[slot_S])
     if w.w3 is not None:
-        w.w3.copy_(up_EDN[..., F:][slot_S])
+        w.w3.copy_(up_EDN[..., up][slot_S])
     if w.b1 is not None:
-        w.b1.copy_(experts.up_proj_bias[slot_S])
+        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+        w.b1.copy_(bias[:, gate][slot_S])
+        if up is not None:
+            w.b3.copy_(bias[:, up][slot_S])
         w.b2.copy_(experts.down_proj_bias[slot_S])
 
 
 @torch.no_grad()
 def write_back(experts: nn.Module, tensors: dict) -> None:
-    """Write moe's tensors (w1, w2, w3, b1, b2 in canonical expert order; absent ones
+    """Write moe's tensors (w1, w2, w3, b1, b2, b3 in canonical expert order; absent ones
     skipped) into the experts module's own parameters, in its own layout."""
     up_EDN, down_EFD = gemm_weights(experts)
-    F = down_EFD.shape[1]
-    up_EDN[..., :F].copy_(tensors["w1"])
+    gate, up = gate_up_columns(experts, down_EFD.shape[1])
+    up_EDN[..., gate].copy_(tensors["w1"])
     down_EFD.copy_(tensors["w2"])
     if tensors.get("w3") is not None:
-        up_EDN[..., F:].copy_(tensors["w3"])
+        up_EDN[..., up].copy_(tensors["w3"])
     if tensors.get("b1") is not None:
-        experts.up_proj_bias.copy_(tensors["b1"])
+        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+        bias[:, gate].copy_(tensors["b1"])
+        if up is not None:
+            bias[:, up].copy_(tensors["b3"])
         experts.down_proj_bias.copy_(tensors["b2"])
 
 
@@ -162,6 +208,7 @@ def convert(model: nn.Module, path: str, experts: nn.Module, spare_slots: int = 
     ref = experts.down_proj
     layer = HFExpertsLayer(
         experts,
+        family_module(experts) if options["quirks"] is not None else None,
         name=path,
         device=ref.device,
         dtype=ref.dtype,
@@ -182,10 +229,13 @@ def restore(model: nn.Module, path: str, layer: HFExpertsLayer) -> nn.Module:
     experts = layer.hf_template[0].to_empty(device=ref.device).to(ref.dtype)
     slot_E = layer.slot_of_expert_E  # canonical order (placements; replicas: first copy)
     w = layer.experts
-    names = ("w1", "w2", "w3", "b1", "b2")
+    names = ("w1", "w2", "w3", "b1", "b2", "b3")
     write_back(
-        experts, {n: None if getattr(w, n) is None else getattr(w, n)[slot_E] for n in names}
+        experts, {n: None if getattr(w, n, None) is None else getattr(w, n)[slot_E] for n in names}
     )
+    family = getattr(w, "family", None)
+    for n, _ in family[0].named_children() if family is not None else ():
+        setattr(experts, n, getattr(layer, n))  # the norm and activations it computed with
     experts.train(layer.training)
     parent_path, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, attr, experts)
