@@ -53,7 +53,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=positive(int, 2**22),
                    help="tokens per sequence; default: an M6 config's own, else 4096")  # fmt: skip
     p.add_argument("--top", type=positive(int, 100), default=5, help="layouts to print (<= 100)")
-    p.add_argument("--fp8", action="store_true", help="also FP8 dispatch / experts")
+    p.add_argument("--fp8", action="store_true",
+                   help="also FP8 dispatch / experts, chosen per layout by predicted time (the "
+                   "GEMMs at the FP8 rate against the quantization passes' bytes); each layout "
+                   "says why FP8 or bf16")  # fmt: skip
     p.add_argument("--skew", type=bounded(float, 0, 10, open_low=False),
                    help="Zipf skew of expert loads, in [0, 10] (0: uniform)")  # fmt: skip
     p.add_argument("--capacity-factor", type=bounded(float, 0.1, 1e4, open_low=False),
@@ -103,6 +106,8 @@ def main(argv=None) -> int:
     for i, pred in enumerate(result.fits, 1):
         print(f"\n# {i}: {pred.layout.short()}\n{pred.layout.code()}")
         print(f"# M6 example flags: {pred.layout.m6_flags()}")
+        for note in pred.notes:  # with --fp8: why FP8 or bf16 (moe/plan/fp8.py)
+            print(f"# {note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([x.record() for x in result.fits], f, indent=1)

@@ -57,6 +57,8 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       at least cluster.optimizer_param_overhead (offload_param_overhead) per
                       parameter (a profile's measured step); + (blocks + 1) x
                       optimizer_overhead (offload_overhead) (per-tensor work)
+  fp8         GEMMs at the FP8 rate, the quantization passes' bytes at hbm_bw (in compute),
+              the dispatch payload and the experts' saved inputs in e4m3: moe/plan/fp8.py
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from dataclasses import dataclass, field
 
 from moe.pipeline.config import schedule_style
 from moe.plan.cluster import Cluster
+from moe.plan.fp8 import FP8_ROW_BYTES, activation_saving, quantize_seconds
 from moe.plan.layout import Layout
 from moe.plan.skew import imbalance
 from moe.plan.spec import ModelSpec
@@ -96,6 +99,7 @@ class Prediction:
     mfu: float
     device_memory: float
     notes: list[str] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)  # routed_gemm, quantize (seconds)
 
     @property
     def peak_memory(self) -> float:
@@ -213,8 +217,8 @@ def predict(
     spare = L.replicas if L.split == "params" else 0  # the slots count in a "params" split only
     sums = rank_sums(spec, seq_len, L.pp, L.pipeline, L.capacity_factor, spare)
     per_rank = [_rank(setup, sums[r], r) for r in range(L.pp)]
-    memory = max((mem for mem, _ in per_rank), key=peak_of)
-    times = max((tm for _, tm in per_rank), key=lambda tm: sum(tm.values()))
+    memory = max((mem for mem, _, _ in per_rank), key=peak_of)
+    times, parts = max(((tm, pt) for _, tm, pt in per_rank), key=lambda x: sum(x[0].values()))
     step = sum(times.values())
     model_flops = 3 * sum(x.dense_flops + x.routed_flops * cf for x in sums) * global_batch_tokens
     return Prediction(
@@ -224,6 +228,7 @@ def predict(
         tokens_per_s_per_device=global_batch_tokens / step / L.world,
         mfu=model_flops / (step * L.world * cluster.flops()),
         device_memory=cluster.device_memory_bytes,
+        parts=parts,
     )
 
 
@@ -239,9 +244,9 @@ def _shards(S: _Setup, mine) -> tuple[float, float, float, float]:
     return P, X, local, unit
 
 
-def _rank(S: _Setup, mine, r: int) -> tuple[dict, dict]:
-    """(memory by category, time by term) of pp rank r holding `mine`."""
-    return _rank_memory(S, mine, r), _rank_time(S, mine)
+def _rank(S: _Setup, mine, r: int) -> tuple[dict, dict, dict]:
+    """(memory by category, time by term, parts) of pp rank r holding `mine`."""
+    return _rank_memory(S, mine, r), *_rank_time(S, mine)
 
 
 def _rank_memory(S: _Setup, mine, r: int) -> dict:
@@ -264,13 +269,16 @@ def _rank_memory(S: _Setup, mine, r: int) -> dict:
     elif L.recompute.startswith("blocks:"):
         n = min(int(L.recompute.split(":")[1]), mine.blocks)
         act_tok -= n * (mine.act - mine.act_input) / max(mine.blocks, 1)
+    if L.fp8_experts and L.recompute not in ("moe", "full"):  # moe/plan/fp8.py
+        kept = 1 - min(L.recompute_blocks or 0, mine.blocks) / max(mine.blocks, 1)
+        act_tok -= kept * mine.moe_blocks * activation_saving(spec, S.cf)
     head = mine.head_act * t  # the loss's logits, one micro-batch
     transient = mine.act_block_max * t if L.recompute != "none" else 0.0
     flight = in_flight(L.schedule, L.microbatches, L.pp, L.stages_per_rank, r)
     memory["activations"] = act_tok * t * flight + head + transient
     comms = 0.0
     if L.ep > 1 and mine.moe_blocks:
-        elem = 1.03 if L.fp8_dispatch else ACT_BYTES
+        elem = FP8_ROW_BYTES if L.fp8_dispatch else ACT_BYTES
         comms += 2 * S.a2a_bytes * elem * (2 if L.exchange == "hierarchical" else 1)
     if L.pp > 1:
         comms += 2 * t * spec.d_model * ACT_BYTES * mine.chunks
@@ -294,7 +302,7 @@ def _held_for_backward(S: _Setup, P: float, X: float, unit: float) -> float:
     return 2 * unit * S.cluster.fsdp_gathered_units if fsdp else 0.0
 
 
-def _rank_time(S: _Setup, mine) -> dict:
+def _rank_time(S: _Setup, mine) -> tuple[dict, dict]:
     spec, cluster, L, t = S.spec, S.cluster, S.L, S.t
     m, p, v = L.microbatches, L.pp, L.stages_per_rank
     P, X, local, _ = _shards(S, mine)
@@ -313,10 +321,12 @@ def _rank_time(S: _Setup, mine) -> dict:
     fixed += moe_blocks * (cluster.moe_overhead + t * cluster.moe_token_overhead)
     fixed += moe_blocks * cluster.ep_overhead if L.ep > 1 else 0.0
     fixed = fixed * (1 + recomputed / 3) + cluster.step_overhead + t * cluster.step_token_overhead
-    per_mb = 3 * fwd + extra + fixed
-    compute = m * per_mb
+    quantize, per_step = quantize_seconds(S, mine, recomputed)  # FP8's passes (moe/plan/fp8.py)
+    per_mb = 3 * fwd + extra + fixed + quantize
+    compute = m * per_mb + per_step
+    routed = m * (3 * fwd_routed + (extra * fwd_routed / fwd if fwd else 0.0))
     exchanges = 4 + (2 if L.recompute != "none" else 0)
-    send = S.exchange(S.a2a_bytes * (1.03 if L.fp8_dispatch else ACT_BYTES))
+    send = S.exchange(S.a2a_bytes * (FP8_ROW_BYTES if L.fp8_dispatch else ACT_BYTES))
     plain = S.exchange(S.a2a_bytes * ACT_BYTES)
     a2a = m * moe_blocks * (send + (exchanges - 1) * plain)
     hidden = min(a2a * (L.overlap - 1) / L.overlap, m * 3 * fwd_routed)
@@ -327,7 +337,7 @@ def _rank_time(S: _Setup, mine) -> dict:
         "bubble": BUBBLE_FACTOR[L.schedule] * (p - 1) / v * per_mb,
         "p2p": _p2p(S),
         **_optimizer_terms(S, local, blocks),
-    }
+    }, {"routed_gemm": routed, "quantize": m * quantize + per_step}
 
 
 def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -> float:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from moe.pipeline.config import schedule_style
+from moe.plan import fp8
 from moe.plan.cluster import Cluster
 from moe.plan.layout import Layout
 from moe.plan.predict import MEMORY_TERMS, Prediction, predict
@@ -206,10 +207,12 @@ def search(
 
 def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Prediction, int]:
     """The fastest fitting variant of `base`, or the one closest to fitting; and how many
-    predictions it took. Of every offload level, the fastest recompute that fits (the fewest
-    whole blocks of a binary search, time growing with them) with the fewest groups that fit
-    (groups cost no predicted time) are compared, so more memory never gives a slower layout;
-    the exchange, overlap and FP8 options are then tried on the fastest."""
+    predictions it took. Per FP8 choice (bf16 only unless asked; moe/plan/fp8.py), of every
+    offload level, the fastest recompute that fits (the fewest whole blocks of a binary
+    search, time growing with them) with the fewest groups that fit (groups cost no predicted
+    time) are compared, so more memory never gives a slower layout; the exchange, overlap and
+    spare slots are then tried on the fastest. Asked for FP8, the pick's notes say why it is
+    FP8 or bf16 against the best of the other kind with the same exchange options."""
     count = 0
 
     def run(**changes) -> Prediction:
@@ -218,6 +221,35 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
         return predict(spec, cluster, replace(base, **changes), seq_len, tokens, load)
 
     blocks = max(r.blocks for r in rank_sums(spec, seq_len, base.pp, base.pipeline, None))
+    kinds = {}  # (fp8 dispatch, fp8 experts) -> the fastest fitting memory variant
+    closest = None
+    for fd, fe in fp8.choices(space.fp8, base.ep):
+        got, near = _best_memory(run, space, blocks, {"fp8_dispatch": fd, "fp8_experts": fe})
+        if closest is None or near.peak_memory < closest.peak_memory:
+            closest = near
+        if got is not None:
+            kinds[fd, fe] = got
+    if not kinds:
+        return closest, count
+    best = min(kinds.values(), key=lambda p: p.step_time)
+    options = None
+    for o, x, r in _ep_options(spec, space, base, cluster):
+        got = run(**{**_memory_of(best.layout), "overlap": o, "exchange": x, "replicas": r})
+        if got.fits and got.step_time < best.step_time:
+            best, options = got, {"overlap": o, "exchange": x, "replicas": r}
+    if space.fp8:
+        chosen_fp8 = best.layout.fp8_dispatch or best.layout.fp8_experts
+        others = [p for k, p in kinds.items() if any(k) != chosen_fp8]
+        other = min(others, key=lambda p: p.step_time) if others else None
+        if other is not None and options:  # the same exchange options as the pick
+            other = run(**{**_memory_of(other.layout), **options})
+        best.notes.append(fp8.reason(best, other if other is None or other.fits else None))
+    return best, count
+
+
+def _best_memory(run, space, blocks: int, fixed: dict) -> tuple[Prediction | None, Prediction]:
+    """(the fastest fitting memory variant or None, the one closest to fitting) with the
+    layout fields `fixed`."""
     least = max(space.groups)
     best = closest = None
     for cf in space.capacity_factors:
@@ -229,14 +261,15 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
                     while lo < hi:
                         mid = (lo + hi) // 2
                         if run(recompute=f"blocks:{mid}", offload=offload, groups=least,
-                               capacity_factor=cf).fits:  # fmt: skip
+                               capacity_factor=cf, **fixed).fits:  # fmt: skip
                             hi = mid
                         else:
                             lo = mid + 1
                     if lo < 1 or blocks < 2:
                         continue
                     recompute = f"blocks:{lo}"
-                pred = run(recompute=recompute, offload=offload, groups=least, capacity_factor=cf)
+                pred = run(recompute=recompute, offload=offload, groups=least, capacity_factor=cf,
+                           **fixed)  # fmt: skip
                 if closest is None or pred.peak_memory < closest.peak_memory:
                     closest = pred
                 if pred.fits:
@@ -245,35 +278,23 @@ def _best_variant(spec, cluster, base, space, seq_len, tokens, load) -> tuple[Pr
                 pick = min(fitting, key=lambda p: p.step_time).layout
                 for groups in sorted(space.groups):
                     got = run(recompute=pick.recompute, offload=offload, groups=groups,
-                              capacity_factor=cf)  # fmt: skip
+                              capacity_factor=cf, **fixed)  # fmt: skip
                     if got.fits:
                         break
                 if best is None or got.step_time < best.step_time:
                     best = got
-    if best is None:
-        return closest, count
-    for o, x, fd, fe, r in _ep_options(spec, space, base, cluster):
-        got = run(**{**_memory_of(best.layout), "overlap": o, "exchange": x,
-                     "fp8_dispatch": fd, "fp8_experts": fe, "replicas": r})  # fmt: skip
-        if got.fits and got.step_time < best.step_time:
-            best = got
-    return best, count
+    return best, closest
 
 
 def _memory_of(layout: Layout) -> dict:
-    keys = ("recompute", "offload", "groups", "capacity_factor")
+    keys = ("recompute", "offload", "groups", "capacity_factor", "fp8_dispatch", "fp8_experts")
     return {k: getattr(layout, k) for k in keys}
 
 
 def _ep_options(spec: ModelSpec, space: SearchSpace, base: Layout, cluster: Cluster) -> list:
-    """(overlap, exchange, fp8 dispatch, fp8 experts, spare slots) to try."""
-    fp8 = [(False, False)]
-    if space.fp8:
-        fp8 += [(True, False), (True, True)] if base.ep > 1 else [(False, True)]
+    """(overlap, exchange, spare slots) to try."""
     if base.ep == 1:
-        return [(1, "flat", fd, fe, 0) for fd, fe in fp8]
+        return [(1, "flat", 0)]
     exchanges = ("flat", "hierarchical") if base.ep > cluster.gpus_per_node else ("flat",)
     reps = [r for r in space.replicas if refusal(spec, replace(base, replicas=r)) is None]
-    return [
-        (o, x, fd, fe, r) for o in space.overlap for x in exchanges for fd, fe in fp8 for r in reps
-    ]
+    return [(o, x, r) for o in space.overlap for x in exchanges for r in reps]
