@@ -44,6 +44,11 @@ def save_hf(pipe: Pipeline, stack: HFStack, folder: str, **save_kwargs) -> None:
             raise ValueError(
                 f"save_hf: stack must be moe.pipeline.hf_stack(model), got {type(stack).__name__}"
             )
+        if stack.text_only:
+            raise ValueError(
+                "save_hf: the stack is a multimodal model's text path (hf_stack(text_only="
+                "True)): the stages do not hold its other towers; save the model as a whole"
+            )
         if not isinstance(folder, str) or not folder:
             raise ValueError(f"save_hf: folder must be a path, got {folder!r}")
     except ValueError as e:

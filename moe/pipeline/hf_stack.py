@@ -1,56 +1,51 @@
-"""A transformers causal-LM decoder as a stack the pipeline splits (moe.pipeline.hf_stack).
+"""A transformers decoder LM as a stack the pipeline splits (moe.pipeline.hf_stack).
 
-    stack = moe.pipeline.hf_stack(model)   # model: e.g. Qwen3MoeForCausalLM, from_hf'd or not
+    stack = moe.pipeline.hf_stack(model)   # any transformers decoder LM, from_hf'd or not
     pipe = Pipeline(stack, mesh, PipelineConfig(split="params"), loss_fn)
 
 The stack is an nn.Sequential of Rooted children (moe.pipeline.split) that run in order and
-pass one tensor: "embed" (token ids -> model.embed_tokens), "layer_<i>" (one decoder layer)
-and "head" (model.norm, then lm_head: the logits). Pipeline stages only exchange the hidden
-state, so each layer child computes the position ids, rotary embeddings (the model's own
-rotary module) and causal mask (the modeling file's own mask functions, chosen as the model's
-forward chooses them) from the hidden state's shape, then calls the original decoder layer.
-Every child holds the original modules (no copies) at their paths in the model, so a
-stage's parameter names are the model's own (`model.layers.3.mlp.experts.w1`, `lm_head.weight`).
+pass one tensor: "embed" (token ids -> the input embeddings), "layer_<i>" (one decoder layer)
+and "head" (the decoder's final norm, then the output embeddings: the logits). The structure is
+read from the model, not from a table of families: `model.get_decoder()` (the text decoder of
+a multimodal model), its `layers`, the input / output embeddings, the one decoder child with
+parameters besides them (the final norm) and the parameter-free ones (rotary embeddings).
+Pipeline stages only exchange the hidden state, so each layer child takes the rest of its
+layer's inputs (mask, position ids, rotary cos / sin, ...) from the decoder's own forward,
+recorded once per input shape (moe.pipeline.hf_layer_inputs). Every child holds the original
+modules (no copies) at their paths in the model, so a stage's parameter names are the model's
+own (`model.layers.3.mlp.experts.w1`, `lm_head.weight`).
 
-Full sequences from position 0, no padding mask, no KV cache: the training forward.
+Full sequences from position 0, no padding mask, no KV cache: the training forward. Refused,
+each with one ValueError naming why: tied input / output embeddings (they would sit on the first
+and the last stage at once), a forward that does more between the parts than the stack carries
+(hf_layer_inputs.check_split), and parameters outside the decoder (a multimodal model's vision
+tower runs before the text stack, on inputs the stages do not carry) unless text_only=True.
 """
 
-import sys
 from collections import OrderedDict
 
 import torch
 from torch import nn
 
+from moe.pipeline.hf_layer_inputs import LayerInputs, check_split
 from moe.pipeline.split import Rooted
-
-# How each family's decoder forward picks a layer's mask (read from transformers 5's modeling
-# files): "window" a sliding-window mask when config.sliding_window is set, else causal;
-# "types" by config.layer_types[i]; "causal" always causal.
-MASKS = {
-    "MixtralModel": "window",
-    "Qwen3MoeModel": "window",
-    "Qwen2MoeModel": "types",
-    "OlmoeModel": "causal",
-    "DeepseekV3Model": "causal",
-}
 
 
 class HFStack(nn.Sequential):
     """hf_stack's result: the children, plus what an export needs to rebuild the model
     (hf_class, hf_config; converted: whether it holds from_hf layers, and hf_options: the
-    from_hf keywords that rebuild them, their spare expert slots)."""
+    from_hf keywords that rebuild them, their spare expert slots; text_only: the stack leaves
+    parameters of the model out, e.g. a vision tower)."""
 
     hf_class: type
     hf_config: object
     converted: bool
     hf_options: dict
+    text_only: bool
 
 
 class Embed(Rooted):
-    """Token ids [B, S] -> hidden states [B, S, d] (model.embed_tokens)."""
-
-    def __init__(self, base_path: str, embed: nn.Module):
-        super().__init__({f"{base_path}.embed_tokens": embed})
+    """Token ids [B, S] -> hidden states [B, S, d] (the model's input embeddings)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         (embed,) = self.parts
@@ -58,89 +53,100 @@ class Embed(Rooted):
 
 
 class Layer(Rooted):
-    """One decoder layer on a full sequence: positions 0..S-1, the model's rotary embedding
-    and causal mask for this layer, computed from the hidden state."""
+    """One decoder layer on a full sequence: its other inputs as the decoder's forward gives
+    them for this shape (LayerInputs), then the layer."""
 
-    def __init__(self, base_path, index, layer, rotary, config, mask_fn):
-        super().__init__({f"{base_path}.layers.{index}": layer, f"{base_path}.rotary_emb": rotary})
-        self.config, self.mask_fn = config, mask_fn
+    def __init__(self, paths: dict, index: int, inputs: LayerInputs):
+        super().__init__(paths)
+        self.index, self.inputs = index, inputs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        layer, rotary = self.parts
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = self.mask_fn(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=position_ids,
-        )
-        out = layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=None,
-            use_cache=False,
-            position_embeddings=rotary(hidden, position_ids),
-        )
+        args, kwargs = self.inputs(hidden)[self.index]
+        out = self.parts[0](hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
 class Head(Rooted):
-    """Hidden states -> logits: the model's final norm, then lm_head."""
-
-    def __init__(self, base_path: str, norm: nn.Module, lm_head: nn.Module):
-        super().__init__({f"{base_path}.norm": norm, "lm_head": lm_head})
+    """Hidden states -> logits: the decoder's final norm, then the output embeddings."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         norm, lm_head = self.parts
         return lm_head(norm(hidden))
 
 
-def _mask_fns(base: nn.Module, config) -> list:
-    """Each decoder layer's mask function, as the model's forward picks it, taken from the
-    model's own modeling module."""
-    name = type(base).__name__
-    modeling = sys.modules[type(base).__module__]
-    causal = modeling.create_causal_mask
-    layers = config.num_hidden_layers
-    if MASKS[name] == "causal":
-        return [causal] * layers
-    window = modeling.create_sliding_window_causal_mask
-    if MASKS[name] == "window":
-        return [causal if config.sliding_window is None else window] * layers
-    by_type = {"full_attention": causal, "sliding_attention": window}
-    return [by_type[config.layer_types[i]] for i in range(layers)]
+def _refuse(model: nn.Module, why: str):
+    raise ValueError(f"hf_stack: {type(model).__name__} cannot be split into stages: {why}")
 
 
-def hf_stack(model: nn.Module) -> HFStack:
-    """The transformers causal LM `model` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3;
-    converted by moe.from_hf or not) as an HFStack: "embed", "layer_0".."layer_<L-1>", "head",
-    holding the model's own modules at their paths (the model keeps them too). Refused with a
-    ValueError: another architecture, and tied input / output embeddings (they would sit on the
-    first and the last stage at once)."""
-    from moe.interop.hf import HFMoELayer
-
-    base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if base is None or lm_head is None or type(base).__name__ not in MASKS:
+def _parts(model: nn.Module):
+    """(decoder, embed, norm name, lm_head, parameter-free decoder children) read from the
+    model's structure."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or lm_head is None:
         raise ValueError(
-            f"hf_stack: {type(model).__name__} is not a supported causal LM (a .model of one of "
-            f"{sorted(MASKS)} and an .lm_head)"
+            f"hf_stack: {type(model).__name__} is not a supported causal LM (a transformers "
+            "model whose get_decoder() holds a `layers` ModuleList, with output embeddings)"
         )
-    config = base.config
-    embed = base.embed_tokens
+    embed = model.get_input_embeddings()
     if getattr(lm_head, "weight", None) is embed.weight:
         raise ValueError(
-            "hf_stack: lm_head.weight is model.embed_tokens.weight (tie_word_embeddings): the "
-            "embedding and the head sit on different pipeline stages; untie them first"
+            "hf_stack: lm_head.weight is the input embeddings' weight (tie_word_embeddings): "
+            "the embedding and the head sit on different pipeline stages; untie them first"
         )
-    layers = list(base.layers[: config.num_hidden_layers])
-    children: OrderedDict[str, nn.Module] = OrderedDict(embed=Embed("model", embed))
-    for i, (layer, mask_fn) in enumerate(zip(layers, _mask_fns(base, config))):
-        children[f"layer_{i}"] = Layer("model", i, layer, base.rotary_emb, config, mask_fn)
-    children["head"] = Head("model", base.norm, lm_head)
+    others = [(n, m) for n, m in decoder.named_children() if m is not embed and n != "layers"]
+    weighted = [n for n, m in others if any(True for _ in m.parameters())]
+    if len(weighted) != 1:
+        _refuse(model, f"its decoder holds {weighted or 'no'} modules with parameters besides "
+                "the embeddings and the layers; the stack takes one, the final norm")  # fmt: skip
+    free = [m for n, m in others if n not in weighted]
+    return decoder, embed, weighted[0], lm_head, free
+
+
+def _outside(model: nn.Module, held: set) -> list[str]:
+    """The largest modules of `model` holding parameters and none of `held` (the stack's)."""
+    out: list[str] = []
+    for name, p in model.named_parameters():
+        if id(p) in held or any(name.startswith(o + ".") for o in out):
+            continue
+        parts = name.split(".")
+        for n in range(1, len(parts)):
+            path = ".".join(parts[:n])
+            if not any(id(q) in held for q in model.get_submodule(path).parameters()):
+                if path not in out:
+                    out.append(path)
+                break
+    return out
+
+
+def hf_stack(model: nn.Module, *, text_only: bool = False) -> HFStack:
+    """The transformers decoder LM `model` (converted by moe.from_hf or not) as an HFStack:
+    "embed", "layer_0".."layer_<L-1>", "head", holding the model's own modules at their paths
+    (the model keeps them too). text_only=True: a multimodal model's text path (token ids in;
+    the vision / audio towers stay out of the stages, and save_hf refuses the stack). Refused
+    with one ValueError naming why: see the module docstring."""
+    from moe.interop.hf import HFMoELayer
+    from moe.interop.hf_contract import HFExpertsLayer
+
+    decoder, embed, norm_name, lm_head, free = _parts(model)
+    path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    base = path_of[id(decoder)]
+    inputs = LayerInputs(decoder, norm_name)
+    norm = getattr(decoder, norm_name)
+    check_split(model, decoder, embed, norm, lm_head, inputs)
+    shared = {path_of[id(m)]: m for m in free}  # rotary embeddings: every layer's
+    children: OrderedDict[str, nn.Module] = OrderedDict(embed=Embed({path_of[id(embed)]: embed}))
+    for i, layer in enumerate(decoder.layers):
+        children[f"layer_{i}"] = Layer({f"{base}.layers.{i}": layer, **shared}, i, inputs)
+    children["head"] = Head({f"{base}.{norm_name}": norm, path_of[id(lm_head)]: lm_head})
     stack = HFStack(children)
-    converted = [m for m in model.modules() if isinstance(m, HFMoELayer)]
+    outside = _outside(model, {id(p) for p in stack.parameters()})
+    if outside and not text_only:
+        _refuse(model, f"parameters outside its text decoder ({', '.join(outside)}) run before "
+                "or beside the text stack on inputs the stages do not carry (a vision tower "
+                "on images); hf_stack(model, text_only=True) pipelines the text path alone")  # fmt: skip
+    converted = [m for m in model.modules() if isinstance(m, (HFMoELayer, HFExpertsLayer))]
     stack.hf_class, stack.hf_config = type(model), model.config
     stack.converted = bool(converted)  # from_hf's options to rebuild it: the slots per layer
     stack.hf_options = (
@@ -148,4 +154,5 @@ def hf_stack(model: nn.Module) -> HFStack:
         if converted
         else {}
     )
+    stack.text_only = bool(outside)
     return stack
