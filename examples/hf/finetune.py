@@ -89,13 +89,17 @@ def _path_problem(args) -> str | None:
     no file (checked before training, not after it)."""
     if args.model is not None and not Path(args.model).is_dir():
         return f"--model {args.model!r}: not a directory"
-    out = Path(args.out)
-    for path in (out, *out.parents):
+    return out_problem(args.out)
+
+
+def out_problem(out: str) -> str | None:
+    """--out a directory to (over)write, not a file, and under no file."""
+    for path in (Path(out), *Path(out).parents):
         if path.exists() or path.is_symlink():
             if not path.is_dir():
-                return f"--out {args.out!r}: {str(path)!r} exists and is not a directory"
+                return f"--out {out!r}: {str(path)!r} exists and is not a directory"
             if not os.access(path, os.W_OK | os.X_OK):
-                return f"--out {args.out!r}: {str(path)!r} is not writable"
+                return f"--out {out!r}: {str(path)!r} is not writable"
             return None
     return None
 
