@@ -2,16 +2,23 @@
 random, each built once and checked two ways (tests/hf_matrix.py): experts_implementation="moe"
 (moe.interop.hf_experts) and the generic conversion (moe.from_hf, moe.interop.hf_contract).
 Logits, loss and every gradient equal transformers' eager run (float64, 1e-10 relative, where
-transformers runs in float64), or from_hf refuses with one error: a silent mismatch fails."""
+transformers runs in float64), or from_hf refuses with one error: a silent mismatch fails.
+Each figure agrees with the support table's (tests/data/hf_support.json, tools/hf_support.py),
+and the docs table is that JSON's rendering."""
+
+import json
 
 import pytest
 
 pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
-from tests.hf_matrix import TABLE_TOL, check_family  # noqa: E402
+from tests.hf_matrix import SUPPORT, TABLE_TOL, agrees, check_family, support  # noqa: E402
 from tests.hf_tiny import NOT_BUILT, contract_families  # noqa: E402
 
 FAMILIES = [f for f in contract_families() if f not in NOT_BUILT]
+# Refused by from_hf (each with one error naming what): Ergo's experts wrap the contract's
+# forward in their own, with a per-expert norm no flag declares. Every other family converts.
+REFUSED = {"ergo": "post_expert_norm"}
 
 
 def test_matrix_covers_the_contract():
@@ -27,10 +34,26 @@ def test_family_on_moe(family):
     assert r.moe_ran_all, family  # ...each on moe's forward
     worst = max(r.impl_errors, key=r.impl_errors.get)
     assert r.impl_errors[worst] <= r.tol, (family, worst, r.impl_errors[worst])
+    row = support()[family]  # the support table's figures: what this test measured
+    assert agrees(r.impl_errors[worst], row["moe"]), (family, r.impl_errors[worst], row["moe"])
+    assert (r.converted is None) == (family in REFUSED), (family, r.refusal)
     if r.converted is None:  # refused: one error naming the experts class and the flag
         assert "cannot be converted" in r.refusal and "Experts" in r.refusal, r.refusal
+        assert REFUSED[family] in r.refusal, r.refusal
+        assert isinstance(row["convert"], str) and row["convert"].startswith("refused"), family
         return
     assert r.state_dict_exact, family  # to_hf gives back the same state dict, bit for bit
     tol = max(r.tol, TABLE_TOL) if r.converted == "table" else r.tol
     worst = max(r.conversion_errors, key=r.conversion_errors.get)
     assert r.conversion_errors[worst] <= tol, (family, worst, r.conversion_errors[worst])
+    assert agrees(r.conversion_errors[worst], row["convert"]), (family, row["convert"])
+
+
+def test_docs_table_is_the_measured_one():
+    """docs/hf-contract.md's support table renders tests/data/hf_support.json (the figures the
+    tests above compare with theirs); the JSON covers every family on the contract."""
+    from tools.hf_support import doc_table, render
+
+    data = json.loads(SUPPORT.read_text())
+    assert list(data["families"]) == contract_families()
+    assert doc_table() == render(data)

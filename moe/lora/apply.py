@@ -51,6 +51,10 @@ def _check(model: nn.Module, config: LoRAConfig) -> list[tuple[str, MoELayer]]:
                 f"{name}: LoRA adapts dense expert weights, this layer has "
                 f"weight_format={layer.config.weight_format!r}"
             )
+        try:  # a format another feature claims (the two cannot both store the experts)
+            weight_format_for(layer.config.replace(lora=config))
+        except ValueError as e:
+            raise ValueError(f"{name}: LoRA cannot adapt this layer: {e}") from None
         for t in config.targets:
             shape = projection_shape(layer.experts, t)
             if shape is not None:

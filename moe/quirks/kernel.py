@@ -98,10 +98,10 @@ def family_mlp(
         pair = torch.stack([h_RF, u_RF], -1).flatten(-2) if w.quirks.interleaved else None
         a_RF = family._apply_gate(torch.cat([h_RF, u_RF], -1) if pair is None else pair)
     y_RD = plus_bias(kernel.weight_mm(a_RF.to(w.w2_LFD.dtype), w.w2_LFD, offs), w.b2_LD)
-    if w.quirks.post_norm:
+    if w.quirks.post_norm:  # (the GEMM zeroed the tail rows; a norm need not keep them 0)
         y_RD = family.post_expert_norm(y_RD)
-    if not rows.all_rows_kept:  # the family's function need not map a zero row to zero
-        y_RD = torch.where((expert_R < w.num_experts).unsqueeze(1), y_RD, 0)
+        if not rows.all_rows_kept:
+            y_RD = torch.where((expert_R < w.num_experts).unsqueeze(1), y_RD, 0)
     if rows.row_weights_R is not None:
         y_RD = y_RD * rows.row_weights_R.to(y_RD.dtype).unsqueeze(1)
     y_RD = y_RD.to(x_ND.dtype)
