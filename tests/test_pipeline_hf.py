@@ -357,3 +357,28 @@ def test_export_rebuilds_spare_slots(tmp_path):
     for name in ("config.json", "model.safetensors"):
         with open(tmp_path / "got" / name, "rb") as f, open(tmp_path / "want" / name, "rb") as g:
             assert f.read() == g.read(), name
+
+
+def test_generic_stack_refusals():
+    """What the stack cannot carry is one error naming why (moe.pipeline.hf_layer_inputs):
+    a vision tower outside the text decoder (unless text_only), embeddings scaled before the
+    first layer, logits scaled after lm_head, layers handing more than the hidden state on."""
+    from tests.hf_tiny import tiny_model
+
+    vl = tiny_model("qwen3_vl_moe")
+    with pytest.raises(ValueError, match=r"outside its text decoder \(model.visual\)"):
+        hf_stack(vl)
+    stack = hf_stack(vl, text_only=True)
+    assert stack.text_only and not any(".visual." in n for n, _ in stack.named_parameters())
+    x = torch.randint(97, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(stack(x), vl(input_ids=x).logits)
+    granite = tiny_model("granitemoe")
+    granite.model.embedding_multiplier = 2.0
+    with pytest.raises(ValueError, match="changes the hidden state before its first layer"):
+        hf_stack(granite)
+    granite.model.embedding_multiplier, granite.config.logits_scaling = 1.0, 3.0
+    with pytest.raises(ValueError, match=r"logits are not lm_head\(final norm"):
+        hf_stack(granite)
+    with pytest.raises(ValueError, match="pass more than the hidden state on"):
+        hf_stack(tiny_model("glm_moe_dsa"))
