@@ -1,11 +1,11 @@
 """Every launch command and python snippet of README.md, examples/m6/README.md and
 examples/hf/README.md, run as written so the docs cannot drift from the code.
 
-Test-only rewrites (the only ones): training launches run at a tiny step count: an M6
-`--steps N` (or none: the default 500) becomes `--steps 2 --stop-after 1` (one step and its
-checkpoint, no final evaluation), `--steps 3 --stop-after 2` after `--resume`; an HF launch
-(finetune.py, lora.py) gets `--steps 2`. Commands run in a temporary working directory, in
-document order (so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
+Test-only rewrites (the only ones): training launches run at a tiny step count: an M6 or
+examples/hf/multimodal.py `--steps N` (or none: the default) becomes `--steps 2 --stop-after 1`
+(one step and its checkpoint, no final evaluation), `--steps 3 --stop-after 2` after
+`--resume`; an HF launch (finetune.py, lora.py) gets `--steps 2`. Commands run in a
+temporary working directory, in document order (so `--resume` continues the run above it), in process; `torchrun --nproc-per-node N`
 commands on N gloo ranks (tests/distributed.py), all of one N in one rank start. Commands that
 need what CI has not (a GPU, several nodes, the network, the suite itself) are listed in SKIP
 with the reason; a command or snippet the docs gain is a failure here until it is classified.
@@ -155,7 +155,8 @@ def _argv(command: str, after_resume: bool = False) -> tuple[str, list[str]]:
     words = shlex.split(command)
     words = words[words.index(next(w for w in words if w.endswith(".py"))) :]
     script, argv = words[0], words[1:]
-    if script.endswith("m6/train.py") and not {"--plan", "--help"} & set(argv):
+    resumable = script.endswith(("m6/train.py", "hf/multimodal.py"))
+    if resumable and not {"--plan", "--help"} & set(argv):
         if "--steps" in argv:
             i = argv.index("--steps")
             del argv[i : i + 2]
@@ -179,6 +180,10 @@ def _launch(script: str, argv: list[str]) -> str:
                 assert done.value.code == 0
             else:
                 train.run(argv)
+        elif script.endswith("hf/multimodal.py"):
+            from examples.hf import multimodal
+
+            multimodal.run(argv)
         elif script.endswith("hf/lora.py"):
             from examples.hf import lora
 

@@ -1,7 +1,7 @@
 """Fine-tune a tiny multimodal MoE model of a real transformers family (Qwen3-VL-MoE: a vision
 tower and an MoE language model) to caption scikit-learn's digits, with moe's layers.
 
-    python examples/hf/multimodal.py                  # 600 steps on the CPU, about a minute
+    python examples/hf/multimodal.py                  # 600 steps on the CPU: 32 s of CPU time
     python examples/hf/multimodal.py --resume --steps 800   # continue from the checkpoint
     torchrun --nproc-per-node 2 examples/hf/multimodal.py --ep 2   # experts over 2 ranks
 
@@ -14,9 +14,10 @@ against chance (10 %: one digit word in ten), a plot of loss and accuracy (<out>
 
 <out>/checkpoint holds the newest checkpoint (moe.checkpoint: model, optimizer, the step and
 history), saved every --save-every steps and at the end; a save is published atomically, so
-a kill leaves the previous one. SIGTERM or SIGINT finishes the step, saves and exits with
-128 + the signal's number; --resume continues from the checkpoint. A fresh run replaces an
-earlier run's checkpoint at its first save.
+a kill leaves the previous one. SIGTERM or SIGINT finishes the step (under torchrun: the steps
+up to the next --log-every read), saves and exits with 128 + the signal's number; --resume
+continues from the checkpoint. A fresh run replaces an earlier run's checkpoint at its first
+save.
 """
 
 from __future__ import annotations
@@ -241,22 +242,24 @@ def run(argv=None) -> dict:
     if first == 0:  # the random model's accuracy: chance
         history["eval_step"].append(0)
         history["accuracy"].append(accuracy(model, data, device, s))
+        say(f"step 0: held-out caption accuracy {100 * history['accuracy'][-1]:.1f}%")
     pending, ckpt = [], None
     with StopOnSignal() as signals:
         for step in range(first, stop):
             lr = schedule.lr_at(step)
             pending.append(train_step(model, opt, data, step, lr, s, rank, world, device))
             done = step + 1
-            stopping = _signalled(signals, world)
-            if done % s.log_every == 0 or done == stop:
-                _read(history, pending, done)
+            read = done % s.log_every == 0 or done == stop
+            stopping = _signalled(signals, world, device) if world == 1 or read else False
+            if read:
+                _read(history, pending, done, world)
                 say(f"step {done}/{s.steps} loss {history['loss'][-1]:.3f}")
             if done % s.eval_every == 0 and done < s.steps:
                 history["eval_step"].append(done)
                 history["accuracy"].append(accuracy(model, data, device, s))
                 say(f"step {done}: held-out caption accuracy {100 * history['accuracy'][-1]:.1f}%")
             if stopping or done == stop or (s.save_every and done % s.save_every == 0):
-                _read(history, pending, done)  # the saved history has every step's loss
+                _read(history, pending, done, world)  # the saved history has every step's loss
                 ckpt = save(folder, model, opt, done, history, schedule, s)
             if stopping:
                 raise Interrupted(signals.signum or signal.SIGTERM, done, ckpt)
@@ -281,19 +284,25 @@ def run(argv=None) -> dict:
     return result
 
 
-def _signalled(signals: StopOnSignal, world: int) -> bool:
-    """Whether any rank was signalled (every rank stops after the same step)."""
-    flag = torch.tensor([float(signals.signum is not None)])
+def _signalled(signals: StopOnSignal, world: int, device) -> bool:
+    """Whether any rank was signalled (every rank stops after the same step: with ranks, asked
+    at the loss reads only, which read back anyway)."""
+    flag = torch.tensor([float(signals.signum is not None)], device=device)
     if world > 1:
         dist.all_reduce(flag)
     return bool(flag.item())
 
 
-def _read(history: dict, pending: list, done: int) -> None:
-    """Move the losses of the steps up to `done` not read yet into the history (one read)."""
+def _read(history: dict, pending: list, done: int, world: int) -> None:
+    """Move the losses of the steps up to `done` not read yet into the history (one read; with
+    ranks, the mean of theirs: the global batch's loss)."""
     if pending:
+        losses = torch.stack(pending)
+        if world > 1:
+            dist.all_reduce(losses)
+            losses /= world
         history["step"] += list(range(done - len(pending) + 1, done + 1))
-        history["loss"] += torch.stack(pending).cpu().tolist()
+        history["loss"] += losses.cpu().tolist()
         pending.clear()
 
 
