@@ -64,10 +64,11 @@ def down(act_RF: Tensor, w2_LFD: Tensor, offsets_L: Tensor) -> Tensor:
     return torch._grouped_mm(act_RF, w2_LFD, offs=offsets_L)
 
 
-def dact(d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation):
-    """(dpre, ds or None): da = dout @ w2^T, then the activation backward as one row pass."""
+def dact(d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation, act_out=None):
+    """(dpre, ds or None): da = dout @ w2^T, then the activation backward as one row pass
+    (which also writes s * act(pre) into act_out if given)."""
     da_RF = torch._grouped_mm(d_out_RD, w2_LFD.transpose(1, 2), offs=offsets_L)
-    return act_bwd_rows(da_RF, pre, activation, row_weights_R, offsets_L)
+    return act_bwd_rows(da_RF, pre, activation, row_weights_R, offsets_L, act_out)
 
 
 def halves(dpre: Tensor, F: int, gated: bool) -> tuple[Tensor, ...]:

@@ -15,7 +15,7 @@ from torch import Tensor
 from moe.kernels.activations import GATED
 from moe.kernels.torch_grouped_mm import zero_tail_rows
 from moe.kernels.triton import cutlass_roles as cutlass_mm
-from moe.kernels.triton.activations import act_code, act_rows, pre_width
+from moe.kernels.triton.activations import act_code, pre_width
 from moe.kernels.triton.common import check_device
 from moe.kernels.triton.gather_sum import rows_to_tokens
 from moe.kernels.triton.grouped_mm import EPI_ACT_BWD, ragged_mm
@@ -36,7 +36,8 @@ def backward_act(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dpre, a_RF, d_row_weights): the steps that read the pre-activation. a_RF = s * act(pre)
     (what GEMM2 read, for dW2 in the last step; empty unless need_w) is half of pre, so
-    keeping it instead of pre until dW2 lowers the peak; d_row_weights is empty unless row
+    keeping it instead of pre until dW2 lowers the peak; the activation backward writes it
+    from the pre tiles it loads (no recompute pass). d_row_weights is empty unless row
     weights are given."""
     check_device(d_out_RD, offsets_L, w2_LFD, b2_LD, pre, row_weights_R)
     gated = activation in GATED
@@ -44,18 +45,21 @@ def backward_act(
     R = d_out_RD.shape[0]
     empty = lambda: d_out_RD.new_empty(0)  # a fresh one per output: outputs must not alias
     scaled = row_weights_R is not None
-    a_RF = act_rows(pre, F, activation, row_weights_R, offsets_L) if need_w else empty()
+    a_RF = pre.new_empty(R, F) if need_w else empty()
+    act_out = a_RF if need_w and R > 0 and F > 0 else None
     if cutlass_mm.on(cutlass, "dact") and cutlass_mm.fits(d_out_RD, w2_LFD.transpose(1, 2)):
-        dpre, d_rw = cutlass_mm.dact(d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation)
+        dpre, d_rw = cutlass_mm.dact(
+            d_out_RD, w2_LFD, offsets_L, pre, row_weights_R, activation, act_out
+        )
     else:
         dpre = pre.new_empty(R, pre_width(F, activation))
         rowdot = None
-        if scaled:
-            rowdot = torch.zeros((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
+        if scaled:  # every entry written (tail tiles included): no zero fill
+            rowdot = torch.empty((F + 15) // 16, R, device=pre.device, dtype=torch.float32)
         ragged_mm(
             d_out_RD, w2_LFD.transpose(1, 2), offsets_L, dpre, epilogue=EPI_ACT_BWD,
             act=act_code(activation), pre=pre, gated=gated, row_scale_M=row_weights_R,
-            rowdot_NM=rowdot,
+            rowdot_NM=rowdot, act_out=act_out,
         )  # fmt: skip
         d_rw = rowdot.sum(0) if scaled else None
     if scaled and b2_LD is not None:  # ds[m] += <dout[m], b2[e]>: an N = 1 grouped GEMM

@@ -6,7 +6,8 @@ One kernel, four roles in the expert MLP (constexpr flags pick the code at compi
          activation; optionally stores the pre-activation (h, and g for swiglu) for the backward.
   down   EPILOGUE=0: A = act, B = w2, + b2.
   dact   EPILOGUE=2: A = dout, B = w2^T (a strided view), epilogue = activation backward using
-         the saved pre-activation: writes dh (and dg).
+         the saved pre-activation: writes dh (and dg), and optionally s * act(pre) (dW2's
+         operand, from the pre tiles already loaded: no recompute pass).
   dx     EPILOGUE=0: A = [dh | dg], B = w1^T (+ w3^T: a second K loop into the same accumulator).
 The row-tile -> expert map comes from `schedule.expert_tile` (on device, no host sync);
 tail rows (dropped pairs, >= offsets[-1]) are written as exact zeros by the tail tiles. Pointer
@@ -43,19 +44,20 @@ EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
 def _configs() -> list[triton.Config]:
     # rows: the tile sizes (in the names' order), num_warps, num_stages
     table = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]
-    table += [(128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+    table += [(128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 64, 8, 4)]
     return tile_configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), table)
 
 
 def _prune(configs, named_args, **kwargs):
     """Fit registers and shared memory. Activation epilogues (up, dact) keep at most 64 fp32
     tile elements per thread: one accumulator, or for SwiGLU two (up: h and g; dact: the
-    accumulator beside the loaded h and g); so does SwiGLU's dx (two K loops: triton 3.6 spills
-    128x128 on 4 warps). More spills on sm_90: tools/triton_aot_check.py compiles every kept
-    config and fails on any stack byte. 4-byte (fp32) operands take half the K step."""
+    accumulator beside the loaded h and g; one more with SAVE_ACT: for SwiGLU 64x64 on 8 warps
+    is then what sm_90 compiles without spills); so does SwiGLU's dx (two K loops: triton 3.6
+    spills 128x128 on 4 warps). More spills on sm_90: tools/triton_aot_check.py compiles every
+    kept config and fails on any stack byte. 4-byte (fp32) operands take half the K step."""
     wide = named_args["a_ptr"].element_size() == 4
     act_epilogue = kwargs.get("EPILOGUE") in (EPI_ACT, EPI_ACT_BWD)
-    tiles = 2 if act_epilogue and kwargs.get("GATED") else 1
+    tiles = (2 if act_epilogue and kwargs.get("GATED") else 1) + bool(kwargs.get("SAVE_ACT"))
     two_loops = kwargs.get("EPILOGUE") == EPI_PLAIN and kwargs.get("GATED")  # dx of SwiGLU
     kept = []
     for c in configs:
@@ -121,12 +123,12 @@ def _b_tile(b_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
 @triton.jit
 def _rows_tile(
     pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr,
-    scale_ptr, rowdot_ptr, M, N, K, E, M_BUCKET,
+    scale_ptr, rowdot_ptr, act_ptr, M, N, K, E, M_BUCKET,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase, stride_pm, stride_om,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ROW_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, B_T: tl.constexpr,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr, SAVE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One output tile (virtual row tile x column tile) of the ragged-rows GEMM."""
@@ -246,9 +248,13 @@ def _rows_tile(
             g = h
             if GATED:
                 g = tl.load(pre_ptrs + N, mask=pre_mask, other=0.0).to(tl.float32)
+            a = act_fwd(h, g, ACT)
+            if SAVE_ACT:  # s * act(pre), what GEMM2 read: dW2's operand (rows not live: 0)
+                sa = tl.where(live[:, None], a * scale[:, None] if ROW_SCALE else a, 0.0)
+                tl.store(act_ptr + rows[:, None] * N + offs_n[None, :], sa.to(out_ty), out_mask)
             if ROW_SCALE:  # acc = dL/d(scale * act): this N tile's part of dL/d scale, then d act
                 # one partial per 16 columns: the same sums whatever BLOCK_N the autotuner picks
-                prod = tl.reshape(acc * act_fwd(h, g, ACT), [BLOCK_M, BLOCK_N // 16, 16])
+                prod = tl.reshape(acc * a, [BLOCK_M, BLOCK_N // 16, 16])
                 slot = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
                 slot_ptrs = rowdot_ptr + slot.to(tl.int64)[None, :] * M + rows[:, None]
                 slot_ok = row_ok[:, None] & (slot * 16 < N)[None, :]
@@ -262,7 +268,7 @@ def _rows_tile(
 
 @triton.autotune(
     configs=_configs(),
-    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER", "USE_TMA", "B_T"],
+    key=["E", "N", "K", "M_BUCKET", "EPILOGUE", "GATED", "GATHER", "USE_TMA", "B_T", "SAVE_ACT"],
     prune_configs_by={"early_config_prune": autotune_prune(_prune)},
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -274,7 +280,7 @@ def _ragged_rows_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ROW_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, B_T: tl.constexpr, NUM_PROGS,
+    USE_TMA: tl.constexpr, B_T: tl.constexpr, NUM_PROGS, act_ptr, SAVE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     if USE_TMA:
@@ -303,15 +309,15 @@ def _ragged_rows_kernel(
         # Persistent: NUM_PROGS programs (one per SM) stride over the tiles in grouped order.
         total = (tlx.cdiv(M, BLOCK_M) + E) * tlx.cdiv(N, BLOCK_N)
         for pid in range(tl.program_id(0), total, NUM_PROGS):
-            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, M, N, K, E,
+            _rows_tile(pid, a_desc, a2_desc, b_desc, b2_desc, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, act_ptr, M, N, K, E,
                 M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
                 stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, ROW_SCALE, DOT_F32,
-                PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+                PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, SAVE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
     else:  # the descriptor slots are unused
-        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, M, N, K, E,
+        _rows_tile(tl.program_id(0), a_ptr, a_ptr, a_ptr, a_ptr, a_ptr, idx_ptr, b_ptr, b2_ptr, bias_ptr, pre_ptr, out_ptr, offsets_ptr, scale_ptr, rowdot_ptr, act_ptr, M, N, K, E,
             M_BUCKET, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_biase,
             stride_pm, stride_om, EPILOGUE, ACT, GATED, GATHER, HAS_BIAS, SAVE_PRE, ROW_SCALE, DOT_F32,
-            PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+            PRECISION, E_POW2, EVEN_K, USE_TMA, B_T, SAVE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
 
 
 def ragged_mm(
@@ -331,6 +337,7 @@ def ragged_mm(
     tma: bool | None = None,
     row_scale_M: torch.Tensor | None = None,
     rowdot_NM: torch.Tensor | None = None,
+    act_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the ragged-rows kernel; `out` has one row per expert row (M = out.shape[0]).
 
@@ -348,7 +355,8 @@ def ragged_mm(
     dact role -> acc = dL/d(s * act) is scaled by s before the activation backward, and each
     program stores <acc, act> over each 16 columns of its tile into rowdot_NM[n // 16, m] (fp32
     [cdiv(N, 16), M]; summed over its first dim it is dL/ds: no atomics, and the same partial
-    sums whatever tile the autotuner picks).
+    sums whatever tile the autotuner picks). act_out (dact role, contiguous [M, N]): also
+    written, s * act(pre) (zero on rows not live), the operand GEMM2 read, for dW2.
     """
     M, E = out.shape[0], offsets_E.shape[0]
     K, N = b_EKN.shape[1], b_EKN.shape[2]
@@ -362,6 +370,8 @@ def ragged_mm(
     pre_t = pre if pre is not None else out
     if epilogue == EPI_ACT_BWD and row_scale_M is not None:
         assert rowdot_NM is not None and rowdot_NM.shape == (triton.cdiv(N, 16), M)
+    if act_out is not None:  # the dact role's second output
+        assert (epilogue, act_out.shape, act_out.stride()) == (EPI_ACT_BWD, (M, N), (N, 1))
     b_t = b_EKN.stride(2) != 1
     use_tma = tma_ok(a_MK, b_EKN, b2_EKN, K, gated and epilogue == EPI_PLAIN, idx_M is not None)
     use_tma = use_tma and (tma_default(a_MK.device) if tma is None else tma)
@@ -384,5 +394,6 @@ def ragged_mm(
         EPILOGUE=epilogue, ACT=act, GATED=gated, GATHER=idx_M is not None,
         HAS_BIAS=bias_EN is not None, SAVE_PRE=save_pre, ROW_SCALE=row_scale_M is not None,
         DOT_F32=dot_f32, PRECISION=precision, E_POW2=e_pow2(E), GROUP_M=8, USE_TMA=use_tma, B_T=b_t, NUM_PROGS=num_progs,
+        act_ptr=act_out if act_out is not None else out, SAVE_ACT=act_out is not None,
     )  # fmt: skip
     return out

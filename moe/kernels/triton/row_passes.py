@@ -3,7 +3,8 @@ the work the Triton GEMMs do in their epilogues, as one pass each over the rows.
 
   act_bwd_rows   the dact role's epilogue: dpre = act'(pre) * s * da and, with row weights s,
                  ds = <da, act(pre)> per row (one program per block of rows looping over the
-                 columns in a fixed order: no atomics, deterministic);
+                 columns in a fixed order: no atomics, deterministic); optionally also
+                 a = s * act(pre), dW2's operand, from the pre it reads anyway;
   zero_tail_blocks rows at or past offsets[-1] (dropped pairs) set to zero, reading the row
                  count on the device (no host sync) and touching only the tail: torch._grouped_mm
                  leaves those rows unwritten, and the expert MLP's contract says zero (the
@@ -22,8 +23,8 @@ from moe.kernels.triton.common import interpreting
 
 @triton.jit
 def _act_bwd_rows_kernel(
-    da_ptr, pre_ptr, scale_ptr, dpre_ptr, ds_ptr, live_ptr, M, F, stride_da, stride_pre,
-    ACT: tl.constexpr, GATED: tl.constexpr, ROW_SCALE: tl.constexpr,
+    da_ptr, pre_ptr, scale_ptr, dpre_ptr, ds_ptr, live_ptr, act_ptr, M, F, stride_da, stride_pre,
+    ACT: tl.constexpr, GATED: tl.constexpr, ROW_SCALE: tl.constexpr, SAVE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -47,8 +48,13 @@ def _act_bwd_rows_kernel(
         g = h
         if GATED:
             g = tl.load(pre + F, mask=live_ok, other=0.0).to(tl.float32)
+        a = act_fwd(h, g, ACT)
         if ROW_SCALE:
-            ds += tlx.vsum(da * act_fwd(h, g, ACT), 1)
+            ds += tlx.vsum(da * a, 1)
+        if SAVE_ACT:  # dropped rows: 0
+            a = tl.where(keep[:, None], a * s[:, None], 0.0)
+            tl.store(act_ptr + rows[:, None] * F + cols[None, :], a.to(act_ptr.dtype.element_ty),
+                     mask=ok)  # fmt: skip
         dh, dg = act_bwd(da * s[:, None], h, g, ACT)
         out = dpre_ptr + rows[:, None] * P + cols[None, :]
         tl.store(out, dh.to(dpre_ptr.dtype.element_ty), mask=ok)
@@ -58,10 +64,11 @@ def _act_bwd_rows_kernel(
         tl.store(ds_ptr + rows, tl.where(keep, ds, 0.0), mask=row_ok)
 
 
-def act_bwd_rows(da_MF, pre_MP, activation: str, row_scale_M, offsets_L):
+def act_bwd_rows(da_MF, pre_MP, activation: str, row_scale_M, offsets_L, act_out=None):
     """(dpre_MP, ds_M): dpre = act'(pre) * s * da ([dh | dg] for swiglu); ds (fp32, the row
     weights' gradient) = <da, act(pre)> per row when row_scale_M is given, else None. da is
-    dL/d(s * act). Rows at or past offsets_L[-1] get zeros."""
+    dL/d(s * act). Rows at or past offsets_L[-1] get zeros. act_out (contiguous [M, F]): also
+    written, s * act(pre) (dW2's operand)."""
     from moe.kernels.activations import GATED
 
     M, F = da_MF.shape
@@ -71,11 +78,13 @@ def act_bwd_rows(da_MF, pre_MP, activation: str, row_scale_M, offsets_L):
     ds = torch.empty(M if scaled else 0, device=da_MF.device, dtype=torch.float32)
     if M == 0 or F == 0:
         return dpre.zero_(), (ds.zero_() if scaled else None)
+    assert act_out is None or (act_out.shape, act_out.stride()) == ((M, F), (F, 1))
     bm, bf = (16, 16) if interpreting() else (16, 128)
     _act_bwd_rows_kernel[(triton.cdiv(M, bm),)](
-        da_MF, pre_MP, row_scale_M if scaled else ds, dpre, ds, offsets_L[-1:], M, F,
-        da_MF.stride(0), pre_MP.stride(0), ACT=ACT_CODES[activation], GATED=gated,
-        ROW_SCALE=scaled, BLOCK_M=bm, BLOCK_F=bf,
+        da_MF, pre_MP, row_scale_M if scaled else ds, dpre, ds, offsets_L[-1:],
+        act_out if act_out is not None else dpre, M, F, da_MF.stride(0), pre_MP.stride(0),
+        ACT=ACT_CODES[activation], GATED=gated, ROW_SCALE=scaled, SAVE_ACT=act_out is not None,
+        BLOCK_M=bm, BLOCK_F=bf,
     )  # fmt: skip
     return dpre, (ds if scaled else None)
 
