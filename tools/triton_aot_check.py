@@ -183,7 +183,7 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     probe = {"a_ptr": torch.empty(0, dtype=DTYPES[dtype])}
     mb = triton.next_power_of_2(M)
     base = dict(a_ptr=p, idx_ptr="*i64", b_ptr=p, b2_ptr=p, bias_ptr=p, pre_ptr=p, out_ptr=p,
-                offsets_ptr="*i32", scale_ptr="*fp32", rowdot_ptr="*fp32", M=M, E=E,
+                offsets_ptr="*i32", scale_ptr="*fp32", rowdot_ptr="*fp32", act_ptr=p, M=M, E=E,
                 M_BUCKET=mb, stride_biase=F, NUM_PROGS=132)  # fmt: skip
     up = dict(N=F, K=D, stride_am=D, stride_ak=1, stride_be=D * F, stride_bk=F, stride_bn=1)
     roles = {
@@ -207,8 +207,11 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
     for role in ("up swiglu (gather)", "dact swiglu (w2^T)"):  # combine weights folded in
         ints, flags = roles[role]
         roles[role + " row scale"] = (ints, dict(flags, ROW_SCALE=True))
+    ints, flags = roles["dact swiglu (w2^T) row scale"]  # the layer's: s * act(pre) written too
+    roles["dact swiglu (w2^T) row scale + act"] = (ints, dict(flags, SAVE_ACT=True))
     for role, (ints, flags) in roles.items():
         flags = dict(flags, ROW_SCALE=flags.get("ROW_SCALE", False))
+        flags = dict(flags, SAVE_ACT=flags.get("SAVE_ACT", False))
         configs = rows._prune(rows._configs(), probe, **flags)
         for tma in (False, True):  # the pointer path (default) and the opt-in TMA path
             for cfg in configs[:1] if first_only else configs:
@@ -289,9 +292,9 @@ def row_variants(p, M, D, F):
     yield ("act_rows", activations._act_rows_kernel, ar, dict(swiglu, BLOCK_M=32, BLOCK_F=128),
            None, False, False)  # fmt: skip
     ab = dict(da_ptr=p, pre_ptr=p, scale_ptr="*fp32", dpre_ptr=p, ds_ptr="*fp32",
-              live_ptr="*i32", M=M, F=F, stride_da=F, stride_pre=2 * F)  # fmt: skip
+              live_ptr="*i32", act_ptr=p, M=M, F=F, stride_da=F, stride_pre=2 * F)  # fmt: skip
     yield ("act_bwd_rows", row_passes._act_bwd_rows_kernel, ab,
-           dict(swiglu, BLOCK_M=16, BLOCK_F=128), None, False, False)  # fmt: skip
+           dict(swiglu, SAVE_ACT=True, BLOCK_M=16, BLOCK_F=128), None, False, False)  # fmt: skip
     zt = dict(y_ptr=p, live_ptr="*i32", M=M, N=D, stride_m=D)
     consts = dict(BLOCK_M=32, BLOCK_N=128)
     yield "zero_tail_rows", row_passes._zero_tail_kernel, zt, consts, None, False, False
