@@ -15,6 +15,7 @@ import moe
 from moe.fp8 import FP8Config
 from moe.lora import LoRAConfig
 from moe.parallel import init_mesh, parallelize
+from moe.quirks import Quirks
 from tests.distributed import run_ranks
 from tests.toy_formats import INT8, SCALED
 
@@ -58,6 +59,7 @@ ALTERNATIVES = {
     "weight_format": SCALED.name,  # registered from outside moe/ (tests/toy_formats.py)
     "row_format": INT8.name,
     "lora": LoRAConfig(rank=2, alpha=4.0),
+    "quirks": Quirks(experts_class="tests.FamilyExperts", function="act_fn"),
 }
 
 
