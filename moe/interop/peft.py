@@ -26,17 +26,19 @@ import os
 import torch
 from torch import nn
 
+from moe.interop import peft_contract
 from moe.interop import peft_layout as L
 from moe.interop.hf import HFMoELayer
+from moe.interop.hf_contract import HFExpertsLayer
 from moe.interop.peft_files import CONFIG, WEIGHTS
 
 
-def _lora_layers(model: nn.Module, who: str) -> dict[str, HFMoELayer]:
+def _lora_layers(model: nn.Module, who: str) -> dict[str, HFMoELayer | HFExpertsLayer]:
     """path -> converted layer with expert adapters; an error when there is none."""
     layers = {
         n: m
         for n, m in model.named_modules()
-        if isinstance(m, HFMoELayer) and getattr(m.config, "lora", None) is not None
+        if isinstance(m, (HFMoELayer, HFExpertsLayer)) and getattr(m.config, "lora", None)
     }
     if not layers:
         raise ValueError(
@@ -87,6 +89,10 @@ def _check_base(base, layers: dict[str, HFMoELayer]) -> str | None:
     config = getattr(base, "config", base)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for path, layer in layers.items():
+        if isinstance(layer, HFExpertsLayer):  # its own module's parameters, where base has them
+            if isinstance(base, nn.Module):
+                peft_contract.check_base(base, path, layer)
+            continue
         hf = layer.hf_config
         for attr in ("hidden_size",):
             if getattr(hf, attr, None) != getattr(text, attr, None):
@@ -127,6 +133,11 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
     tensors, target_parameters = {}, []
     for path, layer in layers.items():
         f = _factors(layer)
+        if isinstance(layer, HFExpertsLayer):  # the experts module's own parameters
+            for name, factors in peft_contract.export(path, layer, f).items():
+                tensors.update(factors)
+                target_parameters.append(name)
+            continue
         if has_gate_up:
             a, b = L.gate_up_to_peft(*f.get("w1", (None, None)), *f.get("w3", (None, None)))
             tensors[L.key(path, has_down, "A")], tensors[L.key(path, has_down, "B")] = a, b
@@ -143,6 +154,7 @@ def to_peft(model: nn.Module, folder: str, base=None) -> dict:
             tensors[L.module_key(name, "A")] = _full(linear.lora_A.detach())
             tensors[L.module_key(name, "B")] = _full(linear.lora_B.detach())
             target_parameters.append(f"{name}.weight")
+    peft_contract.check_renamings(model, tensors)
     both = {"w1", "w3"} <= targets
     gate_up_rank = first.rank * (2 if both else 1)
     r = first.rank if has_down or first.router else gate_up_rank

@@ -14,8 +14,10 @@ PeftModel).
 import torch
 from torch import nn
 
+from moe.interop import peft_contract as C
 from moe.interop import peft_layout as L
 from moe.interop.hf import HFMoELayer
+from moe.interop.hf_contract import HFExpertsLayer
 from moe.interop.peft_files import (
     WEIGHTS,
     AdapterConfig,
@@ -28,7 +30,7 @@ PARAMS = (L.GATE_UP, L.DOWN)
 
 
 def _layers(model: nn.Module) -> dict[str, HFMoELayer]:
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (HFMoELayer, HFExpertsLayer))}
     if not any(getattr(m.config, "lora", None) is not None for m in layers.values()):
         raise PeftAdapterError(
             f"from_peft: {type(model).__name__} has no MoE layer with expert LoRA: convert it "
@@ -54,6 +56,9 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     layers = _layers(model)
     plan, hit = {}, set()
     for path in layers:
+        if isinstance(layers[path], HFExpertsLayer):  # the experts module's own parameters
+            hit |= _plan_contract(plan, path, layers[path], cfg)
+            continue
         wanted = [p for p in PARAMS if _matches(f"{path}.experts.{p}", cfg.target_parameters)]
         hit |= {t for p in wanted for t in cfg.target_parameters
                 if _matches(f"{path}.experts.{p}", (t,))}  # fmt: skip
@@ -89,6 +94,17 @@ def _plan(model, folder: str, cfg: AdapterConfig, headers: dict) -> dict:
     for (path, p), (name, a, b) in plan.items():
         _check_shapes(where, name, layers[path], p, headers[a][0], headers[b][0], cfg)
     return plan
+
+
+def _plan_contract(plan, path: str, layer: HFExpertsLayer, cfg: AdapterConfig) -> set[str]:
+    """The experts module's parameters the adapter targets (PEFT nests their wrappers in the
+    module's registration order: peft_contract.key); the targets they hit."""
+    names = [n for n, _ in layer.hf_template[0].named_parameters(recurse=False)]
+    wanted = [n for n in names if n in C.PROJECTIONS]
+    wanted = [n for n in wanted if _matches(f"{path}.{n}", cfg.target_parameters)]
+    for p in wanted:
+        plan[path, p] = (f"{path}.{p}", C.key(path, wanted, p, "A"), C.key(path, wanted, p, "B"))
+    return {t for p in wanted for t in cfg.target_parameters if _matches(f"{path}.{p}", (t,))}
 
 
 def _plan_shared(plan, path: str, layer: HFMoELayer, cfg: AdapterConfig, where) -> set[str]:
@@ -156,7 +172,7 @@ def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> N
                 f"{lora.rank}, {E} experts, width {d})"
             )
         return
-    n_in, n_out = (d, 2 * F) if p == L.GATE_UP else (F, d)
+    n_in, n_out = {L.GATE_UP: (d, 2 * F), C.UP: (d, F)}.get(p, (F, d))
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != n_in or b_shape[0] != n_out:
         raise PeftAdapterError(
             f"{where}: {name} has lora_A {list(a_shape)}, lora_B {list(b_shape)}; this model's "
@@ -173,7 +189,7 @@ def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> N
             f"{where}: {name} holds lora_A {list(a_shape)} at rank {rp} (adapter_config.json's "
             f"rank for it): {held}; the model's layer has {E} experts, {rp * E} rows at that rank"
         )
-    need = range(1, lora.rank + 1) if p == L.DOWN else (lora.rank, 2 * lora.rank)
+    need = (lora.rank, 2 * lora.rank) if p == L.GATE_UP else range(1, lora.rank + 1)
     if rp not in need:
         raise PeftAdapterError(
             f"{where}: {name} has rank {rp}; the model's expert LoRA has rank {lora.rank} "
@@ -187,7 +203,7 @@ def _check_shapes(where, name, layer: HFMoELayer, p, a_shape, b_shape, cfg) -> N
         )
 
 
-HUB_TARGETS = {L.GATE_UP: {"w1", "w3"}, L.DOWN: {"w2"}}
+HUB_TARGETS = {p: set(targets) for p, targets in C.PROJECTIONS.items()}
 
 
 def peft_lora_config(folder: str) -> dict:
@@ -203,6 +219,8 @@ def peft_lora_config(folder: str) -> dict:
             router = True
         elif t.endswith(L.GATE_UP):
             targets |= {"w1", "w3"}
+        elif _matches(t, (C.UP,)):  # a contract family's experts without a gate
+            targets.add("w1")
         elif t.endswith(L.DOWN):
             targets.add("w2")
     every = (*cfg.target_parameters, *cfg.target_modules)
@@ -251,10 +269,12 @@ def from_peft(model: nn.Module, folder: str) -> nn.Module:
             if isinstance(p, tuple) or p == L.ROUTER:  # stored as moe.lora stores them
                 got = {p: (a, b)}
             elif p == L.GATE_UP:
+                order = C.fused_order(layer) if isinstance(layer, HFExpertsLayer) else None
+                b = b if order is None else b[order]  # gate rows, then up rows
                 got = L.gate_up_from_peft(a, b, E, layer.config.d_ff, lora.rank, set(lora.targets))
             else:
                 got = L.down_from_peft(a, b, E, lora.rank)
-                got = got if isinstance(got, str) else {"w2": got}
+                got = got if isinstance(got, str) else {C.PROJECTIONS[p][0]: got}
             if isinstance(got, str):
                 raise PeftAdapterError(f"{folder}/{WEIGHTS}: {name}: {got}")
             ratio = cfg.scaling_of(name) / lora.scale
