@@ -4,6 +4,7 @@ scikit-learn's digits) at a small size: it learns (held-out caption accuracy wel
 --resume continues exactly, and refuses bad flags with one line (exit status 2)."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -80,3 +81,35 @@ def test_learns_resumes_exactly_and_refuses_bad_flags(tmp_path, capsys, monkeypa
         (["--unknown"], "unrecognized arguments: --unknown"),
     ):
         assert said in _one_error_line(capsys, argv), argv
+
+
+def test_a_damaged_training_state_is_refused_naming_the_field():
+    """The checkpoint's state is read as untrusted JSON: each damage is one ValueError."""
+    s = multimodal.Settings()
+    good = {
+        "step": 3,
+        "history": {
+            "step": [1, 2, 3],
+            "loss": [3.7, 3.6, 3.5],
+            "eval_step": [0],
+            "accuracy": [0.0],
+            "resume_step": [],
+        },  # fmt: skip
+        "schedule": {"lr": 3e-3, "warmup": 30, "steps": 600, "start": 0},
+        "settings": {"batch": 32, "lr": 3e-3, "warmup": 30, "seed": 0},
+    }
+    multimodal.check_state(good, s)
+    for change, said in (
+        (lambda st: st.update(step="3"), "integer 'step'"),
+        (lambda st: st["history"].update(loss=[3.7, "x", 3.5]), "history.loss must be a list"),
+        (lambda st: st["history"].update(accuracy=True), "history.accuracy must be a list"),
+        (lambda st: st["history"]["loss"].pop(), "history.loss must have one entry per step"),
+        (lambda st: st["schedule"].update(lr=float("inf")), "'schedule.lr' must be a finite"),
+        (lambda st: st["settings"].update(seed=1), "--seed 1 there, 0 now"),
+        (lambda st: st.update(step=600), "pass --steps > it"),
+    ):
+        state = {k: (dict(v) if isinstance(v, dict) else v) for k, v in good.items()}
+        state["history"] = {k: list(v) for k, v in good["history"].items()}
+        change(state)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            multimodal.check_state(state, s)

@@ -115,9 +115,18 @@ def parse_args(argv=None) -> Settings:
         "--warmup", type=int, default=Settings.warmup, help="linear warm-up, then cosine to 10%%"
     )
     p.add_argument("--seed", type=int, default=Settings.seed, help="weights and data order")
-    p.add_argument("--log-every", type=int, default=Settings.log_every, help="read the loss")
-    p.add_argument("--eval-every", type=int, default=Settings.eval_every, help="held-out captions")
-    p.add_argument("--save-every", type=int, default=Settings.save_every, help="0: at the end")
+    p.add_argument(
+        "--log-every", type=int, default=Settings.log_every, help="read the loss every n steps"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=Settings.eval_every, help="held-out accuracy every n"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=Settings.save_every,
+        help="checkpoint every n (0: at the end)",
+    )
     p.add_argument("--stop-after", type=int, help="stop (and checkpoint) here, as if preempted")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="write no plot")
@@ -147,6 +156,9 @@ def check_state(state, s: Settings) -> None:
             isinstance(v, int | float) and not isinstance(v, bool) for v in values
         ):
             raise ValueError(f"training state: history.{key} must be a list of numbers")
+    for x, y in (("step", "loss"), ("eval_step", "accuracy")):
+        if len(history[x]) != len(history[y]):
+            raise ValueError(f"training state: history.{y} must have one entry per {x}")
     saved = state.get("settings")
     if not isinstance(saved, dict):
         raise ValueError("training state: 'settings' must be an object")
