@@ -43,8 +43,9 @@ def on_contract(module: nn.Module) -> bool:
 
 
 def experts_options(experts: nn.Module) -> dict:
-    """MoELayer options computing what `experts` computes, or a ValueError naming the experts
-    class and the flag moe's experts cannot honour."""
+    """MoELayer options computing what `experts` computes (`quirks`: MoEConfig.quirks for a
+    layout beyond moe's plain expert MLP, else None), or a ValueError naming the experts class
+    and what cannot be honoured."""
     name, cls = type(experts).__name__, type(experts)
     flags = layout_flags(experts)
     norm = flags["has_post_expert_norm"]
