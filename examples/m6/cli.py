@@ -85,7 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--fp8",
         help="FP8 in every MoE layer: dispatch (tokens sent as e4m3 + 1x128 scales), experts "
-        "(every expert GEMM in e4m3, rowwise), all (both), off (default); masters stay as they are",
+        "(every expert GEMM in e4m3, rowwise), all (both), off (default); masters stay as they are. "
+        "It pays where the expert GEMMs are large (wide d_ff, many rows per expert: Mixtral-class "
+        "shapes on Hopper) and costs at tiny widths like m6-tiny's, where the quantization passes "
+        "outweigh the GEMMs; python -m moe.plan --fp8 predicts which and says why (docs/fp8.md)",
     )
     g = p.add_argument_group("data and training")
     g.add_argument("--data", help="folder with captions.jsonl (default: scikit-learn digits)")
