@@ -87,17 +87,20 @@ def pixel_values(images_BCHW: torch.Tensor) -> torch.Tensor:
     return x.reshape(B * GRID * GRID, C * p * p)
 
 
-def model_inputs(data: DigitsVL, images_B: torch.Tensor, text_BL: torch.Tensor) -> dict:
-    """The keyword arguments of the model's forward for these images and text rows."""
+def model_inputs(data: DigitsVL, images_B: torch.Tensor, text_BL: torch.Tensor, device) -> dict:
+    """The keyword arguments of the model's forward for these images and text rows, on
+    `device`."""
     B = text_BL.shape[0]
     image = torch.full((B, IMAGE_TOKENS), data.image_token, dtype=text_BL.dtype)
     ids = torch.cat([image, text_BL], dim=1)
-    return dict(
+    tensors = dict(
         input_ids=ids,
         pixel_values=pixel_values(data.images_NCHW[images_B]),
         image_grid_thw=torch.tensor([[1, GRID, GRID]]).expand(B, 3),
         mm_token_type_ids=(ids == data.image_token).int(),
     )
+    moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    return dict(moved, use_cache=False)  # full forwards only: no key/value cache to build
 
 
 def batch_indices(data: DigitsVL, step: int, batch: int, seed: int) -> torch.Tensor:
@@ -109,8 +112,8 @@ def batch_indices(data: DigitsVL, step: int, batch: int, seed: int) -> torch.Ten
 def caption_loss(model, data: DigitsVL, idx: torch.Tensor, device) -> torch.Tensor:
     """Mean cross-entropy of the caption tokens (<eos> included) of training examples `idx`."""
     enc = data.train
-    inputs = model_inputs(data, enc.image_N[idx], enc.text_NL[idx])
-    logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits[:, IMAGE_TOKENS:]
+    inputs = model_inputs(data, enc.image_N[idx], enc.text_NL[idx], device)
+    logits = model(**inputs).logits[:, IMAGE_TOKENS:]
     labels = enc.labels_NL[idx].to(device)  # already the next token of each position
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
@@ -125,8 +128,7 @@ def greedy_captions(model, data: DigitsVL, device, rows: int = 512) -> list[str]
         idx = torch.arange(start, min(start + rows, len(enc)))
         text = enc.text_NL[idx, : int(enc.prompt_len_N[idx].max()) + 1]  # prompt, <bos>
         for _ in range(new):
-            inputs = model_inputs(data, enc.image_N[idx], text)
-            logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
+            logits = model(**model_inputs(data, enc.image_N[idx], text, device)).logits
             words = logits[:, -1:, : data.image_token]  # never the image placeholder
             text = torch.cat([text, words.argmax(-1).cpu()], dim=1)
         prompt = int(enc.prompt_len_N[idx].max()) + 1
