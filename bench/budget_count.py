@@ -6,7 +6,9 @@
 - bytes outside the GEMMs: each launch reads each tensor argument once (its distinct elements:
   a broadcast view counts its storage) and writes each result once; an op that only overwrites
   its argument (zero_, fill_, copy_'s destination, out=) does not read it. Triton launches move
-  each tensor argument once (read or written: the wrapper does not say which);
+  each tensor argument once (read or written: the wrapper does not say which), but a pass
+  over the tail rows only (TAIL_ONLY: rows past the last offset, none in a dropless layer
+  where every row is live) moves nothing;
 - GEMM FLOPs (mm, addmm, bmm, _grouped_mm, _scaled_grouped_mm, _scaled_mm and the Triton GEMM
   kernels, whose bytes are not counted outside the GEMMs); with meta tensors every row is a
   live row, exact for a dropless layer;
@@ -35,6 +37,7 @@ TRITON_GEMMS = {
     "_ragged_rows_kernel": (10, 11, 12, "GATED"),
     "_ragged_reduce_kernel": (8, 9, 10, "TWO_OUT"),
 }  # fmt: skip  (M, N, K positions, the two-GEMM flag)
+TAIL_ONLY = {"_zero_tail_kernel"}  # touches only the rows past the last offset: none here
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 PHASES = ("first", "later", "optimizer")  # micro-batch 1's fwd+bwd, the others', the step
 FP8_GEMMS = {"_scaled_grouped_mm", "_scaled_mm"}
@@ -100,6 +103,7 @@ class Phase:
     collectives: int = 0
     collective_bytes: int = 0
     ops: Tally = dataclasses.field(default_factory=Tally)  # launch name -> count
+    op_bytes: Tally = dataclasses.field(default_factory=Tally)  # launch name -> bytes outside
     e4m3: Tally = dataclasses.field(default_factory=Tally)  # operand name -> e4m3 writes
     custom: Tally = dataclasses.field(default_factory=Tally)  # custom op -> calls
 
@@ -168,6 +172,7 @@ class Counter:
             p.fp8_flops += flops if name in FP8_GEMMS else 0
         else:
             p.bytes_outside += moved
+            p.op_bytes[name] += moved
 
     def on_triton(self, name: str, grid, args, kwargs) -> None:
         if not self.enabled:
@@ -177,7 +182,7 @@ class Counter:
         p.triton += 1
         p.ops[f"triton {name}"] += 1
         tensors = _tensors((args, kwargs))
-        moved = sum(map(distinct_bytes, tensors))
+        moved = 0 if name in TAIL_ONLY else sum(map(distinct_bytes, tensors))
         if name in TRITON_GEMMS:
             m, n, k, two = TRITON_GEMMS[name]
             p.gemms += 1
@@ -185,4 +190,5 @@ class Counter:
             p.gemm_flops += 2 * args[m] * args[n] * args[k] * (2 if kwargs.get(two) else 1)
         else:
             p.bytes_outside += moved
+            p.op_bytes[f"triton {name}"] += moved
             self._e4m3(t for t in tensors if t.dtype in FLOAT8)

@@ -303,6 +303,34 @@ def test_expert_mlp_keeps_x_once_in_fp8_and_no_more_than_the_torch_kernel(activa
     assert sum(b for _, b in fp8) <= sum(b for _, b in bf16), (fp8, bf16)
 
 
+def test_expert_mlp_keeps_the_down_input_codes_without_row_weight_gradients():
+    """Without row weights to differentiate (the layer's FP8 kernel: the combine weighs the
+    rows), the backward reads the down GEMM's e4m3 input as the forward made it (R x F bytes +
+    row scales kept) and recomputes no activation; the same gradients as recomputing it."""
+    T, D, F, L, R = 11, 72, 40, 3, 19
+    offsets = torch.tensor([6, 6, 17], dtype=torch.int32)
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(L, *s, dtype=torch.bfloat16, requires_grad=True) for s in
+          ((D, F), (F, D), (D, F))]  # fmt: skip
+    ids = torch.randint(0, T, (R,))
+    rw = torch.rand(R, dtype=torch.bfloat16)
+
+    def run(rw_grad):
+        rows = ExpertRows(gather_ids_R=ids, row_weights_R=rw.clone().requires_grad_(rw_grad))
+        return fp8_expert_mlp(x, offsets, *ws, activation="swiglu", rows=rows)
+
+    kept = _kept(lambda: run(False), ws)
+    assert sorted(k for k in kept if k[0] == torch.uint8) == sorted(
+        [(torch.uint8, T * D), (torch.uint8, R * F)]
+    )
+    grads = []
+    for rw_grad in (False, True):
+        y = run(rw_grad)
+        grads.append(torch.autograd.grad(y.float().square().sum(), [x, *ws]))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_pow2_quantized_operands_are_exact_in_bf16():
     """The CUDA wgrad runs the dequantized per-expert-column operands through bf16 tensor cores:
     an e4m3 value times a power-of-two scale must be exact in bf16 (3 mantissa bits in 7)."""

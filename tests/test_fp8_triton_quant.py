@@ -118,3 +118,116 @@ def test_group_columns_as_the_eager_quantizer(dtype):
         want = ref.to(out_dtype)
         assert bool(((out == want) | (out.isnan() & want.isnan())).all())
     assert (out[81:] == 0).all()
+
+
+def _groups_input(dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(77, 37, generator=g) * 3).to(dtype)  # K odd, M not a block multiple
+    x[5, 3], x[40, 1], x[60, 0] = float("inf"), float("nan"), -float("inf")
+    x[20:30] *= 1e-25  # a group of tiny values (gradients far down)
+    x[31:33] = 0
+    offs = torch.tensor([10, 10, 33, 70], dtype=torch.int32)  # an empty expert; tail 70..77
+    return x, offs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_launch_writes_both_orientations(dtype):
+    """Row-wise codes and scales and the transposed copy (codes scaled per column within each
+    expert's rows, [K, M]) with its [E, K] scales, from ONE launch: the eager quantizers'
+    codes and scales bit for bit (tail rows: zero codes), special values included."""
+    from moe.fp8.triton_quant import quantize
+
+    x, offs = _groups_input(dtype)
+    q, s, qc, sc = quantize(x.to(DEV), True, Q.AMAX_FLOOR, groups=offs.to(DEV))
+    q_ref, s_ref = Q.quantize_along(x, -1, True, Q.AMAX_FLOOR)
+    assert _same(q.cpu(), q_ref) and torch.equal(s.cpu().nan_to_num(), s_ref.nan_to_num())
+    qg_ref, sg_ref = Q.quantize_groups(x, offs, True, Q.AMAX_FLOOR)
+    assert qc.shape == (37, 77) and sc.shape == (4, 37)
+    # a column of an expert holding Inf has scale Inf: its codes are +-0 (and NaN), the sign
+    # of a zero differs from the eager clamp's; both dequantize to NaN (0 x Inf)
+    unsigned_zero = lambda t: t.float().where(t.float() != 0, 0.0).to(t.dtype)
+    assert _same(unsigned_zero(qc.cpu().t()), unsigned_zero(qg_ref))
+    assert torch.equal(sc.cpu().nan_to_num(), sg_ref.nan_to_num())
+    assert (qc.cpu()[:, 70:].float() == 0).all()
+
+
+def test_transposed_copy_against_float64():
+    """Each finite column of each expert dequantizes within half an e4m3 step of x (float64);
+    the tiny group keeps that precision."""
+    from moe.fp8.triton_quant import quantize
+
+    x, offs = _groups_input(torch.float32, seed=6)
+    x[5, 3] = x[40, 1] = x[60, 0] = 1.0
+    _, _, qc, sc = quantize(x.to(DEV), False, Q.AMAX_FLOOR, rows=False, groups=offs.to(DEV))
+    qc, sc = qc.cpu().t().double(), sc.cpu().double()
+    group = Q.group_of_rows(offs, 77).long()
+    s_M = torch.cat([sc, torch.ones(1, 37, dtype=torch.float64)])[group]
+    x64 = x.double()
+    live = (group < 4).unsqueeze(1)
+    step = 2.0 ** (torch.floor(torch.log2((x64 / s_M).abs().clamp_min(2**-6))) - 3)
+    err = (qc * s_M - x64).abs()
+    assert ((err <= step * s_M / 2 + 1e-300) | ~live).all()
+
+
+def test_gathered_codes_dequantized_in_the_same_launch():
+    """The weight gradient's x from the forward's kept per-token codes: rows gathered through
+    the token ids and dequantized with their row scales on load, then scaled per expert
+    column: the eager gather -> dequantize -> quantize_groups -> dequantize_groups."""
+    from moe.fp8.triton_quant import quantize
+
+    x, offs = _groups_input(torch.bfloat16, seed=7)
+    x[5, 3] = x[40, 1] = x[60, 0] = 1.0  # (zeros' signs under an Inf scale: see above)
+    ids = torch.randint(0, 77, (81,), generator=torch.Generator().manual_seed(1))
+    offs = torch.tensor([10, 10, 33, 74], dtype=torch.int32)
+    q, s = Q.quantize_along(x, -1, True, Q.AMAX_FLOOR)
+    xr = Q.dequantize(q[ids], s[ids])
+    want = Q.dequantize_groups(*Q.quantize_groups(xr, offs, True, Q.AMAX_FLOOR), offs)
+    _, _, got, _ = quantize(q.to(DEV), True, Q.AMAX_FLOOR, rows=False, groups=offs.to(DEV),
+                            values=torch.bfloat16, ids=ids.to(DEV), row_scales=s.to(DEV))  # fmt: skip
+    want = want.bfloat16()
+    assert bool(((got.cpu() == want) | (got.cpu().isnan() & want.isnan())).all())
+
+
+def test_weight_forms_in_one_launch():
+    """Both rowwise weight forms from one launch over w [E, K, N]: dgrad per (e, k) row, and
+    fprop per (e, n) column written transposed [E, N, K] (column-major as the scaled GEMM takes
+    it): the eager forms' codes and scales."""
+    from moe.fp8.triton_quant import quantize
+
+    E, K, N = 3, 40, 24
+    w = torch.randn(E, K, N, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ends = torch.arange(1, E + 1, dtype=torch.int32) * K
+    q, s, qc, sc = quantize(w.to(DEV), True, Q.AMAX_FLOOR, groups=ends.to(DEV),
+                            transposed=(K, K * (N - 1), (E, N, K)))  # fmt: skip
+    qd_ref, sd_ref = Q.quantize_along(w, 2, True, Q.AMAX_FLOOR)
+    qf_ref, sf_ref = Q.quantize_along(w, 1, True, Q.AMAX_FLOOR)
+    assert _same(q.cpu(), qd_ref) and torch.equal(s.cpu().view(E, K, 1), sd_ref)
+    assert _same(qc.cpu().transpose(1, 2), qf_ref) and torch.equal(sc.cpu().view(E, 1, N), sf_ref)
+
+
+@pytest.mark.parametrize("save_fp8", [True, False])
+def test_expert_mlp_backward_from_one_launch_operands(monkeypatch, save_fp8):
+    """The FP8 expert MLP's backward with its operands from the one-launch quantization (the
+    CUDA path, here interpreted on CPU): the eager chain's gradients (the same e4m3 values; the
+    weight gradients through bf16 operands, exact, accumulated as the eager float32 GEMM)."""
+    from moe.fp8 import FP8Config, fp8_expert_mlp, operands
+    from moe.kernels.expert_rows import ExpertRows
+
+    g = torch.Generator().manual_seed(3)
+    T, D, F, E = 13, 24, 40, 3
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ws = [torch.randn(E, *s, generator=g).bfloat16() * 0.3 for s in ((D, F), (F, D), (D, F))]
+    ids = torch.randint(0, T, (21,), generator=g)
+    offsets = torch.tensor([7, 7, 19], dtype=torch.int32)  # an empty expert, 2 tail rows
+    cfg = FP8Config(experts=True, save_fp8_inputs=save_fp8)
+
+    def grads(fused):
+        monkeypatch.setattr(operands, "one_launch", lambda t, op: fused and op[1])
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        y = fp8_expert_mlp(leaves[0], offsets, *leaves[1:], activation="swiglu",
+                           rows=ExpertRows(gather_ids_R=ids), config=cfg)  # fmt: skip
+        y.float().square().sum().backward()
+        return [t.grad.float() for t in leaves]
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-6)

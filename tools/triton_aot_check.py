@@ -228,29 +228,31 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
 
 
 def fp8_variants(p, M, D):
-    """The FP8 quantization passes (moe/fp8/triton_quant.py): row-wise e4m3 codes and scales,
-    and each expert's column-scaled weight-gradient operand, at the launchers' block sizes.
+    """The FP8 quantization kernel (moe/fp8/triton_quant.py) in the configurations its launchers
+    use: row-wise codes only, rows + the transposed copy (weights; codes), rows + column values
+    (a gradient's two forms), and column values from gathered kept codes (DEQ + GATHER).
     Imported here, not with this module: @triton.jit picks compiled or interpreted when the
     kernel module is imported, and the tests import this module before TRITON_INTERPRET is set."""
     from moe.fp8 import triton_quant as fp8_quant
 
-    block_k = min(512, triton.next_power_of_2(D))
-    qr = dict(x_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", M=M, K=D, stride_xm=D, floor="fp32")
-    for pow2 in (False, True):
-        consts = dict(POW2=pow2, BLOCK_M=4, BLOCK_K=block_k)
-        yield (
-            f"fp8 quant rows pow2={pow2}",
-            fp8_quant._quant_rows_kernel,
-            qr,
-            consts,
-            None,
-            False,
-            False,
-        )
-    fq = dict(x_ptr=p, out_ptr="*bf16", offsets_ptr="*i32", M=M, K=D, E=8, stride_xm=D,
-              floor="fp32")  # fmt: skip
-    consts = dict(POW2=True, BLOCK_M=32, BLOCK_K=min(128, triton.next_power_of_2(D)))
-    yield "fp8 wgrad operand", fp8_quant._fake_quant_groups_kernel, fq, consts, None, False, False
+    args = dict(x_ptr=p, ids_ptr="*i64", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                qc_ptr="*fp8e4nv", sc_ptr="*fp32", offsets_ptr="*i32", M=M, K=D, G=8,
+                stride_xm=D, col_s1=M, col_s2=0, n_row_programs=M // 4, floor="fp32")  # fmt: skip
+    blocks = dict(BLOCK_M=fp8_quant.ROW_BLOCK_M, BLOCK_K=fp8_quant._row_block_k(D),
+                  CBLOCK_M=fp8_quant.COL_BLOCK_M, CBLOCK_K=fp8_quant._col_block_k(D))  # fmt: skip
+    table = (  # label, ROWS, COLS, VALUES, DEQ, GATHER, POW2, overrides
+        ("rows", True, False, False, False, False, False, {}),
+        ("rows pow2", True, False, False, False, False, True, {}),
+        ("rows + transposed codes", True, True, False, False, False, True, {}),
+        ("rows + column values", True, True, True, False, False, True, {"qc_ptr": "*bf16"}),
+        ("column values of kept codes", False, True, True, True, True, True,
+         {"qc_ptr": "*bf16", "x_ptr": "*u8"}),
+    )  # fmt: skip
+    for label, by_rows, cols, values, deq, gather, pow2, over in table:
+        consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, VALUES=values, DEQ=deq,
+                      GATHER=gather)  # fmt: skip
+        kernel = fp8_quant._quant_kernel
+        yield f"fp8 quant {label}", kernel, dict(args, **over), consts, None, False, False
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):

@@ -49,8 +49,9 @@ class FP8Config:
     grad_before_down_fp8: also send the activation gradient before the down-projection (the
         combine's backward exchange) in FP8, as DeepSeek-V3 does; off: bf16 gradients.
     save_fp8_inputs: the expert MLP keeps its input x for the backward as e4m3 (1 byte per
-        element plus the row scales, once for the up and gate GEMMs) instead of x itself; the
-        down GEMM's input is recomputed from h and g.
+        element plus the row scales, once for the up and gate GEMMs) instead of x itself, and
+        (FP8 weight gradient) the down GEMM's e4m3 input as the forward quantized it; without
+        it the down GEMM's input is recomputed from h and g.
     wgrad_bf16: the expert MLP's weight-gradient GEMMs take their operands unquantized, in
         the activations' dtype (bf16 tensor cores; torchao's rowwise_with_gw_hp): the FP8
         weight gradient runs at ~30% of peak on H100 and its quantizations (two operands per

@@ -1,23 +1,27 @@
 """The FP8 expert MLP's rows part as one autograd.Function (up, gate, bias b1, activation,
-row weight, down), so that its backward keeps only x's e4m3 form (once, shared by the up and
-gate GEMMs; x itself without save_fp8) and the pre-activations h_RF, g_RF, and recomputes the
-activation (and the down GEMM's e4m3 input) from them, as the bf16 torch kernel does.
+row weight, down), so that its backward keeps x's e4m3 form (once, shared by the up and gate
+GEMMs; x itself without save_fp8), the pre-activations h_RF, g_RF and, with save_fp8 and an
+FP8 weight gradient, the down GEMM's e4m3 input as its forward quantized it (1 byte per
+element: no recomputed activation and no second quantization in the backward), unless the
+row weights need a gradient: then the activation is recomputed from h and g (for that
+gradient) and quantized again (the same codes), as for the bf16 or unquantized weight
+gradient. The backward's operands come from one launch each on CUDA
+(moe/fp8/operands.py).
 
 Same values as the chain of moe::fp8_grouped_mm calls and autograd ops it replaces: the same
-custom ops, quantizations and aten derivative kernels, in the same order.
-"""
+quantizations (a kept form is the one the forward made) and aten derivative kernels."""
 
 import torch
 from torch import Tensor
 
 from moe.fp8.grouped_mm import (
-    _dgrad_op,
     _fwd_op,
     _fwd_quantized_op,
     _wgrad_op,
     kept_input,
     quantize_input,
 )
+from moe.fp8.operands import GradOperand, wgrad_input
 from moe.fp8.quant import group_of_rows
 from moe.kernels.activations import activation_backward, apply_activation
 from moe.kernels.torch_grouped_mm import wgrad_groups
@@ -49,7 +53,9 @@ def _wgrad(x_RK: Tensor, dy_RN: Tensor, op: tuple, bf16: bool, w: Tensor) -> Ten
     """dw = x^T dy per expert in w's dtype: FP8 (moe::fp8_grouped_mm_wgrad), or with bf16
     (FP8Config.wgrad_bf16) the operands unquantized in dy's dtype on the plain grouped GEMM."""
     if bf16:
-        return wgrad_groups(x_RK.to(dy_RN.dtype).contiguous(), dy_RN, op[0]).to(w.dtype)
+        return wgrad_groups(x_RK.to(dy_RN.dtype).contiguous(), dy_RN.contiguous(), op[0]).to(
+            w.dtype
+        )
     return _wgrad_op(x_RK, dy_RN, *op, w.dtype)
 
 
@@ -72,9 +78,16 @@ class _FP8MLP(torch.autograd.Function):
             g_RF = _fwd_quantized_op(q_R, s_R, w3, offsets_L, pow2, floor, recipe, x_ND.dtype)
         del q_R, s_R
         _, a_w = _activation(h_RF, g_RF, w_R1, activation)
-        y_RD, _, _ = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
+        y_RD, q_a, s_a = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
         kept_x = (q_x, s_x) if save_fp8 else (x_ND,)
-        ctx.save_for_backward(ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x)
+        # the down GEMM's e4m3 input, unless the backward recomputes the activation anyway
+        # (the row weights' gradient needs it) or takes it unquantized (bf16 weight gradient)
+        d_rw = w_R1 is not None and ctx.needs_input_grad[7]
+        kept_a = (q_a, s_a) if save_fp8 and not gemm[4] and not d_rw else ()
+        ctx.save_for_backward(
+            ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x, *kept_a
+        )
+        ctx.kept_x = len(kept_x)
         ctx.activation, ctx.gemm, ctx.x_shape = activation, gemm, (x_ND.shape, x_ND.dtype)
         return y_RD
 
@@ -82,42 +95,60 @@ class _FP8MLP(torch.autograd.Function):
     def backward(ctx, dy_RD):
         if torch.is_grad_enabled():
             raise NotImplementedError("the FP8 expert MLP has no double backward")
-        ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept_x = ctx.saved_tensors
+        ids_R, offsets_L, group_R, w1, w2, w3, b1, w_R1, h_RF, g_RF, *kept = ctx.saved_tensors
+        kept_x, kept_a = kept[: ctx.kept_x], kept[ctx.kept_x :]
         pow2, floor, save_fp8, recipe, bf16_wgrad = ctx.gemm
         x_shape, x_dtype = ctx.x_shape
         op = (offsets_L, pow2, floor, recipe)
         need = ctx.needs_input_grad
         dy_RD = dy_RD.contiguous()
-        a_RF, a_w = _activation(h_RF, g_RF, w_R1, ctx.activation)
+        d_rw_needed = w_R1 is not None and need[7]
+        a_RF = a_w = None
+        if d_rw_needed or (need[4] and not kept_a):  # recomputed where not kept
+            a_RF, a_w = _activation(h_RF, g_RF, w_R1, ctx.activation)
+        fp8_wgrad = not bf16_wgrad
+        g_y = GradOperand(dy_RD, op, fp8_wgrad and need[4])
         dw2 = None
-        if need[4]:  # the down GEMM's input as its forward kept it, recomputed
-            if save_fp8 and not bf16_wgrad:
-                a_w = kept_input(quantize_input(a_w.contiguous(), pow2, floor, recipe), recipe)
-            dw2 = _wgrad(a_w, dy_RD, op, bf16_wgrad, w2)
+        if need[4]:  # the down GEMM's input: its e4m3 form as the forward made it, or itself
+            if bf16_wgrad:
+                dw2 = _wgrad(a_w, dy_RD, op, True, w2)
+            else:
+                if not kept_a:
+                    kept_a = (
+                        quantize_input(a_w.contiguous(), pow2, floor, recipe)
+                        if save_fp8
+                        else (a_w,)
+                    )
+                dw2 = g_y.wgrad(wgrad_input(tuple(kept_a), None, op, dy_RD), w2)
         del a_w
-        da_w = _dgrad_op(dy_RD, w2, *op).to(x_dtype)
-        d_rw = (da_w * a_RF).sum(1, keepdim=True) if w_R1 is not None and need[7] else None
+        da_w = g_y.dgrad(w2, x_dtype)
+        del g_y
+        d_rw = (da_w * a_RF).sum(1, keepdim=True) if d_rw_needed else None
         del a_RF
         da = da_w if w_R1 is None else da_w * w_R1
         dh, dg = activation_backward(da, h_RF, ctx.activation, g_RF)
         del da, da_w
         db1 = _row_bias_grad(dh, group_R, b1) if b1 is not None and need[6] else None
-        dh = dh.contiguous()
-        dg = dg.contiguous() if dg is not None else None
+        g_h = GradOperand(dh.contiguous(), op, fp8_wgrad and need[3])
+        g_g = GradOperand(dg.contiguous(), op, fp8_wgrad and need[5]) if dg is not None else None
         dx = None
         if need[0]:
-            dx = _dgrad_op(dh, w1, *op).to(x_dtype)
-            if dg is not None:
-                dx = dx + _dgrad_op(dg, w3, *op).to(x_dtype)
+            dx = g_h.dgrad(w1, x_dtype)
+            if g_g is not None:
+                dx = dx + g_g.dgrad(w3, x_dtype)
             if ids_R is not None:  # what autograd gives x through index_select
                 dx = dx.new_zeros(x_shape).index_add_(0, ids_R, dx)
         x_RD = None
         if need[3] or need[5]:
-            x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
-        dw1 = _wgrad(x_RD, dh, op, bf16_wgrad, w1) if need[3] else None
-        dw3 = None
-        if dg is not None and need[5]:
-            dw3 = _wgrad(x_RD, dg, op, bf16_wgrad, w3)
+            if bf16_wgrad:
+                x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
+            else:
+                x_RD = wgrad_input(tuple(kept_x), ids_R, op, dy_RD)
+        dw1 = dw3 = None
+        if need[3]:
+            dw1 = _wgrad(x_RD, dh, op, True, w1) if bf16_wgrad else g_h.wgrad(x_RD, w1)
+        if g_g is not None and need[5]:
+            dw3 = _wgrad(x_RD, dg, op, True, w3) if bf16_wgrad else g_g.wgrad(x_RD, w3)
         return dx, None, None, dw1, dw2, dw3, db1, d_rw, None, None
 
 

@@ -62,22 +62,40 @@ def column_major(q_EKN: Tensor) -> Tensor:
     return q_EKN if q_EKN.stride(1) == 1 else q_EKN.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def fprop_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
-    """w's forward operand, rowwise: (e4m3 [E, K, N], one scale per output column [E, 1, N]),
-    made once per optimizer step (moe/fp8/weight_cache.py), column-major (K contiguous: the
-    layout torch._scaled_grouped_mm takes) from the rows of w's transpose."""
+def weight_forms(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[tuple, tuple]:
+    """w's two rowwise operands, made once per optimizer step (moe/fp8/weight_cache.py):
+    fprop (e4m3 [E, K, N] column-major, K contiguous: the layout torch._scaled_grouped_mm
+    takes; one scale per output column [E, 1, N]) and dgrad (e4m3 [E, K, N] row-major, one
+    scale per (e, k) row [E, K, 1]; its transpose [E, N, K] is column-major). On CUDA both in
+    ONE Triton launch reading w once: w as [E K, N] rows (dgrad) and as columns within groups
+    of K rows written into the transposed copy (fprop), no bf16 transposed copy of w."""
 
-    def make(w):  # each column of w is a row of its transpose: one row quantization
+    def make(w):
+        E, K, N = w.shape
+        if w.is_cuda and triton_installed():
+            from moe.fp8.triton_quant import quantize
+
+            ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * K
+            q, s, qc, sc = quantize(w.contiguous(), pow2, floor, groups=ends,
+                                    transposed=(K, K * (N - 1), (E, N, K)))  # fmt: skip
+            fprop = (qc.transpose(1, 2), sc.view(E, 1, N))
+            return fprop, (q, s.view(E, K, 1))
+        # each column of w is a row of its transpose: one row quantization
         q_ENK, s_EN1 = quantize_along(w.transpose(1, 2).contiguous(), -1, pow2, floor)
-        return q_ENK.transpose(1, 2), s_EN1.transpose(1, 2)  # column-major [E, K, N], [E, 1, N]
+        fprop = (q_ENK.transpose(1, 2), s_EN1.transpose(1, 2))
+        return fprop, quantize_along(w, 2, pow2, floor)
 
-    return cached_form(("fprop", pow2, floor), w_EKN, make)
+    return cached_form(("rowwise", pow2, floor), w_EKN, make)
+
+
+def fprop_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
+    """w's forward operand (weight_forms)."""
+    return weight_forms(w_EKN, pow2, floor)[0]
 
 
 def dgrad_weight(w_EKN: Tensor, pow2: bool, floor: float) -> tuple[Tensor, Tensor]:
-    """w's input-gradient operand, rowwise: (e4m3 [E, K, N], one scale per (e, k) row
-    [E, K, 1]), made once per optimizer step; its transpose [E, N, K] is column-major."""
-    return cached_form(("dgrad", pow2, floor), w_EKN, lambda w: quantize_along(w, 2, pow2, floor))
+    """w's input-gradient operand (weight_forms)."""
+    return weight_forms(w_EKN, pow2, floor)[1]
 
 
 def scaled_mm_groups(q_MK, s_M1, q_EKN, s_E1N, offsets_E, out_dtype) -> Tensor:
@@ -180,14 +198,47 @@ def _dgrad_op(
     if recipe == "blockwise":
         return blockwise.dgrad(dy_MN, w_EKN, offsets_E, pow2, floor).to(dy_MN.dtype)
     q_MN, s_M1 = quantize_along(dy_MN, -1, pow2, floor)
-    q_EKN, s_EK1 = dgrad_weight(w_EKN, pow2, floor)
-    w_t = (q_EKN.transpose(1, 2), s_EK1.transpose(1, 2))  # [E, N, K] and [E, 1, K]
-    return scaled_mm_groups(q_MN, s_M1, *w_t, offsets_E, dy_MN.dtype)
+    return _dgrad_rows(q_MN, s_M1, w_EKN, offsets_E, pow2, floor, dy_MN.dtype)
 
 
 @_dgrad_op.register_fake
 def _(dy_MN, w_EKN, offsets_E, pow2, floor, recipe):
     return dy_MN.new_empty(dy_MN.shape[0], w_EKN.shape[1])
+
+
+def _dgrad_rows(q_MN, s_M1, w_EKN, offsets_E, pow2, floor, out_dtype) -> Tensor:
+    q_EKN, s_EK1 = dgrad_weight(w_EKN, pow2, floor)
+    w_t = (q_EKN.transpose(1, 2), s_EK1.transpose(1, 2))  # [E, N, K] and [E, 1, K]
+    return scaled_mm_groups(q_MN, s_M1, *w_t, offsets_E, out_dtype)
+
+
+@torch.library.custom_op("moe::fp8_grouped_mm_dgrad_quantized", mutates_args=())
+def _dgrad_quantized_op(
+    q_MN: Tensor,
+    s_M1: Tensor,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    pow2: bool,
+    floor: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """moe::fp8_grouped_mm_dgrad (rowwise) from dy's row-wise form (e4m3 bytes as uint8, row
+    scales), made by the launch that also wrote dy's weight-gradient operand."""
+    return _dgrad_rows(q_MN.view(E4M3), s_M1, w_EKN, offsets_E, pow2, floor, out_dtype)
+
+
+@_dgrad_quantized_op.register_fake
+def _(q_MN, s_M1, w_EKN, offsets_E, pow2, floor, out_dtype):
+    return q_MN.new_empty(q_MN.shape[0], w_EKN.shape[1], dtype=out_dtype)
+
+
+def wgrad_from_values(a_MK: Tensor, d_MN: Tensor, offsets_E: Tensor, out_dtype) -> Tensor:
+    """dw[e] = a[rows of e]^T d[rows of e] from the operands' column-scaled e4m3 values (exact
+    in bf16 with power-of-two scales): the bf16 grouped GEMM (float32 accumulation) where its
+    alignment allows, else float32; in out_dtype."""
+    if wgrad_fits(a_MK.shape[0], a_MK, d_MN):
+        return torch._grouped_mm(a_MK.t(), d_MN, offs=offsets_E).to(out_dtype)
+    return wgrad_groups(a_MK.float(), d_MN.float(), offsets_E).to(out_dtype)
 
 
 @torch.library.custom_op("moe::fp8_grouped_mm_wgrad", mutates_args=())
@@ -210,9 +261,7 @@ def _wgrad_op(
 
         x_b = fake_quant(x_MK.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
         dy_b = fake_quant(dy_MN.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
-        if wgrad_fits(x_b.shape[0], x_b, dy_b):  # one launch per operand, bf16 tensor cores
-            return torch._grouped_mm(x_b.t(), dy_b, offs=offsets_E).to(out_dtype)
-        return wgrad_groups(x_b.float(), dy_b.float(), offsets_E).to(out_dtype)
+        return wgrad_from_values(x_b, dy_b, offsets_E, out_dtype)  # one launch per operand
     x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
     dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
     return wgrad_groups(x_q, dy_q, offsets_E).to(out_dtype)

@@ -1,19 +1,32 @@
-"""Rowwise e4m3 quantization in ONE Triton launch (issue 61): per row of x [M, K], the amax,
-the scale (moe.fp8.quant.scale_of: max(amax, floor) / 448, rounded up to a power of two with
-pow2), the cap (quant.e4m3_cap) and the clamped, rounded e4m3 codes, where the eager chain of
-quant.quantize_along(x, -1) issues ~20 kernels and float32 intermediates. Same codes and scales
-bit for bit, special values included (a row holding Inf or NaN gets a non-finite scale and
-dequantizes to NaN; the floor keeps zero rows zero and tiny rows at full precision).
+"""e4m3 quantization in ONE Triton launch per operand (issue 61): both orientations a GEMM
+and its weight gradient need, each with its scales, where the eager chain (amax, scale, cap,
+clamp, cast per operand and orientation) issues ~20 kernels and float32 intermediates:
+
+- rows: per row of x [M, K] the amax, the scale (moe.fp8.quant.scale_of: max(amax, floor) /
+  448, rounded up to a power of two with pow2), the cap (quant.e4m3_cap) and the clamped,
+  rounded e4m3 codes (quant.quantize_along(x, -1));
+- columns within groups: per column within each group of rows (an expert's tokens; a weight's
+  K rows), the same, written either as e4m3 codes into the TRANSPOSED copy (group g's block
+  [K, rows of g], as torch._scaled_grouped_mm takes a column-major operand) with one scale per
+  (group, column), or as the exact dequantized values (code x scale; a power-of-two scale makes
+  them exact in bf16) row-major: quant.dequantize_groups(*quant.quantize_groups(x)).
+
+One launch runs both: its first programs quantize row blocks, the others (group, column
+block) tiles. The input rows may be gathered (x[ids]) and may be e4m3 codes with row scales
+(dequantized on load, float32: what a backward kept), so the weight gradient's operand comes
+from a forward's kept codes in the same launch. Same codes, scales and values bit for bit as
+the eager chain, special values included (a row or group column holding Inf or NaN gets a
+non-finite scale and dequantizes to NaN; the floor keeps zero rows zero and tiny rows at full
+precision).
 
 The rounding to e4m3 is done in float32 (round to nearest even on e4m3's grid, by adding and
-subtracting a power of two) and the code's bits are assembled as integers, so no float8 cast
-is left to the compiler: Triton's interpreter truncates where the GPU rounds, and casts NaN to
-a number; this way both give torch's codes (a NaN's sign aside, which no device fixes).
-
-Used by moe.fp8.quant.quantize_along for 2-D CUDA tensors quantized along the last dim (the
-activations' row-wise operands); `quantize_rows_triton` runs on CPU tensors under
-TRITON_INTERPRET=1 (the tests).
+subtracting a power of two) and the code's bits are assembled (and read back) as integers, so
+no float8 cast is left to the compiler: Triton's interpreter truncates where the GPU rounds, and
+reads the NaN code as 480; this way both give torch's codes (a NaN's sign aside, which no device
+fixes). The launchers run on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
+
+import math
 
 import torch
 import triton
@@ -64,92 +77,230 @@ def _scale(amax, floor, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _e4m3_code(v):
+    """The e4m3 code (int32, sign included) of v, already clamped to +-cap; NaN -> 0x7F."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = _e4m3_abs(v)
+    rb = r.to(tl.int32, bitcast=True)
+    r_e = ((rb >> 23) & 0xFF) - 127
+    normal = ((r_e + 7) << 3) | ((rb >> 20) & 0x7)  # e4m3: bias 7, 3 mantissa bits
+    sub = (r * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
+    code = tl.where(r_e >= -6, normal, sub)
+    return tl.where(v != v, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN; the sign
+
+
+@triton.jit
+def _e4m3_value(v):
+    """v (clamped to +-cap) rounded onto e4m3's grid, float32, sign kept; NaN stays NaN."""
+    r = _e4m3_abs(v)
+    r = (r.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(
+        tl.float32, bitcast=True
+    )
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _decode(code):
+    """float32 of e4m3 codes given as integers (0x7F / 0xFF: NaN)."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = (c & 0x7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm,
+          DEQ: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    """x's tile in float32: rows gathered through ids (GATHER), codes times their row scales
+    (DEQ: x is e4m3 codes given as uint8, xs the float32 row scales)."""
+    src = rows.to(tl.int64)
+    if GATHER:
+        src = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=ok, other=0)
+    if DEQ:
+        s = tl.load(xs_ptr + src, mask=row_ok, other=1.0)
+        return _decode(x) * s[:, None]
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rows_part(
+    pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
+    POW2: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-        amax = _nan_max(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, _nan_max))
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        amax = _nan_max(amax, tl.reduce(tl.abs(x), 1, _nan_max))
     scale = _scale(amax, floor, POW2)
     tl.store(s_ptr + rows, scale, mask=row_ok)
     cap = _cap(scale)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-        v = x.to(tl.float32) / scale[:, None]
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        v = x / scale[:, None]
         c = cap[:, None]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))  # NaN stays NaN
-        bits = v.to(tl.int32, bitcast=True)
-        r = _e4m3_abs(v)
-        rb = r.to(tl.int32, bitcast=True)
-        r_e = ((rb >> 23) & 0xFF) - 127
-        normal = ((r_e + 7) << 3) | ((rb >> 20) & 0x7)  # e4m3: bias 7, 3 mantissa bits
-        sub = (r * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
-        code = tl.where(r_e >= -6, normal, sub)
-        code = tl.where(v != v, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN; the sign
-        q = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # the bits as they are
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=ok)
+        q = _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # the bits as they are
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=ok)
+
+
+@triton.jit
+def _cols_part(
+    pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm, col_s1,
+    col_s2, floor, POW2: tl.constexpr, VALUES: tl.constexpr, DEQ: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n_kb = tl.cdiv(K, BLOCK_K)
+    g = pid // n_kb  # group g's rows, or (g == G) the tail rows past the last offset
+    cols = (pid % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    start = tl.load(offsets_ptr + tl.maximum(g - 1, 0)) * (g > 0).to(tl.int32)
+    end = tl.load(offsets_ptr + tl.minimum(g, G - 1))
+    end = tl.where(g < G, end, M)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        amax = _nan_max(amax, tl.reduce(tl.abs(x), 0, _nan_max))
+    scale = _scale(amax, floor, POW2)
+    tl.store(sc_ptr + g * K + cols, scale, mask=cols < tl.where(g < G, K, 0))  # not the tail's
+    cap = _cap(scale)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        v = x / scale[None, :]
+        c = cap[None, :]
+        v = tl.where(v > c, c, tl.where(v < -c, -c, v))
+        r64 = rows[:, None].to(tl.int64)
+        if VALUES:  # row-major values, tail rows zero
+            y = tl.where(g < G, _e4m3_value(v) * scale[None, :], 0.0)
+            out = qc_ptr + r64 * K + cols[None, :]
+            tl.store(out, y.to(qc_ptr.dtype.element_ty), mask=ok)
+        else:  # codes into the transposed copy: (row, col) at row + col * s1 + g * s2
+            code = tl.where(g < G, _e4m3_code(v), 0)
+            out = qc_ptr + r64 + cols[None, :].to(tl.int64) * col_s1 + g.to(tl.int64) * col_s2
+            tl.store(out, code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=ok)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr,
+    M, K, G, stride_xm, col_s1, col_s2, n_row_programs, floor,
+    POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, VALUES: tl.constexpr,
+    DEQ: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    CBLOCK_M: tl.constexpr, CBLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, n_row_programs): row blocks (ROWS); the rest: (group, column block) tiles
+    (COLS)."""
+    pid = tl.program_id(0)
+    if ROWS and COLS:
+        if pid < n_row_programs:
+            _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
+                       POW2, DEQ, GATHER, BLOCK_M, BLOCK_K)  # fmt: skip
+        else:
+            _cols_part(pid - n_row_programs, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr,
+                       M, K, G, stride_xm, col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER,
+                       CBLOCK_M, CBLOCK_K)  # fmt: skip
+    elif ROWS:
+        _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
+                   POW2, DEQ, GATHER, BLOCK_M, BLOCK_K)  # fmt: skip
+    else:
+        _cols_part(pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm,
+                   col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER, CBLOCK_M, CBLOCK_K)  # fmt: skip
+
+
+ROW_BLOCK_M, COL_BLOCK_M = 4, 32  # rows per program: row blocks; the column tiles' row step
+
+
+def _row_block_k(K: int) -> int:
+    return min(512, triton.next_power_of_2(max(K, 16)))
+
+
+def _col_block_k(K: int) -> int:
+    return min(128, triton.next_power_of_2(max(K, 16)))
+
+
+def quantize(
+    x: torch.Tensor,
+    pow2: bool,
+    floor: float,
+    *,
+    rows: bool = True,
+    groups: torch.Tensor | None = None,
+    values: torch.dtype | None = None,
+    transposed: tuple[int, int, tuple] | None = None,
+    ids: torch.Tensor | None = None,
+    row_scales: torch.Tensor | None = None,
+):
+    """One launch: (q, s) the row-wise codes and scales (rows=True), and (qc, sc) the columns
+    scaled within the groups of rows ending at `groups` (int32 cumulative ends; rows past the
+    last end are the tail): `values` a dtype -> qc [M, K] the dequantized values in it (tail
+    rows zero), sc None; else qc the codes in the transposed copy (default [K, M]; `transposed`
+    = (s1, s2, shape) places (row, col) of group g at row + col * s1 + g * s2 of a buffer of
+    that shape) and sc [G, K] the scales. Absent parts are None.
+
+    x [N, K] with unit column stride, or contiguous [..., K] (its rows; q takes x's shape);
+    ids [M]: x's rows read at ids (else M = N); row_scales [N, 1]: x holds e4m3 codes
+    (float8_e4m3fn or their uint8 view) with these scales."""
+    K = x.shape[-1]
+    shape = x.shape if ids is None else (ids.shape[0], K)
+    x = x if x.dim() == 2 else x.view(math.prod(x.shape[:-1]), K)
+    M = ids.shape[0] if ids is not None else x.shape[0]
+    dev = x.device
+    q = s = qc = sc = None
+    if rows:
+        q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
+        s = torch.empty((M, 1), dtype=torch.float32, device=dev)
+    G = 0 if groups is None else groups.shape[0]
+    if groups is not None:
+        sc = torch.empty((G, K), dtype=torch.float32, device=dev)  # (values: scratch)
+        if values is not None:
+            qc = torch.empty((M, K), dtype=values, device=dev)
+        else:
+            qc_shape = transposed[2] if transposed is not None else (K, M)
+            qc = torch.empty(qc_shape, dtype=torch.float8_e4m3fn, device=dev)
+    if M == 0 or K == 0 or (groups is not None and G == 0):  # (no groups: all rows the tail)
+        if qc is not None:
+            qc.zero_()
+        if rows and M and K:
+            q, s, _, _ = quantize(x, pow2, floor, ids=ids, row_scales=row_scales)
+        return q, s, qc, (None if values is not None else sc)
+    s1, s2 = transposed[:2] if transposed is not None else (M, 0)
+    n_rows = triton.cdiv(M, ROW_BLOCK_M) if rows else 0
+    n_cols = (G + 1) * triton.cdiv(K, _col_block_k(K)) if groups is not None else 0
+    x_in = x.detach().view(torch.uint8) if row_scales is not None else x.detach()
+    dummy = s if s is not None else sc
+    _quant_kernel[(n_rows + n_cols,)](
+        x_in, ids if ids is not None else dummy, row_scales if row_scales is not None else dummy,
+        q if q is not None else dummy, s if s is not None else dummy,
+        qc if n_cols else dummy, sc if sc is not None else dummy,
+        groups if n_cols else dummy, M, K, G, x.stride(0), s1, s2, n_rows, float(floor),
+        POW2=pow2, ROWS=rows, COLS=bool(n_cols), VALUES=values is not None,
+        DEQ=row_scales is not None, GATHER=ids is not None, BLOCK_M=ROW_BLOCK_M,
+        BLOCK_K=_row_block_k(K), CBLOCK_M=COL_BLOCK_M, CBLOCK_K=_col_block_k(K),
+    )  # fmt: skip
+    return q, s, qc, (None if values is not None else sc)
 
 
 def quantize_rows_triton(x: torch.Tensor, pow2: bool, floor: float):
     """(q e4m3 like x, scales float32 [..., 1]) = quant.quantize_along(x, -1, pow2, floor), in
     one launch. x: rows along its last dim with unit stride, 2-D or contiguous; float32, bf16
     or fp16."""
-    K = x.shape[-1]
-    M = x.numel() // K if K else 0
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    if M == 0:
-        return q, s
-    BLOCK_M, BLOCK_K = 4, min(512, triton.next_power_of_2(max(K, 16)))
-    _quant_rows_kernel[(triton.cdiv(M, BLOCK_M),)](
-        x.detach(), q, s, M, K, x.stride(-2) if x.dim() > 1 else K, float(floor),
-        POW2=pow2, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
-    return q, s
-
-
-@triton.jit
-def _fake_quant_groups_kernel(
-    x_ptr, out_ptr, offsets_ptr, M, K, E, stride_xm, floor,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    e = tl.program_id(0)  # expert e's rows, or (e == E) the tail rows past the last offset
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    start = tl.load(offsets_ptr + tl.maximum(e - 1, 0)) * (e > 0).to(tl.int32)
-    end = tl.load(offsets_ptr + tl.minimum(e, E - 1))
-    end = tl.where(e < E, end, M)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        ok = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-        amax = _nan_max(amax, tl.reduce(tl.abs(x.to(tl.float32)), 0, _nan_max))
-    scale = _scale(amax, floor, POW2)
-    cap = _cap(scale)
-    for r0 in range(start, end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        ok = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-        v = x.to(tl.float32) / scale[None, :]
-        c = cap[None, :]
-        v = tl.where(v > c, c, tl.where(v < -c, -c, v))
-        r = _e4m3_abs(v)
-        r = (r.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(
-            tl.float32, bitcast=True
-        )
-        y = tl.where(v != v, v, r) * scale[None, :]
-        y = tl.where(e < E, y, 0.0)  # tail rows: zero
-        tl.store(out_ptr + rows[:, None] * K + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=ok)  # fmt: skip
+    q, s, _, _ = quantize(x, pow2, floor)
+    return q, s.view(*x.shape[:-1], 1)
 
 
 def fake_quant_groups_triton(
@@ -158,16 +309,5 @@ def fake_quant_groups_triton(
     """dequantize_groups(*quant.quantize_groups(x, offsets, pow2, floor), offsets) in `dtype`,
     in one launch: each column scaled within each expert's rows (the weight gradient's
     operands), tail rows zero. With pow2 the values are exact in bf16 (e4m3 x 2^k)."""
-    M, K = x_MK.shape
-    out = torch.empty((M, K), dtype=dtype, device=x_MK.device)
-    E = offsets_E.shape[0]
-    if M == 0 or K == 0:
-        return out
-    if E == 0:
-        return out.zero_()
-    BLOCK_M, BLOCK_K = 32, min(128, triton.next_power_of_2(max(K, 16)))
-    _fake_quant_groups_kernel[(E + 1, triton.cdiv(K, BLOCK_K))](
-        x_MK.detach(), out, offsets_E, M, K, E, x_MK.stride(0), float(floor),
-        POW2=pow2, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+    _, _, out, _ = quantize(x_MK, pow2, floor, rows=False, groups=offsets_E, values=dtype)
     return out
