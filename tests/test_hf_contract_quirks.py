@@ -168,14 +168,34 @@ def test_a_module_that_wraps_the_contract_is_refused():
         hf_contract.experts_options(OwnForward(experts.config))
 
 
-def test_lora_on_quirk_layers_is_refused_before_any_change():
-    from moe.lora import LoRAConfig, add_lora
+def test_lora_on_quirk_layers():
+    """moe.lora on converted quirk layers (GPT-OSS: interleaved, biased, clamped SwiGLU): the
+    adapters change each projection of the family's MLP (QuirkKernel around LoRA's kernel):
+    with B random the model equals the merged one (W + scale A B), gradients reach the
+    adapters only, and the family's b3 is kept through add_lora and merge."""
+    from moe.lora import LoRAConfig, add_lora, merge
 
-    model = moe.from_hf(tiny_model("gpt_oss"))
-    before = {n: p.requires_grad for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="quirks"):
-        add_lora(model, LoRAConfig(rank=2, alpha=4.0))
-    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    model = moe.from_hf(tiny_model("gpt_oss", torch.float64))
+    b3 = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".b3")}
+    add_lora(model, LoRAConfig(rank=2, alpha=4.0))
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ids = _ids(0)
+    got = run(model, ids)
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained), trained
+    assert len(trained) == 2 * 3 * len(b3)  # A and B of w1, w2, w3 in every layer
+    merged = merge(copy.deepcopy(model))
+    want = merged(input_ids=ids).logits
+    assert relative_error(got.logits, want) <= TOL
+    plain = moe.from_hf(tiny_model("gpt_oss", torch.float64))
+    assert relative_error(plain(input_ids=ids).logits, want) > 1e-3  # the adapters count
+    for n, p in merged.named_parameters():
+        if n in b3:
+            assert torch.equal(p, b3[n]), n
 
 
 def _ids(rank: int) -> torch.Tensor:

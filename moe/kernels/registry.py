@@ -124,6 +124,13 @@ class GroupedGemms:
     def plain_mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
         return grouped_mm_torch(x_MK, w_EKN, offsets_E)
 
+    def project(self, x_MK: torch.Tensor, name: str, weights, offsets_E: torch.Tensor):
+        """x @ the experts' projection `name` ("w1", "w2" or "w3" of `weights`): weight_mm,
+        unless a wrapper that changes each projection (and declares GroupedGemms itself)
+        overrides it, so a wrapper composing its own MLP around it keeps that change."""
+        w = {"w1": weights.w1_LDF, "w2": weights.w2_LFD, "w3": weights.w3_LDF}[name]
+        return self.weight_mm(x_MK, w, offsets_E)
+
 
 @dataclass(frozen=True)
 class KernelWrapper:

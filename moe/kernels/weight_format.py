@@ -10,7 +10,9 @@ for a kernel that reads them: ExpertKernel.formats). DENSE keeps plain weights.
 A new format is one file: a subclass and `register_weight_format(MyFormat("name"))`;
 `MoEConfig(weight_format="name")` selects it. A feature whose own settings choose its format
 overrides `claims(config)` (the hook every registry entry has) and sets `selected_by`; a
-number format that quantizes inside its GEMMs needs none (its masters stay dense).
+number format that quantizes inside its GEMMs needs none (its masters stay dense). A claimed
+format that only adds tensors of its own beside whatever format stores the weights sets
+`wraps` and implements `around(inner)`: it is applied around the format otherwise chosen.
 """
 
 from dataclasses import dataclass
@@ -33,11 +35,17 @@ class WeightFormat:
 
     name: str
     selected_by = None  # class attribute: None, or the setting that chooses it (see above)
+    wraps = False  # class attribute: True for a format applied around another (`around`)
 
     def claims(self, config) -> "WeightFormat | None":
         """The format a layer with MoEConfig `config` must use because its settings ask for
         it; None (the default): the settings do not (weight_format names the format)."""
         return None
+
+    def around(self, inner: "WeightFormat") -> "WeightFormat":
+        """This format around `inner` (a format that `wraps`): its setup and weights call
+        inner's and add its own."""
+        raise NotImplementedError
 
     def setup(self, experts: nn.Module) -> None:
         """Once, when the experts are built (weights initialised): convert or add tensors."""
@@ -65,24 +73,33 @@ DENSE = register_weight_format(WeightFormat(DENSE_NAME))
 
 def weight_format_for(config) -> WeightFormat:
     """The format of a layer with MoEConfig `config`: the one its settings claim (`claims`),
-    which config.weight_format must leave "dense"; else the registered one it names."""
+    which config.weight_format must leave "dense"; else the registered one it names. Claimed
+    formats that `wrap` are applied around that one, in registration order."""
     named = WEIGHT_FORMATS.get(config.weight_format)
     if named is None:
         raise ValueError(
             f"weight_format={config.weight_format!r} is not one of {WEIGHT_FORMAT_NAMES}"
         )
     formats = claimed(WEIGHT_FORMATS, config)
+    fmt = _stored_format(named, [f for f in formats if not f.wraps])
+    for outer in (f for f in formats if f.wraps):
+        fmt = outer.around(fmt)
+    return fmt
+
+
+def _stored_format(named: WeightFormat, formats: list) -> WeightFormat:
+    """The format that stores the weights: the one claimed (at most one), else `named`."""
     if len(formats) > 1:
         raise ValueError(f"weight formats {[f.name for f in formats]} each claim this layer")
     if formats:
         if named is not DENSE:
             raise ValueError(
                 f"{formats[0].selected_by} stores the experts' weights as {formats[0].name!r}, "
-                f"but weight_format={config.weight_format!r} asks for another format"
+                f"but weight_format={named.name!r} asks for another format"
             )
         return formats[0]
     if named.selected_by is not None:
         raise ValueError(
-            f"weight_format={config.weight_format!r} is chosen by {named.selected_by}, not by name"
+            f"weight_format={named.name!r} is chosen by {named.selected_by}, not by name"
         )
     return named

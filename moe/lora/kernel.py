@@ -41,9 +41,11 @@ def adapter_dropout(x: Tensor, p: float) -> Tensor:
 
 
 @dataclass(frozen=True)
-class LoRAKernel(ExpertKernel):
+class LoRAKernel(ExpertKernel, GroupedGemms):
     """`base` (the kernel the layer resolved) with the adapters added to each projection. Its
-    name and what it takes (devices, dtypes, formats, combine, row weights) are the base's."""
+    name and what it takes (devices, dtypes, formats, combine, row weights) are the base's.
+    Its grouped GEMMs are the base's, and `project` adds the adapters: a wrapper composing its
+    own MLP around this one (GroupedGemms.project) gets the adapted projections."""
 
     base: ExpertKernel | None = None
 
@@ -70,6 +72,17 @@ class LoRAKernel(ExpertKernel):
     def combine(self, out_MD, pair_rows_TK, weights_TK):
         return self.base.combine(out_MD, pair_rows_TK, weights_TK)
 
+    def weight_mm(self, x_MK, w_EKN, offsets_E):
+        return self.base.weight_mm(x_MK, w_EKN, offsets_E)
+
+    def plain_mm(self, x_MK, w_EKN, offsets_E):
+        return self.base.plain_mm(x_MK, w_EKN, offsets_E)
+
+    def project(self, x_MK, name, weights, offsets_E):
+        if not isinstance(weights, LoRAWeights):
+            return self.base.project(x_MK, name, weights, offsets_E)
+        return adapted_project(self.base, x_MK, name, weights, offsets_E.to(torch.int32))
+
 
 @dataclass(frozen=True)
 class LoRAWrapper(KernelWrapper):
@@ -95,6 +108,18 @@ def _row_bias(b_LX: Tensor, offsets_L: Tensor, R: int) -> Tensor:
     return padded.index_select(0, group_R)
 
 
+def adapted_project(kernel: GroupedGemms, a_RK: Tensor, name: str, w: LoRAWeights, offs: Tensor):
+    """a_RK @ projection `name` of w (the kernel's weight GEMM) + scale * dropout(a) A B."""
+    y_RN = kernel.project(a_RK, name, w, offs)
+    A_LKr = w.adapters.get(f"A_{name}")
+    if A_LKr is None:
+        return y_RN
+    a_in = adapter_dropout(a_RK, w.dropout)
+    low_Rr = kernel.plain_mm(a_in.to(A_LKr.dtype), A_LKr, offs)
+    low_RN = kernel.plain_mm(low_Rr, w.adapters[f"B_{name}"], offs)
+    return y_RN + (low_RN * w.scale).to(y_RN.dtype)
+
+
 def adapted_mlp(
     kernel: GroupedGemms, x_ND: Tensor, offsets_L: Tensor, weights: LoRAWeights, *,
     activation: str, rows: ExpertRows,
@@ -106,26 +131,16 @@ def adapted_mlp(
     x_RD = x_ND if ids_R is None else x_ND.index_select(0, ids_R)
     R = x_RD.shape[0]
 
-    def project(a_RK: Tensor, name: str, w_LKN: Tensor) -> Tensor:
-        y_RN = kernel.weight_mm(a_RK, w_LKN, offs)
-        A_LKr = w.adapters.get(f"A_{name}")
-        if A_LKr is None:
-            return y_RN
-        a_in = adapter_dropout(a_RK, w.dropout)
-        low_Rr = kernel.plain_mm(a_in.to(A_LKr.dtype), A_LKr, offs)
-        low_RN = kernel.plain_mm(low_Rr, w.adapters[f"B_{name}"], offs)
-        return y_RN + (low_RN * w.scale).to(y_RN.dtype)
-
-    h_RF = project(x_RD, "w1", w.w1_LDF)
+    h_RF = adapted_project(kernel, x_RD, "w1", w, offs)
     if w.b1_LF is not None:
         h_RF = h_RF + _row_bias(w.b1_LF, offs, R).to(h_RF.dtype)
-    g_RF = project(x_RD, "w3", w.w3_LDF) if activation in GATED else None
+    g_RF = adapted_project(kernel, x_RD, "w3", w, offs) if activation in GATED else None
     a_RF = apply_activation(h_RF, activation, g_RF)
     w_R1 = None
     if rows.row_weights_R is not None:
         w_R1 = rows.row_weights_R.to(a_RF.dtype).unsqueeze(1)
         a_RF = a_RF * w_R1
-    y_RD = project(a_RF.to(w.w2_LFD.dtype), "w2", w.w2_LFD)
+    y_RD = adapted_project(kernel, a_RF.to(w.w2_LFD.dtype), "w2", w, offs)
     if w.b2_LD is not None:
         b_RD = _row_bias(w.b2_LD, offs, R).to(y_RD.dtype)
         y_RD = y_RD + (b_RD if w_R1 is None else b_RD * w_R1.to(y_RD.dtype))

@@ -2,7 +2,7 @@
 whichever kernel the layer resolved (claimed by MoEConfig.quirks; moe.kernels.registry applies
 it after the base kernel is chosen).
 
-    h = x W1 + b1 (gate columns),  u = x W3 + b3 (up columns)    the base kernel's grouped GEMMs
+    h = x W1 + b1 (gate columns),  u = x W3 + b3 (up columns)    the base kernel's projections
     a = family._apply_gate([h | u] in the family's column order)  or family.act_fn(h) (no gate)
     y = a W2 + b2,  y = family.post_expert_norm(y) (if declared),  y * row weight
 
@@ -10,7 +10,9 @@ The family's own function (moe.quirks.format.QuirkWeights.family: the experts mo
 its weights) runs between the GEMMs, so clamped or soft-capped SwiGLUs, (up + 1) gates and
 squared ReLU are the family's code, not a copy; autograd gives every gradient. Same contract as
 the kernels (moe/kernels/expert_mlp.py): gather ids, row weights, sum_to_tokens, rows past
-offsets_L[-1] exactly zero. A base kernel that declares no GroupedGemms is refused.
+offsets_L[-1] exactly zero. A base kernel that declares no GroupedGemms is refused. The
+projections are the base's (GroupedGemms.project): around moe.lora's kernel (registered first,
+so it is the inner one) each carries its adapters, on the FP8 kernel its GEMMs are e4m3.
 """
 
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from moe.kernels.expert_rows import ExpertRows
 from moe.kernels.registry import ExpertKernel, GroupedGemms, KernelWrapper, register_kernel_wrapper
+from moe.lora import kernel as _inner_wrapper  # noqa: F401  (registered before QUIRK_WRAPPER)
 from moe.quirks.format import QuirkWeights
 
 
@@ -90,14 +93,14 @@ def family_mlp(
         return y_RX + padded.index_select(0, expert_R).to(y_RX.dtype)
 
     family = w.family
-    h_RF = plus_bias(kernel.weight_mm(x_RD, w.w1_LDF, offs), w.b1_LF)
+    h_RF = plus_bias(kernel.project(x_RD, "w1", w, offs), w.b1_LF)
     if w.w3_LDF is None:
         a_RF = family.act_fn(h_RF)
     else:
-        u_RF = plus_bias(kernel.weight_mm(x_RD, w.w3_LDF, offs), w.b3_LF)
+        u_RF = plus_bias(kernel.project(x_RD, "w3", w, offs), w.b3_LF)
         pair = torch.stack([h_RF, u_RF], -1).flatten(-2) if w.quirks.interleaved else None
         a_RF = family._apply_gate(torch.cat([h_RF, u_RF], -1) if pair is None else pair)
-    y_RD = plus_bias(kernel.weight_mm(a_RF.to(w.w2_LFD.dtype), w.w2_LFD, offs), w.b2_LD)
+    y_RD = plus_bias(kernel.project(a_RF.to(w.w2_LFD.dtype), "w2", w, offs), w.b2_LD)
     if w.quirks.post_norm:  # (the GEMM zeroed the tail rows; a norm need not keep them 0)
         y_RD = family.post_expert_norm(y_RD)
         if not rows.all_rows_kept:
