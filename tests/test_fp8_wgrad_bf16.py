@@ -46,3 +46,31 @@ def test_bf16_wgrad_drops_the_wgrad_quantizations():
     hp = budget.measure("fp8 rowwise bf16-wgrad", budget.TINY, 1).first
     quant = "triton _quant_kernel"
     assert (fp8.ops[quant], hp.ops[quant]) == (10, 8)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_weight_mm_honours_wgrad_bf16(recipe):
+    """FP8Kernel.weight_mm (moe.lora's base GEMMs on the FP8 kernel) takes wgrad_bf16 too: the
+    same output and input gradient, and w's gradient the plain grouped GEMM of x as kept
+    (e4m3-rounded) and dy, where the FP8 weight gradient differs."""
+    from moe.fp8 import FP8Kernel
+    from moe.fp8.grouped_mm import kept_input, quantize_input
+    from moe.kernels.torch_grouped_mm import wgrad_groups
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(23, 40, generator=g)
+    w = torch.randn(3, 40, 24, generator=g)
+    dy = torch.randn(23, 24, generator=g)
+    offsets = torch.tensor([9, 9, 20], dtype=torch.int32)
+    out = {}
+    for bf16 in (False, True):
+        kernel = FP8Kernel("fp8", config=FP8Config(experts=True, recipe=recipe, wgrad_bf16=bf16))
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = kernel.weight_mm(xg, wg, offsets)
+        y.backward(dy)
+        out[bf16] = (y, xg.grad, wg.grad)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    floor = FP8Config(experts=True).amax_floor
+    x_kept = kept_input(quantize_input(x, True, floor, recipe), recipe)
+    assert torch.equal(out[True][2], wgrad_groups(x_kept, dy, offsets))
+    assert not torch.equal(out[True][2], out[False][2])

@@ -121,10 +121,11 @@ def _fwd_op(
     floor: float,
     save_fp8: bool,
     recipe: str = "rowwise",
+    wgrad_bf16: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y_MN, q_MK, s_MB): y = FP8 x @ FP8 w per group in the recipe's scaling; x's quantized
     form (e4m3 bytes as uint8, and its row or 1 x 128 block scales) comes back for the
-    backward to keep."""
+    backward to keep. wgrad_bf16: the backward's dw from unquantized operands (x as kept)."""
     if recipe == "blockwise":
         y, q_MK, s_MB = blockwise.forward(x_MK, w_EKN, offsets_E, pow2, floor)
         return y.to(x_MK.dtype), q_MK, s_MB
@@ -135,7 +136,7 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _(x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe="rowwise"):
+def _(x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe="rowwise", wgrad_bf16=False):
     (M, K), N = x_MK.shape, w_EKN.shape[2]
     nb = -(-K // blockwise.BLOCK) if recipe == "blockwise" else 1
     return (
@@ -273,8 +274,9 @@ def _(x_MK, dy_MN, offsets_E, pow2, floor, recipe, out_dtype=torch.float32):
 
 
 def _setup_context(ctx, inputs, output):
-    x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe = inputs
+    x_MK, w_EKN, offsets_E, pow2, floor, save_fp8, recipe, *wgrad_bf16 = inputs
     ctx.gemm, ctx.x_dtype = (pow2, floor, recipe), x_MK.dtype
+    ctx.wgrad_bf16 = bool(wgrad_bf16 and wgrad_bf16[0])
     saved_x = (output[1], output[2]) if save_fp8 else (x_MK,)
     ctx.save_for_backward(w_EKN, offsets_E, *saved_x)
 
@@ -285,14 +287,18 @@ def _backward(ctx, dy_MN, _dq, _ds):
     w_EKN, offsets_E, *saved_x = ctx.saved_tensors
     dx = dw = None
     if dy_MN is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     dy_MN = dy_MN.contiguous()
     if ctx.needs_input_grad[0]:
         dx = _dgrad_op(dy_MN, w_EKN, offsets_E, *ctx.gemm).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         x_MK = kept_input(tuple(saved_x), ctx.gemm[2])
-        dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm, w_EKN.dtype)
-    return dx, dw, None, None, None, None, None
+        if ctx.wgrad_bf16:  # FP8Config.wgrad_bf16: x as kept, dy, in dy's dtype
+            dw = wgrad_groups(x_MK.to(dy_MN.dtype).contiguous(), dy_MN, offsets_E)
+            dw = dw.to(w_EKN.dtype)
+        else:
+            dw = _wgrad_op(x_MK, dy_MN, offsets_E, *ctx.gemm, w_EKN.dtype)
+    return dx, dw, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -320,15 +326,17 @@ def fp8_grouped_mm(
     floor: float = AMAX_FLOOR,
     save_fp8: bool = True,
     recipe: str = "rowwise",
+    wgrad_bf16: bool = False,
 ) -> Tensor:
     """Ragged grouped GEMM in FP8 (recipe "rowwise" or "blockwise", see the module docstring);
-    differentiable in x and w. offsets_E: int32 cumulative row ends on x's device."""
+    differentiable in x and w (with wgrad_bf16, FP8Config's: w's gradient from unquantized
+    operands in dy's dtype). offsets_E: int32 cumulative row ends on x's device."""
     check_gemm(x_MK.shape, w_EKN, offsets_E, recipe)
     lo, hi = AMAX_FLOOR_RANGE
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not lo <= floor <= hi:
         raise ValueError(f"fp8_grouped_mm: floor must be in [{lo:.4g}, {hi:g}], got {floor!r}")
     y, _, _ = _fwd_op(
         x_MK.contiguous(), w_EKN.contiguous(), offsets_E.to(torch.int32), pow2, float(floor),
-        save_fp8, recipe,
+        save_fp8, recipe, wgrad_bf16,
     )  # fmt: skip
     return y

@@ -49,11 +49,12 @@ class FP8Kernel(ExpertKernel, GroupedGemms):
         )  # fmt: skip
 
     def weight_mm(self, x_MK, w_EKN, offsets_E):
-        """e4m3 with this kernel's scales (e.g. the base GEMMs of moe.lora's MLP)."""
+        """e4m3 with this kernel's scales and weight-gradient setting (e.g. the base GEMMs of
+        moe.lora's MLP)."""
         c = self.config
         return fp8_grouped_mm(
             x_MK, w_EKN, offsets_E, pow2=c.pow2_gemm_scales, floor=c.amax_floor,
-            save_fp8=c.save_fp8_inputs, recipe=c.recipe,
+            save_fp8=c.save_fp8_inputs, recipe=c.recipe, wgrad_bf16=c.wgrad_bf16,
         )  # fmt: skip
 
     def plain_mm(self, x_MK, w_EKN, offsets_E):
