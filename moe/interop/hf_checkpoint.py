@@ -9,16 +9,13 @@ Every key, shape and file of the whole model is checked on every rank, from the 
 headers, before any weight changes: missing or extra keys, shape mismatches and files outside
 the directory are one HFCheckpointError naming them. No pickle; transformers is not needed.
 
-save_hf_checkpoint writes the hub layout that transformers' from_pretrained loads (config.json,
-per-rank shards, index), each rank writing its experts, into a staging directory inside the
-folder; the new index, replaced last, publishes the save. Only files of the previous save
-(named in its own index) are removed; other files (tokenizer, README) are left alone.
+save_hf_checkpoint (moe/interop/hf_save.py) writes what this reads; the two share the list of
+the model's hub tensors (_pieces). A layer converted through transformers' experts contract
+(HFExpertsLayer) is saved under its experts module's own names; loading one is refused (load
+the checkpoint with transformers' from_pretrained, then moe.from_hf).
 """
 
-import json
 import os
-import re
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from moe.checkpoint.api import fsync_dir
-from moe.checkpoint.folder import FolderLock, make_staging, new_id, remove_stale_staging
-from moe.comm.consistency import all_gather_records
 from moe.interop.hf import HFMoELayer
 from moe.interop.hf_contract import HFExpertsLayer
 from moe.interop.hf_families import FAMILIES
@@ -38,14 +32,9 @@ from moe.interop.hf_files import (
     HFCheckpointError,
     headers_of,
     inside,
-    read_index,
     weight_map_of,
 )
 
-SAVED_BY = "moe.save_hf_checkpoint"  # in the index's metadata: this folder's shards are ours
-STAGING = ".moe-hf-"
-_SHARD = re.compile(r"model-[0-9a-f]{16}-\d{5}-of-\d{5}\.safetensors")
-_OTHER_WEIGHTS = (SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json")
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -67,15 +56,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _layers(model: nn.Module) -> dict[str, HFMoELayer]:
+def _layers(model: nn.Module, contract: bool = False) -> dict[str, HFMoELayer]:
+    """The table's converted blocks; contract=True: contract layers allowed beside them (the
+    caller writes their tensors, hf_save), else refused."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     other = [n for n, m in model.named_modules() if isinstance(m, HFExpertsLayer)]
-    if other:  # hub names are known for the table's five families only
+    if other and not contract:
         raise HFCheckpointError(
-            f"{other[0]} was converted through the experts contract: save it with "
-            "moe.to_hf(model).save_pretrained(path) (experts whole, one process)"
+            f"load_hf_checkpoint: {other[0]} was converted through the experts contract: load "
+            "the checkpoint with transformers' from_pretrained, then call moe.from_hf(model)"
         )
-    if not layers:
+    if not layers and not other:
         raise HFCheckpointError("the model has no converted block: call moe.from_hf(model) first")
     return layers
 
@@ -130,11 +121,13 @@ def _in_slots(layer: HFMoELayer, rows: torch.Tensor, first: int) -> torch.Tensor
     return rows[layer.expert_of_slot_S[lo : lo + L].to(rows.device) - first]
 
 
-def _pieces(model: nn.Module, fused: bool) -> list[Piece]:
-    """Every hub tensor of the whole model (all experts, also those other ranks hold)."""
-    layers = _layers(model)
+def _pieces(model: nn.Module, fused: bool, contract: bool = False) -> list[Piece]:
+    """Every hub tensor of the whole model (all experts, also those other ranks hold) but the
+    contract layers' (contract=True: hf_save writes those)."""
+    layers = _layers(model, contract)
     pieces = [p for path, layer in layers.items() for p in _layer_pieces(path, layer, fused)]
-    inside = tuple(f"{path}." for path in layers)  # e.g. a softmax router's unused bias
+    converted = (HFMoELayer, HFExpertsLayer)  # inside: e.g. a softmax router's unused bias
+    inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, converted))
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
         if name.startswith(inside) or id(t) in seen:  # tied weights are stored once
@@ -192,6 +185,7 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     expert-parallel or not. Checks everything first; returns the model."""
     from safetensors import safe_open
 
+    _layers(model)  # a contract layer is refused before the folder is read
     weight_map = weight_map_of(path)
     if weight_map is None:
         single = inside(path, SINGLE)
@@ -263,135 +257,3 @@ def _gathered(t: torch.Tensor, expert: bool) -> torch.Tensor:
         Replicate() if i < len(t.placements) - 1 else pl for i, pl in enumerate(t.placements)
     ]
     return t.redistribute(t.device_mesh, placements).to_local()
-
-
-def _holders(model: nn.Module) -> bool:
-    """Whether this rank writes its experts: the lowest rank holding each expert range."""
-    rank, world = _world()
-    layout = {
-        n: m.experts.expert_offset for n, m in model.named_modules() if isinstance(m, HFMoELayer)
-    }
-    if world == 1:
-        return True
-    records = all_gather_records({"layout": json.dumps(layout, sort_keys=True)})
-    return all(r["layout"] != records[rank]["layout"] for r in records[:rank])
-
-
-def _previous_shards(path: str) -> list[str]:
-    """Shard files of the previous save_hf_checkpoint into `path` (named in its own index),
-    to remove once the new save is published. Weight files it did not write are an error:
-    they would shadow or mix with the new weights, and they are not this save's to delete."""
-    foreign = [n for n in _OTHER_WEIGHTS if os.path.lexists(os.path.join(path, n))]
-    previous = []
-    if os.path.lexists(os.path.join(path, INDEX)):
-        doc = read_index(path)
-        meta = doc.get("metadata") if isinstance(doc, dict) else None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(meta, dict) or meta.get("saved_by") != SAVED_BY:
-            foreign.append(INDEX)
-        elif isinstance(weight_map, dict):
-            names = {v for v in weight_map.values() if isinstance(v, str)}
-            previous = sorted(n for n in names if _SHARD.fullmatch(n))
-    if foreign:
-        raise HFCheckpointError(
-            f"{path} holds {sorted(foreign)}, which save_hf_checkpoint did not write: remove "
-            "them or save into another folder (nothing was written)"
-        )
-    return previous
-
-
-def _begin(path: str, world: int) -> tuple[FolderLock | None, str, list[str]]:
-    """Rank 0 locks the folder, finds the previous save's shards and creates the staging
-    directory; every rank learns the id or rank 0's error in one exchange."""
-    lock, ident, problem, previous = None, "", "", []
-    if _world()[0] == 0:
-        try:
-            lock = FolderLock(path)
-            lock.acquire()
-            previous = _previous_shards(path)
-            ident = new_id()
-            make_staging(path, STAGING, ident)
-        except (ValueError, OSError) as e:  # CheckpointError and HFCheckpointError included
-            if lock is not None:
-                lock.release()
-            lock, problem = None, str(e)
-    if world > 1:
-        first = all_gather_records({"id": ident, "problem": problem})[0]
-        ident, problem = first["id"], first["problem"]
-    if problem:
-        raise HFCheckpointError(f"save_hf_checkpoint: {problem}")
-    return lock, str(ident), previous
-
-
-def _publish(model: nn.Module, path: str, staging: str, everyone: list, previous: list) -> None:
-    """Rank 0: move the new shards and config.json into `path`, replace the index (the commit
-    point: until then the previous save stays whole), then delete the previous save's shards
-    and the staging directory. Other files in `path` are left alone."""
-    weight_map = {k: v for r in everyone for k, v in r.items()}
-    doc = {"metadata": {"saved_by": SAVED_BY}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(staging, INDEX), "w") as f:
-        json.dump(doc, f)
-    model.config.to_json_file(os.path.join(staging, "config.json"))
-    fsync_dir(staging)
-    for name in sorted(set(weight_map.values())):  # fresh names: nothing is overwritten
-        os.replace(os.path.join(staging, name), os.path.join(path, name))
-    os.replace(os.path.join(staging, "config.json"), os.path.join(path, "config.json"))
-    fsync_dir(path)
-    os.replace(os.path.join(staging, INDEX), os.path.join(path, INDEX))
-    fsync_dir(path)
-    for name in set(previous) - set(weight_map.values()):
-        old = os.path.join(path, name)
-        if os.path.isfile(old) and not os.path.islink(old):
-            os.remove(old)
-    shutil.rmtree(staging, ignore_errors=True)
-    remove_stale_staging(path, STAGING)
-
-
-@torch.no_grad()
-def save_hf_checkpoint(model: nn.Module, path: str) -> str:
-    """Write the model in the hub layout transformers loads (collective under EP) into the
-    folder `path`: config.json, the index and this save's shards. Other files there
-    (tokenizer, README) are left alone; the previous save's shards are replaced."""
-    from safetensors.torch import save_file
-
-    rank, world = _world()
-    writes_experts = _holders(model)
-    state = model.state_dict(keep_vars=True)
-    tensors, blocks = {}, {}
-    slots = {m.name: m.slot_of_expert_E.tolist() for m in _layers(model).values()}
-    for p in _pieces(model, fused=False):  # every rank in the same order: gathers are collective
-        if p.expert is not None:
-            if p.name not in blocks:
-                blocks[p.name] = _gathered(state[p.name], expert=True)
-            layer = model.get_submodule(p.name.rsplit(".experts.", 1)[0])
-            first, slot = layer.experts.expert_offset, slots[layer.name][p.expert]
-            if first <= slot < first + layer.experts.num_experts and writes_experts:
-                tensors[p.hub_key] = blocks[p.name][slot - first].t()  # canonical expert ids
-            continue
-        value = _gathered(state[p.name], expert=False)
-        if rank == 0:
-            tensors[p.hub_key] = value
-    lock, ident, previous = _begin(path, world)
-    error = ""
-    try:
-        staging = os.path.join(path, f"{STAGING}{ident}")
-        os.makedirs(staging, exist_ok=True)  # rank 0 made it; other nodes' view
-        file = f"model-{ident}-{rank + 1:05d}-of-{world:05d}.safetensors"
-        if tensors:
-            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-            save_file(cpu, os.path.join(staging, file), metadata={"format": "pt"})
-        keys = {k: file for k in tensors}
-        everyone = all_gather_records(keys) if world > 1 else [keys]
-        if lock is not None:
-            try:
-                _publish(model, path, staging, everyone, previous)
-            except OSError as e:
-                error = f"save_hf_checkpoint: publishing into {path} failed on rank 0: {e}"
-    finally:
-        if lock is not None:
-            lock.release()
-    if world > 1:
-        error = all_gather_records({"error": error})[0]["error"]
-    if error:
-        raise OSError(error)
-    return path
