@@ -6,7 +6,10 @@ checked for its numbers and, on the CUDA stand-in (bench/budget_device.py), for 
 - s * act(pre), dW2's operand, written by the activation backward (the dact GEMM's epilogue on
   Triton, the activation-backward row pass on CUTLASS) instead of a recompute pass: bit for bit
   what the recompute pass wrote, under TRITON_INTERPRET=1;
-- the combine weights' gradient partials allocated without a zero fill.
+- the combine weights' gradient partials allocated without a zero fill;
+- the sum of expert rows into tokens (the fused combine, and dx of the gather) read through each
+  token's rows from the row map instead of an inverse map rebuilt (sort + searchsorted) in the
+  forward and again in the backward: bit for bit the sums of the sort-built map.
 """
 
 import os
@@ -24,6 +27,7 @@ from bench.budget_device import cuda_stand_in  # noqa: E402
 from bench.titan_style import parse_shapes  # noqa: E402
 from moe.gating import base as router_base  # noqa: E402
 from moe.kernels.triton.activations import ACT_CODES, act_rows  # noqa: E402
+from moe.kernels.triton.gather_sum import rows_to_tokens, sorted_token_rows  # noqa: E402
 from moe.kernels.triton.grouped_mm import EPI_ACT_BWD, ragged_mm  # noqa: E402
 from moe.kernels.triton.row_passes import act_bwd_rows  # noqa: E402
 
@@ -151,6 +155,31 @@ def test_act_bwd_rows_writes_the_recomputed_activation(counts, tail, F, activati
     assert (ds0 is None and ds1 is None) or torch.equal(ds0, ds1)
 
 
+# ----------------------------------------------------------------------------- rows into tokens
+@pytest.mark.parametrize("T,K,live_of,D", [(13, 3, 30, 20), (1, 1, 0, 8), (7, 2, 14, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_into_tokens_from_the_row_map(T, K, live_of, D, dtype):
+    """A real row map (top-k with capacity drops: tail rows past the live count, contributing
+    nothing): summing through each token's sorted rows equals the sort-built inverse map bit
+    for bit, and a float64 per-token loop to rounding."""
+    from moe.dispatch.permute import token_choice_rows
+
+    g = torch.Generator().manual_seed(T * K + D)
+    E = 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    plan = token_choice_rows(ids, torch.rand(T, K, generator=g), E, capacity=live_of // E or 1)
+    rows = torch.randn(T * K, D, generator=g).to(dtype)
+    live = plan.offsets_E[-1]
+    want = rows_to_tokens(rows, plan.token_ids_M, live, T)
+    got = rows_to_tokens(rows, plan.token_ids_M, live, T, sorted_token_rows(plan.pair_rows_TK))
+    assert torch.equal(got, want)
+    ref = torch.zeros(T, D, dtype=torch.float64)
+    for m in range(int(live)):
+        ref[plan.token_ids_M[m]] += rows[m].double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                               atol=1e-2 if dtype != torch.float32 else 1e-6)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- the budget
 @pytest.fixture(scope="module")
 def tiny():
@@ -163,6 +192,14 @@ def test_no_activation_recompute_pass(tiny):
     assert tiny["bf16 triton"].ops["triton _act_rows_kernel"] == 0
     assert tiny["bf16 cutlass"].ops["triton _act_rows_kernel"] == 1
     assert tiny["bf16 cutlass"].ops["triton _act_bwd_rows_kernel"] == 1
+
+
+def test_no_inverse_map_rebuilt(tiny):
+    """The sum into tokens (forward and dx) rebuilds no inverse map: no searchsorted, and one
+    sort of the [T, k] map beside the row map's and the weight gradients' expert order."""
+    for v in ("bf16 triton", "bf16 cutlass"):
+        assert tiny[v].ops["searchsorted"] == 0, v
+        assert tiny[v].ops["triton _gather_sum_kernel"] == 2, v
 
 
 def test_no_zero_fill_in_the_triton_backward(tiny):

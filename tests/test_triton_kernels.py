@@ -348,8 +348,8 @@ def test_opcheck():
     rw = torch.rand(case["ids"].shape[0], device=DEVICE, requires_grad=True)
     for weights, fused in ((None, False), (rw, True)):
         args = (case["x"].requires_grad_(), case["offsets"], case["w1"].requires_grad_(),
-                case["w2"], None, case["b1"], case["b2"], case["ids"], weights, "gelu", True,
-                fused)  # fmt: skip
+                case["w2"], None, case["b1"], case["b2"], case["ids"], weights, None, "gelu",
+                True, fused)  # fmt: skip
         torch.library.opcheck(torch.ops.moe.triton_expert_mlp.default, args)
 
 

@@ -270,11 +270,12 @@ def wgrad_variants(p, probe, M, D, E, F, first_only):
 
 
 def misc_variants(p, M, D, T):
-    gs = dict(src_ptr=p, rows_ptr="*i64", seg_ptr="*i64", w_ptr="*fp32", out_ptr=p, T=T, D=D, M=M,
-              KF=2, stride_s=D, stride_o=D)  # fmt: skip
-    for fixed in (True, False):
-        flags = dict(FIXED_K=fixed, WEIGHTED=fixed, BLOCK_T=16, BLOCK_D=256)
-        label = "combine fwd" if fixed else "rows_to_tokens"
+    gs = dict(src_ptr=p, rows_ptr="*i64", seg_ptr="*i64", w_ptr="*fp32", out_ptr=p,
+              live_ptr="*i32", T=T, D=D, M=M, KF=2, stride_s=D, stride_o=D)  # fmt: skip
+    for label, fixed, weighted, live in (("combine fwd", True, True, False),
+                                         ("rows_to_tokens", False, False, False),
+                                         ("rows_to_tokens (token rows)", True, False, True)):  # fmt: skip
+        flags = dict(FIXED_K=fixed, WEIGHTED=weighted, LIVE=live, BLOCK_T=16, BLOCK_D=256)
         yield label, gather_sum._gather_sum_kernel, gs, flags, None, False, False
     cb = dict(dy_ptr=p, out_ptr=p, rows_ptr="*i64", w_ptr="*fp32", dout_ptr=p, dw_ptr="*fp32", T=T,
               D=D, M=M, KF=2, stride_dy=D, stride_out=D, stride_dout=D)  # fmt: skip

@@ -48,10 +48,12 @@ class LocalDispatcher(Dispatcher):
             weights_after = not self.wire.plain
         if sum_to_tokens is None:
             sum_to_tokens = self.fuse_combine
+        summed = sum_to_tokens and not weights_after
         rows = ExpertRows(
             gather_ids_R=plan.token_ids_M,
             row_weights_R=None if weights_after else plan.row_weights(),
-            sum_to_tokens=sum_to_tokens and not weights_after,
+            sum_to_tokens=summed,
+            token_rows_TK=plan.pair_rows_TK if summed else None,
         )
         ctx = DispatchContext(plan, rows)
         return self.wire.local_dispatch(x_TD), plan.offsets_E, ctx

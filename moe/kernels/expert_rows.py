@@ -20,12 +20,17 @@ class ExpertRows:
     all_rows_kept: every row handed over is one to compute (R = offsets_L[-1]: no dropped tail),
         as with the rows an expert-parallel exchange delivers; the experts then skip zeroing a
         tail that cannot exist (on CUDA that would be a masked pass over every output row).
+    token_rows_TK: with gather_ids_R, each token's k rows (the inverse of gather_ids_R: the row
+        map's pair_rows_TK; rows at or past offsets_L[-1] are dropped pairs), so a kernel that
+        sums rows into tokens reads them directly instead of rebuilding the inverse map (a sort
+        and a search over the R row ids) in its forward and again in its backward.
     """
 
     gather_ids_R: torch.Tensor | None = None
     row_weights_R: torch.Tensor | None = None
     sum_to_tokens: bool = False
     all_rows_kept: bool = False
+    token_rows_TK: torch.Tensor | None = None
 
 
 NO_ROWS_INFO = ExpertRows()  # plain rows: no gather, no weights, out_RD returned

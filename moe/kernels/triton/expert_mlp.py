@@ -34,7 +34,7 @@ from moe.kernels.triton import cutlass_roles as cutlass_mm
 from moe.kernels.triton.activations import act_code, pre_width
 from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.expert_mlp_backward import backward_act, backward_input, backward_w2
-from moe.kernels.triton.gather_sum import rows_to_tokens
+from moe.kernels.triton.gather_sum import rows_to_tokens, sorted_token_rows
 from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_PLAIN, ragged_mm
 
 
@@ -55,15 +55,17 @@ def _fwd_op(
     b2_LD: Tensor | None,
     gather_ids_R: Tensor | None,
     row_weights_R: Tensor | None,
+    token_rows_TK: Tensor | None,
     activation: str,
     save: bool,
     sum_to_tokens: bool,
     cutlass: str = "",
 ) -> tuple[Tensor, Tensor]:
     """(out, pre): out_RD[r] = row_weights_R[r] * MLP(x_ND[gather_ids_R[r]]) (tail rows zero),
-    or with sum_to_tokens out_TD[t] = sum of the rows read from x row t; pre = h (or [h | g]
-    for swiglu) if `save`, else empty."""
-    check_device(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R)
+    or with sum_to_tokens out_TD[t] = sum of the rows read from x row t (token_rows_TK: each
+    token's rows, ascending, if known); pre = h (or [h | g] for swiglu) if `save`, else empty."""
+    check_device(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
+                 token_rows_TK)  # fmt: skip
     out_dtype_ok(x_ND.dtype)
     code = act_code(activation)
     gated = activation in GATED
@@ -93,13 +95,13 @@ def _fwd_op(
                   row_scale_M=row_weights_R)  # fmt: skip
     del act
     if summed:
-        out = rows_to_tokens(out, gather_ids_R, offsets_L[-1], x_ND.shape[0])
+        out = rows_to_tokens(out, gather_ids_R, offsets_L[-1], x_ND.shape[0], token_rows_TK)
     return out, pre
 
 
 @_fwd_op.register_fake
 def _fwd_fake(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
-              activation, save, sum_to_tokens, cutlass=""):  # fmt: skip
+              token_rows_TK, activation, save, sum_to_tokens, cutlass=""):  # fmt: skip
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     F, D = w1_LDF.shape[2], w2_LFD.shape[2]
     pre = x_ND.new_empty(R, pre_width(F, activation) if save else 0)
@@ -108,9 +110,10 @@ def _fwd_fake(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_
 
 def _setup_context(ctx, inputs, output):
     (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, gather_ids_R, row_weights_R,
-     activation, save, sum_to_tokens, cutlass) = inputs  # fmt: skip
+     token_rows_TK, activation, save, sum_to_tokens, cutlass) = inputs  # fmt: skip
     # pre never gets a gradient; backward drops it as soon as the activation step has read it
-    inputs = (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R, row_weights_R)
+    inputs = (x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b2_LD, gather_ids_R, row_weights_R,
+              token_rows_TK)  # fmt: skip
     save_for_backward_early_free(ctx, inputs, (output[1],))
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.saved_pre, ctx.sum_to_tokens = activation, save, sum_to_tokens
@@ -119,7 +122,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, _d_pre):
-    (x_ND, offsets_L, w1, w2, w3, b2, gather_ids_R, row_weights_R), (pre,) = saved_early(ctx)
+    (x_ND, offsets_L, w1, w2, w3, b2, gather_ids_R, row_weights_R, token_rows_TK), (pre,) = (
+        saved_early(ctx)
+    )
     if not ctx.saved_pre:
         raise RuntimeError("expert_mlp_triton: forward ran without saving activations for backward")
     if torch.is_grad_enabled():
@@ -140,8 +145,8 @@ def _backward(ctx, dy, _d_pre):
     )
     del pre  # the pre-activation is released here, before the input step
     dx, dw1, dw3, db1 = backward_input(
-        dpre, x_ND, offsets_L, w1, w3, gather_ids_R, ctx.activation, need_x, need_w,
-        ctx.has_b1 and need[5], ctx.cutlass,
+        dpre, x_ND, offsets_L, w1, w3, gather_ids_R, token_rows_TK, ctx.activation, need_x,
+        need_w, ctx.has_b1 and need[5], ctx.cutlass,
     )  # fmt: skip
     del dpre  # released before the last weight gradient exists: dW2 comes last
     dw2 = db2 = None
@@ -161,6 +166,7 @@ def _backward(ctx, dy, _d_pre):
         db2 if need[6] else None,
         None,
         d_rw if need_rw else None,
+        None,
         None,
         None,
         None,
@@ -200,7 +206,7 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
     cutlass_roles: the GEMM roles run on CUTLASS (the kernel's setting, moe/kernels/
     triton_kernel.py); None: KernelConfig.roles_on_cutlass at this geometry.
     """
-    gather_ids_R, row_weights_R = rows.gather_ids_R, rows.row_weights_R
+    gather_ids_R, row_weights_R, token_rows_TK = rows.gather_ids_R, rows.row_weights_R, None
     _check_shapes(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF, b1_LF, b2_LD, activation, gather_ids_R)
     R = gather_ids_R.shape[0] if gather_ids_R is not None else x_ND.shape[0]
     if row_weights_R is not None and tuple(row_weights_R.shape) != (R,):
@@ -214,6 +220,8 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
     offsets = offsets_L.to(torch.int32).contiguous()
     if gather_ids_R is not None:
         gather_ids_R = gather_ids_R.to(torch.int64).contiguous()
+        if rows.sum_to_tokens and rows.token_rows_TK is not None:  # the sum into tokens: no sort
+            token_rows_TK = sorted_token_rows(rows.token_rows_TK)  # of the R row ids, twice
     if row_weights_R is not None:
         row_weights_R = row_weights_R.to(torch.float32).contiguous()
     if cutlass_roles is None:
@@ -230,6 +238,7 @@ def expert_mlp_triton(x_ND, offsets_L, w1_LDF, w2_LFD, w3_LDF=None, b1_LF=None, 
         b2,
         gather_ids_R,
         row_weights_R,
+        token_rows_TK,
         activation,
         save,
         rows.sum_to_tokens,

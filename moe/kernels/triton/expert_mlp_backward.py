@@ -131,14 +131,16 @@ def backward_input(
     w1_LDF: Tensor,
     w3_LDF: Tensor | None,
     gather_ids_R: Tensor | None,
+    token_rows_TK: Tensor | None,
     activation: str,
     need_x: bool,
     need_w: bool,
     need_b1: bool,
     cutlass: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty."""
-    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R)
+    """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty. dx rows are
+    summed into tokens through token_rows_TK (each token's rows, ascending) when given."""
+    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, token_rows_TK)
     gated = activation in GATED
     L, D, F = w1_LDF.shape
     R = dpre.shape[0]
@@ -156,7 +158,8 @@ def backward_input(
         if gather_ids_R is None:
             dx = dx_RD
         else:
-            dx = rows_to_tokens(dx_RD, gather_ids_R, offsets_L[-1], x_ND.shape[0])
+            T = x_ND.shape[0]
+            dx = rows_to_tokens(dx_RD, gather_ids_R, offsets_L[-1], T, token_rows_TK)
         del dx_RD
     dw1, dw3, db1 = empty(), empty(), empty()
     parts = cutlass_mm.halves(dpre, F, gated)
@@ -182,8 +185,8 @@ def backward_input(
 
 
 @backward_input.register_fake
-def _backward_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, activation, need_x,
-                    need_w, need_b1, cutlass=""):  # fmt: skip
+def _backward_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, token_rows_TK,
+                         activation, need_x, need_w, need_b1, cutlass=""):  # fmt: skip
     L, D, F = w1_LDF.shape
     empty = lambda: x_ND.new_empty(0)
     dx = x_ND.new_empty(x_ND.shape) if need_x else empty()

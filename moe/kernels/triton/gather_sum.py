@@ -6,7 +6,9 @@ rows in a fixed order, so results are bitwise reproducible.
   combine_bwd    d_out[rows[t, j]] = w[t, j] * dy[t] (a permutation write: each live row
                  belongs to one pair), dw[t, j] = <dy[t], out[rows[t, j]]>
   rows_to_tokens dx[t] = sum of dx_rows[m] over the rows m with token_ids[m] == t (any count),
-                 through a stable sort of token_ids: the backward of gather-on-load.
+                 through a stable sort of token_ids: the backward of gather-on-load;
+                 given each token's rows (token_rows_TK, ascending), summed from them
+                 directly (fixed k, rows at or past the live count skipped): no sort.
 Row indices outside [0, M) contribute zero, so sentinel indices are safe.
 """
 
@@ -34,8 +36,9 @@ def _rows_f32(ptr, rows, stride, offs_d, row_ok, d_ok):
 
 @triton.jit
 def _gather_sum_kernel(
-    src_ptr, rows_ptr, seg_ptr, w_ptr, out_ptr, T, D, M, KF, stride_s, stride_o,
-    FIXED_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    src_ptr, rows_ptr, seg_ptr, w_ptr, out_ptr, live_ptr, T, D, M, KF, stride_s, stride_o,
+    FIXED_K: tl.constexpr, WEIGHTED: tl.constexpr, LIVE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     toks = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = toks < T
@@ -47,11 +50,14 @@ def _gather_sum_kernel(
     else:
         start = tl.load(seg_ptr + toks, mask=t_ok, other=0)
         count = tl.load(seg_ptr + toks + 1, mask=t_ok, other=0) - start
+    bound = M
+    if LIVE:  # rows at or past the live count (dropped pairs) contribute zero
+        bound = tl.load(live_ptr).to(tl.int64)
     acc = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32)
     for j in range(0, tlx.vmax(count, 0)):
         ok = j < count
         row = tl.load(rows_ptr + start + j, mask=ok, other=0).to(tl.int64)
-        ok = ok & (row >= 0) & (row < M)
+        ok = ok & (row >= 0) & (row < M) & (row < bound)
         v = _rows_f32(src_ptr, row, stride_s, offs_d, ok, d_ok)
         if WEIGHTED:
             w = tl.load(w_ptr + start + j, mask=ok, other=0.0).to(tl.float32)
@@ -105,8 +111,8 @@ def combine_fwd(
     bt, bd = _blocks()
     grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
     _gather_sum_kernel[grid](
-        out_MD, rows_TK, rows_TK, weights_TK, y, T, D, M, K, out_MD.stride(0), y.stride(0),
-        FIXED_K=True, WEIGHTED=True, BLOCK_T=bt, BLOCK_D=bd,
+        out_MD, rows_TK, rows_TK, weights_TK, y, rows_TK, T, D, M, K, out_MD.stride(0),
+        y.stride(0), FIXED_K=True, WEIGHTED=True, LIVE=False, BLOCK_T=bt, BLOCK_D=bd,
     )  # fmt: skip
     return y
 
@@ -129,16 +135,30 @@ def combine_bwd(dy_TD, out_MD, rows_TK, weights_TK) -> tuple[torch.Tensor, torch
 
 
 def rows_to_tokens(
-    dx_MD: torch.Tensor, token_ids_M: torch.Tensor, live_rows: torch.Tensor, num_tokens: int
+    dx_MD: torch.Tensor,
+    token_ids_M: torch.Tensor,
+    live_rows: torch.Tensor,
+    num_tokens: int,
+    token_rows_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dx_TD[t] = sum over live rows m (m < live_rows, a 0-d device tensor) with token_ids[m] == t.
 
-    The inverse map is built on the device (stable sort + searchsorted), no host sync; rows are
-    summed in ascending row order, in fp32.
+    The inverse map is built on the device (stable sort + searchsorted), no host sync, or given:
+    token_rows_TK (int64, contiguous), every token's rows in ascending order (sorted_token_rows).
+    Either way rows are summed in ascending row order, in fp32.
     """
     M, D = dx_MD.shape
     dx_TD = dx_MD.new_empty(num_tokens, D)
     if num_tokens == 0 or D == 0:
+        return dx_TD
+    bt, bd = _blocks()
+    grid = (triton.cdiv(num_tokens, bt), triton.cdiv(D, bd))
+    if token_rows_TK is not None:
+        _gather_sum_kernel[grid](
+            dx_MD, token_rows_TK, token_rows_TK, token_rows_TK, dx_TD, live_rows.reshape(1),
+            num_tokens, D, M, token_rows_TK.shape[1], dx_MD.stride(0), dx_TD.stride(0),
+            FIXED_K=True, WEIGHTED=False, LIVE=True, BLOCK_T=bt, BLOCK_D=bd,
+        )  # fmt: skip
         return dx_TD
     ids = token_ids_M.to(torch.int64)
     row = torch.arange(M, device=ids.device)
@@ -146,10 +166,14 @@ def rows_to_tokens(
     key_sorted, perm = torch.sort(key, stable=True)
     bounds = torch.arange(num_tokens + 1, device=ids.device, dtype=torch.int64)
     seg = torch.searchsorted(key_sorted, bounds)
-    bt, bd = _blocks()
-    grid = (triton.cdiv(num_tokens, bt), triton.cdiv(D, bd))
     _gather_sum_kernel[grid](
-        dx_MD, perm, seg, perm, dx_TD, num_tokens, D, M, 0, dx_MD.stride(0), dx_TD.stride(0),
-        FIXED_K=False, WEIGHTED=False, BLOCK_T=bt, BLOCK_D=bd,
+        dx_MD, perm, seg, perm, dx_TD, seg, num_tokens, D, M, 0, dx_MD.stride(0), dx_TD.stride(0),
+        FIXED_K=False, WEIGHTED=False, LIVE=False, BLOCK_T=bt, BLOCK_D=bd,
     )  # fmt: skip
     return dx_TD
+
+
+def sorted_token_rows(token_rows_TK: torch.Tensor) -> torch.Tensor:
+    """Each token's rows in ascending order (int64, contiguous): rows_to_tokens' map, summed
+    in the order the sort-built map sums them (so both give the same bits). One launch."""
+    return torch.sort(token_rows_TK.to(torch.int64), dim=1).values.contiguous()
