@@ -5,7 +5,8 @@
   run none) plus every Triton launch; the ops inside the project's custom ops are leaves too;
 - bytes outside the GEMMs: each launch reads each tensor argument once (its distinct elements:
   a broadcast view counts its storage) and writes each result once; an op that only overwrites
-  its argument (zero_, fill_, copy_'s destination, out=) does not read it. Triton launches move
+  its argument (zero_, fill_, copy_'s destination, out=) does not read it, nor does a fill
+  shaped like its argument (new_zeros, zeros_like, ...). Triton launches move
   each tensor argument once (read or written: the wrapper does not say which), but a pass
   over the tail rows only (TAIL_ONLY: rows past the last offset, none in a dropless layer
   where every row is live) moves nothing;
@@ -31,6 +32,8 @@ NO_LAUNCH = {
     "result_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
 }  # fmt: skip
 WRITE_ONLY = {"zero_", "fill_", "copy_", "normal_", "uniform_", "random_", "bernoulli_"}
+LIKE = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}  # (a fill:
+# their tensor argument gives the shape, dtype and device; it is not read)
 GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm",
          "_scaled_mm"}  # fmt: skip
 TRITON_GEMMS = {
@@ -157,6 +160,8 @@ class Counter:
             if _written(a)
         ]
         ins = [t for t in _tensors((args, kwargs)) if id(t) not in written]
+        if name in LIKE:
+            ins = []
         if name in WRITE_ONLY or func._overloadname == "out":
             skip = {id(t) for t in mutated if isinstance(t, torch.Tensor)}
             ins = [t for t in ins if id(t) not in skip]

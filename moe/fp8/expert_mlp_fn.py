@@ -132,12 +132,17 @@ class _FP8MLP(torch.autograd.Function):
         g_h = GradOperand(dh.contiguous(), op, fp8_wgrad and need[3])
         g_g = GradOperand(dg.contiguous(), op, fp8_wgrad and need[5]) if dg is not None else None
         dx = None
-        if need[0]:
-            dx = g_h.dgrad(w1, x_dtype)
+        if need[0]:  # with ids_R, each GEMM's rows summed into their tokens (index_select's
+            # gradient) one after the other: no [R, D] sum of the two
+            parts = [g_h.dgrad(w1, x_dtype)]
             if g_g is not None:
-                dx = dx + g_g.dgrad(w3, x_dtype)
-            if ids_R is not None:  # what autograd gives x through index_select
-                dx = dx.new_zeros(x_shape).index_add_(0, ids_R, dx)
+                parts.append(g_g.dgrad(w3, x_dtype))
+            if ids_R is None:
+                dx = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+            else:
+                dx = parts[0].new_zeros(x_shape)
+                for part in parts:
+                    dx.index_add_(0, ids_R, part)
         x_RD = None
         if need[3] or need[5]:
             if bf16_wgrad:

@@ -57,6 +57,15 @@ class FP8Kernel(ExpertKernel, GroupedGemms):
             save_fp8=c.save_fp8_inputs, recipe=c.recipe, wgrad_bf16=c.wgrad_bf16,
         )  # fmt: skip
 
+    def combine(self, out_MD, pair_rows_TK, weights_TK):
+        """On CUDA the Triton gather-sum (one pass each way, as the Triton kernel's), else
+        the torch op: the rows come back weighed by the combine, not by the FP8 GEMMs."""
+        if out_MD.is_cuda and triton_installed():
+            from moe.kernels.triton.combine import combine_triton
+
+            return combine_triton(out_MD, pair_rows_TK, weights_TK)
+        return super().combine(out_MD, pair_rows_TK, weights_TK)
+
     def plain_mm(self, x_MK, w_EKN, offsets_E):
         """In the operands' dtype: Triton's GEMM on CUDA where installed, else torch's."""
         if x_MK.is_cuda and triton_installed():
