@@ -1,6 +1,7 @@
 """LoRA (moe.lora) on families converted through the experts contract: at init the model
 equals transformers' (B = 0), every adapter gets a gradient, and merge -> to_hf -> transformers'
-from_pretrained gives the LoRA model's logits. (PEFT export of these layers: not yet.)"""
+from_pretrained gives the LoRA model's logits. (PEFT export of these layers:
+tests/test_hf_contract_peft.py.)"""
 
 import copy
 

@@ -3,9 +3,11 @@ moe.lora's adapters exported by moe.interop.to_peft load in PEFT's own
 peft.PeftModel.from_pretrained on the transformers model with moe's logits (float64 1e-10
 relative where transformers runs in float64, float32 1e-5; the table's float32 routers 1e-5),
 and read back by from_peft; a family that cannot is refused with one error (tests/hf_lora_peft.py).
-The layouts no converted family exercises with LoRA yet (gate / up interleaved, experts without
-a gate) are checked against PEFT's ParamWrapper directly."""
+The two layouts beside the plain one (gate / up interleaved, experts without a gate) are also
+checked against PEFT's ParamWrapper's delta weight directly, and adapters PEFT itself trained
+read back."""
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -15,11 +17,20 @@ import torch
 transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 peft = pytest.importorskip("peft")
 
+import moe  # noqa: E402
+from moe.interop import from_peft, peft_lora_config  # noqa: E402
 from moe.interop import peft_contract as C  # noqa: E402
 from moe.interop import peft_layout as L  # noqa: E402
 from moe.interop.hf_contract import gate_up_columns  # noqa: E402
+from moe.lora import LoRAConfig, add_lora  # noqa: E402
 from tests.hf_lora_peft import check_lora_peft  # noqa: E402
-from tests.hf_tiny import NOT_BUILT, contract_families, experts_modules, tiny_model  # noqa: E402
+from tests.hf_tiny import (  # noqa: E402
+    NOT_BUILT,
+    contract_families,
+    experts_modules,
+    relative_error,
+    tiny_model,
+)
 
 FAMILIES = [f for f in contract_families() if f not in NOT_BUILT]
 check = functools.cache(check_lora_peft)
@@ -96,3 +107,27 @@ def test_layout_is_peft_delta_weight(family):
             (want,) = want.values()
         want = want if experts.is_transposed else want.transpose(1, 2)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family, params", [("glm4_moe", ("gate_up_proj", "down_proj")),
+                                            ("aria", ("down_proj",))])  # fmt: skip
+def test_peft_trained_adapter_reads_back(family, params, tmp_path):
+    """An adapter PEFT itself made (random A and B, its own keys) on a contract family reads
+    into the converted model with the PeftModel's logits; Aria's experts are transposed."""
+    reference = tiny_model(family, torch.float64)
+    paths = [n for n, m in reference.named_modules() if hasattr(m, "_is_expert_parallel")]
+    config = peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=[], init_lora_weights=False,
+        target_parameters=[f"{path}.{p}" for path in paths for p in params],
+    )  # fmt: skip
+    pm = peft.get_peft_model(copy.deepcopy(reference), config).eval()
+    pm.save_pretrained(tmp_path)
+    model = moe.from_hf(copy.deepcopy(reference))
+    add_lora(model, LoRAConfig(**peft_lora_config(str(tmp_path))))
+    from_peft(model, str(tmp_path))
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want, got = pm(input_ids=ids).logits, model.eval()(input_ids=ids).logits
+        plain = reference.eval()(input_ids=ids).logits
+    assert relative_error(want, plain) > 1e-3  # the adapter changes the function
+    assert relative_error(got, want) <= 1e-10, family

@@ -18,6 +18,8 @@ for DeepSeek-V3 took them for fused routed-expert projections and dropped them w
 word). moe/interop/peft_layout.py gives the exact mapping (gate and up share PEFT's A:
 exported at rank 2r, block-diagonal B).
 lora_dropout is written as 0: PEFT's parameter LoRA has no dropout (it is training-only).
+Layers converted through transformers' experts contract (HFExpertsLayer) target their experts
+module's own parameters (`<path>.gate_up_proj`, `.up_proj`, `.down_proj`): peft_contract.py.
 """
 
 import json

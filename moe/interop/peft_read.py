@@ -1,6 +1,7 @@
 """from_peft: a PEFT adapter trained with transformers + PEFT (LoraConfig(target_parameters=
 [".../experts.gate_up_proj", ".../experts.down_proj"])) read into a model converted by
-moe.from_hf and adapted by moe.lora.add_lora, so that it computes what the PeftModel computes.
+moe.from_hf and adapted by moe.lora.add_lora, so that it computes what the PeftModel computes
+(the table's blocks, and layers converted through the experts contract: peft_contract.py).
 
 Checked before any tensor is read or any weight changes: adapter_config.json (peft_files), the
 model class it names, every target_parameters entry matching an expert parameter of the
