@@ -198,6 +198,27 @@ def test_lora_on_quirk_layers():
             assert torch.equal(p, b3[n]), n
 
 
+def test_checkpoint_round_trip(tmp_path):
+    """moe.checkpoint saves and loads a converted quirk model (b3, the layer's post norm, the
+    Quirks settings it records); a model whose family computes otherwise is refused."""
+    model = moe.from_hf(tiny_model("gpt_oss", torch.float64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run(model, _ids(0))
+    opt.step()
+    moe.checkpoint.save_checkpoint(tmp_path, model, opt)
+    fresh = moe.from_hf(tiny_model("gpt_oss", torch.float64, seed=5))
+    moe.checkpoint.load_checkpoint(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    want, got = model.state_dict(), fresh.state_dict()
+    assert any(k.endswith(".b3") for k in want) and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    other = tiny_model("gpt_oss", torch.float64)
+    for m in experts_modules(other):
+        m.limit = m.limit / 2  # another clamp: the recorded scalars differ
+    other = moe.from_hf(other)
+    with pytest.raises(ValueError, match="quirks=.* in the checkpoint"):
+        moe.checkpoint.load_checkpoint(tmp_path, other, torch.optim.SGD(other.parameters()))
+
+
 def _ids(rank: int) -> torch.Tensor:
     return torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(10 + rank))
 
