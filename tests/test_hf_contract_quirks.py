@@ -5,8 +5,9 @@ clamped, soft-capped and (up + 1) gates of the others), squared ReLU without a g
 the family's own eager module on random routed rows (empty experts, spare slots): output and
 every gradient (x, the combine weights, each weight, bias and norm weight) in float64 within
 1e-10 (float32 / 1e-5 where the family computes in float32), the quirks read from the module,
-to_hf exact. Whole models of every family: tests/test_hf_contract.py's walk. Here also EP = 2
-on gloo equal to one process, and the refusals."""
+to_hf exact. Whole models of every family: tests/test_hf_contract.py's walk. Here also the
+kernel contract on rows with a dropped tail, LoRA on quirk layers (equal to the merged model),
+a DCP checkpoint round trip, EP = 2 on gloo equal to one process, and the refusals."""
 
 import copy
 import json
