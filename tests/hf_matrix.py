@@ -1,9 +1,13 @@
 """One family's check on moe (the matrix of tests/test_hf_contract.py and of the support table
-tools/hf_support_table.py writes): its tiny model built once, run on transformers' eager
+tools/hf_support.py writes): its tiny model built once, run on transformers' eager
 experts, on experts_implementation="moe", and converted by moe.from_hf."""
 
 import copy
+import functools
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -24,6 +28,22 @@ SETTINGS = {
     "nemotron_h": (torch.float32, 1e-5),
 }
 TABLE_TOL = 1e-5  # the five table families' converted routers compute in float32
+SUPPORT = Path(__file__).parent / "data" / "hf_support.json"  # tools/hf_support.py writes it
+
+
+@functools.cache
+def support() -> dict:
+    """The support table's measured cells (family -> column -> a figure or a reason)."""
+    return json.loads(SUPPORT.read_text())["families"]
+
+
+def agrees(measured, recorded) -> bool:
+    """A measured cell agrees with the table's: the same reason, or figures within a factor
+    of 10 (rounding differs between machines and thread counts; below 1e-17 counts as 1e-17)."""
+    if isinstance(measured, str) or isinstance(recorded, str):
+        return measured == recorded
+    a, b = (max(float(v), 1e-17) for v in (measured, recorded))
+    return abs(math.log10(a) - math.log10(b)) <= 1.0
 
 
 @dataclass
@@ -120,3 +140,38 @@ def check_family(family: str) -> Result:
     got = run(model, ids)
     result.conversion_errors = _errors(got, want, hf_named_grads(model), reference)
     return result
+
+
+def fp8_error(family: str) -> float | str:
+    """The converted model with moe's FP8 experts (FP8Config(experts=True), rowwise e4m3)
+    against transformers' float32 model: the logits' relative error (FP8 is approximate: a
+    figure, not a check of equality), or why it was not run. The contract layers are built
+    with the FP8 setting (MoEConfig.fp8 is chosen when a layer is built; from_hf takes no
+    layer options, so its option reader is wrapped here); the table families' layers keep
+    their settings: not run."""
+    from unittest import mock
+
+    from moe.fp8 import FP8Config
+    from moe.interop import hf_contract
+
+    reference = tiny_model(family, torch.float32)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    if moe.interop.hf_blocks(reference):
+        return "not run: a table family (its layers' settings come from hf_families.py)"
+    options = hf_contract.experts_options
+    fp8 = FP8Config(experts=True)
+    with mock.patch.object(hf_contract, "experts_options", lambda e: {**options(e), "fp8": fp8}):
+        try:
+            model = moe.from_hf(copy.deepcopy(reference))
+        except ValueError as e:
+            return f"not converted: {str(e).split(';')[0]}"
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        try:
+            got = model(input_ids=ids).logits
+        except ValueError as e:
+            return f"refused: {e}"
+    return relative_error(got, want)

@@ -11,11 +11,20 @@ import pytest
 pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
 from moe.plan.models import load_model  # noqa: E402
+from tests.hf_matrix import support  # noqa: E402
 from tests.hf_tiny import tiny_model  # noqa: E402
 
-# dense layers mixed in (DeepSeek-V3, GLM-4.5), shared experts (Qwen2-MoE), expert biases and
-# interleaved gate/up (GPT-OSS), a non-gated transposed expert (Ergo), multimodal (Qwen3-VL-MoE, Aria)
-FAMILIES = ["deepseek_v3", "glm4_moe", "qwen2_moe", "gpt_oss", "ergo", "qwen3_vl_moe", "aria"]
+# every family of the support table's matrix (tests/data/hf_support.json) built by
+# tests/hf_tiny.py: dense layers mixed in (DeepSeek-V3, GLM-4.5), shared experts (Qwen2-MoE),
+# expert biases and interleaved gate/up (GPT-OSS), a non-gated transposed expert (Ergo),
+# multimodal (Qwen3-VL-MoE, Aria, GLM-4.5V, ...). Not yet counted: the planner's reading of
+# their tiny config.json fails (a config that does not rebuild from its own to_dict, list-valued
+# sizes, non-finite values, num_layers) or differs (minimax_m3_vl, unlimited_ocr): open work.
+NOT_COUNTED = {
+    "dots3_note", "ernie4_5_vl_moe", "glm5_next", "laguna", "lara_mini", "longcat_flash",
+    "minimax_m3_vl", "mistral_large4", "muse_spark", "nemotron_h", "unlimited_ocr", "zaya",
+}  # fmt: skip
+FAMILIES = [f for f, row in support().items() if "moe" in row and f not in NOT_COUNTED]
 
 
 def config_file(model, tmp_path) -> str:

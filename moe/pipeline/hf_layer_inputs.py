@@ -166,7 +166,11 @@ def check_split(model, decoder, embed, norm, lm_head, inputs: LayerInputs) -> No
                         "embeddings: the stages pass only the hidden state")  # fmt: skip
     with torch.no_grad():
         want = lm_head(norm(embeds))
-    if not _same(seen["out"].logits, want):
+    got = seen["out"].logits
+    if got.dtype != want.dtype:
+        _refuse(model, f"its logits are {got.dtype}, lm_head's output {want.dtype}: the stack's "
+                "head computes lm_head(final norm(hidden)) alone")  # fmt: skip
+    if not _same(got, want):
         _refuse(model, "its logits are not lm_head(final norm(hidden)) (e.g. a logit scale or "
                 "soft-capping): the stack's head computes exactly that")  # fmt: skip
     rebuilt = inputs.compute(torch.zeros_like(embeds))
