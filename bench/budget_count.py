@@ -192,7 +192,10 @@ class Counter:
             m, n, k, two = TRITON_GEMMS[name]
             p.gemms += 1
             p.gemm_bytes += moved
-            p.gemm_flops += 2 * args[m] * args[n] * args[k] * (2 if kwargs.get(two) else 1)
+            # GATED doubles the up and dx roles (two GEMMs); the dact role's (EPILOGUE 2) is
+            # its epilogue's width: one GEMM
+            pair = kwargs.get(two) and kwargs.get("EPILOGUE") != 2
+            p.gemm_flops += 2 * args[m] * args[n] * args[k] * (2 if pair else 1)
         else:
             p.bytes_outside += moved
             p.op_bytes[f"triton {name}"] += moved
