@@ -231,3 +231,19 @@ def test_expert_mlp_backward_from_one_launch_operands(monkeypatch, save_fp8):
 
     for got, want in zip(grads(True), grads(False)):
         assert torch.allclose(got, want, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_one_by_128_blocks_as_rows(pow2):
+    """quant.quantize_blocks on CUDA (D a multiple of the block): the row quantizer over the
+    blocks as rows gives the eager 1 x block codes and scales; dequantize_blocks broadcasting
+    the scales over full blocks gives the per-element expansion's values."""
+    x = _rows(torch.bfloat16)[:, :128].repeat(1, 3)  # 3 blocks of 128 per row, specials kept
+    q, s = quantize_rows_triton(x.reshape(-1, 128), pow2, Q.AMAX_FLOOR)
+    q_ref, s_ref = Q.quantize_blocks(x, 128, pow2, Q.AMAX_FLOOR)
+    assert _same(q.view(x.shape), q_ref)
+    assert torch.equal(s.view(13, 3).nan_to_num(), s_ref.nan_to_num())
+    for dtype in (torch.float32, torch.float16):
+        got = Q.dequantize_blocks(q_ref, s_ref, 128, dtype)
+        want = Q.dequantize(q_ref, Q.expand_blocks(s_ref, 384, 128), dtype)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

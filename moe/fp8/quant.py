@@ -111,8 +111,15 @@ def _blocks_last(x: Tensor, block: int) -> Tensor:
 def quantize_blocks(
     x: Tensor, block: int = 128, pow2: bool = False, floor: float = AMAX_FLOOR
 ) -> tuple[Tensor, Tensor]:
-    """1 x block scales along the last dim: (q [..., D], scales [..., ceil(D / block)])."""
+    """1 x block scales along the last dim: (q [..., D], scales [..., ceil(D / block)]). On
+    CUDA with D a multiple of the block (rows with unit stride, contiguous): the row quantizer
+    over the blocks as rows, one Triton launch (the same codes and scales)."""
     D = x.shape[-1]
+    if x.is_cuda and 0 < block < D and D % block == 0 and x.is_contiguous() and triton_installed():
+        from moe.fp8.triton_quant import quantize_rows_triton
+
+        q, s = quantize_rows_triton(x.detach().view(-1, block), pow2, floor)
+        return q.view(x.shape), s.view(*x.shape[:-1], D // block)
     xb = _blocks_last(x.detach().float(), block)
     scales = scale_of(xb.abs().amax(dim=-1), pow2, floor)
     q = to_e4m3(xb, scales.unsqueeze(-1)).flatten(-2)[..., :D].contiguous()
@@ -125,8 +132,13 @@ def expand_blocks(scales: Tensor, D: int, block: int = 128) -> Tensor:
 
 
 def dequantize_blocks(q: Tensor, scales: Tensor, block: int = 128, dtype=torch.float32) -> Tensor:
-    """Inverse of quantize_blocks (up to the rounding of e4m3)."""
-    return dequantize(q, expand_blocks(scales, q.shape[-1], block), dtype)
+    """Inverse of quantize_blocks (up to the rounding of e4m3). Full blocks: the scales
+    broadcast over each block (no per-element copy of them)."""
+    D = q.shape[-1]
+    if 0 < block < D and D % block == 0:
+        blocks = q.reshape(*q.shape[:-1], D // block, block)
+        return dequantize(blocks, scales.unsqueeze(-1), dtype).reshape(q.shape)
+    return dequantize(q, expand_blocks(scales, D, block), dtype)
 
 
 def quantize_weight_blocks(
