@@ -305,8 +305,8 @@ def test_fixed_overheads_add_their_documented_terms():
     (moe_overhead + t moe_token_overhead) (x (1 + the recomputed forward share / 3)) +
     step_overhead + t step_token_overhead; with nothing overlapped (dp_overlap 0) a ring
     collective per parallelize unit (blocks + 1 dense, one per MoE layer's experts) of factor
-    (n - 1) step latencies, ddp one all-reduce (factor 2) a step, fsdp 2m + 1 gathers or
-    reduce-scatters (factor 1); (blocks + 1) x optimizer_overhead, and at least
+    (n - 1) step latencies, at pp = 1 ddp one all-reduce (factor 2) per micro-batch, fsdp
+    2m + m gathers or reduce-scatters (factor 1: FSDP2 reduces in every backward); (blocks + 1) x optimizer_overhead, and at least
     optimizer_param_overhead per local parameter. The presets keep them 0; a cluster file
     without them still loads."""
     spec, seq = _spec(), 32
@@ -317,7 +317,7 @@ def test_fixed_overheads_add_their_documented_terms():
                  block_token_overhead=1e-6, moe_token_overhead=2e-6, step_token_overhead=3e-6)  # fmt: skip
     cl = replace(base, **costs)
     blocks, moe_blocks, t = spec.n_layers, spec.moe_layers, 2 * seq
-    for dp_mode, passes, factor in (("ddp", 1, 2), ("fsdp", 2 * 3 + 1, 1)):
+    for dp_mode, passes, factor in (("ddp", 3, 2), ("fsdp", 2 * 3 + 3, 1)):
         lay = Layout(1, 4, 1, dp_mode, microbatches=3, micro_batch_seqs=2)
         a = predict(spec, base, lay, seq, 4 * 3 * 2 * seq)
         b = predict(spec, cl, lay, seq, 4 * 3 * 2 * seq)

@@ -43,9 +43,12 @@ Per pp rank (the slowest and the fullest rank are reported), with t = tokens per
                       reduce-scatter cluster.reduce_scatter_factor); the experts' groups
                       (stride ep) cross between nodes side by side, sharing a link where
                       cluster.nic_ranks > 1: fsdp all-gathers forward and backward per
-                      micro-batch and one reduce-scatter a step, overlapped with compute
-                      beyond one unit; ddp one all-reduce a step, overlapped with the last
-                      micro-batch's backward except a tenth (the last bucket); of what could
+                      micro-batch and a reduce-scatter per gradient sync, overlapped with
+                      compute beyond one unit; ddp an all-reduce per sync, overlapped with its
+                      micro-batch's backward except a tenth (the last bucket); a sync per
+                      micro-batch at pp = 1 (FSDP2 reduces in every backward: measured 3 calls
+                      per micro-batch), one a step at pp > 1 (torch's pipelining turns the
+                      sync off until the last micro-batch); of what could
                       overlap, cluster.dp_overlap does (1 in the presets)
           bubble      (p - 1) / v micro-batch times of the rank x the schedule's factor (1; 1/3
                       for ZB-H1-like InterleavedZeroBubble; 0 for ZBV and DualPipeV, their ideal
@@ -356,14 +359,15 @@ def _dp_comms(S: _Setup, P, X, blocks, moe_blocks, compute: float, fwd: float) -
         (2 * P, L.dp * L.ep, dense_bw, dense_lat),
         (2 * X / L.ep, L.dp, exp_bw, exp_lat),
     )
+    syncs = m if L.pp == 1 else 1  # gradient syncs a step: at pp = 1 every backward (FSDP2)
     if fsdp:
         gather = _collective(*dense, 1, blocks + 1) + _collective(*experts, 1, moe_blocks)
-        # gathers per micro-batch, one reduce-scatter
-        total = (2 * m + cluster.reduce_scatter_factor) * gather
-        units = 2 * m * max(blocks, 1) + 1
+        # gathers per micro-batch, a reduce-scatter per sync
+        total = (2 * m + syncs * cluster.reduce_scatter_factor) * gather
+        units = 2 * m * max(blocks, 1) + syncs
         return _exposed(cluster, total, max(0.0, total - compute) + total / units)
     reduce = _collective(*dense, 2, blocks + 1) + _collective(*experts, 2, moe_blocks)
-    return _exposed(cluster, reduce, max(0.0, reduce - 2 * fwd) + reduce / 10)
+    return _exposed(cluster, syncs * reduce, syncs * (max(0.0, reduce - 2 * fwd) + reduce / 10))
 
 
 def _exposed(cluster: Cluster, total: float, overlapped: float) -> float:
