@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import moe.lora  # noqa: F401  (LoRA's wrapper registered first: QuirkKernel composes around it)
 from moe.kernels.expert_rows import ExpertRows
 from moe.kernels.registry import ExpertKernel, GroupedGemms, KernelWrapper, register_kernel_wrapper
-from moe.lora import kernel as _inner_wrapper  # noqa: F401  (registered before QUIRK_WRAPPER)
 from moe.quirks.format import QuirkWeights
 
 
@@ -98,8 +98,11 @@ def family_mlp(
         a_RF = family.act_fn(h_RF)
     else:
         u_RF = plus_bias(kernel.project(x_RD, "w3", w, offs), w.b3_LF)
-        pair = torch.stack([h_RF, u_RF], -1).flatten(-2) if w.quirks.interleaved else None
-        a_RF = family._apply_gate(torch.cat([h_RF, u_RF], -1) if pair is None else pair)
+        if w.quirks.interleaved:  # g0 u0 g1 u1 ...
+            gate_up_RN = torch.stack([h_RF, u_RF], -1).flatten(-2)
+        else:
+            gate_up_RN = torch.cat([h_RF, u_RF], -1)
+        a_RF = family._apply_gate(gate_up_RN)
     y_RD = plus_bias(kernel.project(a_RF.to(w.w2_LFD.dtype), "w2", w, offs), w.b2_LD)
     if w.quirks.post_norm:  # (the GEMM zeroed the tail rows; a norm need not keep them 0)
         y_RD = family.post_expert_norm(y_RD)
