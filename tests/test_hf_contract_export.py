@@ -1,6 +1,8 @@
 """Families converted through the experts contract, trained, exported: one SGD step on the
 converted model, then to_hf -> save_pretrained -> transformers' from_pretrained gives the same
-logits as the trained converted model, and the same weights bit for bit."""
+logits as the trained converted model, and the same weights bit for bit; save_hf_checkpoint
+writes what from_pretrained loads (also under EP = 2, where to_peft's adapter is checked in
+PEFT too)."""
 
 import copy
 
@@ -10,7 +12,12 @@ import torch
 transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
 import moe  # noqa: E402
+from moe.interop import to_peft  # noqa: E402
+from moe.lora import LoRAConfig, add_lora  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 from tests.hf_tiny import relative_error, run, tiny_model  # noqa: E402
+
+peft = pytest.importorskip("peft")
 
 FAMILIES = ["qwen3_vl_moe", "glm4_moe", "minimax_m2"]  # multimodal; shared + dense; router bias
 
@@ -75,3 +82,49 @@ def test_load_hf_checkpoint_names_the_contract_path(tmp_path):
     model = moe.from_hf(tiny_model("glm4_moe"))
     with pytest.raises(moe.interop.HFCheckpointError, match=r"mlp.experts was converted through"):
         moe.load_hf_checkpoint(model, str(tmp_path))
+
+
+def _adapted(family: str):
+    """The family converted, with LoRA, base and adapters moved the same way in every process."""
+    model = add_lora(moe.from_hf(tiny_model(family)), LoRAConfig(rank=2, alpha=3.0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def _ep_body(rank, world, cases, out):
+    from moe.parallel import init_mesh, parallelize
+
+    for family, data_parallel in cases:
+        model = _adapted(family)
+        parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
+        moe.save_hf_checkpoint(model, f"{out}/{family}-{data_parallel}-hf")
+        to_peft(model, f"{out}/{family}-{data_parallel}-peft")
+
+
+EP_CASES = [("glm4_moe", "ddp"), ("glm4_moe", "fsdp"), ("gpt_oss", "ddp")]
+
+
+def test_expert_parallel_save_and_peft_export(tmp_path):
+    """EP = 2 on gloo (experts sharded, DTensors gathered): save_hf_checkpoint's folder loads in
+    transformers with the one-process model's tensors, and to_peft's adapter gives the
+    one-process LoRA model's logits in PEFT."""
+    run_ranks(_ep_body, 2, EP_CASES, str(tmp_path), timeout=120)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(8))
+    for family, data_parallel in EP_CASES:
+        model = _adapted(family).eval()
+        base = moe.to_hf(copy.deepcopy(model))  # the base weights, adapters left out
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+        folder = tmp_path / f"{family}-{data_parallel}"
+        reloaded = type(base).from_pretrained(f"{folder}-hf").eval()
+        state = base.state_dict()
+        for name, t in reloaded.state_dict().items():
+            assert torch.equal(t, state[name]), (family, data_parallel, name)
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{folder}-peft").eval()
+        with torch.no_grad():
+            got, plain = pm(input_ids=ids).logits, base(input_ids=ids).logits
+        assert relative_error(plain, want) > 1e-3, family  # the adapters change the function
+        assert relative_error(got, want) <= 1e-5, (family, data_parallel)
