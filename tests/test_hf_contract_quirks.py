@@ -10,6 +10,7 @@ kernel contract on rows with a dropped tail, LoRA on quirk layers (equal to the 
 a DCP checkpoint round trip, EP = 2 on gloo equal to one process, and the refusals."""
 
 import copy
+import importlib
 import json
 from dataclasses import asdict
 
@@ -23,7 +24,7 @@ import moe  # noqa: E402
 from moe.interop import hf_contract  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.hf_matrix import SETTINGS, TOL, hf_named_grads  # noqa: E402
-from tests.hf_tiny import experts_modules, relative_error, run, tiny_model  # noqa: E402
+from tests.hf_tiny import experts_modules, relative_error, run, shrink, tiny_model  # noqa: E402
 
 GATE, ACT = "_apply_gate", "act_fn"
 # family -> (function, interleaved, up_bias, post_norm): what its experts module declares
@@ -39,16 +40,35 @@ QUIRKS = {
     "minimax_m3_vl": (GATE, False, False, False),
     "nemotron_h": (ACT, False, False, False),
     "muse_spark": (GATE, False, False, True),
+    "openai_privacy_filter": (GATE, False, True, False),
+    "step3p7": (GATE, False, False, False),
+}
+# OpenAI-Privacy-Filter's eager experts compute in float32 whatever the weights' dtype
+EXPERTS_SETTINGS = {**SETTINGS, "openai_privacy_filter": (torch.float32, 1e-5)}
+# families whose whole tiny model tests/hf_tiny.py does not build: their experts class alone,
+# from the family's own (shrunk) config, with its extra constructor arguments
+EXPERTS_ONLY = {
+    "openai_privacy_filter": ("OpenAIPrivacyFilterExperts", ()),
+    "step3p7": ("Step3p7Experts", (0,)),
 }
 
 
 def _experts(family: str, dtype) -> nn.Module:
-    """The family's first experts module, its tensors moved off their init (biases, norms)."""
-    experts = experts_modules(tiny_model(family, dtype))[0]
+    """The family's first experts module, every tensor random (biases and norms too)."""
+    if family in EXPERTS_ONLY:
+        from transformers import CONFIG_MAPPING
+
+        name, args = EXPERTS_ONLY[family]
+        config = CONFIG_MAPPING[family]()
+        shrink(config)
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        experts = getattr(module, name)(config.get_text_config(), *args).to(dtype)
+    else:
+        experts = experts_modules(tiny_model(family, dtype))[0]
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in experts.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
     return experts
 
 
@@ -74,7 +94,7 @@ def _grads(module, x, ids, w):
 
 @pytest.mark.parametrize("family", sorted(QUIRKS))
 def test_quirk_experts_equal_the_family(family):
-    dtype, tol = SETTINGS.get(family, (torch.float64, TOL))
+    dtype, tol = EXPERTS_SETTINGS.get(family, (torch.float64, TOL))
     experts = _experts(family, dtype)
     reference = copy.deepcopy(experts)
     quirks = hf_contract.experts_options(experts)["quirks"]
