@@ -1,8 +1,8 @@
 """Families converted through the experts contract, trained, exported: one SGD step on the
 converted model, then to_hf -> save_pretrained -> transformers' from_pretrained gives the same
 logits as the trained converted model, and the same weights bit for bit; save_hf_checkpoint
-writes what from_pretrained loads (also under EP = 2, where to_peft's adapter is checked in
-PEFT too)."""
+writes what from_pretrained and load_hf_checkpoint load (also under EP = 2, where to_peft's
+adapter is checked in PEFT too)."""
 
 import copy
 
@@ -74,14 +74,12 @@ def test_save_hf_checkpoint_reloads_in_transformers(family, tmp_path):
     for name, t in got.items():
         assert torch.equal(t, state[name]), (family, name)
     assert relative_error(reloaded(input_ids=ids).logits, want) <= 1e-5, family
-
-
-def test_load_hf_checkpoint_names_the_contract_path(tmp_path):
-    """load_hf_checkpoint reads the table's hub names only: a contract-converted model is
-    refused naming the layer and what to use instead, before anything is read."""
-    model = moe.from_hf(tiny_model("glm4_moe"))
-    with pytest.raises(moe.interop.HFCheckpointError, match=r"mlp.experts was converted through"):
-        moe.load_hf_checkpoint(model, str(tmp_path))
+    # and load_hf_checkpoint reads it back into a converted model holding other weights
+    again = moe.from_hf(tiny_model(family, seed=1))
+    assert relative_error(again.eval()(input_ids=ids).logits, want) > 1e-3, family
+    moe.load_hf_checkpoint(again, str(tmp_path))
+    back = moe.to_hf(copy.deepcopy(again)).state_dict()
+    assert all(torch.equal(back[k], state[k]) for k in state), family
 
 
 def _adapted(family: str):
@@ -97,11 +95,19 @@ def _adapted(family: str):
 def _ep_body(rank, world, cases, out):
     from moe.parallel import init_mesh, parallelize
 
+    logits = {}
     for family, data_parallel in cases:
         model = _adapted(family)
         parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
         moe.save_hf_checkpoint(model, f"{out}/{family}-{data_parallel}-hf")
         to_peft(model, f"{out}/{family}-{data_parallel}-peft")
+        again = moe.from_hf(tiny_model(family, seed=1))  # other weights, then the saved ones
+        parallelize(again, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
+        moe.load_hf_checkpoint(again, f"{out}/{family}-{data_parallel}-hf")
+        ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            logits[family, data_parallel] = again.eval()(input_ids=ids).logits
+    return logits
 
 
 EP_CASES = [("glm4_moe", "ddp"), ("glm4_moe", "fsdp"), ("gpt_oss", "ddp")]
@@ -111,7 +117,7 @@ def test_expert_parallel_save_and_peft_export(tmp_path):
     """EP = 2 on gloo (experts sharded, DTensors gathered): save_hf_checkpoint's folder loads in
     transformers with the one-process model's tensors, and to_peft's adapter gives the
     one-process LoRA model's logits in PEFT."""
-    run_ranks(_ep_body, 2, EP_CASES, str(tmp_path), timeout=120)
+    loaded = run_ranks(_ep_body, 2, EP_CASES, str(tmp_path), timeout=120)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(8))
     for family, data_parallel in EP_CASES:
         model = _adapted(family).eval()
@@ -128,3 +134,6 @@ def test_expert_parallel_save_and_peft_export(tmp_path):
             got, plain = pm(input_ids=ids).logits, base(input_ids=ids).logits
         assert relative_error(plain, want) > 1e-3, family  # the adapters change the function
         assert relative_error(got, want) <= 1e-5, (family, data_parallel)
+        for rank in (0, 1):  # load_hf_checkpoint into EP = 2: each rank its experts
+            got = loaded[rank][family, data_parallel]
+            assert relative_error(got, plain) <= 1e-5, (family, data_parallel, rank)

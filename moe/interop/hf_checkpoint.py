@@ -11,10 +11,13 @@ the directory are one HFCheckpointError naming them. No pickle; transformers is 
 
 save_hf_checkpoint (moe/interop/hf_save.py) writes what this reads; the two share the list of
 the model's hub tensors (_pieces). A layer converted through transformers' experts contract
-(HFExpertsLayer) is saved under its experts module's own names; loading one is refused (load
-the checkpoint with transformers' from_pretrained, then moe.from_hf).
+(HFExpertsLayer) is stored under its experts module's own names (`<path>.gate_up_proj`, ...,
+read from the module it replaced): every rank reads that layer's whole tensors into a copy of
+the module, converts it as from_hf does (hf_contract.convert: its layout, its quirks) and keeps
+its own experts' rows.
 """
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from moe.interop import hf_contract
 from moe.interop.hf import HFMoELayer
 from moe.interop.hf_contract import HFExpertsLayer
 from moe.interop.hf_families import FAMILIES
@@ -47,7 +51,8 @@ class Piece:
     expert: int | None  # global expert id (per-expert keys) or None
     local: bool  # this rank holds it
     shape: tuple  # expected hub shape
-    fused: str | None = None  # "gate", "up", "down" for fused expert tensors
+    fused: str | None = None  # "gate", "up", "down" for fused expert tensors; "contract": one
+    # tensor of a contract layer's experts module (name: the layer's path)
 
 
 def _world() -> tuple[int, int]:
@@ -56,16 +61,10 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _layers(model: nn.Module, contract: bool = False) -> dict[str, HFMoELayer]:
-    """The table's converted blocks; contract=True: contract layers allowed beside them (the
-    caller writes their tensors, hf_save), else refused."""
+def _layers(model: nn.Module) -> dict[str, HFMoELayer]:
+    """The table's converted blocks (the contract's layers: _contract_pieces)."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     other = [n for n, m in model.named_modules() if isinstance(m, HFExpertsLayer)]
-    if other and not contract:
-        raise HFCheckpointError(
-            f"load_hf_checkpoint: {other[0]} was converted through the experts contract: load "
-            "the checkpoint with transformers' from_pretrained, then call moe.from_hf(model)"
-        )
     if not layers and not other:
         raise HFCheckpointError("the model has no converted block: call moe.from_hf(model) first")
     return layers
@@ -121,11 +120,14 @@ def _in_slots(layer: HFMoELayer, rows: torch.Tensor, first: int) -> torch.Tensor
     return rows[layer.expert_of_slot_S[lo : lo + L].to(rows.device) - first]
 
 
-def _pieces(model: nn.Module, fused: bool, contract: bool = False) -> list[Piece]:
-    """Every hub tensor of the whole model (all experts, also those other ranks hold) but the
-    contract layers' (contract=True: hf_save writes those)."""
-    layers = _layers(model, contract)
+def _pieces(model: nn.Module, fused: bool) -> list[Piece]:
+    """Every hub tensor of the whole model (all experts, also those other ranks hold)."""
+    layers = _layers(model)
     pieces = [p for path, layer in layers.items() for p in _layer_pieces(path, layer, fused)]
+    for path, m in model.named_modules():  # the experts module's own tensors, as it names them
+        if isinstance(m, HFExpertsLayer):
+            for n, t in m.hf_template[0].state_dict().items():
+                pieces.append(Piece(path, f"{path}.{n}", None, True, tuple(t.shape), "contract"))
     converted = (HFMoELayer, HFExpertsLayer)  # inside: e.g. a softmax router's unused bias
     inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, converted))
     seen: set[int] = set()
@@ -185,7 +187,6 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     expert-parallel or not. Checks everything first; returns the model."""
     from safetensors import safe_open
 
-    _layers(model)  # a contract layer is refused before the folder is read
     weight_map = weight_map_of(path)
     if weight_map is None:
         single = inside(path, SINGLE)
@@ -199,7 +200,8 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
     pieces = _pieces(model, fused)
     _check(pieces, weight_map, headers, stored_in, path)
     state = model.state_dict(keep_vars=True)
-    owners = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    owners = {n: m for n, m in model.named_modules() if isinstance(m, (HFMoELayer, HFExpertsLayer))}
+    contract: dict[str, torch.Tensor] = {}  # the contract layer being read: its module's tensors
     for layer in owners.values():  # canonical rows: a placement restarts as the identity
         layer.set_slot_layout(layer.slot_layout().for_canonical_load())
     ranges = {name: _expert_range(layer) for name, layer in owners.items()}  # one host read
@@ -210,6 +212,13 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
         file = weight_map[p.hub_key]
         try:
             with safe_open(file, "pt") as f:
+                if p.fused == "contract":
+                    contract[p.hub_key.removeprefix(f"{p.name}.")] = f.get_tensor(p.hub_key)
+                    template = owners[p.name].hf_template[0]
+                    if len(contract) == len(template.state_dict()):
+                        _load_contract(p.name, owners[p.name], contract, state, ranges[p.name])
+                        contract = {}
+                    continue
                 if p.expert is None and p.fused is None:
                     _place(state[p.name], f.get_tensor(p.hub_key), p.name)
                     continue
@@ -228,6 +237,22 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> nn.Module:
             _place(state[p.name], _in_slots(layer, torch.stack(rows), first), p.name)
             rows = []
     return model
+
+
+def _load_contract(path: str, layer: HFExpertsLayer, tensors: dict, state: dict, span) -> None:
+    """A contract layer from its experts module's tensors (whole): a copy of the module holding
+    them, converted as from_hf converts it (canonical expert order, no spare slots); this
+    rank's experts of each stack and every other tensor (a post-expert norm) placed."""
+    module = copy.deepcopy(layer.hf_template[0]).to_empty(device="cpu")
+    module.load_state_dict(tensors)
+    holder = nn.Module()
+    holder.experts = module
+    fresh = hf_contract.convert(holder, "experts", module)
+    first, count = span
+    for name, value in fresh.named_parameters():
+        if name.startswith("experts."):  # [E, ...] in canonical order
+            value = _in_slots(layer, value[first : first + count], first)
+        _place(state[f"{path}.{name}"], value.detach(), f"{path}.{name}")
 
 
 def _place(target: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -129,9 +129,10 @@ def save_hf_checkpoint(model: nn.Module, path: str) -> str:
     writes_experts = _holders(model)
     state = model.state_dict(keep_vars=True)
     tensors, blocks = {}, {}
-    slots = {m.name: m.slot_of_expert_E.tolist() for m in _layers(model, True).values()}
-    for p in _pieces(model, fused=False, contract=True):  # every rank in the same order:
-        # gathers are collective
+    slots = {m.name: m.slot_of_expert_E.tolist() for m in _layers(model).values()}
+    for p in _pieces(model, fused=False):  # every rank in the same order: gathers are collective
+        if p.fused == "contract":  # written whole below
+            continue
         if p.expert is not None:
             if p.name not in blocks:
                 blocks[p.name] = _gathered(state[p.name], expert=True)
