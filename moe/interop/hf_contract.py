@@ -28,9 +28,16 @@ import torch
 from torch import nn
 
 from moe.gating.base import Routing
-from moe.interop.hf_experts import activation_name, gemm_weights, is_plain_swiglu, layout_flags
+from moe.interop.hf_experts import (  # gate_up_columns: peft_contract reads it from here
+    activation_name,
+    gate_up_columns,  # noqa: F401
+    gemm_weights,
+    is_plain_swiglu,
+    layout_flags,
+    module_quirks,
+    module_weights,
+)
 from moe.layer import MoELayer
-from moe.quirks import Quirks
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 CONTRACT = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias")
@@ -67,15 +74,6 @@ def experts_options(experts: nn.Module) -> dict:
     act = activation_name(experts.act_fn) if hasattr(experts, "act_fn") else None
     gated = flags["has_gate"]
     plain = is_plain_swiglu(experts) or not gated and act is not None and not norm
-    scalars = [(k, v) for k, v in sorted(vars(experts).items()) if k != "training"]
-    quirks = None if plain else Quirks(
-        experts_class=f"{cls.__module__}.{cls.__qualname__}",
-        function="_apply_gate" if gated else "act_fn",
-        interleaved=gated and not flags["is_concatenated"],
-        up_bias=gated and flags["has_bias"],
-        post_norm=norm,
-        scalars=tuple(p for p in scalars if type(p[1]) in (bool, int, float, str)),
-    )  # fmt: skip
     up_EDN, down_EFD = gemm_weights(experts)
     config = experts.config
     top_k = next((getattr(config, n) for n in TOP_K_NAMES if getattr(config, n, None)), 1)
@@ -88,7 +86,7 @@ def experts_options(experts: nn.Module) -> dict:
         activation="swiglu" if gated else act or "relu",  # (quirks: the family's function)
         bias=bool(flags["has_bias"]),
         aux_loss_coef=0.0,  # the family's router keeps its own loss (output_router_logits)
-        quirks=quirks,
+        quirks=None if plain else module_quirks(experts),
     )
 
 
@@ -100,16 +98,6 @@ def family_module(experts: nn.Module) -> nn.Module:
     family._parameters, family._buffers = {}, {}  # experts_options: all the contract's
     family._modules = copy.deepcopy(experts._modules)
     return family
-
-
-def gate_up_columns(experts: nn.Module, F: int) -> tuple[slice, slice | None]:
-    """(gate, up) columns of the up GEMM's output [..., N] in the module's order: gate ones
-    first, or interleaved (g0 u0 g1 u1 ...); without a gate all F columns and None."""
-    if not experts.has_gate:
-        return slice(None), None
-    if experts.is_concatenated:
-        return slice(0, F), slice(F, 2 * F)
-    return slice(0, None, 2), slice(1, None, 2)
 
 
 class GivenRouting(nn.Module):
@@ -169,38 +157,26 @@ class HFExpertsLayer(MoELayer):
 
 @torch.no_grad()
 def _copy_in(layer: HFExpertsLayer, experts: nn.Module) -> None:
-    up_EDN, down_EFD = gemm_weights(experts)
-    gate, up = gate_up_columns(experts, layer.config.d_ff)
     slot_S = layer.expert_of_slot()
-    w = layer.experts
-    w.w1.copy_(up_EDN[..., gate][slot_S])
-    w.w2.copy_(down_EFD[slot_S])
-    if w.w3 is not None:
-        w.w3.copy_(up_EDN[..., up][slot_S])
-    if w.b1 is not None:
-        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
-        w.b1.copy_(bias[:, gate][slot_S])
-        if up is not None:
-            w.b3.copy_(bias[:, up][slot_S])
-        w.b2.copy_(experts.down_proj_bias[slot_S])
+    for name, t in _named(module_weights(experts)):
+        getattr(layer.experts, name).copy_(t[slot_S])
+
+
+def _named(weights) -> list[tuple[str, torch.Tensor]]:
+    """(moe's parameter name, tensor) of module_weights' present tensors."""
+    w = weights
+    pairs = [("w1", w.w1_LDF), ("w2", w.w2_LFD), ("w3", w.w3_LDF), ("b1", w.b1_LF)]
+    pairs += [("b2", w.b2_LD), ("b3", w.b3_LF)]
+    return [(n, t) for n, t in pairs if t is not None]
 
 
 @torch.no_grad()
 def write_back(experts: nn.Module, tensors: dict) -> None:
     """Write moe's tensors (w1, w2, w3, b1, b2, b3 in canonical expert order; absent ones
     skipped) into the experts module's own parameters, in its own layout."""
-    up_EDN, down_EFD = gemm_weights(experts)
-    gate, up = gate_up_columns(experts, down_EFD.shape[1])
-    up_EDN[..., gate].copy_(tensors["w1"])
-    down_EFD.copy_(tensors["w2"])
-    if tensors.get("w3") is not None:
-        up_EDN[..., up].copy_(tensors["w3"])
-    if tensors.get("b1") is not None:
-        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
-        bias[:, gate].copy_(tensors["b1"])
-        if up is not None:
-            bias[:, up].copy_(tensors["b3"])
-        experts.down_proj_bias.copy_(tensors["b2"])
+    for name, view in _named(module_weights(experts)):
+        if tensors.get(name) is not None:
+            view.copy_(tensors[name])
 
 
 def convert(model: nn.Module, path: str, experts: nn.Module, spare_slots: int = 0):

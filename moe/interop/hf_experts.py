@@ -23,16 +23,19 @@ own grouped_mm path honours it:
     _is_expert_parallel   ids >= num_experts (EP sentinels) sort to the tail: no compute, 0
 A plain SwiGLU layout (gate rows first, the default `_apply_gate` with SiLU, no bias, no post
 norm) runs moe's fused expert MLP on the kernel backend="auto" picks (torch, Triton, the
-CUTLASS GEMM roles); every other layout runs moe's grouped GEMM op (moe::grouped_mm) twice with
-the module's own activation between them.
+CUTLASS GEMM roles); every other layout runs moe.quirks' family MLP on the torch kernel's
+grouped GEMMs (moe::grouped_mm) with the module's own gate / activation, biases and post norm:
+the computation a converted layer with MoEConfig.quirks runs (module_weights: the module's
+tensors as moe's, views in its own layout).
 """
 
 import torch
 import torch.nn.functional as F
 
+from moe.kernels.expert_rows import NO_ROWS_INFO
 from moe.kernels.expert_weights import ExpertWeights
-from moe.kernels.registry import resolve_kernel
-from moe.kernels.torch_grouped_mm import grouped_mm_torch
+from moe.kernels.registry import get_kernel, resolve_kernel
+from moe.quirks import Quirks, QuirkWeights, family_mlp
 
 NAME = "moe"
 
@@ -78,6 +81,52 @@ def is_plain_swiglu(experts) -> bool:
     return plain and activation_name(experts.act_fn) == "silu"
 
 
+def module_quirks(experts) -> Quirks:
+    """What the module computes between and after its GEMMs, as data (MoEConfig.quirks): its
+    own `_apply_gate` (gated) or `act_fn`, interleaved or not, an up bias, a post norm, and its
+    plain attributes (the scalars its function reads)."""
+    cls, gated = type(experts), experts.has_gate
+    scalars = [(k, v) for k, v in sorted(vars(experts).items()) if k != "training"]
+    return Quirks(
+        experts_class=f"{cls.__module__}.{cls.__qualname__}",
+        function="_apply_gate" if gated else "act_fn",
+        interleaved=gated and not experts.is_concatenated,
+        up_bias=gated and experts.has_bias,
+        post_norm=experts.has_post_expert_norm,
+        scalars=tuple(p for p in scalars if type(p[1]) in (bool, int, float, str)),
+    )
+
+
+def gate_up_columns(experts, F: int) -> tuple[slice, slice | None]:
+    """(gate, up) columns of the up GEMM's output [..., N] in the module's order: gate ones
+    first, or interleaved (g0 u0 g1 u1 ...); without a gate all F columns and None."""
+    if not experts.has_gate:
+        return slice(None), None
+    if experts.is_concatenated:
+        return slice(0, F), slice(F, 2 * F)
+    return slice(0, None, 2), slice(1, None, 2)
+
+
+def module_weights(experts, quirks: Quirks | None = None) -> QuirkWeights:
+    """The module's tensors as moe's, views of its own (written through by copy_): w1 / w3 the
+    gate / up columns, w2, b1 / b3 / b2 the biases; the module itself as the family."""
+    up_EDN, down_EFD = gemm_weights(experts)
+    gate, up = gate_up_columns(experts, down_EFD.shape[1])
+    bias = None
+    if experts.has_bias:
+        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+    return QuirkWeights(
+        w1_LDF=up_EDN[..., gate],
+        w2_LFD=down_EFD,
+        w3_LDF=None if up is None else up_EDN[..., up],
+        b1_LF=None if bias is None else bias[:, gate],
+        b2_LD=experts.down_proj_bias if experts.has_bias else None,
+        b3_LF=None if bias is None or up is None else bias[:, up],
+        family=experts,
+        quirks=quirks,
+    )
+
+
 def gemm_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
     """(up [E, D, N], down [E, F, D]) as views of the stored weights, N = 2F (or F without a
     gate): the operands x @ w of moe's grouped GEMM, whatever `is_transposed` says."""
@@ -99,23 +148,12 @@ def _fused_rows(experts, kernel, x_RD, ends_E):
     return kernel(x_RD, ends_E, weights, activation="swiglu")
 
 
-def _generic_rows(experts, x_RD, ends_E, ids_R):
-    """Every pair's expert output: moe's grouped GEMM op (moe::grouped_mm), the module's own
-    gate / activation, the GEMM again, biases and the post-expert norm as the module declares
-    them."""
-    up_EDN, down_EFD = gemm_weights(experts)
-    ids_R = ids_R.clamp(max=experts.num_experts - 1)  # EP sentinels: tail rows, weight 0
-    h_RN = grouped_mm_torch(x_RD, up_EDN, ends_E)
-    if experts.has_bias:
-        bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
-        h_RN = h_RN + bias[ids_R]
-    h_RF = experts._apply_gate(h_RN) if experts.has_gate else experts.act_fn(h_RN)
-    out_RD = grouped_mm_torch(h_RF, down_EFD, ends_E)
-    if experts.has_bias:
-        out_RD = out_RD + experts.down_proj_bias[ids_R]
-    if experts.has_post_expert_norm:
-        out_RD = experts.post_expert_norm(out_RD)
-    return out_RD
+def _generic_rows(experts, x_RD, ends_E):
+    """Every pair's expert output as a converted layer with MoEConfig.quirks computes it
+    (moe.quirks.family_mlp on the torch kernel's moe::grouped_mm): the module's own gate /
+    activation, biases and post-expert norm. EP sentinels are tail rows: exactly zero."""
+    weights = module_weights(experts, module_quirks(experts))
+    return family_mlp(get_kernel("torch"), x_RD, ends_E, weights, rows=NO_ROWS_INFO)
 
 
 def moe_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
@@ -132,7 +170,7 @@ def moe_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     if is_plain_swiglu(experts):
         out_RD = _fused_rows(experts, kernel, x_RD, ends_E)
     else:
-        out_RD = _generic_rows(experts, x_RD, ends_E, ids_P[order_R])
+        out_RD = _generic_rows(experts, x_RD, ends_E)
     row_of_pair_P = torch.empty_like(order_R)
     row_of_pair_P[order_R] = torch.arange(len(order_R), device=order_R.device)
     weights_TK = top_k_weights.masked_fill(top_k_index >= E, 0).to(out_RD.dtype)
