@@ -360,25 +360,25 @@ def test_export_rebuilds_spare_slots(tmp_path):
 
 
 def test_generic_stack_refusals():
-    """What the stack cannot carry is one error naming why (moe.pipeline.hf_layer_inputs):
-    a vision tower outside the text decoder (unless text_only), embeddings scaled before the
-    first layer, logits scaled after lm_head, layers handing more than the hidden state on."""
+    """hf_stack runs the model's own forward around its layers (moe.pipeline.hf_layer_inputs):
+    an embedding multiplier and a logit scale are the model's (Granite), a multimodal model's
+    text path is the model's; what the stack cannot carry is one error naming why: a vision
+    tower outside it (unless text_only), layers handing more than the hidden state on, a layer
+    taking the token ids (hash routing)."""
     from tests.hf_tiny import tiny_model
 
+    x = torch.randint(97, (2, 6), generator=torch.Generator().manual_seed(5))
     vl = tiny_model("qwen3_vl_moe")
-    with pytest.raises(ValueError, match=r"outside its text decoder \(model.visual\)"):
+    with pytest.raises(ValueError, match=r"outside what the stack runs \(model.visual\)"):
         hf_stack(vl)
     stack = hf_stack(vl, text_only=True)
     assert stack.text_only and not any(".visual." in n for n, _ in stack.named_parameters())
-    x = torch.randint(97, (2, 6), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert torch.equal(stack(x), vl(input_ids=x).logits)
     granite = tiny_model("granitemoe")
-    granite.model.embedding_multiplier = 2.0
-    with pytest.raises(ValueError, match="changes the hidden state before its first layer"):
-        hf_stack(granite)
-    granite.model.embedding_multiplier, granite.config.logits_scaling = 1.0, 3.0
-    with pytest.raises(ValueError, match=r"logits are not lm_head\(final norm"):
-        hf_stack(granite)
+    granite.model.embedding_multiplier, granite.config.logits_scaling = 2.0, 3.0
+    for model in (vl, granite):
+        with torch.no_grad():
+            assert torch.equal(hf_stack(model, text_only=True)(x), model(input_ids=x).logits)
     with pytest.raises(ValueError, match="pass more than the hidden state on"):
         hf_stack(tiny_model("glm_moe_dsa"))
+    with pytest.raises(ValueError, match=r"inputs \['input_ids'\] differ"):
+        hf_stack(tiny_model("deepseek_v4"))

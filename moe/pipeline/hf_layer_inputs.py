@@ -1,20 +1,22 @@
-"""What a transformers decoder hands each of its layers, recorded from the decoder's own forward
-(moe.pipeline.hf_stack): no per-family table of masks, rotary embeddings or position ids.
+"""A transformers decoder LM run around its layers, from the model's own forward
+(moe.pipeline.hf_stack): no per-family table of masks, rotary embeddings, position ids,
+embedding scales or logit caps.
 
-Pipeline stages exchange only the hidden state, so a stage must rebuild every other input of its
-layers (the causal or sliding-window mask each layer's type takes, position ids, the rotary
-embedding's cos / sin, ...). `LayerInputs` runs the decoder's own forward with `inputs_embeds`
-of the hidden state's shape and every layer replaced by a recorder (returns its input), the
-final norm by an identity: the arguments each layer received are what the model computes, for
-any family. They depend on the shape, dtype and device only (checked when the stack is built:
-`check_split`), so they are recorded once per shape.
+Pipeline stages exchange only the hidden state, so each piece of the stack runs the model's own
+forward with its decoder layers replaced by stand-ins (`ModelRunner`):
+    embed(ids)      the forward up to the first layer; the first stand-in stops it and hands
+                    back its input (embeddings, scales, stream expansions: the model's own)
+    layer_inputs(h) every layer's other arguments (the mask its type takes, position ids,
+                    rotary cos / sin, ...) from the decoder's forward on zeros of h's shape
+                    (they depend on the shape, dtype and device only: checked), once per shape
+    head(h)         the forward with the last stand-in returning h: what the model does after
+                    its last layer (final norm, stream collapse, lm_head, logit scale or cap)
 
-`check_split` runs the whole model once on a few tokens with the recorders in place and refuses,
-naming why, a model whose forward does more between its parts than the stack carries: layers
-called otherwise than once each in order, embeddings transformed before the first layer (e.g.
-a multiplier), logits computed otherwise than lm_head(norm(h)) (e.g. a logit scale), or a layer
-input computed from the token ids rather than the hidden state's shape (e.g. multimodal
-position ids, hash routing).
+`probe` runs the whole model once on a few tokens with stand-ins that return their input and
+records which modules run before, between and after the layers; it refuses, naming why, a model
+whose layers are not called once each in order, hand more than the hidden state on, take an
+input computed from the token ids (multimodal position ids, hash routing) or from parameters,
+or whose forward runs modules with parameters between its layers.
 """
 
 import torch
@@ -23,14 +25,22 @@ from torch import nn
 HIDDEN_NAMES = ("hidden_states", "hidden_state", "hidden")
 
 
-class _Recorder(nn.Module):
-    """Decoder layer `index` while the decoder's forward is recorded: its call's arguments go
-    to `calls`, its input hidden state comes back. Other attributes read through to the layer
-    (a decoder may ask its layers for their attention type)."""
+class _Stop(Exception):
+    """Raised by a stand-in to end the model's forward early, carrying its input."""
 
-    def __init__(self, layer: nn.Module, index: int, calls: list):
+    def __init__(self, hidden):
+        super().__init__("stopped")
+        self.hidden = hidden
+
+
+class _StandIn(nn.Module):
+    """Decoder layer `index` while the model's forward runs around it: `act(index, hidden)`
+    gives its output (or raises _Stop); its call's arguments go to `calls`. Other attributes
+    read through to the layer (a decoder may ask its layers for their attention type)."""
+
+    def __init__(self, layer: nn.Module, index: int, calls: list, act):
         super().__init__()
-        self._target, self._index, self._calls = (layer,), index, calls
+        self._target, self._index, self._calls, self._act = (layer,), index, calls, act
 
     def __getattr__(self, name):
         try:
@@ -40,9 +50,7 @@ class _Recorder(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._calls.append((self._index, args, kwargs))
-        if args:
-            return args[0]
-        return next(kwargs[n] for n in HIDDEN_NAMES if n in kwargs)
+        return self._act(self._index, split_hidden(args, kwargs)[2])
 
 
 def split_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
@@ -53,47 +61,69 @@ def split_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
     return (), {k: v for k, v in kwargs.items() if k != name}, kwargs[name]
 
 
-def recorded(decoder: nn.Module, norm_name: str, run, keep_norm: bool) -> list:
-    """The layer calls (index, args, kwargs) while `run()` runs with the decoder's layers
-    replaced by recorders (and its final norm by an identity unless keep_norm)."""
+def around_layers(decoder: nn.Module, run, act) -> tuple[list, object]:
+    """(the layer calls, run()'s result or the hidden state a stand-in stopped with) while
+    `run()` runs with the decoder's layers replaced by stand-ins acting as `act`."""
     calls: list = []
     layers = decoder.layers
-    norm = getattr(decoder, norm_name)
-    decoder.layers = nn.ModuleList(_Recorder(m, i, calls) for i, m in enumerate(layers))
-    if not keep_norm:
-        setattr(decoder, norm_name, nn.Identity())
+    decoder.layers = nn.ModuleList(_StandIn(m, i, calls, act) for i, m in enumerate(layers))
     try:
-        run()
+        out = run()
+    except _Stop as stop:
+        out = stop.hidden
     finally:
         decoder.layers = layers
-        setattr(decoder, norm_name, norm)
-    return calls
+    return calls, out
 
 
-class LayerInputs:
-    """Every layer's arguments but the hidden state, per input shape, from the decoder's own
-    forward (shared by the stack's layer children; a copy of a child shares it too)."""
+class ModelRunner:
+    """The model's forward around its layers (see the module docstring), shared by the stack's
+    children (a copy of a child shares it too)."""
 
-    def __init__(self, decoder: nn.Module, norm_name: str):
-        self.decoder, self.norm_name = decoder, norm_name
+    def __init__(self, model: nn.Module, decoder: nn.Module, embed: nn.Module):
+        self.model, self.decoder = model, decoder
+        self.width = embed.weight.shape[1]
         self.cache: dict = {}
         self.options: dict = {}  # the flags the model's forward calls the decoder with
 
     def __deepcopy__(self, memo):
         return self
 
-    def __call__(self, hidden: torch.Tensor) -> list[tuple[tuple, dict]]:
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        def stop(i, hidden):
+            raise _Stop(hidden)
+
+        return around_layers(
+            self.decoder, lambda: self.model(input_ids=ids, use_cache=False), stop
+        )[1]
+
+    def head(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        last = len(self.decoder.layers) - 1
+        zeros = hidden.new_zeros(*hidden.shape[:2], self.width, dtype=dtype)
+
+        def act(i, h):
+            return hidden if i == last else h
+
+        run = lambda: self.model(inputs_embeds=zeros, use_cache=False).logits  # noqa: E731
+        return around_layers(self.decoder, run, act)[1]
+
+    def layer_inputs(self, hidden: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+        key = (tuple(hidden.shape[:2]), dtype, hidden.device)
         if key not in self.cache:
-            self.cache[key] = self.compute(hidden.new_zeros(hidden.shape))
+            self.cache[key] = self.compute(hidden.new_zeros(*key[0], self.width, dtype=dtype))
         return self.cache[key]
 
     @torch.no_grad()
-    def compute(self, embeds: torch.Tensor) -> list[tuple[tuple, dict]]:
-        def run():
-            self.decoder(inputs_embeds=embeds, **{**self.options, "use_cache": False})
+    def compute(self, embeds: torch.Tensor) -> list[tuple]:
+        last = len(self.decoder.layers) - 1
 
-        calls = recorded(self.decoder, self.norm_name, run, keep_norm=False)
+        def act(i, h):
+            if i == last:  # every call recorded: nothing after the layers runs here
+                raise _Stop(h)
+            return h
+
+        run = lambda: self.decoder(inputs_embeds=embeds, **{**self.options, "use_cache": False})  # noqa: E731
+        calls, _ = around_layers(self.decoder, run, act)
         return [split_hidden(args, kwargs)[:2] for _, args, kwargs in calls]
 
 
@@ -120,27 +150,48 @@ def _refuse(model: nn.Module, why: str):
     raise ValueError(f"hf_stack: {type(model).__name__} cannot be split into stages: {why}")
 
 
-def check_split(model, decoder, embed, norm, lm_head, inputs: LayerInputs) -> None:
-    """Run `model` once on a few tokens with recording layers and refuse (one ValueError
-    naming why) what the stack would not compute as the model does."""
-    vocab = embed.weight.shape[0]
-    ids = (torch.arange(1, 5, device=embed.weight.device) % vocab).unsqueeze(0)
-    seen: dict = {}
+def _owns(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def probe(model, runner: ModelRunner, embed: nn.Module) -> dict:
+    """Run `model` once on a few tokens with stand-ins returning their input; refuse (one
+    ValueError naming why) what the stack would not compute as the model does. Returns the
+    modules the forward runs "before" / "after" the layers and the first layer's input dtype."""
+    decoder = runner.decoder
+    ids = (torch.arange(1, 5, device=embed.weight.device) % embed.weight.shape[0]).unsqueeze(0)
+    L = len(decoder.layers)
+    done: list = []  # layers called so far
+    ran: dict = {"before": [], "between": [], "after": []}
+
+    def track(module, args):
+        if not isinstance(module, _StandIn):
+            phase = "before" if not done else "after" if len(done) >= L else "between"
+            if all(m is not module for m in ran[phase]):
+                ran[phase].append(module)
 
     def flags(module, args, kwargs):  # plain options (not tensors, not None) replayed later
-        inputs.options = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))}
+        runner.options = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))}
 
-    hooks = [embed.register_forward_hook(lambda m, a, out: seen.setdefault("embeds", out))]
-    hooks.append(decoder.register_forward_pre_hook(flags, with_kwargs=True))
+    def identity(i, hidden):
+        done.append(i)
+        return hidden
+
     was_training = model.training
     model.eval()  # no dropout between the parts
     try:
-        calls = recorded(
-            decoder,
-            inputs.norm_name,
-            lambda: seen.setdefault("out", model(input_ids=ids, use_cache=False)),
-            True,
-        )
+        return _probe(model, runner, ids, L, ran, track, flags, identity)
+    finally:
+        model.train(was_training)
+
+
+def _probe(model, runner, ids, L, ran, track, flags, identity) -> dict:
+    decoder = runner.decoder
+    hooks = [nn.modules.module.register_module_forward_pre_hook(track)]
+    hooks.append(decoder.register_forward_pre_hook(flags, with_kwargs=True))
+    try:
+        run = lambda: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+        got_calls, logits = around_layers(decoder, run, identity)
     except Exception as e:  # noqa: BLE001 - what the layers return is not what the next takes
         _refuse(model, f"its forward fails when each layer returns only the hidden state "
                 f"({type(e).__name__}: {e}): its layers pass more than the hidden state on "
@@ -148,33 +199,26 @@ def check_split(model, decoder, embed, norm, lm_head, inputs: LayerInputs) -> No
     finally:
         for hook in hooks:
             hook.remove()
-        model.train(was_training)
-    L = len(decoder.layers)
-    if [i for i, _, _ in calls] != list(range(L)):
-        _refuse(model, f"its forward calls its {L} layers as {[i for i, _, _ in calls]}, not "
-                "once each in order")  # fmt: skip
-    embeds = seen["embeds"]
-    for i, args, kwargs in calls:
+    order = [i for i, _, _ in got_calls]
+    if order != list(range(L)):
+        _refuse(model, f"its forward calls its {L} layers as {order}, not once each in order")
+    between = [m for m in ran["between"] if _owns(m)]
+    if between:
+        _refuse(model, f"its forward runs {type(between[0]).__name__} (with parameters) between "
+                "its layers: the stages pass only the hidden state")  # fmt: skip
+    first = split_hidden(*got_calls[0][1:])[2]
+    for i, args, kwargs in got_calls:
         other_args, other_kwargs, hidden = split_hidden(args, kwargs)
-        if not _same(hidden, embeds):
-            where = "before its first layer" if i == 0 else f"between layers {i - 1} and {i}"
-            _refuse(model, f"its forward changes the hidden state {where} (e.g. an embedding "
-                    "multiplier): the stack passes each layer's output on unchanged")  # fmt: skip
+        if i and not _same(hidden, first):
+            _refuse(model, f"its forward changes the hidden state between layers {i - 1} and "
+                    f"{i}: the stack passes each layer's output on unchanged")  # fmt: skip
         for name, value in [*enumerate(other_args), *other_kwargs.items()]:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 _refuse(model, f"layer {i}'s input {name!r} is computed from parameters or the "
                         "embeddings: the stages pass only the hidden state")  # fmt: skip
-    with torch.no_grad():
-        want = lm_head(norm(embeds))
-    got = seen["out"].logits
-    if got.dtype != want.dtype:
-        _refuse(model, f"its logits are {got.dtype}, lm_head's output {want.dtype}: the stack's "
-                "head computes lm_head(final norm(hidden)) alone")  # fmt: skip
-    if not _same(got, want):
-        _refuse(model, "its logits are not lm_head(final norm(hidden)) (e.g. a logit scale or "
-                "soft-capping): the stack's head computes exactly that")  # fmt: skip
-    rebuilt = inputs.compute(torch.zeros_like(embeds))
-    for (i, args, kwargs), (r_args, r_kwargs) in zip(calls, rebuilt):
+    rebuilt = runner.compute(torch.zeros(*first.shape[:2], runner.width, dtype=first.dtype,
+                                         device=first.device))  # fmt: skip
+    for (i, args, kwargs), (r_args, r_kwargs) in zip(got_calls, rebuilt):
         other_args, other_kwargs, _ = split_hidden(args, kwargs)
         keys = sorted(set(other_kwargs) | set(r_kwargs))
         differ = [k for k in keys if not _same(other_kwargs.get(k), r_kwargs.get(k))]
@@ -184,3 +228,7 @@ def check_split(model, decoder, embed, norm, lm_head, inputs: LayerInputs) -> No
             _refuse(model, f"layer {i}'s inputs {differ} differ when the decoder computes "
                     "them from the hidden state's shape alone (the model computes them from "
                     "the token ids, e.g. multimodal position ids or hash routing)")  # fmt: skip
+    with torch.no_grad():
+        if not _same(runner.head(first, first.dtype), logits.detach()):
+            _refuse(model, "its logits differ when computed from the last layer's output alone")
+    return {"before": ran["before"], "after": ran["after"], "dtype": first.dtype}

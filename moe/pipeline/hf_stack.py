@@ -4,22 +4,23 @@
     pipe = Pipeline(stack, mesh, PipelineConfig(split="params"), loss_fn)
 
 The stack is an nn.Sequential of Rooted children (moe.pipeline.split) that run in order and
-pass one tensor: "embed" (token ids -> the input embeddings), "layer_<i>" (one decoder layer)
-and "head" (the decoder's final norm, then the output embeddings: the logits). The structure is
-read from the model, not from a table of families: `model.get_decoder()` (the text decoder of
-a multimodal model), its `layers`, the input / output embeddings, the one decoder child with
-parameters besides them (the final norm) and the parameter-free ones (rotary embeddings).
-Pipeline stages only exchange the hidden state, so each layer child takes the rest of its
-layer's inputs (mask, position ids, rotary cos / sin, ...) from the decoder's own forward,
-recorded once per input shape (moe.pipeline.hf_layer_inputs). Every child holds the original
-modules (no copies) at their paths in the model, so a stage's parameter names are the model's
-own (`model.layers.3.mlp.experts.w1`, `lm_head.weight`).
+pass one tensor: "embed" (token ids -> the first layer's input), "layer_<i>" (one decoder layer)
+and "head" (the last layer's output -> the logits). Nothing is taken from a table of families:
+`model.get_decoder()` (the text decoder of a multimodal model) gives the layers, and each child
+runs the model's own forward around them (moe.pipeline.hf_layer_inputs.ModelRunner): "embed" up
+to the first layer (embeddings, their scale), "head" after the last one (final norm, lm_head,
+a logit scale or cap), and each layer child its layer's other inputs (mask, position ids, rotary
+cos / sin, ...) as the decoder computes them for that shape. The modules each part runs, read
+when the stack is built, are the children's: they hold the original modules (no copies) at
+their paths in the model, so a stage's parameter names are the model's own
+(`model.layers.3.mlp.experts.w1`, `lm_head.weight`).
 
 Full sequences from position 0, no padding mask, no KV cache: the training forward. Refused,
 each with one ValueError naming why: tied input / output embeddings (they would sit on the first
-and the last stage at once), a forward that does more between the parts than the stack carries
-(hf_layer_inputs.check_split), and parameters outside the decoder (a multimodal model's vision
-tower runs before the text stack, on inputs the stages do not carry) unless text_only=True.
+and the last stage at once), a forward that does more between the layers than the stack
+carries (hf_layer_inputs.probe), and parameters outside what the stack runs (a multimodal
+model's vision tower runs before the text stack, on inputs the stages do not carry) unless
+text_only=True.
 """
 
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from moe.pipeline.hf_layer_inputs import LayerInputs, check_split
+from moe.pipeline.hf_layer_inputs import ModelRunner, probe
 from moe.pipeline.split import Rooted
 
 
@@ -45,33 +46,40 @@ class HFStack(nn.Sequential):
 
 
 class Embed(Rooted):
-    """Token ids [B, S] -> hidden states [B, S, d] (the model's input embeddings)."""
+    """Token ids [B, S] -> the first layer's input: the model's forward up to its first layer."""
+
+    def __init__(self, paths: dict, runner: ModelRunner):
+        super().__init__(paths)
+        self.runner = runner
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        (embed,) = self.parts
-        return embed(ids)
+        return self.runner.embed(ids)
 
 
 class Layer(Rooted):
     """One decoder layer on a full sequence: its other inputs as the decoder's forward gives
-    them for this shape (LayerInputs), then the layer."""
+    them for this shape (ModelRunner.layer_inputs), then the layer."""
 
-    def __init__(self, paths: dict, index: int, inputs: LayerInputs):
+    def __init__(self, paths: dict, index: int, runner: ModelRunner, dtype: torch.dtype):
         super().__init__(paths)
-        self.index, self.inputs = index, inputs
+        self.index, self.runner, self.dtype = index, runner, dtype
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        args, kwargs = self.inputs(hidden)[self.index]
+        args, kwargs = self.runner.layer_inputs(hidden, self.dtype)[self.index]
         out = self.parts[0](hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
 class Head(Rooted):
-    """Hidden states -> logits: the decoder's final norm, then the output embeddings."""
+    """The last layer's output -> logits: what the model's forward does after its last layer
+    (final norm, lm_head, a logit scale or cap, ...)."""
+
+    def __init__(self, paths: dict, runner: ModelRunner, dtype: torch.dtype):
+        super().__init__(paths)
+        self.runner, self.dtype = runner, dtype
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm, lm_head = self.parts
-        return lm_head(norm(hidden))
+        return self.runner.head(hidden, self.dtype)
 
 
 def _refuse(model: nn.Module, why: str):
@@ -79,8 +87,7 @@ def _refuse(model: nn.Module, why: str):
 
 
 def _parts(model: nn.Module):
-    """(decoder, embed, norm name, lm_head, parameter-free decoder children) read from the
-    model's structure."""
+    """(decoder, input embeddings) read from the model's structure."""
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -95,13 +102,7 @@ def _parts(model: nn.Module):
             "hf_stack: lm_head.weight is the input embeddings' weight (tie_word_embeddings): "
             "the embedding and the head sit on different pipeline stages; untie them first"
         )
-    others = [(n, m) for n, m in decoder.named_children() if m is not embed and n != "layers"]
-    weighted = [n for n, m in others if any(True for _ in m.parameters())]
-    if len(weighted) != 1:
-        _refuse(model, f"its decoder holds {weighted or 'no'} modules with parameters besides "
-                "the embeddings and the layers; the stack takes one, the final norm")  # fmt: skip
-    free = [m for n, m in others if n not in weighted]
-    return decoder, embed, weighted[0], lm_head, free
+    return decoder, embed
 
 
 def _outside(model: nn.Module, held: set) -> list[str]:
@@ -129,21 +130,41 @@ def hf_stack(model: nn.Module, *, text_only: bool = False) -> HFStack:
     from moe.interop.hf import HFMoELayer
     from moe.interop.hf_contract import HFExpertsLayer
 
-    decoder, embed, norm_name, lm_head, free = _parts(model)
+    decoder, embed = _parts(model)
     path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     base = path_of[id(decoder)]
-    inputs = LayerInputs(decoder, norm_name)
-    norm = getattr(decoder, norm_name)
-    check_split(model, decoder, embed, norm, lm_head, inputs)
-    shared = {path_of[id(m)]: m for m in free}  # rotary embeddings: every layer's
-    children: OrderedDict[str, nn.Module] = OrderedDict(embed=Embed({path_of[id(embed)]: embed}))
+    runner = ModelRunner(model, decoder, embed)
+    ran = probe(model, runner, embed)
+
+    def owning(modules, params: bool) -> dict:
+        """path -> module of those holding parameters (params) or only buffers themselves."""
+        out = {}
+        for m in modules:
+            own = any(True for _ in m.parameters(recurse=False))
+            keep = own if params else not own and any(True for _ in m.buffers(recurse=False))
+            path = path_of.get(id(m))
+            if keep and path is not None and not f"{base}.".startswith(f"{path}."):
+                out[path] = m  # (a module holding the decoder: its own tensors stay out)
+        return out
+
+    shared = owning(ran["before"] + ran["after"], params=False)  # rotary embeddings, ...
+    front, back = owning(ran["before"], params=True), owning(ran["after"], params=True)
+    both = sorted(set(front) & set(back))
+    if both:
+        _refuse(model, f"its forward runs {both} both before and after its layers")
+    inside = sorted(p for p in {**front, **back, **shared} if p.startswith(f"{base}.layers."))
+    if inside:
+        _refuse(model, f"its forward runs {inside[0]} (a decoder layer's) outside the layers")
+    dtype = ran["dtype"]
+    children: OrderedDict[str, nn.Module] = OrderedDict(embed=Embed({**front, **shared}, runner))
     for i, layer in enumerate(decoder.layers):
-        children[f"layer_{i}"] = Layer({f"{base}.layers.{i}": layer, **shared}, i, inputs)
-    children["head"] = Head({f"{base}.{norm_name}": norm, path_of[id(lm_head)]: lm_head})
+        paths = {f"{base}.layers.{i}": layer, **shared}
+        children[f"layer_{i}"] = Layer(paths, i, runner, dtype)
+    children["head"] = Head({**back, **shared}, runner, dtype)
     stack = HFStack(children)
     outside = _outside(model, {id(p) for p in stack.parameters()})
     if outside and not text_only:
-        _refuse(model, f"parameters outside its text decoder ({', '.join(outside)}) run before "
+        _refuse(model, f"parameters outside what the stack runs ({', '.join(outside)}) run before "
                 "or beside the text stack on inputs the stages do not carry (a vision tower "
                 "on images); hf_stack(model, text_only=True) pipelines the text path alone")  # fmt: skip
     converted = [m for m in model.modules() if isinstance(m, (HFMoELayer, HFExpertsLayer))]
