@@ -233,26 +233,46 @@ def fp8_variants(p, M, D):
     (a gradient's two forms), and column values from gathered kept codes (DEQ + GATHER).
     Imported here, not with this module: @triton.jit picks compiled or interpreted when the
     kernel module is imported, and the tests import this module before TRITON_INTERPRET is set."""
+    from moe.fp8 import triton_blocks
     from moe.fp8 import triton_quant as fp8_quant
 
     args = dict(x_ptr=p, ids_ptr="*i64", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-                qc_ptr="*fp8e4nv", sc_ptr="*fp32", offsets_ptr="*i32", M=M, K=D, G=8,
-                stride_xm=D, col_s1=M, col_s2=0, n_row_programs=M // 4, floor="fp32")  # fmt: skip
+                qv_ptr=p, qc_ptr="*fp8e4nv", sc_ptr="*fp32", offsets_ptr="*i32", M=M, K=D, G=8,
+                stride_xm=D, xs_nb=1, xs_block=D, col_s1=M, col_s2=0, n_row_programs=M // 4,
+                floor="fp32")  # fmt: skip
     blocks = dict(BLOCK_M=fp8_quant.ROW_BLOCK_M, BLOCK_K=fp8_quant._row_block_k(D),
                   CBLOCK_M=fp8_quant.COL_BLOCK_M, CBLOCK_K=fp8_quant._col_block_k(D))  # fmt: skip
-    table = (  # label, ROWS, COLS, VALUES, DEQ, GATHER, POW2, overrides
-        ("rows", True, False, False, False, False, False, {}),
-        ("rows pow2", True, False, False, False, False, True, {}),
-        ("rows + transposed codes", True, True, False, False, False, True, {}),
-        ("rows + column values", True, True, True, False, False, True, {"qc_ptr": "*bf16"}),
-        ("column values of kept codes", False, True, True, True, True, True,
+    table = (  # label, ROWS, COLS, VALUES, ROW_VALUES, DEQ, GATHER, POW2, overrides
+        ("rows", True, False, False, False, False, False, False, {}),
+        ("rows pow2", True, False, False, False, False, False, True, {}),
+        ("rows + transposed codes", True, True, False, False, False, False, True, {}),
+        ("rows + column values", True, True, True, False, False, False, True, {"qc_ptr": "*bf16"}),
+        ("1 x 128 rows + values", True, False, False, True, False, False, True, {"K": 128}),
+        ("column values of kept codes", False, True, True, False, True, True, True,
          {"qc_ptr": "*bf16", "x_ptr": "*u8"}),
+        ("tile columns of kept 1 x 128 codes", False, True, True, False, True, True, True,
+         {"qc_ptr": "*bf16", "x_ptr": "*u8", "xs_nb": D // 128, "xs_block": 128}),
     )  # fmt: skip
-    for label, by_rows, cols, values, deq, gather, pow2, over in table:
-        consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, VALUES=values, DEQ=deq,
-                      GATHER=gather)  # fmt: skip
+    for label, by_rows, cols, values, row_values, deq, gather, pow2, over in table:
+        consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, VALUES=values,
+                      ROW_VALUES=row_values, DEQ=deq, GATHER=gather)  # fmt: skip
         kernel = fp8_quant._quant_kernel
         yield f"fp8 quant {label}", kernel, dict(args, **over), consts, None, False, False
+    wb = dict(w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", v_ptr=p, K=D, N=D, kb=D // 128,
+              nb=D // 128, floor="fp32")  # fmt: skip
+    consts = dict(POW2=True, B=128, R=triton_blocks.WEIGHT_CHUNK)
+    yield (
+        "fp8 weight 128 x 128 blocks",
+        triton_blocks._weight_blocks_kernel,
+        wb,
+        consts,
+        None,
+        False,
+        False,
+    )
+    dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128)
+    consts = dict(BLOCK_M=16, BLOCK_K=128)
+    yield "fp8 dequantize 1 x 128", triton_blocks._dequantize_kernel, dq, consts, None, False, False
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):

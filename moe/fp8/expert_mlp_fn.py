@@ -21,7 +21,7 @@ from moe.fp8.grouped_mm import (
     kept_input,
     quantize_input,
 )
-from moe.fp8.operands import GradOperand, wgrad_input
+from moe.fp8.operands import GradOperand, scaling_groups, wgrad_input
 from moe.fp8.quant import group_of_rows
 from moe.kernels.activations import activation_backward, apply_activation
 from moe.kernels.torch_grouped_mm import wgrad_groups
@@ -107,7 +107,8 @@ class _FP8MLP(torch.autograd.Function):
         if d_rw_needed or (need[4] and not kept_a):  # recomputed where not kept
             a_RF, a_w = _activation(h_RF, g_RF, w_R1, ctx.activation)
         fp8_wgrad = not bf16_wgrad
-        g_y = GradOperand(dy_RD, op, fp8_wgrad and need[4])
+        groups = scaling_groups(op, dy_RD.shape[0], dy_RD) if fp8_wgrad else None
+        g_y = GradOperand(dy_RD, op, fp8_wgrad and need[4], groups)
         dw2 = None
         if need[4]:  # the down GEMM's input: its e4m3 form as the forward made it, or itself
             if bf16_wgrad:
@@ -119,7 +120,7 @@ class _FP8MLP(torch.autograd.Function):
                         if save_fp8
                         else (a_w,)
                     )
-                dw2 = g_y.wgrad(wgrad_input(tuple(kept_a), None, op, dy_RD), w2)
+                dw2 = g_y.wgrad(wgrad_input(tuple(kept_a), None, op, groups), w2)
         del a_w
         da_w = g_y.dgrad(w2, x_dtype)
         del g_y
@@ -129,8 +130,12 @@ class _FP8MLP(torch.autograd.Function):
         dh, dg = activation_backward(da, h_RF, ctx.activation, g_RF)
         del da, da_w
         db1 = _row_bias_grad(dh, group_R, b1) if b1 is not None and need[6] else None
-        g_h = GradOperand(dh.contiguous(), op, fp8_wgrad and need[3])
-        g_g = GradOperand(dg.contiguous(), op, fp8_wgrad and need[5]) if dg is not None else None
+        g_h = GradOperand(dh.contiguous(), op, fp8_wgrad and need[3], groups)
+        g_g = (
+            GradOperand(dg.contiguous(), op, fp8_wgrad and need[5], groups)
+            if dg is not None
+            else None
+        )
         dx = None
         if need[0]:  # with ids_R, each GEMM's rows summed into their tokens (index_select's
             # gradient) one after the other: no [R, D] sum of the two
@@ -148,7 +153,7 @@ class _FP8MLP(torch.autograd.Function):
             if bf16_wgrad:
                 x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
             else:
-                x_RD = wgrad_input(tuple(kept_x), ids_R, op, dy_RD)
+                x_RD = wgrad_input(tuple(kept_x), ids_R, op, groups)
         dw1 = dw3 = None
         if need[3]:
             dw1 = _wgrad(x_RD, dh, op, True, w1) if bf16_wgrad else g_h.wgrad(x_RD, w1)

@@ -161,6 +161,13 @@ def _fwd_quantized_op(
     returns them): the same values as that op on x, without quantizing x again (the expert
     MLP's gate GEMM shares the up GEMM's e4m3 x)."""
     if recipe == "blockwise":
+        if blockwise.fused(q_MK, w_EKN, pow2):
+            from moe.fp8.triton_blocks import dequantize_triton
+
+            x_v = dequantize_triton(q_MK, s_MB, torch.bfloat16)
+            return mm_groups(x_v, blockwise.weight_values(w_EKN, pow2, floor), offsets_E).to(
+                out_dtype
+            )
         x_q = blockwise.saved_x(q_MK, s_MB)
         y = mm_exact(x_q, blockwise.weight(w_EKN, pow2, floor), offsets_E, pow2)
         return y.to(out_dtype)

@@ -111,24 +111,25 @@ def _decode(code):
 
 
 @triton.jit
-def _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm,
+def _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_block,
           DEQ: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
-    """x's tile in float32: rows gathered through ids (GATHER), codes times their row scales
-    (DEQ: x is e4m3 codes given as uint8, xs the float32 row scales)."""
+    """x's tile in float32: rows gathered through ids (GATHER), codes times their scales
+    (DEQ: x is e4m3 codes given as uint8, xs the float32 scales, xs_nb per row, each for
+    xs_block columns: 1 and K for row scales, K / 128 and 128 for 1 x 128 blocks)."""
     src = rows.to(tl.int64)
     if GATHER:
         src = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=ok, other=0)
     if DEQ:
-        s = tl.load(xs_ptr + src, mask=row_ok, other=1.0)
-        return _decode(x) * s[:, None]
+        s = tl.load(xs_ptr + src[:, None] * xs_nb + cols[None, :] // xs_block, mask=ok, other=1.0)
+        return _decode(x) * s
     return x.to(tl.float32)
 
 
 @triton.jit
 def _rows_part(
-    pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
-    POW2: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb, xs_block, floor,
+    POW2: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr, ROW_VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -137,7 +138,8 @@ def _rows_part(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (cols[None, :] < K)
-        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_block,
+                  DEQ, GATHER)  # fmt: skip
         amax = _nan_max(amax, tl.reduce(tl.abs(x), 1, _nan_max))
     scale = _scale(amax, floor, POW2)
     tl.store(s_ptr + rows, scale, mask=row_ok)
@@ -145,18 +147,23 @@ def _rows_part(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (cols[None, :] < K)
-        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_block,
+                  DEQ, GATHER)  # fmt: skip
         v = x / scale[:, None]
         c = cap[:, None]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))  # NaN stays NaN
         q = _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # the bits as they are
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=ok)
+        at = rows[:, None].to(tl.int64) * K + cols[None, :]
+        tl.store(q_ptr + at, q, mask=ok)
+        if ROW_VALUES:  # also code x scale (exact in bf16 with POW2)
+            y = _e4m3_value(v) * scale[:, None]
+            tl.store(qv_ptr + at, y.to(qv_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _cols_part(
-    pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm, col_s1,
-    col_s2, floor, POW2: tl.constexpr, VALUES: tl.constexpr, DEQ: tl.constexpr,
+    pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm, xs_nb,
+    xs_block, col_s1, col_s2, floor, POW2: tl.constexpr, VALUES: tl.constexpr, DEQ: tl.constexpr,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     n_kb = tl.cdiv(K, BLOCK_K)
@@ -171,7 +178,8 @@ def _cols_part(
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         ok = row_ok[:, None] & col_ok[None, :]
-        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_block,
+                  DEQ, GATHER)  # fmt: skip
         amax = _nan_max(amax, tl.reduce(tl.abs(x), 0, _nan_max))
     scale = _scale(amax, floor, POW2)
     tl.store(sc_ptr + g * K + cols, scale, mask=cols < tl.where(g < G, K, 0))  # not the tail's
@@ -180,7 +188,8 @@ def _cols_part(
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         ok = row_ok[:, None] & col_ok[None, :]
-        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, DEQ, GATHER)
+        x = _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_block,
+                  DEQ, GATHER)  # fmt: skip
         v = x / scale[None, :]
         c = cap[None, :]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))
@@ -197,29 +206,30 @@ def _cols_part(
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr,
-    M, K, G, stride_xm, col_s1, col_s2, n_row_programs, floor,
+    x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, qc_ptr, sc_ptr, offsets_ptr,
+    M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, n_row_programs, floor,
     POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, VALUES: tl.constexpr,
-    DEQ: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    CBLOCK_M: tl.constexpr, CBLOCK_K: tl.constexpr,
+    ROW_VALUES: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CBLOCK_M: tl.constexpr, CBLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, n_row_programs): row blocks (ROWS); the rest: (group, column block) tiles
     (COLS)."""
     pid = tl.program_id(0)
     if ROWS and COLS:
         if pid < n_row_programs:
-            _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
-                       POW2, DEQ, GATHER, BLOCK_M, BLOCK_K)  # fmt: skip
+            _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb,
+                       xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, BLOCK_M, BLOCK_K)  # fmt: skip
         else:
             _cols_part(pid - n_row_programs, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr,
-                       M, K, G, stride_xm, col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER,
-                       CBLOCK_M, CBLOCK_K)  # fmt: skip
+                       M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES,
+                       DEQ, GATHER, CBLOCK_M, CBLOCK_K)  # fmt: skip
     elif ROWS:
-        _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, M, K, stride_xm, floor,
-                   POW2, DEQ, GATHER, BLOCK_M, BLOCK_K)  # fmt: skip
+        _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb,
+                   xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, BLOCK_M, BLOCK_K)  # fmt: skip
     else:
         _cols_part(pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm,
-                   col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER, CBLOCK_M, CBLOCK_K)  # fmt: skip
+                   xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER, CBLOCK_M,
+                   CBLOCK_K)  # fmt: skip
 
 
 ROW_BLOCK_M, COL_BLOCK_M = 4, 32  # rows per program: row blocks; the column tiles' row step
@@ -244,6 +254,8 @@ def quantize(
     transposed: tuple[int, int, tuple] | None = None,
     ids: torch.Tensor | None = None,
     row_scales: torch.Tensor | None = None,
+    row_values: torch.dtype | None = None,
+    scale_block: int | None = None,
 ):
     """One launch: (q, s) the row-wise codes and scales (rows=True), and (qc, sc) the columns
     scaled within the groups of rows ending at `groups` (int32 cumulative ends; rows past the
@@ -253,17 +265,21 @@ def quantize(
     that shape) and sc [G, K] the scales. Absent parts are None.
 
     x [N, K] with unit column stride, or contiguous [..., K] (its rows; q takes x's shape);
-    ids [M]: x's rows read at ids (else M = N); row_scales [N, 1]: x holds e4m3 codes
-    (float8_e4m3fn or their uint8 view) with these scales."""
+    ids [M]: x's rows read at ids (else M = N); row_scales [N, nb]: x holds e4m3 codes
+    (float8_e4m3fn or their uint8 view) with these scales (one per row, or per 1 x K / nb
+    block of scale_block columns, default K / nb). row_values a dtype: the row-wise part also
+    writes its dequantized values in it, returned as a fifth result."""
     K = x.shape[-1]
     shape = x.shape if ids is None else (ids.shape[0], K)
     x = x if x.dim() == 2 else x.view(math.prod(x.shape[:-1]), K)
     M = ids.shape[0] if ids is not None else x.shape[0]
     dev = x.device
-    q = s = qc = sc = None
+    q = s = qc = sc = qv = None
     if rows:
         q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
         s = torch.empty((M, 1), dtype=torch.float32, device=dev)
+        if row_values is not None:
+            qv = torch.empty(shape, dtype=row_values, device=dev)
     G = 0 if groups is None else groups.shape[0]
     if groups is not None:
         sc = torch.empty((G, K), dtype=torch.float32, device=dev)  # (values: scratch)
@@ -276,23 +292,31 @@ def quantize(
         if qc is not None:
             qc.zero_()
         if rows and M and K:
-            q, s, _, _ = quantize(x, pow2, floor, ids=ids, row_scales=row_scales)
-        return q, s, qc, (None if values is not None else sc)
+            q, s, *_, qv = quantize(x, pow2, floor, ids=ids, row_scales=row_scales,
+                                    row_values=row_values)  # fmt: skip
+        return _results(q, s, qc, None if values is not None else sc, qv)
     s1, s2 = transposed[:2] if transposed is not None else (M, 0)
     n_rows = triton.cdiv(M, ROW_BLOCK_M) if rows else 0
     n_cols = (G + 1) * triton.cdiv(K, _col_block_k(K)) if groups is not None else 0
     x_in = x.detach().view(torch.uint8) if row_scales is not None else x.detach()
+    xs_nb = row_scales.shape[-1] if row_scales is not None else 1
     dummy = s if s is not None else sc
     _quant_kernel[(n_rows + n_cols,)](
         x_in, ids if ids is not None else dummy, row_scales if row_scales is not None else dummy,
         q if q is not None else dummy, s if s is not None else dummy,
-        qc if n_cols else dummy, sc if sc is not None else dummy,
-        groups if n_cols else dummy, M, K, G, x.stride(0), s1, s2, n_rows, float(floor),
-        POW2=pow2, ROWS=rows, COLS=bool(n_cols), VALUES=values is not None,
-        DEQ=row_scales is not None, GATHER=ids is not None, BLOCK_M=ROW_BLOCK_M,
-        BLOCK_K=_row_block_k(K), CBLOCK_M=COL_BLOCK_M, CBLOCK_K=_col_block_k(K),
+        qv if qv is not None else dummy, qc if n_cols else dummy, sc if sc is not None else dummy,
+        groups if n_cols else dummy, M, K, G, x.stride(0), xs_nb, scale_block or triton.cdiv(K, xs_nb), s1, s2,
+        n_rows, float(floor), POW2=pow2, ROWS=rows, COLS=bool(n_cols),
+        VALUES=values is not None, ROW_VALUES=qv is not None, DEQ=row_scales is not None,
+        GATHER=ids is not None, BLOCK_M=ROW_BLOCK_M, BLOCK_K=_row_block_k(K),
+        CBLOCK_M=COL_BLOCK_M, CBLOCK_K=_col_block_k(K),
     )  # fmt: skip
-    return q, s, qc, (None if values is not None else sc)
+    return _results(q, s, qc, None if values is not None else sc, qv)
+
+
+def _results(q, s, qc, sc, qv) -> tuple:
+    """(q, s, qc, sc), and qv when row values were asked for."""
+    return (q, s, qc, sc) if qv is None else (q, s, qc, sc, qv)
 
 
 def quantize_rows_triton(x: torch.Tensor, pow2: bool, floor: float):

@@ -1,0 +1,96 @@
+"""The blockwise recipe's one-launch operands (moe/fp8/triton_blocks.py, the CUDA path of
+moe/fp8/blockwise.py, issue 61), run in Triton's interpreter on CPU: the weight's 128 x 128
+blocks, the weight gradient's tile groups and the codes' values against the eager quantizers
+bit for bit, and the expert MLP through the fused path against the eager chain."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from moe.fp8 import quant as Q  # noqa: E402
+from moe.fp8.triton_blocks import (  # noqa: E402
+    dequantize_triton,
+    tile_ends,
+    weight_blocks_triton,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_weight_blocks_as_the_eager_quantizer():
+    """Codes, one scale per 128 x 128 block (partial blocks at both edges) and the values in
+    bf16 (exact with power-of-two scales); a block holding Inf is non-finite, a zero block
+    stays zero, a block of tiny values keeps e4m3's precision."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 200, 136, generator=g).bfloat16()
+    w[0, 5, 7] = float("inf")
+    w[0, 128:, :128] = 0
+    w[0, 128:, 128:] *= 1e-30
+    q, s, v = weight_blocks_triton(w.to(DEV), 128, True, Q.AMAX_FLOOR, torch.bfloat16)
+    q_ref, s_ref = Q.quantize_weight_blocks(w, 128, True, Q.AMAX_FLOOR)
+    finite = s_ref.isfinite()
+    assert torch.equal(s.cpu().nan_to_num(), s_ref.nan_to_num())
+    live = Q.expand_weight_blocks(finite, 200, 136, 128)  # (Inf block: codes +-0 / NaN)
+    assert torch.equal(q.cpu().float()[live], q_ref.float()[live])
+    want = Q.dequantize(q_ref, Q.expand_weight_blocks(s_ref, 200, 136, 128), torch.bfloat16)
+    assert torch.equal(v.cpu()[live], want[live]) and v.cpu()[~live].isnan().any()
+    assert (v.cpu()[0, 128:, :128] == 0).all()
+    tiny = w[0, 128:, 128:].double()
+    rel = ((v.cpu()[0, 128:, 128:].double() - tiny).norm() / tiny.norm()).item()
+    assert rel < 2**-4
+
+
+def test_tile_ends_are_the_row_tiles():
+    """Each expert's rows cut into 128-row tiles (last partial, empty experts none), then the
+    last offset repeated: the same segments as quant.row_tiles."""
+    offsets = torch.tensor([0, 300, 300, 429, 700], dtype=torch.int32)
+    M = 750  # 50 tail rows
+    ends = tile_ends(offsets.to(DEV), M, 128).cpu()
+    seg, S = Q.row_tiles(offsets, M, 128)
+    assert ends.shape == (M // 128 + 5 + 1,)
+    rows = torch.arange(M)
+    got = torch.searchsorted(ends, rows.int(), right=True)
+    live = rows < 700
+    assert torch.equal(got[live], seg[live]) and (got[~live] == ends.shape[0]).all()
+
+
+def test_dequantize_blocks_in_one_launch():
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(1)) * 5
+    q, s = Q.quantize_blocks(x, 128, True, Q.AMAX_FLOOR)
+    got = dequantize_triton(q.to(DEV), s.to(DEV), torch.bfloat16).cpu()
+    assert torch.equal(got, Q.dequantize_blocks(q, s, 128, torch.bfloat16))
+
+
+def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
+    """The FP8 expert MLP, blockwise, with every operand from the one-launch kernels (the CUDA
+    path, interpreted here): the eager chain's output and gradients (the same e4m3 values; the
+    GEMMs on bf16 operands, exact, accumulated as the eager float32 GEMMs)."""
+    from moe.fp8 import FP8Config, blockwise, fp8_expert_mlp, operands
+    from moe.kernels.expert_rows import ExpertRows
+
+    g = torch.Generator().manual_seed(3)
+    T, D, F, E = 40, 128, 128, 2
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ws = [torch.randn(E, *s, generator=g).bfloat16() * 0.1 for s in ((D, F), (F, D), (D, F))]
+    ids = torch.randint(0, T, (140,), generator=g)
+    offsets = torch.tensor([0, 131], dtype=torch.int32)  # an empty expert, > 1 tile, a tail
+    cfg = FP8Config(experts=True, recipe="blockwise")
+
+    def run(fused):
+        monkeypatch.setattr(operands, "one_launch", lambda t, op: fused and op[1])
+        monkeypatch.setattr(
+            blockwise, "fused", lambda t, w, pow2: fused and pow2 and w.shape[1] % 128 == 0
+        )
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        y = fp8_expert_mlp(leaves[0], offsets, *leaves[1:], activation="swiglu",
+                           rows=ExpertRows(gather_ids_R=ids), config=cfg)  # fmt: skip
+        y.float().square().sum().backward()
+        return [y.detach().float()] + [t.grad.float() for t in leaves]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-5), (got - want).abs().max()
