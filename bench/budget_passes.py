@@ -109,7 +109,7 @@ PASSES = {
     "wgrad order": (
         "experts ordered busiest first for the weight-gradient grid",
         "-",
-        "kept (5 tiny launches on E ints per weight-gradient GEMM)",
+        "kept: 5 tiny launches on E ints, once per backward (was once per weight-gradient GEMM)",
     ),
     "combine map": (
         "the sum into tokens' inverse map: each token's rows (was: sort + searchsorted, fwd and "

@@ -34,6 +34,7 @@ def test_removed_passes_stay_removed(tiny):
         assert passes["combine map"].launches <= 2, variant  # one sort of [T, k] (+ its copy)
         assert passes["router upcast"].launches <= 3 * ROUTER_DEVICE_CHUNKS, variant
     assert tiny["bf16 triton"]["row weight grad"].launches == 1  # the partials' sum, no zeros
+    assert tiny["bf16 triton"]["wgrad order"].launches <= 5  # one expert order, both GEMMs
     assert "act" not in tiny["bf16 triton"] and "act bwd" not in tiny["bf16 triton"]
 
 

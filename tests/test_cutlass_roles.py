@@ -261,7 +261,7 @@ def test_opcheck_with_cutlass_roles():
 
     case = make([4, 0, 4], 4, 16, 16, "gelu", torch.float32 if not HAS_CUDA else torch.bfloat16)
     x, w1 = case["x"].requires_grad_(), case["w1"].requires_grad_()
-    args = (x, case["offsets"], w1, case["w2"], None, None, None, case["ids"], case["rw"],
+    args = (x, case["offsets"], w1, case["w2"], None, None, None, case["ids"], case["rw"], None,
             "gelu", True, True, ",".join(ROLES))  # fmt: skip
     torch.library.opcheck(torch.ops.moe.triton_expert_mlp.default, args)
 

@@ -36,6 +36,7 @@ from moe.kernels.triton.common import check_device, out_dtype_ok
 from moe.kernels.triton.expert_mlp_backward import backward_act, backward_input, backward_w2
 from moe.kernels.triton.gather_sum import rows_to_tokens, sorted_token_rows
 from moe.kernels.triton.grouped_mm import EPI_ACT, EPI_PLAIN, ragged_mm
+from moe.kernels.triton.grouped_mm_wgrad import busiest_first
 
 
 def _num_out_rows(x_ND: Tensor, gather_ids_R: Tensor | None, sum_to_tokens: bool) -> int:
@@ -144,15 +145,18 @@ def _backward(ctx, dy, _d_pre):
         d_out_RD, offsets_L, w2, b2, pre, row_weights_R, ctx.activation, need_w, ctx.cutlass
     )
     del pre  # the pre-activation is released here, before the input step
+    order_E = None  # the experts busiest first: one order for the Triton weight gradients
+    if need_w and not all(cutlass_mm.on(ctx.cutlass, r) for r in ("wgrad13", "wgrad2")):
+        order_E = busiest_first(offsets_L)
     dx, dw1, dw3, db1 = backward_input(
-        dpre, x_ND, offsets_L, w1, w3, gather_ids_R, token_rows_TK, ctx.activation, need_x,
-        need_w, ctx.has_b1 and need[5], ctx.cutlass,
+        dpre, x_ND, offsets_L, w1, w3, gather_ids_R, token_rows_TK, order_E, ctx.activation,
+        need_x, need_w, ctx.has_b1 and need[5], ctx.cutlass,
     )  # fmt: skip
     del dpre  # released before the last weight gradient exists: dW2 comes last
     dw2 = db2 = None
     if need_w:
         dw2, db2 = backward_w2(
-            a_RF, d_out_RD, offsets_L, row_weights_R, ctx.has_b2 and need[6], ctx.cutlass
+            a_RF, d_out_RD, offsets_L, row_weights_R, order_E, ctx.has_b2 and need[6], ctx.cutlass
         )
     del a_RF, d_out_RD
     gated = ctx.activation in GATED

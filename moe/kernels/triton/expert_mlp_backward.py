@@ -85,11 +85,13 @@ def backward_w2(
     d_out_RD: Tensor,
     offsets_L: Tensor,
     row_weights_R: Tensor | None,
+    order_E: Tensor | None,
     need_b2: bool,
     cutlass: str = "",
 ) -> tuple[Tensor, Tensor]:
-    """(dW2, db2): the last step, after dpre is released (db2 empty unless asked for)."""
-    check_device(a_RF, d_out_RD, offsets_L, row_weights_R)
+    """(dW2, db2): the last step, after dpre is released (db2 empty unless asked for). order_E:
+    the experts busiest first (busiest_first), shared with the input step; None: made here."""
+    check_device(a_RF, d_out_RD, offsets_L, row_weights_R, order_E)
     L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
     scaled = row_weights_R is not None
     db2 = d_out_RD.new_empty(0)
@@ -105,11 +107,11 @@ def backward_w2(
         dw2 = cutlass_mm.wgrad2(a_RF, d_out_RD, offsets_L)
     else:
         dw2 = a_RF.new_empty(L, F, D)
-        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f)
+        ragged_reduce_mm(a_RF, d_out_RD, offsets_L, dw2, dbias_EJ=db2_f, order_E=order_E)
     if need_b2 and scaled:  # db2[e] = sum of s[m] * dout[m]: a K = 1 ragged reduction
         db2_L1D = a_RF.new_empty(L, 1, D)
         s_R1 = row_weights_R.to(d_out_RD.dtype).unsqueeze(1)
-        ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D)
+        ragged_reduce_mm(s_R1, d_out_RD, offsets_L, db2_L1D, order_E=order_E)
         db2 = db2_L1D.view(L, D)
     elif need_b2:
         db2 = db2_f.to(d_out_RD.dtype)
@@ -117,7 +119,7 @@ def backward_w2(
 
 
 @backward_w2.register_fake
-def _backward_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, need_b2, cutlass=""):
+def _backward_w2_fake(a_RF, d_out_RD, offsets_L, row_weights_R, order_E, need_b2, cutlass=""):
     L, F, D = offsets_L.shape[0], a_RF.shape[1], d_out_RD.shape[1]
     db2 = d_out_RD.new_empty(L, D) if need_b2 else d_out_RD.new_empty(0)
     return a_RF.new_empty(L, F, D), db2
@@ -132,6 +134,7 @@ def backward_input(
     w3_LDF: Tensor | None,
     gather_ids_R: Tensor | None,
     token_rows_TK: Tensor | None,
+    order_E: Tensor | None,
     activation: str,
     need_x: bool,
     need_w: bool,
@@ -139,8 +142,9 @@ def backward_input(
     cutlass: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, dw3, db1) from dpre = [dh | dg]; the ones not asked for are empty. dx rows are
-    summed into tokens through token_rows_TK (each token's rows, ascending) when given."""
-    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, token_rows_TK)
+    summed into tokens through token_rows_TK (each token's rows, ascending) when given; order_E
+    as for backward_w2."""
+    check_device(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, token_rows_TK, order_E)
     gated = activation in GATED
     L, D, F = w1_LDF.shape
     R = dpre.shape[0]
@@ -173,7 +177,7 @@ def backward_input(
         dw3 = dw3 if gated else empty()
     elif need_w:
         db1_f = torch.empty(L, F, device=x_ND.device, dtype=torch.float32) if need_b1 else None
-        order = busiest_first(offsets_L)
+        order = busiest_first(offsets_L) if order_E is None else order_E
         dw1 = w1_LDF.new_empty(L, D, F)
         dw3 = w1_LDF.new_empty(L, D, F) if gated else dw3  # one launch: dpre = [dh | dg]
         ragged_reduce_mm(
@@ -186,7 +190,7 @@ def backward_input(
 
 @backward_input.register_fake
 def _backward_input_fake(dpre, x_ND, offsets_L, w1_LDF, w3_LDF, gather_ids_R, token_rows_TK,
-                         activation, need_x, need_w, need_b1, cutlass=""):  # fmt: skip
+                         order_E, activation, need_x, need_w, need_b1, cutlass=""):  # fmt: skip
     L, D, F = w1_LDF.shape
     empty = lambda: x_ND.new_empty(0)
     dx = x_ND.new_empty(x_ND.shape) if need_x else empty()
