@@ -192,6 +192,7 @@ def test_layout_is_peft_delta_weight():
         ("mixtral", ALL, 2, False),  # spare slots: canonical expert order written
         ("olmoe", ALL, 0, True),  # the router's adapter too (PEFT: mlp.gate.weight)
         ("qwen3_moe", ("w3",), 0, False),  # gate_up_proj alone, up half only
+        ("qwen3_moe", ("w1", "w3"), 0, False),  # gate_up_proj alone at rank 2r: lora_alpha 2a
         ("qwen3_moe", ("w1", "w2"), 0, True),
         ("qwen2_moe", ALL, 0, True),  # shared expert adapters: their nn.Linear weights
         ("deepseek_v3", ALL, 0, True),  # the same where PEFT converts v4 target_modules
