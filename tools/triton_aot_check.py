@@ -248,6 +248,8 @@ def fp8_variants(p, M, D):
         ("rows + transposed codes", True, True, False, False, False, False, True, {}),
         ("rows + column values", True, True, True, False, False, False, True, {"qc_ptr": "*bf16"}),
         ("1 x 128 rows + values", True, False, False, True, False, False, True, {"K": 128}),
+        ("1 x 128 rows, values only", True, False, False, True, False, False, True,
+         {"K": 128, "ROW_CODES": False}),
         ("column values of kept codes", False, True, True, False, True, True, True,
          {"qc_ptr": "*bf16", "x_ptr": "*u8"}),
         ("tile columns of kept 1 x 128 codes", False, True, True, False, True, True, True,
@@ -255,9 +257,11 @@ def fp8_variants(p, M, D):
     )  # fmt: skip
     for label, by_rows, cols, values, row_values, deq, gather, pow2, over in table:
         consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, VALUES=values,
-                      ROW_VALUES=row_values, DEQ=deq, GATHER=gather)  # fmt: skip
+                      ROW_VALUES=row_values, ROW_CODES=over.get("ROW_CODES", True), DEQ=deq,
+                      GATHER=gather)  # fmt: skip
         kernel = fp8_quant._quant_kernel
-        yield f"fp8 quant {label}", kernel, dict(args, **over), consts, None, False, False
+        kargs = dict(args, **{k: v for k, v in over.items() if k != "ROW_CODES"})
+        yield f"fp8 quant {label}", kernel, kargs, consts, None, False, False
     wb = dict(w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", v_ptr=p, K=D, N=D, kb=D // 128,
               nb=D // 128, floor="fp32")  # fmt: skip
     consts = dict(POW2=True, B=128, R=triton_blocks.WEIGHT_CHUNK)

@@ -64,14 +64,15 @@ def weight_values(w_EKN: Tensor, pow2: bool, floor: float) -> Tensor:
     return cached_form(("blocks values", pow2, floor), w_EKN, make)[2]
 
 
-def block_rows(x_MK: Tensor, pow2: bool, floor: float):
-    """(fused) x's 1 x 128 blocks, one launch: (codes [M, K], scales [M, K / 128], values bf16)."""
+def block_rows(x_MK: Tensor, pow2: bool, floor: float, codes: bool = True):
+    """(fused) x's 1 x 128 blocks, one launch: (codes [M, K] or None without `codes`, scales
+    [M, K / 128], values bf16)."""
     from moe.fp8.triton_quant import quantize
 
     M, K = x_MK.shape
     q, s, _, _, v = quantize(x_MK.contiguous().view(-1, BLOCK), pow2, floor,
-                             row_values=torch.bfloat16)  # fmt: skip
-    return q.view(M, K), s.view(M, K // BLOCK), v.view(M, K)
+                             row_values=torch.bfloat16, row_codes=codes)  # fmt: skip
+    return (q.view(M, K) if codes else None), s.view(M, K // BLOCK), v.view(M, K)
 
 
 def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float):
@@ -94,7 +95,7 @@ def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
 def dgrad(dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
     if fused(dy_MN, w_EKN, pow2):
         w_ENK = weight_values(w_EKN, pow2, floor).transpose(1, 2)  # a view: the same blocks
-        return mm_groups(block_rows(dy_MN, pow2, floor)[2], w_ENK, offsets_E)
+        return mm_groups(block_rows(dy_MN, pow2, floor, codes=False)[2], w_ENK, offsets_E)
     q_MN, s_MB = quantize_blocks(dy_MN, BLOCK, pow2, floor)
     w_ENK = weight(w_EKN, pow2, floor).transpose(1, 2).contiguous()
     return mm_exact(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E, pow2)

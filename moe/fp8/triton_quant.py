@@ -130,7 +130,7 @@ def _load(x_ptr, ids_ptr, xs_ptr, rows, cols, ok, row_ok, stride_xm, xs_nb, xs_b
 def _rows_part(
     pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb, xs_block, floor,
     POW2: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr, ROW_VALUES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROW_CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -154,7 +154,8 @@ def _rows_part(
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))  # NaN stays NaN
         q = _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # the bits as they are
         at = rows[:, None].to(tl.int64) * K + cols[None, :]
-        tl.store(q_ptr + at, q, mask=ok)
+        if ROW_CODES:
+            tl.store(q_ptr + at, q, mask=ok)
         if ROW_VALUES:  # also code x scale (exact in bf16 with POW2)
             y = _e4m3_value(v) * scale[:, None]
             tl.store(qv_ptr + at, y.to(qv_ptr.dtype.element_ty), mask=ok)
@@ -209,7 +210,7 @@ def _quant_kernel(
     x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, qc_ptr, sc_ptr, offsets_ptr,
     M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, n_row_programs, floor,
     POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, VALUES: tl.constexpr,
-    ROW_VALUES: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    ROW_VALUES: tl.constexpr, ROW_CODES: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CBLOCK_M: tl.constexpr, CBLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, n_row_programs): row blocks (ROWS); the rest: (group, column block) tiles
@@ -218,14 +219,14 @@ def _quant_kernel(
     if ROWS and COLS:
         if pid < n_row_programs:
             _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb,
-                       xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, BLOCK_M, BLOCK_K)  # fmt: skip
+                       xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, ROW_CODES, BLOCK_M, BLOCK_K)  # fmt: skip
         else:
             _cols_part(pid - n_row_programs, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr,
                        M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES,
                        DEQ, GATHER, CBLOCK_M, CBLOCK_K)  # fmt: skip
     elif ROWS:
         _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb,
-                   xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, BLOCK_M, BLOCK_K)  # fmt: skip
+                   xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, ROW_CODES, BLOCK_M, BLOCK_K)  # fmt: skip
     else:
         _cols_part(pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm,
                    xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER, CBLOCK_M,
@@ -256,6 +257,7 @@ def quantize(
     row_scales: torch.Tensor | None = None,
     row_values: torch.dtype | None = None,
     scale_block: int | None = None,
+    row_codes: bool = True,
 ):
     """One launch: (q, s) the row-wise codes and scales (rows=True), and (qc, sc) the columns
     scaled within the groups of rows ending at `groups` (int32 cumulative ends; rows past the
@@ -268,7 +270,8 @@ def quantize(
     ids [M]: x's rows read at ids (else M = N); row_scales [N, nb]: x holds e4m3 codes
     (float8_e4m3fn or their uint8 view) with these scales (one per row, or per 1 x K / nb
     block of scale_block columns, default K / nb). row_values a dtype: the row-wise part also
-    writes its dequantized values in it, returned as a fifth result."""
+    writes its dequantized values in it, returned as a fifth result (row_codes=False: the
+    values only, q None)."""
     K = x.shape[-1]
     shape = x.shape if ids is None else (ids.shape[0], K)
     x = x if x.dim() == 2 else x.view(math.prod(x.shape[:-1]), K)
@@ -276,7 +279,8 @@ def quantize(
     dev = x.device
     q = s = qc = sc = qv = None
     if rows:
-        q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
+        if row_codes or row_values is None:
+            q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
         s = torch.empty((M, 1), dtype=torch.float32, device=dev)
         if row_values is not None:
             qv = torch.empty(shape, dtype=row_values, device=dev)
@@ -293,7 +297,7 @@ def quantize(
             qc.zero_()
         if rows and M and K:
             q, s, *_, qv = quantize(x, pow2, floor, ids=ids, row_scales=row_scales,
-                                    row_values=row_values)  # fmt: skip
+                                    row_values=row_values, row_codes=row_codes)  # fmt: skip
         return _results(q, s, qc, None if values is not None else sc, qv)
     s1, s2 = transposed[:2] if transposed is not None else (M, 0)
     n_rows = triton.cdiv(M, ROW_BLOCK_M) if rows else 0
@@ -307,7 +311,8 @@ def quantize(
         qv if qv is not None else dummy, qc if n_cols else dummy, sc if sc is not None else dummy,
         groups if n_cols else dummy, M, K, G, x.stride(0), xs_nb, scale_block or triton.cdiv(K, xs_nb), s1, s2,
         n_rows, float(floor), POW2=pow2, ROWS=rows, COLS=bool(n_cols),
-        VALUES=values is not None, ROW_VALUES=qv is not None, DEQ=row_scales is not None,
+        VALUES=values is not None, ROW_VALUES=qv is not None, ROW_CODES=q is not None,
+        DEQ=row_scales is not None,
         GATHER=ids is not None, BLOCK_M=ROW_BLOCK_M, BLOCK_K=_row_block_k(K),
         CBLOCK_M=COL_BLOCK_M, CBLOCK_K=_col_block_k(K),
     )  # fmt: skip
