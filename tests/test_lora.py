@@ -222,6 +222,30 @@ def test_real_dropout_acts_in_training_only():
     assert torch.equal(layer(x), layer(x))
 
 
+def test_dense_adapters_drop_in_training_only():
+    """The shared experts' and the router's adapters (moe.lora.linear.DenseAdapter) drop their
+    input in training only, as the experts' do (their B non-zero: a zero B hides any mask)."""
+    cfg = LoRAConfig(rank=2, alpha=3.0, dropout=0.5, targets=("w1",), shared_experts=True,
+                     router=True)  # fmt: skip
+    layer = build(num_shared_experts=1, lora=cfg)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "lora_B" in name and "experts.lora" not in name:  # the dense adapters only
+                p.normal_()
+            elif "lora_B" in name:
+                p.zero_()
+    x = torch.randn(13, D, dtype=torch.float64)
+    torch.manual_seed(1)
+    y_a = layer(x)
+    torch.manual_seed(2)
+    assert not torch.equal(y_a, layer(x))  # another mask
+    layer.eval()
+    torch.manual_seed(1)
+    y_a = layer(x)
+    torch.manual_seed(2)
+    assert torch.equal(y_a, layer(x))
+
+
 @pytest.mark.parametrize("T", [1, 6])
 def test_triton_kernel(T, monkeypatch):
     pytest.importorskip("triton")
