@@ -86,7 +86,8 @@ def module_quirks(experts) -> Quirks:
     own `_apply_gate` (gated) or `act_fn`, interleaved or not, an up bias, a post norm, and its
     plain attributes (the scalars its function reads)."""
     cls, gated = type(experts), experts.has_gate
-    scalars = [(k, v) for k, v in sorted(vars(experts).items()) if k != "training"]
+    public = [(k, v) for k, v in sorted(vars(experts).items()) if not k.startswith("_")]
+    scalars = [(k, v) for k, v in public if k != "training"]  # (nn.Module's mode)
     return Quirks(
         experts_class=f"{cls.__module__}.{cls.__qualname__}",
         function="_apply_gate" if gated else "act_fn",
