@@ -143,30 +143,19 @@ def check_family(family: str) -> Result:
 
 
 def fp8_error(family: str) -> float | str:
-    """The converted model with moe's FP8 experts (FP8Config(experts=True), rowwise e4m3)
-    against transformers' float32 model: the logits' relative error (FP8 is approximate: a
-    figure, not a check of equality), or why it was not run. The contract layers are built
-    with the FP8 setting (MoEConfig.fp8 is chosen when a layer is built; from_hf takes no
-    layer options, so its option reader is wrapped here); the table families' layers keep
-    their settings: not run."""
-    from unittest import mock
-
+    """The converted model with moe's FP8 experts (`moe.from_hf(model, fp8=FP8Config(experts=
+    True))`, rowwise e4m3) against transformers' float32 model: the logits' relative error (FP8
+    is approximate: a figure, not a check of equality), or why it was not run."""
     from moe.fp8 import FP8Config
-    from moe.interop import hf_contract
 
     reference = tiny_model(family, torch.float32)
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    if moe.interop.hf_blocks(reference):
-        return "not run: a table family (its layers' settings come from hf_families.py)"
-    options = hf_contract.experts_options
-    fp8 = FP8Config(experts=True)
-    with mock.patch.object(hf_contract, "experts_options", lambda e: {**options(e), "fp8": fp8}):
-        try:
-            model = moe.from_hf(copy.deepcopy(reference))
-        except ValueError as e:
-            return f"not converted: {str(e).split(';')[0]}"
+    try:
+        model = moe.from_hf(copy.deepcopy(reference), fp8=FP8Config(experts=True))
+    except ValueError as e:
+        return f"not converted: {str(e).split(';')[0]}"
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = reference(input_ids=ids).logits

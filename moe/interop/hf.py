@@ -107,11 +107,12 @@ def _check_supported(model: nn.Module) -> None:
             )
 
 
-def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
+def from_hf(model: nn.Module, *, spare_slots: int = 0, fp8=None) -> nn.Module:
     """Replace every sparse-MoE block of a transformers model with an HFMoELayer computing the
     same function (weights copied). In place; returns the model. spare_slots: expert slots
     beyond the experts per layer (MoEConfig.spare_slots: replicas placed by
-    moe.parallel.rebalance_experts), each starting as a copy of an expert."""
+    moe.parallel.rebalance_experts), each starting as a copy of an expert. fp8: an
+    moe.fp8.FP8Config for every converted layer (MoEConfig.fp8: FP8 experts / dispatch)."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
     _check_supported(model)
     blocks = hf_blocks(model)
@@ -138,6 +139,7 @@ def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
             device=ref.device,
             dtype=ref.dtype,
             spare_slots=spare_slots,
+            fp8=fp8,
             **family.options(config),
         )
         # the router keeps float32 (float64 in a float64 model: its weights exactly)
@@ -147,7 +149,7 @@ def from_hf(model: nn.Module, *, spare_slots: int = 0) -> nn.Module:
         parent, attr = _parent(model, path)
         setattr(parent, attr, layer)
     for path, experts in contract:  # the family's block and router kept, experts moe's
-        hf_contract.convert(model, path, experts, spare_slots)
+        hf_contract.convert(model, path, experts, spare_slots, fp8)
     if blocks and model not in _ROUTER_LOGITS_GUARDS:
         _ROUTER_LOGITS_GUARDS[model] = model.register_forward_pre_hook(
             _refuse_router_logits, with_kwargs=True

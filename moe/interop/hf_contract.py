@@ -179,8 +179,9 @@ def write_back(experts: nn.Module, tensors: dict) -> None:
             view.copy_(tensors[name])
 
 
-def convert(model: nn.Module, path: str, experts: nn.Module, spare_slots: int = 0):
-    """Replace the experts module at `path` with an HFExpertsLayer (weights copied)."""
+def convert(model: nn.Module, path: str, experts: nn.Module, spare_slots: int = 0, fp8=None):
+    """Replace the experts module at `path` with an HFExpertsLayer (weights copied); fp8: the
+    layer's MoEConfig.fp8."""
     options = experts_options(experts)
     ref = experts.down_proj
     layer = HFExpertsLayer(
@@ -190,6 +191,7 @@ def convert(model: nn.Module, path: str, experts: nn.Module, spare_slots: int = 
         device=ref.device,
         dtype=ref.dtype,
         spare_slots=spare_slots,
+        fp8=fp8,
         **options,
     )
     _copy_in(layer, experts)
