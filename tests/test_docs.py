@@ -66,6 +66,8 @@ TOO_BIG = "too big for CI: --help here (the module and its parser load)"
 # Commands written inline in the prose -> ("run", extra arguments for a tiny size),
 # ("help", why) or ("skip", why).
 PROSE = {
+    "python -m pytest tests/test_hf_contract.py -k qwen3_moe": ("skip", "the suite's own test"),
+    "python -m tools.hf_support": ("help", "measures every family for minutes: " + TOO_BIG),
     "python3 -m venv": ("skip", "a fragment of the fenced venv command"),
     "bash .ci/run": ("skip", "is CI itself (the full run)"),
     "bash .ci/run tests/test_layer.py -x": ("skip", "is CI itself"),
