@@ -30,10 +30,11 @@ T_, D_, _, K_, F_ = SHAPE
         # 4-byte scale instead of 2 bytes, less the 4-byte scales of the two quantized copies
         # of x (up and gate quantize x each)
         (("titan-fp8", "titan-fp8-hp"), T_ * K_ * (2 * F_ - (F_ + 4) - 2 * 4)),
-        # moe's FP8 expert MLP recomputes the down-projection's input from h, g in both modes
-        # and keeps x once per token: as e4m3 + a 4-byte scale, or (hp) the layer's own input,
-        # which the layer keeps anyway (the router's input): no bytes of its own
-        (("fp8", "fp8-hp"), -T_ * (D_ + 4)),
+        # moe's FP8 expert MLP keeps x once per token: as e4m3 + a 4-byte scale, or (hp) the
+        # layer's own input, which the layer keeps anyway (the router's input): no bytes of its
+        # own; and with save_fp8 the down-projection's e4m3 input per routed row + its scale
+        # (hp: recomputed from h, g)
+        (("fp8", "fp8-hp"), -T_ * (D_ + 4) - T_ * K_ * (F_ + 4)),
     ],
 )
 def test_replay_fp8_kinds_keep_quantized_inputs(kinds, diff):
