@@ -115,7 +115,7 @@ def quantize_blocks(
     CUDA with D a multiple of the block (rows with unit stride, contiguous): the row quantizer
     over the blocks as rows, one Triton launch (the same codes and scales)."""
     D = x.shape[-1]
-    if x.is_cuda and 0 < block < D and D % block == 0 and x.is_contiguous() and triton_installed():
+    if x.is_cuda and 0 < block <= D and D % block == 0 and x.is_contiguous() and triton_installed():
         from moe.fp8.triton_quant import quantize_rows_triton
 
         q, s = quantize_rows_triton(x.detach().view(-1, block), pow2, floor)
@@ -135,7 +135,7 @@ def dequantize_blocks(q: Tensor, scales: Tensor, block: int = 128, dtype=torch.f
     """Inverse of quantize_blocks (up to the rounding of e4m3). Full blocks: the scales
     broadcast over each block (no per-element copy of them)."""
     D = q.shape[-1]
-    if 0 < block < D and D % block == 0:
+    if 0 < block <= D and D % block == 0:
         blocks = q.reshape(*q.shape[:-1], D // block, block)
         return dequantize(blocks, scales.unsqueeze(-1), dtype).reshape(q.shape)
     return dequantize(q, expand_blocks(scales, D, block), dtype)
