@@ -18,10 +18,9 @@ from moe.fp8.grouped_mm import (
     _fwd_op,
     _fwd_quantized_op,
     _wgrad_op,
-    kept_input,
     quantize_input,
 )
-from moe.fp8.operands import GradOperand, scaling_groups, wgrad_input
+from moe.fp8.operands import GradOperand, kept_values, scaling_groups, wgrad_input
 from moe.fp8.quant import group_of_rows
 from moe.kernels.activations import activation_backward, apply_activation
 from moe.kernels.torch_grouped_mm import wgrad_groups
@@ -151,7 +150,7 @@ class _FP8MLP(torch.autograd.Function):
         x_RD = None
         if need[3] or need[5]:
             if bf16_wgrad:
-                x_RD = kept_input(tuple(_gather(t, ids_R) for t in kept_x), recipe)
+                x_RD = kept_values(tuple(kept_x), ids_R, recipe, dh.dtype)
             else:
                 x_RD = wgrad_input(tuple(kept_x), ids_R, op, groups)
         dw1 = dw3 = None

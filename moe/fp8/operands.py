@@ -97,3 +97,18 @@ def wgrad_input(kept: tuple, ids_R: Tensor | None, op: tuple, groups: Tensor | N
         return values
     rows = tuple(t if ids_R is None else t.index_select(0, ids_R) for t in kept)
     return kept_input(rows, recipe)
+
+
+def kept_values(kept: tuple, ids_R: Tensor | None, recipe: str, dtype: torch.dtype) -> Tensor:
+    """The forward's kept x, rows read at ids_R, in dtype (FP8Config.wgrad_bf16's operand): its
+    e4m3 codes times their scales (row or 1 x 128 block), one launch on CUDA, where the eager
+    dequantize writes float32 first (the same values: one rounding of the float32 product)."""
+    rows = tuple(t if ids_R is None else t.index_select(0, ids_R) for t in kept)
+    if len(rows) == 2 and rows[0].is_cuda and triton_installed():
+        q, s = rows
+        K, nb = q.shape[1], s.shape[1]
+        if nb == 1 or (recipe == "blockwise" and nb * BLOCK == K):
+            from moe.fp8.triton_blocks import dequantize_triton
+
+            return dequantize_triton(q, s, dtype)
+    return kept_input(rows, recipe).to(dtype)
