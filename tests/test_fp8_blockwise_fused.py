@@ -64,6 +64,12 @@ def test_dequantize_blocks_in_one_launch():
     q, s = Q.quantize_blocks(x, 128, True, Q.AMAX_FLOOR)
     got = dequantize_triton(q.to(DEV), s.to(DEV), torch.bfloat16).cpu()
     assert torch.equal(got, Q.dequantize_blocks(q, s, 128, torch.bfloat16))
+    from moe.fp8.payload import pack_rows, unpack_rows  # the dispatch payload's packed rows
+
+    q_p, s_p = unpack_rows(pack_rows(q.view(torch.uint8), s, "ue8m0").to(DEV), 256, "ue8m0")
+    assert q_p.stride(0) == 256 + 2  # the codes read in place from the packed rows
+    got = dequantize_triton(q_p, s_p, torch.float32).cpu()
+    assert torch.equal(got, Q.dequantize_blocks(q, s, 128, torch.float32))
 
 
 def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):

@@ -274,7 +274,7 @@ def fp8_variants(p, M, D):
         False,
         False,
     )
-    dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128)
+    dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128, stride_qm=D + 64)
     consts = dict(BLOCK_M=16, BLOCK_K=128)
     yield "fp8 dequantize 1 x 128", triton_blocks._dequantize_kernel, dq, consts, None, False, False
 

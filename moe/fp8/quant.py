@@ -132,9 +132,20 @@ def expand_blocks(scales: Tensor, D: int, block: int = 128) -> Tensor:
 
 
 def dequantize_blocks(q: Tensor, scales: Tensor, block: int = 128, dtype=torch.float32) -> Tensor:
-    """Inverse of quantize_blocks (up to the rounding of e4m3). Full blocks: the scales
-    broadcast over each block (no per-element copy of them)."""
+    """Inverse of quantize_blocks (up to the rounding of e4m3). Full blocks: on CUDA one
+    Triton launch (bf16 / float32), else the scales broadcast over each block (no per-element
+    copy of them)."""
     D = q.shape[-1]
+    one_launch = q.is_cuda and q.dim() == 2 and q.stride(-1) == 1 and triton_installed()
+    if (
+        one_launch
+        and dtype in (torch.bfloat16, torch.float32)
+        and 0 < block <= D
+        and D % block == 0
+    ):
+        from moe.fp8.triton_blocks import dequantize_triton  # (no saturation to apply)
+
+        return dequantize_triton(q, scales.contiguous(), dtype)
     if 0 < block <= D and D % block == 0:
         blocks = q.reshape(*q.shape[:-1], D // block, block)
         return dequantize(blocks, scales.unsqueeze(-1), dtype).reshape(q.shape)

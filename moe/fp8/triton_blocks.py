@@ -62,13 +62,13 @@ def weight_blocks_triton(w_EKN: torch.Tensor, block: int, pow2: bool, floor: flo
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, K, nb,
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, K, nb, stride_qm,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rows < M)[:, None] & (cols < K)[None, :]
     at = rows[:, None].to(tl.int64) * K + cols[None, :]
-    code = tl.load(q_ptr + at, mask=ok, other=0)
+    code = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], mask=ok, other=0)
     scale = tl.load(s_ptr + rows[:, None].to(tl.int64) * nb + cols[None, :] // (K // nb),
                     mask=ok, other=1.0)  # fmt: skip
     tl.store(out_ptr + at, (_decode(code) * scale).to(out_ptr.dtype.element_ty), mask=ok)
@@ -76,13 +76,22 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, K, nb,
 
 def dequantize_triton(q_MK: torch.Tensor, s_MB: torch.Tensor, dtype) -> torch.Tensor:
     """float32(q) x its 1 x (K / nb) block scale, in dtype (exact in bf16 with power-of-two
-    scales), one launch; q: e4m3 codes (or their uint8 view) [M, K], K a multiple of nb."""
+    scales), one launch; q: e4m3 codes (or their uint8 view) [M, K] with unit column stride
+    (rows may be strided: a payload's codes in its packed rows), K a multiple of nb."""
     M, K = q_MK.shape
     out = torch.empty((M, K), dtype=dtype, device=q_MK.device)
     if M and K:
         grid = (triton.cdiv(M, 16), triton.cdiv(K, 128))
         _dequantize_kernel[grid](
-            q_MK.view(torch.uint8), s_MB, out, M, K, s_MB.shape[1], BLOCK_M=16, BLOCK_K=128
+            q_MK.view(torch.uint8),
+            s_MB,
+            out,
+            M,
+            K,
+            s_MB.shape[1],
+            q_MK.stride(0),
+            BLOCK_M=16,
+            BLOCK_K=128,
         )
     return out
 
