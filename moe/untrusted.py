@@ -164,13 +164,13 @@ class _NotANumber(Exception):
     pass
 
 
-def _first_non_finite(doc) -> str:
-    """Where the first NaN or infinite float of a parsed document sits, e.g.
-    "objects.extra.loss" (document order; iterative: the depth is already bounded)."""
+def _first_non_finite(doc, infinity: bool = False) -> str:
+    """Where the first NaN or infinite float (NaN only, with `infinity`) of a parsed document
+    sits, e.g. "objects.extra.loss" (document order; iterative: the depth is already bounded)."""
     stack: list[tuple[str, object]] = [("", doc)]
     while stack:
         where, value = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, float) and (math.isnan(value) or not infinity and math.isinf(value)):
             return where or "the document"
         if isinstance(value, dict):
             items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
@@ -205,9 +205,15 @@ def _unique_object(pairs: list) -> dict:
 
 
 def parse_json(
-    data: bytes, where: str, *, max_depth: int = MAX_DEPTH, error: type = UntrustedFileError
+    data: bytes,
+    where: str,
+    *,
+    max_depth: int = MAX_DEPTH,
+    error: type = UntrustedFileError,
+    infinity: bool = False,
 ):
-    """Decode JSON bytes from an untrusted source named `where`."""
+    """Decode JSON bytes from an untrusted source named `where`; `infinity`: Infinity and
+    -Infinity accepted (transformers writes a float("inf") default so), NaN still refused."""
     depth = json_depth(data)
     non_finite: list[str] = []
     if depth > max_depth:
@@ -228,10 +234,12 @@ def parse_json(
         raise error(f"{where}: {e}") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError; an int of too many digits
         raise error(f"{where}: not valid JSON ({e})") from None
+    non_finite = [t for t in non_finite if not (infinity and math.isinf(float(t)))]
     if non_finite:  # NaN, Infinity, 1e999: not JSON numbers (Python's json accepts them)
+        kind = "a number" if infinity else "a finite number"
         raise error(
-            f"{where}: {_first_non_finite(doc)} is {non_finite[0][:40]}, not a finite number "
-            "(non-finite numbers are refused)"
+            f"{where}: {_first_non_finite(doc, infinity)} is {non_finite[0][:40]}, not {kind} "
+            f"({'NaN is' if infinity else 'non-finite numbers are'} refused)"
         )
     return doc
 
@@ -244,11 +252,12 @@ def read_json(
     root=None,
     error: type = UntrustedFileError,
     what: str = "",
+    infinity: bool = False,
 ):
     """Parse the JSON file `path`: a regular file (inside `root` if given) of at most
     `max_bytes` bytes, nested at most `max_depth` deep, without duplicate keys."""
     data = read_bytes(path, max_bytes, root=root, error=error, what=what)
-    return parse_json(data, _where(path, what), max_depth=max_depth, error=error)
+    return parse_json(data, _where(path, what), max_depth=max_depth, error=error, infinity=infinity)
 
 
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit

@@ -6,7 +6,8 @@ transformers knows, multimodal ones with their vision / audio towers included.
                            are the modules on transformers' experts contract
                            (@use_experts_implementation), everything else in the block dense
     BuiltCounts.head       the output projection (0 when tied to the input embedding)
-    BuiltCounts.embedding  every other parameter: embeddings, final norm, vision tower, ...
+    BuiltCounts.embedding  every other parameter: embeddings, final norm, vision tower (its
+                           experts too, Dots3-Note's: dense to the planner), ...
 A config transformers cannot build (an unknown model_type, transformers not installed) is one
 ValueError naming why: the planner never falls back to an estimate.
 """
@@ -30,14 +31,34 @@ def _numel(params) -> int:
     return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
-def _decoder_blocks(model, n_layers: int):
-    """The ModuleList of the model's decoder blocks: the largest list of n_layers modules."""
+def _decoder_blocks(model, where: str):
+    """The ModuleList of the model's decoder blocks: the outermost list holding experts in its
+    text decoder (a vision tower's blocks, with or without experts, are not: Unlimited-OCR's,
+    Dots3-Note's; LongCat-Flash's blocks are two layers each)."""
     from torch import nn
 
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-    if not lists:
-        raise ValueError(f"no list of {n_layers} decoder blocks in {type(model).__name__}")
-    return max(lists, key=lambda m: _numel(m.parameters()))
+    def has_experts(m) -> bool:
+        return any(hasattr(b, "_is_expert_parallel") for b in m.modules())
+
+    decoder = model.get_decoder()
+    lists = [m for m in decoder.modules() if isinstance(m, nn.ModuleList) and has_experts(m)]
+    inner = {id(b) for m in lists for b in m.modules() if b is not m}
+    outermost = [m for m in lists if id(m) not in inner]
+    if len(outermost) != 1:
+        raise ValueError(
+            f"{where}: {len(outermost)} lists of decoder blocks hold experts in "
+            f"{type(decoder).__name__} (the planner plans a decoder of one list of blocks with "
+            "experts); its parameters are not counted"
+        )
+    return outermost[0]
+
+
+def build_config(doc: dict):
+    """The transformers config a config.json's fields describe (completed with its defaults)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in doc.items() if k != "model_type"}
+    return AutoConfig.for_model(doc["model_type"], **fields)
 
 
 def count_params(doc: dict, where: str) -> BuiltCounts:
@@ -62,17 +83,23 @@ def _count(text: str, where: str) -> BuiltCounts:
             f"{where}: model_type {model_type!r} is not a transformers model type here "
             f"(transformers {transformers.__version__}); its parameters cannot be counted"
         )
-    fields = {k: v for k, v in doc.items() if k != "model_type"}
-    config = transformers.AutoConfig.for_model(model_type, **fields)
-    composite = config.get_text_config() is not config
-    auto = transformers.AutoModelForImageTextToText if composite else None
-    auto = auto or transformers.AutoModelForCausalLM
-    with torch.device("meta"):
-        try:
-            model = auto.from_config(config)
-        except ValueError:  # no head class for this config: the bare model
-            model = transformers.AutoModel.from_config(config)
-    blocks = _decoder_blocks(model, config.get_text_config().num_hidden_layers)
+    try:  # transformers' own validation of the config (a strict dataclass error, a ValueError)
+        config = build_config(doc)
+        composite = config.get_text_config() is not config
+        auto = transformers.AutoModelForImageTextToText if composite else None
+        auto = auto or transformers.AutoModelForCausalLM
+        with torch.device("meta"):
+            try:
+                model = auto.from_config(config)
+            except ValueError:  # no head class for this config: the bare model
+                model = transformers.AutoModel.from_config(config)
+    except Exception as e:  # on one line: strict dataclass errors span several
+        why = " ".join(str(e).split())
+        raise ValueError(
+            f"{where}: transformers {transformers.__version__} cannot build this {model_type} "
+            f"config, so its parameters cannot be counted ({type(e).__name__}: {why})"
+        ) from None
+    blocks = _decoder_blocks(model, where)
     layers = []
     for block in blocks:
         experts = [m for m in block.modules() if hasattr(m, "_is_expert_parallel")]

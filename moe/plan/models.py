@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from moe.plan.built import count_params
+from moe.plan.built import build_config, count_params
 from moe.plan.spec import ModelSpec, from_hf_config, from_planner_model
 from moe.settings import check_path
 from moe.untrusted import read_json
@@ -89,7 +89,7 @@ _MAX_CONFIG_BYTES = 1 << 20
 # The sizes a config.json may give (inclusive bounds): an integer outside them (or a string,
 # a float, a missing required field) is one error naming the field before any search.
 SIZE_BOUNDS = {
-    "num_hidden_layers": (1, 1024),
+    "num_hidden_layers": (1, 1024),  # or what _layer_count reads
     "hidden_size": (1, 1 << 17),
     "vocab_size": (1, 1 << 22),
     "num_attention_heads": (1, 1024),
@@ -99,7 +99,7 @@ OPTIONAL_SIZE_BOUNDS = {
     "moe_intermediate_size": (1, 1 << 20),
     "shared_expert_intermediate_size": (0, 1 << 20),
     "num_key_value_heads": (1, 1024),
-    "head_dim": (1, 1 << 14),
+    "head_dim": (0, 1 << 14),  # 0: not given (GLM-5-Next's default; hidden / heads)
     "num_experts": (0, 1 << 14),
     "num_local_experts": (0, 1 << 14),
     "n_routed_experts": (0, 1 << 14),
@@ -114,23 +114,45 @@ OPTIONAL_SIZE_BOUNDS = {
     "qk_rope_head_dim": (0, 1 << 14),
     "v_head_dim": (0, 1 << 14),
 }
+# fields a real family gives as a short list of sizes (ERNIE-4.5-VL: text and vision experts)
+LIST_SIZES = {"moe_intermediate_size": 8}
+
+
+def _layer_count(cfg: dict) -> tuple[str, object]:
+    """The layer count of a config.json without num_hidden_layers (transformers 5 writes none
+    where it is a property): LongCat-Flash's num_layers, Nemotron-H's len(layers_block_type)."""
+    if "num_layers" in cfg:
+        return "num_layers", cfg["num_layers"]
+    kinds = cfg.get("layers_block_type")
+    if isinstance(kinds, list):
+        return "len(layers_block_type)", len(kinds)
+    return "num_hidden_layers", None
 
 
 def check_config(doc: dict, where: str) -> None:
     """Every size field of a config.json (its text_config, for a nested one) an integer within
-    SIZE_BOUNDS / OPTIONAL_SIZE_BOUNDS, the required ones present; else one ValueError."""
+    SIZE_BOUNDS / OPTIONAL_SIZE_BOUNDS (a short list of them where LIST_SIZES allows), the
+    required ones present; else one ValueError."""
     text = doc.get("text_config")
     cfg = text if isinstance(text, dict) and "num_hidden_layers" not in doc else doc
     for field, (low, high) in {**SIZE_BOUNDS, **OPTIONAL_SIZE_BOUNDS}.items():
         value = cfg.get(field)
+        if field == "num_hidden_layers" and value is None:
+            field, value = _layer_count(cfg)
         if value is None:
             if field in SIZE_BOUNDS:
                 raise ValueError(f"{where}: the model config has no {field}")
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(
-                f"{where}: {field} must be an integer in [{low:,}, {high:,}], got {value!r}"
-            )
+        many = (
+            field in LIST_SIZES and isinstance(value, list) and 0 < len(value) <= LIST_SIZES[field]
+        )
+        for v in value if many else [value]:
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                also = f" (or a list of at most {LIST_SIZES[field]})" if field in LIST_SIZES else ""
+                raise ValueError(
+                    f"{where}: {field} must be an integer in [{low:,}, {high:,}]{also}, "
+                    f"got {value!r}"
+                )
 
 
 def m6_presets() -> dict:
@@ -157,12 +179,15 @@ def built_spec(doc: dict, name: str, where: str) -> ModelSpec:
     """A config.json's ModelSpec with the parameter counts of the model itself (moe.plan.built:
     a meta-device build; a multimodal model's towers counted), its sizes from the text model's
     config as transformers completes it (defaults filled in)."""
-    from transformers import AutoConfig  # count_params has checked it is installed
-
-    counts = count_params(doc, where)
-    fields = {k: v for k, v in doc.items() if k != "model_type"}
-    text = AutoConfig.for_model(doc["model_type"], **fields).get_text_config().to_dict()
-    return from_hf_config({**text, "model_type": doc["model_type"]}, name).with_(built=counts)
+    counts = count_params(doc, where)  # transformers installed, the config builds
+    text = build_config(doc).get_text_config()
+    # the sizes under their usual names too (LongCat-Flash's ffn_hidden_size is
+    # intermediate_size), checked as given ones are; the blocks the built model has (LongCat-
+    # Flash: num_layers blocks of two layers each)
+    aliases = {name: getattr(text, name, None) for name in text.attribute_map}
+    fields = {**aliases, **text.to_dict(), "num_hidden_layers": len(counts.layers)}
+    check_config(fields, where)
+    return from_hf_config({**fields, "model_type": doc["model_type"]}, name).with_(built=counts)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
@@ -177,7 +202,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     check_path("model", name_or_path)
     path = Path(name_or_path)
     if path.suffix == ".json" or path.is_file():
-        doc = read_json(path, max_bytes=_MAX_CONFIG_BYTES, what="model config")
+        # Infinity: transformers writes a float("inf") default so (Nemotron-H's time_step_limit)
+        doc = read_json(path, max_bytes=_MAX_CONFIG_BYTES, what="model config", infinity=True)
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: a model config must be a JSON object")
         check_config(doc, str(path))

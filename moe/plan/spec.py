@@ -169,6 +169,8 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
         )
     d_ff = cfg.get("intermediate_size")
     d_ff_expert = _get(cfg, "moe_intermediate_size", default=d_ff)
+    if isinstance(d_ff_expert, list):  # experts of several widths (ERNIE-4.5-VL): the widest
+        d_ff_expert = max(d_ff_expert)
     first_dense = _get(cfg, "first_k_dense_replace", default=0)
     moe_every = _get(cfg, "decoder_sparse_step", "moe_layer_freq", default=1)
     shared = _get(cfg, "n_shared_experts", default=0) * d_ff_expert
