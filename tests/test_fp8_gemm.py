@@ -200,6 +200,11 @@ def test_ops_pass_opcheck():
         check(ops.fp8_grouped_mm, (x, w, offsets, True, 1e-4, True, recipe))
     check(ops.fp8_grouped_mm_dgrad, (dy, w.detach(), offsets, True, 1e-4, "blockwise"))
     check(ops.fp8_grouped_mm_wgrad, (x.detach(), dy, offsets, False, 1e-4, "rowwise"))
+    q_dy, s_dy = quantize_input(dy, True, 1e-4, "rowwise")  # the dgrad from dy's row-wise form
+    args = (q_dy, s_dy, w.detach(), offsets, True, 1e-4, torch.float32)
+    check(ops.fp8_grouped_mm_dgrad_quantized, args)
+    want = ops.fp8_grouped_mm_dgrad(dy, w.detach(), offsets, True, 1e-4, "rowwise")
+    assert torch.equal(ops.fp8_grouped_mm_dgrad_quantized(*args), want)
     for recipe in ("rowwise", "blockwise"):  # from x's quantized form: the same y
         q, s = quantize_input(x.detach(), True, 1e-4, recipe)
         args = (q, s, w.detach(), offsets, True, 1e-4, recipe, torch.float32)
