@@ -49,8 +49,9 @@ VALID = {
 
 
 def user_file(family: str, model, tmp_path) -> str:
-    """The tiny model's config.json, as a user's file: valid for its own config class."""
-    doc = model.config.to_dict()
+    """The tiny model's config.json, as a user's file: valid for its own config class, naming
+    the model's class as save_pretrained does."""
+    doc = {**model.config.to_dict(), "architectures": [type(model).__name__]}
     for sub, key in PER_LAYER.get(family, []):
         cfg = doc[sub] if sub else doc
         n, value = cfg["num_hidden_layers"], cfg[key]
@@ -96,6 +97,17 @@ def test_counts_equal_the_model(family, tmp_path):
     assert sum(spec.layer_params(i)[1] for i in range(spec.n_layers)) == routed
     k, E = spec.top_k, spec.num_experts
     assert spec.active_params() == model.num_parameters() - routed + routed * k // E
+    # without architectures (a hand-written file): the auto class, else the family's only
+    # causal-LM class; a model that is neither is refused, never counted without its head
+    doc = json.loads((tmp_path / "config.json").read_text())
+    del doc["architectures"]
+    (tmp_path / "bare").mkdir()
+    bare = tmp_path / "bare" / "config.json"
+    bare.write_text(json.dumps(doc))
+    try:
+        assert load_model(str(bare)).total_params() == model.num_parameters()
+    except ValueError as e:
+        assert "name the model's class in the config's architectures" in str(e)
 
 
 def test_cli_prints_the_exact_count(tmp_path):
@@ -129,6 +141,8 @@ def test_unknown_model_type_is_one_error(tmp_path):
         ("longcat_flash", {"num_layers": 2000}, r"num_layers must be an integer in \[1, 1,024\]"),
         ("longcat_flash", {"ffn_hidden_size": 1 << 21}, "intermediate_size must be an integer"),
         ("nemotron_h", {"layers_block_type": ["moe"] * 1025}, r"len\(layers_block_type\) must"),
+        # a token classifier: no causal-LM class to build without the file naming its class
+        ("openai_privacy_filter", {}, "name the model's class in the config's architectures"),
     ],
 )
 def test_a_config_it_cannot_count_is_one_error_exit_2(family, change, message, tmp_path, capsys):

@@ -53,6 +53,44 @@ def _decoder_blocks(model, where: str):
     return outermost[0]
 
 
+def _model_class(config, architectures):
+    """The class a config.json's model is: the one its `architectures` names (transformers
+    writes it; a class of this config's), else the auto causal-LM (image-text-to-text for a
+    composite config) class, else its family's only *ForCausalLM / *ForConditionalGeneration
+    class (Mistral4's is not in the auto map); never the bare model, which lacks the head."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    def ours(cls) -> bool:
+        base = transformers.PreTrainedModel
+        return isinstance(cls, type) and issubclass(cls, base) and cls.config_class is type(config)
+
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        cls = getattr(transformers, architectures[0], None)
+        if ours(cls):
+            return cls
+    composite = config.get_text_config() is not config
+    auto = transformers.AutoModelForImageTextToText if composite else None
+    mapping = (auto or transformers.AutoModelForCausalLM)._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)]
+    name = model_type_to_module_name(config.model_type)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    heads = [
+        cls
+        for n, cls in vars(module).items()
+        if n.endswith(("ForCausalLM", "ForConditionalGeneration")) and ours(cls)
+    ]
+    if len(heads) != 1:
+        raise ValueError(
+            f"{len(heads)} causal-LM or conditional-generation classes for {config.model_type}: "
+            "name the model's class in the config's architectures"
+        )
+    return heads[0]
+
+
 def build_config(doc: dict):
     """The transformers config a config.json's fields describe (completed with its defaults)."""
     from transformers import AutoConfig
@@ -85,14 +123,9 @@ def _count(text: str, where: str) -> BuiltCounts:
         )
     try:  # transformers' own validation of the config (a strict dataclass error, a ValueError)
         config = build_config(doc)
-        composite = config.get_text_config() is not config
-        auto = transformers.AutoModelForImageTextToText if composite else None
-        auto = auto or transformers.AutoModelForCausalLM
+        cls = _model_class(config, doc.get("architectures"))
         with torch.device("meta"):
-            try:
-                model = auto.from_config(config)
-            except ValueError:  # no head class for this config: the bare model
-                model = transformers.AutoModel.from_config(config)
+            model = cls(config)
     except Exception as e:  # on one line: strict dataclass errors span several
         why = " ".join(str(e).split())
         raise ValueError(
