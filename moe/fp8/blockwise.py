@@ -75,6 +75,15 @@ def block_rows(x_MK: Tensor, pow2: bool, floor: float, codes: bool = True):
     return (q.view(M, K) if codes else None), s.view(M, K // BLOCK), v.view(M, K)
 
 
+def from_codes(q_MK, s_MB, ws: tuple, offsets_E: Tensor, pow2: bool, floor: float, out_dtype):
+    """(fused) x @ w for each w of ws from x's kept 1 x 128 codes, dequantized once (one
+    launch) for all of them (the expert MLP's up and gate GEMMs)."""
+    from moe.fp8.triton_blocks import dequantize_triton
+
+    x_v = dequantize_triton(q_MK, s_MB, torch.bfloat16)
+    return [mm_groups(x_v, weight_values(w, pow2, floor), offsets_E).to(out_dtype) for w in ws]
+
+
 def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float):
     """(y_MN float32, x's e4m3 bytes as uint8 [M, K], its block scales [M, ceil(K / 128)])."""
     if fused(x_MK, w_EKN, pow2):

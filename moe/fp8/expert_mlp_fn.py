@@ -14,6 +14,7 @@ quantizations (a kept form is the one the forward made) and aten derivative kern
 import torch
 from torch import Tensor
 
+from moe.fp8 import blockwise
 from moe.fp8.grouped_mm import (
     _fwd_op,
     _fwd_quantized_op,
@@ -68,14 +69,17 @@ class _FP8MLP(torch.autograd.Function):
         pow2, floor, save_fp8, recipe, _ = gemm
         q_x, s_x = quantize_input(x_ND, pow2, floor, recipe)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
-        h_RF = _fwd_quantized_op(q_R, s_R, w1, offsets_L, pow2, floor, recipe, x_ND.dtype)
+        ws = (w1,) if w3 is None else (w1, w3)
+        if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # x dequantized once
+            h_RF, *g = blockwise.from_codes(q_R, s_R, ws, offsets_L, pow2, floor, x_ND.dtype)
+        else:
+            h_RF, *g = (_fwd_quantized_op(q_R, s_R, w, offsets_L, pow2, floor, recipe, x_ND.dtype)
+                        for w in ws)  # fmt: skip
         group_R = group_of_rows(offsets_L, q_R.shape[0]).long() if b1 is not None else None
         if b1 is not None:
             h_RF = h_RF + row_bias(b1, group_R).to(h_RF.dtype)
-        g_RF = None
-        if w3 is not None:
-            g_RF = _fwd_quantized_op(q_R, s_R, w3, offsets_L, pow2, floor, recipe, x_ND.dtype)
-        del q_R, s_R
+        g_RF = g[0] if g else None
+        del q_R, s_R, g
         _, a_w = _activation(h_RF, g_RF, w_R1, activation)
         y_RD, q_a, s_a = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
         kept_x = (q_x, s_x) if save_fp8 else (x_ND,)

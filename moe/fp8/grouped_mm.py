@@ -162,12 +162,7 @@ def _fwd_quantized_op(
     MLP's gate GEMM shares the up GEMM's e4m3 x)."""
     if recipe == "blockwise":
         if blockwise.fused(q_MK, w_EKN, pow2):
-            from moe.fp8.triton_blocks import dequantize_triton
-
-            x_v = dequantize_triton(q_MK, s_MB, torch.bfloat16)
-            return mm_groups(x_v, blockwise.weight_values(w_EKN, pow2, floor), offsets_E).to(
-                out_dtype
-            )
+            return blockwise.from_codes(q_MK, s_MB, (w_EKN,), offsets_E, pow2, floor, out_dtype)[0]
         x_q = blockwise.saved_x(q_MK, s_MB)
         y = mm_exact(x_q, blockwise.weight(w_EKN, pow2, floor), offsets_E, pow2)
         return y.to(out_dtype)
