@@ -212,3 +212,59 @@ def test_dispatch_context_holds_the_expert_rows():
     assert torch.equal(ctx.row_weights_R, plan.row_weights())
     with pytest.raises(TypeError, match="must be an ExpertRows"):
         DispatchContext(plan, plan.token_ids_M)
+
+
+def _alone_body(rank, world):
+    """dp = world, ep = 1: each rank's expert group is itself. Per dispatcher: collectives
+    issued by one forward + backward of the parallelized layer (torch.distributed's, counted),
+    and its output and input gradient against the same layer unparallelized (float32 rounding:
+    the parallelized path sums in another order)."""
+    import moe
+    from moe.parallel import ParallelConfig, init_mesh, parallelize
+
+    calls = []
+    real = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(dist.get_world_size(kwargs.get("group")))
+        return real(*args, **kwargs)
+
+    def build():
+        torch.manual_seed(0)
+        return moe.MoELayer(D, 7, 4, top_k=2)
+
+    found = {}
+    for config in (ParallelConfig(), ParallelConfig(overlap=2)):
+        layer = parallelize(torch.nn.Sequential(build()), init_mesh(dp=world, ep=1), config=config)[
+            0
+        ]
+        x_TD = torch.randn(6, D, generator=torch.Generator().manual_seed(rank))
+        outs, issued = [], []
+        for model in (layer, build()):
+            x = x_TD.clone().requires_grad_()
+            calls.clear()
+            dist.all_to_all_single = counted
+            try:
+                y = model(x)
+                (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+            finally:
+                dist.all_to_all_single = real
+            outs.append((y.detach(), x.grad))
+            issued.append(calls[:])
+        found[config.dispatcher_name] = (
+            issued,
+            [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(outs[0], outs[1])],
+        )
+    return found
+
+
+def test_expert_group_of_one_rank_exchanges_nothing():
+    """At ep = 1 the dispatch's count and row exchanges (5 a layer and micro-batch: counts,
+    rows there and back, forward and backward) are copies, not gloo collectives on a group of
+    one: each was a worker-thread hand-off, 0.1-1.2 ms on a loaded CPU (issue 62 item 10)."""
+    results = run_ranks(_alone_body, 2, timeout=60)
+    for found in results:
+        assert found == {
+            "expert_parallel": ([[], []], [True, True]),
+            "overlap": ([[], []], [True, True]),
+        }

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from moe.comm.alltoall import AllToAllSplits
+from moe.comm.alltoall import AllToAllSplits, alone
 from moe.comm.exchange_config import ExchangeConfig, overlap_cuda_stream
 
 Landing = Callable[[], torch.Tensor]
@@ -91,6 +91,9 @@ def _run_no_grad(plan: AllToAllSplits, x_ND: torch.Tensor) -> torch.Tensor:
 def start_exchange(x_ND: torch.Tensor, plan: AllToAllSplits, worker: Worker) -> Landing:
     """Start exchanging x_ND's rows by `plan`; the returned function waits and gives y."""
     x_ND = x_ND.contiguous()
+    if alone(plan.group):
+        y_ND = x_ND.clone()
+        return lambda: y_ND
     if plan.algorithm != "flat":
         return worker.submit(plan, x_ND)
     y_ND = x_ND.new_empty((sum(plan.recv), x_ND.shape[1]))
