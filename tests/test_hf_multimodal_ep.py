@@ -127,12 +127,16 @@ def test_image_batch_equals_transformers(family):
 
 
 def _ep_body(rank, world, families, out):
+    from torch.distributed.tensor import DTensor
+
     from moe.parallel import init_mesh, parallelize
 
     logits = {}
     for family in families:
         model = _model(family)
         parallelize(model, init_mesh(dp=1, ep=2), "fsdp", sync_params=False)
+        # every parameter sharded (the vision tower's by FSDP2, the experts over ep too)
+        assert all(isinstance(p, DTensor) for p in model.parameters()), family
         batch = rows_of(image_batch(family, model.config), rank)
         _step(model, batch)
         logits[family] = _logits(model, batch)
