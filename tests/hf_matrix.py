@@ -19,13 +19,14 @@ TOL = 1e-10
 # (dtype, tolerance) where float64 at 1e-10 does not apply: families whose float64 model
 # computes parts in float32 (MuseSpark's post-expert norm, Beam's logits) and families
 # transformers does not run in float64 (a float32 tensor meets float64 rows: Inkling2's gate,
-# NemotronH's mamba mixer)
+# NemotronH's mamba mixer, the privacy filter's experts and attention softmax)
 SETTINGS = {
     "muse_spark": (torch.float64, 1e-5),
     "beam": (torch.float64, 1e-5),
     "inkling2": (torch.float32, 1e-5),
     "inkling2_loop": (torch.float32, 1e-5),
     "nemotron_h": (torch.float32, 1e-5),
+    "openai_privacy_filter": (torch.float32, 1e-5),
 }
 TABLE_TOL = 1e-5  # the five table families' converted routers compute in float32
 SUPPORT = Path(__file__).parent / "data" / "hf_support.json"  # tools/hf_support.py writes it

@@ -72,7 +72,7 @@ def converted(family: str):
         if getattr(m, "input_jitter_noise", 0.0):
             m.input_jitter_noise = 0.0
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight is embed.weight:
+    if head is not None and head.weight is embed.weight:  # (a token classifier: no LM head)
         head.weight = torch.nn.Parameter(embed.weight.detach().clone())
         model.config.tie_word_embeddings = False
         model.config.get_text_config().tie_word_embeddings = False

@@ -23,7 +23,7 @@ REFUSED = {"ergo": "post_expert_norm"}
 
 def test_matrix_covers_the_contract():
     """The walk covers every family on the contract but the listed ones, and enough of them."""
-    assert set(contract_families()) >= NOT_BUILT
+    assert set(contract_families()) >= set(NOT_BUILT)
     assert len(FAMILIES) >= 24
 
 

@@ -145,7 +145,8 @@ def hf_stack(model: nn.Module, *, text_only: bool = False) -> HFStack:
             path = path_of.get(id(m))
             if keep and path is not None and not f"{base}.".startswith(f"{path}."):
                 out[path] = m  # (a module holding the decoder: its own tensors stay out)
-        return out
+        # a module inside another kept one (Inkling's embedding norm) is the outer one's
+        return {p: m for p, m in out.items() if not any(p.startswith(f"{q}.") for q in out)}
 
     shared = owning(ran["before"] + ran["after"], params=False)  # rotary embeddings, ...
     front, back = owning(ran["before"], params=True), owning(ran["after"], params=True)
