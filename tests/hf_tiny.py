@@ -27,7 +27,10 @@ SUFFIXES = {"intermediate_size": 24, "hidden_size": 32, "head_dim": 8, "_heads":
 # sizes its default leaves unset (None), and layer patterns that put attention and experts
 # into two layers. Data only: nothing family-specific runs anywhere else.
 CONFIGS = {
-    "bailing_hybrid": {"num_experts_per_token": 2, "num_expert_group": 4},
+    "bailing_hybrid": {
+        "num_experts_per_token": 2, "num_expert_group": 4, "expert_swiglu_limit_list": [0, 0],
+        "share_expert_swiglu_limit_list": [0, 0],
+    },
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2},
@@ -35,7 +38,7 @@ CONFIGS = {
     "gemma4_text": {
         "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
         "moe_intermediate_size": 16, "vocab_size_per_layer_input": 128,
-        "hidden_size_per_layer_input": 8,
+        "hidden_size_per_layer_input": 8, "per_layer_config": {},
     },
     "granitemoehybrid": {
         "layer_types": ["linear_attention", "full_attention"], "mamba_d_head": 32,
@@ -44,7 +47,10 @@ CONFIGS = {
     "hunyuan_v1_moe": {"head_dim": 8},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "kimi_linear": {"num_experts_per_token": 2, "topk_group": 1},
-    "kolibri1_1": {"head_dim": 16, "mlp_only_layers": [0]},
+    "kolibri1_1": {
+        "head_dim": 16, "mlp_only_layers": [0], "index_layers": [1], "kv_source_layers": [0, 1],
+        "index_num_heads": 1,
+    },
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
     "mimo_v2_flash": {"head_dim": 24, "num_key_value_heads": 2},
     "mistral4": {"head_dim": 16},
