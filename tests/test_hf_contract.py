@@ -12,8 +12,11 @@ import pytest
 
 pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
+import torch  # noqa: E402
+
+import moe  # noqa: E402
 from tests.hf_matrix import SUPPORT, TABLE_TOL, agrees, check_family, support  # noqa: E402
-from tests.hf_tiny import NOT_BUILT, contract_families  # noqa: E402
+from tests.hf_tiny import NOT_BUILT, contract_families, tiny_model  # noqa: E402
 
 FAMILIES = [f for f in contract_families() if f not in NOT_BUILT]
 # Refused by from_hf (each with one error naming what): Ergo's experts wrap the contract's
@@ -57,3 +60,19 @@ def test_docs_table_is_the_measured_one():
     data = json.loads(SUPPORT.read_text())
     assert list(data["families"]) == contract_families()
     assert doc_table() == render(data)
+
+
+def test_experts_per_token_unnamed_is_refused():
+    """A config naming its experts per token under no known name is refused at conversion,
+    before any change (Gemma 4's `top_k_experts` was read as 1: the first forward failed)."""
+    model = tiny_model("gemma4", torch.float64)
+    config = model.config.get_text_config()
+    top_k = config.top_k_experts
+    del config.top_k_experts
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="experts per token under none of"):
+        moe.from_hf(model)
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+    assert not moe.moe_layers(model)
+    config.top_k_experts = top_k
+    assert moe.moe_layers(moe.from_hf(model))

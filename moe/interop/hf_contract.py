@@ -77,7 +77,12 @@ def experts_options(experts: nn.Module) -> dict:
     plain = is_plain_swiglu(experts) or not gated and act is not None and not norm
     up_EDN, down_EFD = gemm_weights(experts)
     config = experts.config
-    top_k = next((getattr(config, n) for n in TOP_K_NAMES if getattr(config, n, None)), 1)
+    top_k = next((getattr(config, n) for n in TOP_K_NAMES if getattr(config, n, None)), None)
+    if top_k is None:  # a guess would fail at the first forward, or route wrongly
+        raise ValueError(
+            f"from_hf: {name} cannot be converted: its config ({type(config).__name__}) names "
+            f"its experts per token under none of {TOP_K_NAMES}"
+        )
     return dict(
         d_model=up_EDN.shape[1],
         d_ff=down_EFD.shape[1],
