@@ -6,6 +6,7 @@ recompute); explicit layout flags with it, --cluster without it and a bad
 cluster file are one `error:` line before any work."""
 
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -13,6 +14,7 @@ from examples.m6 import train
 from examples.m6.auto_layout import ranked
 from examples.m6.config import get_config
 from moe.plan import preset
+from moe.plan.layout import Layout
 from tests.distributed import run_ranks
 
 # no final evaluation: 2 of 3 steps, then the checkpoint
@@ -31,7 +33,8 @@ def _ranks(rank, world, root):
     for memory in RUNS[world]:
         extra = [] if memory is None else ["--device-memory-gb", str(memory)]
         s = train.run(["--run-dir", f"{root}/m{memory}", *FAST, *extra])
-        out.append({k: s[k] for k in ("layout", "pp", "dp", "ep", "losses", "settings")})
+        keys = ("layout", "pp", "dp", "ep", "losses", "settings", "run_layout")
+        out.append({k: s[k] for k in keys})
     return out
 
 
@@ -43,6 +46,13 @@ def test_the_planners_top_layout_trains(world, tmp_path):
     for memory, got in zip(RUNS[world], ranks[0]):
         top = _top(world, memory)
         assert got["layout"] == top.short(), (memory, got["layout"], top.short())
+        ran = Layout(**got["run_layout"])  # what the run built, read from its objects
+        differ = [
+            (f.name, getattr(top, f.name), getattr(ran, f.name))
+            for f in fields(Layout)
+            if getattr(top, f.name) != getattr(ran, f.name)
+        ]
+        assert not differ, (memory, differ)  # e.g. the capacity factor: the plan's is the run's
         assert (got["pp"], got["dp"], got["ep"]) == (top.pp, top.dp, top.ep)
         assert len(got["losses"]) == 2 and all(0 < x < 10 for x in got["losses"])
         assert ("activation checkpointing" in got["settings"]) == (top.recompute == "full")

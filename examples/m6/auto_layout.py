@@ -75,7 +75,11 @@ def ranked(cfg: M6Config, world: int, global_batch: int, cluster: Cluster) -> li
     spec = from_planner_model(cfg, cfg.name)
     tokens = global_batch * cfg.seq_len
     space = SearchSpace(
-        schedules=tuple(SCHEDULES), recompute=("none", "full"), overlap=(1,), replicas=(0,)
+        schedules=tuple(SCHEDULES),
+        recompute=("none", "full"),
+        overlap=(1,),
+        replicas=(0,),
+        capacity_factors=(cfg.capacity_factor,),  # the run's: its layout is the one predicted
     )
     try:  # the planner's ranking: fastest first
         return search(spec, cluster, tokens, cfg.seq_len, space=space, top=10**6).fits
@@ -97,7 +101,7 @@ def apply_layout(args, pred: Prediction) -> None:
     args.checkpointing = {None: False, -1: True}.get(blocks, blocks)
     args.offload = lay.offload or "none"
     args.groups = lay.groups
-    args.alltoall = parallel.algorithm if lay.ep > 1 else args.alltoall
+    args.alltoall = parallel.algorithm
 
 
 def choose(args, cfg: M6Config, world: int) -> str:
