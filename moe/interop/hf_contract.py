@@ -39,8 +39,10 @@ from moe.interop.hf_experts import (  # gate_up_columns: peft_contract reads it 
 )
 from moe.layer import MoELayer
 
-TOP_K_NAMES = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_selected_experts")
-TOP_K_NAMES += ("top_k_experts",)  # Gemma 4's
+# the config's experts per token, under the names the families use (Gemma 4: top_k_experts)
+TOP_K_NAMES = (
+    "num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_selected_experts", "top_k_experts"
+)  # fmt: skip
 CONTRACT = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias")
 CONTRACT += ("down_proj_bias",)  # the contract's tensors (the rest: family_module)
 
