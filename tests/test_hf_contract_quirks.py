@@ -295,3 +295,52 @@ def test_expert_parallel_equals_one_process():
         assert abs(sum(losses) / 2 - float(want.loss.detach())) <= tol * abs(
             float(want.loss.detach())
         ), family
+
+
+def test_quirk_layer_under_recompute_and_accumulation():
+    """GPT-OSS's quirk layer (interleaved, biased, clamped SwiGLU), its batch taken as 2
+    accumulated micro-batches, each checkpointed (the recompute a converted model takes: its
+    decoder layers, moe.memory.recompute_blocks): the output and every gradient equal the plain
+    layer's on the whole batch (float64). MoEConfig.recompute, which would route again in
+    backward without the family's choice, is one error before any work."""
+    from torch.utils.checkpoint import checkpoint
+
+    experts = _experts("gpt_oss", torch.float64)
+    options = hf_contract.experts_options(experts)
+    x, ids, w = _inputs(experts, torch.float64, T=10)
+
+    def build(recompute=False):
+        layer = hf_contract.HFExpertsLayer(
+            experts,
+            hf_contract.family_module(experts),
+            name="experts",
+            dtype=torch.float64,
+            **{**options, "recompute": recompute},
+        ).train()
+        hf_contract._copy_in(layer, experts)
+        return layer
+
+    with pytest.raises(ValueError, match="MoEConfig.recompute on a layer the family's router"):
+        build(recompute=True)(x, ids, w)
+    c = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
+
+    def step(layer, x, ids, w, c, recompute):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = checkpoint(layer, x, ids, w, use_reentrant=False) if recompute else layer(x, ids, w)
+        (y * c).sum().backward()
+        return y.detach(), x.grad, w.grad
+
+    results = []
+    for parts in (1, 2):
+        layer = build()
+        chunks = zip(*(t.chunk(parts) for t in (x, ids, w, c)))
+        outs = [step(layer, *chunk, recompute=parts > 1) for chunk in chunks]
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        results.append(([torch.cat(t) for t in zip(*outs)], grads))
+    (plain, g0), (accumulated, g1) = results
+    for a, b in zip(accumulated, plain):
+        assert relative_error(a, b) <= TOL
+    assert g0.keys() == g1.keys() and any(n.endswith("b3") for n in g0)
+    for name in g0:
+        assert relative_error(g1[name], g0[name]) <= TOL, name
+        assert g0[name].abs().sum() > 0, name

@@ -151,6 +151,11 @@ class HFExpertsLayer(MoELayer):
             self.experts.family = (family,)  # for the weight format (not registered twice)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.config.recompute:  # it would route again in backward, without the block's choice
+            raise ValueError(
+                f"{self.name}: MoEConfig.recompute on a layer the family's router feeds; "
+                "recompute the family's decoder layers instead (moe.memory.recompute_blocks)"
+            )
         if top_k_index.shape[-1] != self.config.top_k or top_k_index.dim() != 2:
             raise ValueError(
                 f"{self.name}: expected top_k_index [T, {self.config.top_k}], got "
