@@ -260,18 +260,23 @@ def _ranks_body(rank, world, cases):
     out = {}
     for family, data_parallel in cases:
         model = _converted(family)
-        parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False)
+        data_parallel, _, overlap = data_parallel.partition("+overlap")  # the overlapped one
+        overlap = {"overlap": 2} if _ else {}
+        parallelize(model, init_mesh(dp=1, ep=2), data_parallel, sync_params=False, **overlap)
+        degrees = {getattr(layer.dispatcher, "degree", 1) for _, layer in moe.moe_layers(model)}
+        assert degrees == {2 if overlap else 1}, degrees
         got = run(model, _ids(rank))
         grads = {n: None if p.grad is None else local(p.grad).detach().clone()
                  for n, p in model.named_parameters()}  # fmt: skip
-        out[family, data_parallel] = (got.logits.detach(), got.loss.detach(), grads)
+        out[family, data_parallel + _] = (got.logits.detach(), got.loss.detach(), grads)
     return out
 
 
 # clamped SwiGLU, interleaved, biased (GPT-OSS); the shared post-expert norm, a dense parameter
-# fed by rows of both ranks (MuseSpark); squared ReLU (NemotronH, float32); ddp and fsdp
+# fed by rows of both ranks (MuseSpark); squared ReLU (NemotronH, float32); ddp and fsdp;
+# GPT-OSS under the overlapped dispatcher
 EP_CASES = [(f, dp) for f in ("gpt_oss", "muse_spark") for dp in ("ddp", "fsdp")]
-EP_CASES += [("nemotron_h", "ddp")]
+EP_CASES += [("nemotron_h", "ddp"), ("gpt_oss", "fsdp+overlap")]  # the overlapped dispatcher
 
 
 def test_expert_parallel_equals_one_process():
