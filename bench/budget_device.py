@@ -7,9 +7,12 @@ True to Python (a subclass property; autograd's C++ still sees meta), so every b
 
 `StandInMode` (a TorchDispatchMode) does three things for every aten op: unwraps the stand-ins
 to plain meta, moves device="cuda" to meta, and wraps meta results back; it hands every op to
-`on_op` (the counter). torch.library custom ops of the project (namespace "moe") are not run as
-one opaque op: their Python body runs on the stand-ins under a nested mode, so the ops inside
-are counted with the CUDA branches they take (what torch.profiler shows on a GPU).
+`on_op` (the counter). An op on a wrapper tensor subclass (one holding tensors of its own,
+e.g. the FP8 dispatch rows' QuantizedRows) runs the subclass's __torch_dispatch__ under the
+mode, so the ops it issues on its inner stand-ins are the ones counted. torch.library custom
+ops of the project (namespace "moe") are not run as one opaque op: their Python body runs on
+the stand-ins under a nested mode, so the ops inside are counted with the CUDA branches they
+take (what torch.profiler shows on a GPU).
 
 Patched while `cuda_stand_in()` is active, and put back after:
 - torch.cuda's lazy init (skipped: a CPU build has no driver), get_device_capability and
@@ -28,8 +31,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves, tree_map
 
 CUDA = torch.device("cuda", 0)
 META = torch.device("meta")
@@ -88,6 +91,15 @@ def _custom_body(func):
     return None if opdef is None else opdef._init_fn
 
 
+def _wrapper_subclass(tree):
+    """The type of the first tensor subclass in tree that holds tensors of its own (a
+    traceable wrapper, e.g. moe.fp8.rows.QuantizedRows), or None."""
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            return type(t)
+    return None
+
+
 def _composite(name: str) -> bool:
     """An op with no kernel of its own (CompositeImplicitAutograd only): its parts are what
     runs. An op that also has a device kernel (silu_backward) runs as that one kernel; the CPU
@@ -106,6 +118,10 @@ class StandInMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        wrapper = _wrapper_subclass((args, kwargs))
+        if wrapper is not None:  # its own ops (e.g. on its inner stand-ins) are what runs
+            with StandInMode(self.on_op, self.on_custom, self.depth):
+                return wrapper.__torch_dispatch__(func, types, args, kwargs)
         body = _custom_body(func)
         if body is not None:
             self.on_custom(func, self.depth)

@@ -26,6 +26,10 @@ D, F, E, N = 40, 24, 8, 24
 WIRE = dict(dispatch=True, grad_before_down_fp8=True, block_size=16)
 ALL = FP8Config(experts=True, **WIRE)
 DISPATCH = FP8Config(scale_format="ue8m0", **WIRE)
+# blockwise with power-of-two scales: the dispatched rows enter the GEMMs as they arrived
+BLOCKS = FP8Config(
+    experts=True, recipe="blockwise", scale_format="pow2", **{**WIRE, "block_size": 128}
+)
 
 
 def _model(fp8, spare=0):
@@ -126,6 +130,7 @@ TWO = {
     "ddp flat, FP8 experts": (1, 2, "ddp", ALL, {}),
     "fsdp overlapped, FP8 experts": (1, 2, "fsdp", ALL, {"overlap": 2}),
     "ddp, ue8m0 dispatch, 2 micro-batches": (1, 2, "ddp", DISPATCH, {"micro": 2}),
+    "fsdp overlapped, blockwise rows as they arrived": (1, 2, "fsdp", BLOCKS, {"overlap": 2}),
     "broken: one rank's rows differ": (1, 2, "ddp", ALL, {"break_rank": 1}),
 }
 FOUR = {

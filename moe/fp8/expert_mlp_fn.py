@@ -23,6 +23,7 @@ from moe.fp8.grouped_mm import (
 )
 from moe.fp8.operands import GradOperand, kept_values, scaling_groups, wgrad_input
 from moe.fp8.quant import group_of_rows
+from moe.fp8.rows import gemm_input, plain
 from moe.kernels.activations import activation_backward, apply_activation
 from moe.kernels.torch_grouped_mm import wgrad_groups
 
@@ -67,7 +68,7 @@ class _FP8MLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, ids_R, offsets_L, w1, w2, w3, b1, w_R1, activation, gemm):
         pow2, floor, save_fp8, recipe, _ = gemm
-        q_x, s_x = quantize_input(x_ND, pow2, floor, recipe)
+        q_x, s_x = gemm_input(x_ND, pow2, floor, recipe)  # (FP8 dispatch rows: their codes)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
         ws = (w1,) if w3 is None else (w1, w3)
         if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # x dequantized once
@@ -82,7 +83,7 @@ class _FP8MLP(torch.autograd.Function):
         del q_R, s_R, g
         _, a_w = _activation(h_RF, g_RF, w_R1, activation)
         y_RD, q_a, s_a = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
-        kept_x = (q_x, s_x) if save_fp8 else (x_ND,)
+        kept_x = (q_x, s_x) if save_fp8 else (plain(x_ND),)
         # the down GEMM's e4m3 input, unless the backward recomputes the activation anyway
         # (the row weights' gradient needs it) or takes it unquantized (bf16 weight gradient)
         d_rw = w_R1 is not None and ctx.needs_input_grad[7]

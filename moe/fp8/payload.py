@@ -60,8 +60,10 @@ def pack_rows(q_RD: Tensor, scales_RB: Tensor, scale_format: str = "fp32") -> Te
 
 
 def unpack_rows(packed_RP: Tensor, D: int, scale_format: str = "fp32") -> tuple[Tensor, Tensor]:
-    """Inverse of pack_rows: (uint8 e4m3 bytes [R, D], float32 scales [R, nb])."""
+    """Inverse of pack_rows: (uint8 e4m3 bytes [R, D], float32 scales [R, nb]), views of the
+    buffer where its float32 scales are 4-byte aligned (D % 4 == 0), else the scales copied."""
     q_RD, s_RS = packed_RP[:, :D], packed_RP[:, D:]
     if scale_format == "ue8m0":
         return q_RD, ue8m0_to_scales(s_RS)
-    return q_RD, _dense(s_RS).view(torch.float32)
+    aligned = s_RS.numel() and s_RS.stride(0) % 4 == 0 and s_RS.storage_offset() % 4 == 0
+    return q_RD, (s_RS if aligned else _dense(s_RS)).view(torch.float32)  # a view: no copy

@@ -5,8 +5,11 @@
 - FP8Config.dispatch: the dispatched token rows go in FP8 (DeepEP's format);
 - FP8Config.grad_before_down_fp8: the combine's backward (the activation gradient before the
   down-projection) goes in FP8, as DeepSeek-V3 does.
-The other two directions stay in the rows' dtype. Everything else (the exchanges, their
-backwards, the one-process emulation) is the generic wire's (moe/dispatch/wire.py).
+The other two directions stay in the rows' dtype. With FP8Config.experts too, the dispatched
+rows arrive as QuantizedRows (moe/fp8/rows.py): the codes and scales as they came, read by the
+FP8 expert GEMMs without a dequantize (every other op sees the decoded rows). Everything else
+(the exchanges, their backwards, the one-process emulation) is the generic wire's
+(moe/dispatch/wire.py).
 """
 
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from moe.fp8.payload import (
     scale_bytes,
     unpack_rows,
 )
+from moe.fp8.rows import QuantizedRows
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class FP8Rows(RowFormat):
     floor). The registered instance (fp8 None) only claims directions for a layer."""
 
     fp8: FP8Config | None = None
+    to_experts: bool = False  # decode to QuantizedRows (the FP8 experts read the codes)
     selected_by = "MoEConfig.fp8 (FP8Config(dispatch=True) / grad_before_down_fp8=True)"
 
     def encode(self, x_ND: Tensor) -> Tensor:
@@ -41,6 +46,10 @@ class FP8Rows(RowFormat):
     def decode(self, payload_NP: Tensor, D: int, dtype: torch.dtype) -> Tensor:
         c = self.fp8
         q_ND, s_NB = unpack_rows(payload_NP, D, c.scale_format)
+        if self.to_experts and not torch.compiler.is_compiling():  # (compiled: decoded rows)
+            return QuantizedRows(
+                q_ND, s_NB, c.block_size, c.pow2_dispatch_scales, c.amax_floor, dtype
+            )  # fmt: skip
         return dequantize_payload(q_ND, s_NB, c.block_size, dtype)
 
     def row_bytes(self, D: int, element_size: int) -> int:
@@ -52,7 +61,10 @@ class FP8Rows(RowFormat):
             return {}
         rows = FP8Rows(self.name, c)
         on = {"dispatch": c.dispatch, "combine_grad": c.grad_before_down_fp8}
-        return {direction: rows for direction, flag in on.items() if flag}
+        chosen = {direction: rows for direction, flag in on.items() if flag}
+        if c.dispatch and c.experts:
+            chosen["dispatch"] = FP8Rows(self.name, c, to_experts=True)
+        return chosen
 
 
 FP8_ROWS = register_row_format(FP8Rows("fp8"))

@@ -1,0 +1,166 @@
+"""Dispatched rows that stay e4m3 until the FP8 expert GEMMs read them (issue 61): DeepEP's FP8
+payload feeding the GEMM without a dequantize / requantize round trip.
+
+`QuantizedRows` is a tensor subclass (torchao's way: the number format is the tensor's type, so
+no dispatcher, layer or kernel registry names it): rows [N, D] in the sender's dtype, held as
+the wire's e4m3 codes (uint8 [N, D]) and 1 x block float32 scales [N, nb]. The FP8 row format's
+decode returns one when the layer's FP8 experts consume the dispatched rows (moe/fp8/wire.py).
+Ops that only move rows (index_select, slices and cat along the rows, detach, clone) move the
+codes and scales; every other op sees the rows dequantized exactly as the wire's decode writes
+them, so any other consumer (a LoRA adapter, the dispatchers' permutations and chunks, the one-
+process emulation, ...) computes today's values. In-place writes into it are refused (the rows
+are a value, not storage). Gradients flow as plain tensors.
+
+`gemm_input` is the FP8 expert kernel's x operand (moe/fp8/expert_mlp_fn.py):
+- the recipes agree (blockwise GEMM scales, dispatch block_size 128, both scales powers of two:
+  scale_format "pow2" / "ue8m0" with gemm_scale_format "pow2", and the same amax floor): the
+  codes and scales as they arrived. Their values code x scale equal those of quantizing the
+  decoded rows bit for bit (a power-of-two scale makes every decoded value exact in float32,
+  bf16 and float16; where a block's largest code rounded to 224 the GEMM's own quantization
+  picks half the scale and twice the codes: the same products), so every GEMM, kept operand and
+  gradient is the same (tests/test_fp8_rows.py);
+- otherwise (rowwise, fp32 scales on either side, another block size): quantized again from
+  the codes, on CUDA in ONE launch (moe/fp8/triton_requant.py; the same codes and scales as
+  quantizing the decoded rows), elsewhere the decode and the GEMM's quantization (the eager
+  chain, today's).
+"""
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map_only
+
+from moe.fp8.blockwise import BLOCK
+from moe.fp8.grouped_mm import quantize_input
+from moe.fp8.payload import dequantize_payload
+from moe.kernels.triton_kernel import triton_installed
+
+aten = torch.ops.aten
+
+
+class QuantizedRows(torch.Tensor):
+    """Rows [N, D] of `dtype` held as e4m3 codes (uint8 [N, D]) and 1 x `block` float32 scales
+    [N, ceil(D / block)] made with power-of-two scales (`pow2`) and amax floor `floor`."""
+
+    @staticmethod
+    def __new__(cls, codes, scales, block: int, pow2: bool, floor: float, dtype: torch.dtype):
+        # the device of the codes' storage (a stand-in may report another one to Python:
+        # bench/budget_device.py; `device` below answers what the codes answer)
+        device = torch._C.TensorBase.device.__get__(codes)
+        return Tensor._make_wrapper_subclass(
+            cls, codes.shape, dtype=dtype, device=device, requires_grad=False
+        )
+
+    def __init__(self, codes, scales, block, pow2, floor, dtype):
+        self.codes, self.scales = codes, scales
+        self.block, self.pow2, self.floor = block, pow2, floor
+
+    @property
+    def device(self):
+        return self.codes.device
+
+    @property
+    def is_cuda(self):
+        return self.codes.is_cuda
+
+    def __repr__(self):
+        return f"QuantizedRows(shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block})"
+
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], (self.block, self.pow2, self.floor, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return QuantizedRows(inner["codes"], inner["scales"], *meta)
+
+    def _like(self, codes: Tensor, scales: Tensor) -> "QuantizedRows":
+        return QuantizedRows(codes, scales, self.block, self.pow2, self.floor, self.dtype)
+
+    def dequantize(self) -> Tensor:
+        """The rows as the wire's decode writes them (FP8Rows.decode without experts)."""
+        return dequantize_payload(self.codes, self.scales, self.block, self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        move = _ROW_MOVES.get(func)
+        if move is not None:
+            out = move(*args, **kwargs)
+            if out is not None:
+                return out
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            raise RuntimeError(f"QuantizedRows: {func} writes into FP8 dispatch rows (read-only)")
+        plain = tree_map_only(QuantizedRows, QuantizedRows.dequantize, (args, kwargs))
+        return func(*plain[0], **plain[1])
+
+
+def _index_select(x, dim, index):
+    if dim in (0, -2) and x.dim() == 2:
+        return x._like(x.codes.index_select(0, index), x.scales.index_select(0, index))
+    return None
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    if dim in (0, -2) and x.dim() == 2:
+        return x._like(x.codes[start:end:step], x.scales[start:end:step])
+    return None
+
+
+def _cat(tensors, dim=0):
+    parts = list(tensors)
+    first = parts[0]
+    same = all(
+        isinstance(t, QuantizedRows)
+        and (t.block, t.pow2, t.floor, t.dtype, t.shape[1:])
+        == (first.block, first.pow2, first.floor, first.dtype, first.shape[1:])
+        for t in parts
+    )
+    if dim in (0, -2) and first.dim() == 2 and same:
+        codes = torch.cat([t.codes for t in parts])
+        return first._like(codes, torch.cat([t.scales for t in parts]))
+    return None
+
+
+def _split(x, split_size, dim=0):
+    if dim in (0, -2) and x.dim() == 2:
+        pieces = zip(x.codes.split(split_size), x.scales.split(split_size))
+        return [x._like(c, s) for c, s in pieces]
+    return None
+
+
+_ROW_MOVES = {
+    aten.index_select.default: _index_select,
+    aten.slice.Tensor: _slice,
+    aten.cat.default: _cat,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.detach.default: lambda x: x._like(x.codes, x.scales),
+    aten.clone.default: lambda x, memory_format=None: x._like(x.codes.clone(), x.scales.clone()),
+}
+
+
+def agrees(x: QuantizedRows, pow2: bool, floor: float, recipe: str) -> bool:
+    """x's codes and scales are the GEMM's x operand as they are (see the module docstring)."""
+    return recipe == "blockwise" and x.block == BLOCK and x.pow2 and pow2 and x.floor == floor
+
+
+def gemm_input(x_ND: Tensor, pow2: bool, floor: float, recipe: str) -> tuple[Tensor, Tensor]:
+    """x's (e4m3 bytes as uint8, scales) in the recipe's scaling, as quantize_input makes them
+    from the rows x reads as (see the module docstring)."""
+    if not isinstance(x_ND, QuantizedRows):
+        return quantize_input(x_ND, pow2, floor, recipe)
+    if agrees(x_ND, pow2, floor, recipe):
+        return x_ND.codes.contiguous(), x_ND.scales
+    D = x_ND.shape[1]
+    width = D if recipe == "rowwise" else BLOCK
+    if x_ND.codes.is_cuda and D % width == 0 and triton_installed():
+        from moe.fp8.triton_requant import requantize_triton
+
+        return requantize_triton(
+            x_ND.codes, x_ND.scales, x_ND.block, x_ND.dtype, width, pow2, floor
+        )  # fmt: skip
+    return quantize_input(x_ND.dequantize(), pow2, floor, recipe)
+
+
+def plain(x_ND: Tensor) -> Tensor:
+    """x as an ordinary tensor (its decoded rows when it is QuantizedRows)."""
+    return x_ND.dequantize() if isinstance(x_ND, QuantizedRows) else x_ND
