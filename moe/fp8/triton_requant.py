@@ -75,7 +75,9 @@ def _requant_kernel(q_ptr, s_ptr, out_q_ptr, out_s_ptr, M, W, per_row, stride_s,
         c = cap[:, None]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))
         at = rows[:, None].to(tl.int64) * W + cols[None, :]
-        tl.store(out_q_ptr + at, _e4m3_code(v).to(tl.uint8), mask=ok)
+        tl.store(
+            out_q_ptr + at, _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=ok
+        )
 
 
 def requantize_triton(codes_ND, scales_NB, block: int, dtype, width: int, pow2: bool, floor):
@@ -83,7 +85,7 @@ def requantize_triton(codes_ND, scales_NB, block: int, dtype, width: int, pow2: 
     scales) decode to in dtype, quantized per `width` elements (D or a divisor of D), one launch; codes and scales may be row-strided views (of the payload)."""
     N, D = codes_ND.shape
     per_row = D // width
-    q = torch.empty((N, D), dtype=torch.uint8, device=codes_ND.device)
+    q = torch.empty((N, D), dtype=torch.float8_e4m3fn, device=codes_ND.device)
     s = torch.empty((N, per_row), dtype=torch.float32, device=codes_ND.device)
     M = N * per_row
     if M:
@@ -94,4 +96,4 @@ def requantize_triton(codes_ND, scales_NB, block: int, dtype, width: int, pow2: 
             float(floor), SB=block, DTYPE=DTYPES[dtype], POW2=pow2,
             BLOCK_M=ROWS_PER_PROGRAM, BLOCK_K=min(512, triton.next_power_of_2(max(width, 16))),
         )  # fmt: skip
-    return q, s
+    return q.view(torch.uint8), s
