@@ -13,8 +13,10 @@ even when a stage fails or the budget runs out.
   b. correctness on CUDA with pinned kernel configs: the pointer path, then the TMA path;
   c. bench.gpu_layer at the four shapes (no torch.compile), profiled, with the GEMM-role table;
   d. the M6 GPU preset for a fixed 45 s (tokens/s, held-out accuracy, host syncs per step);
-  f. FP8 (issue 40): the FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 at the four
-     shapes: the up-projection grouped GEMM and the whole layer; ms, peak, SQNR);
+  f. FP8 (issues 40, 61): the FP8 CUDA tests, then bench.gpu_fp8 at the four shapes (DeepSeek-V3
+     and Mixtral first): the up-projection grouped GEMM, and the layer in bf16 (torch, Triton)
+     and FP8 (rowwise, blockwise, each with and without FP8 dispatch), each layer row beside
+     bench.budget's floor for it on this GPU; ms, peak, SQNR, measured / floor, FP8 speed-up;
   e. the decision rules of bench/gpu_decide.py applied to what was measured (after f).
 --stages picks the stages to run (a rerun of the ones that failed; e always runs); the others
 are reported as not selected. Exit status: 1 when a stage failed or was skipped (named on
@@ -47,7 +49,7 @@ STAGES = (
     ("b", "correctness on CUDA (pinned configs)", 150, 150),
     ("c", "layer benchmark at four shapes", 160, 300),
     ("d", "M6 GPU preset, 45 s", 80, 180),
-    ("f", "FP8: CUDA tests, FP8 vs bf16 grouped GEMMs and layers at four shapes", 120, 120),
+    ("f", "FP8: CUDA tests, FP8 vs bf16 GEMMs and layers beside the budget's floors", 120, 120),
 )  # GPU worst case a+b+c+d+f = 555 s of the 560; the first GPU run (2026-11-28, H200) took
 # 372 s with b cut off at 90 s: b now runs its tests on 8 pytest-xdist workers where present
 

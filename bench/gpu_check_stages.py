@@ -6,22 +6,25 @@ import json
 import re
 import subprocess
 import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
-from bench import gpu_decide
+from bench import gpu_decide, gpu_fp8
 
 PY = sys.executable
 POINTER_TESTS = [
     "tests/test_cuda.py",
     "tests/test_triton_kernels.py",
     "tests/test_cutlass_roles.py",
+    "tests/test_fused_passes.py",  # its Triton kernels on the GPU when there is one
 ]
 TMA_TESTS = ["tests/test_triton_hopper.py", "tests/test_triton_kernels.py"]
-# every FP8 test file; -k cuda selects the tests that need CUDA (the rest run in CPU CI)
+# every FP8 test file; stage f selects the tests that need CUDA (the rest run in CPU CI): those
+# named for it (-k cuda) and every test of a file that runs on the GPU when there is one
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 FP8_TESTS = sorted(f"tests/{p.name}" for p in _TESTS.glob("test_fp8_*.py"))
-FP8_CUDA_ONLY = "cuda"
+ON_THE_GPU = re.compile(r"""["']cuda["'] if torch\.cuda\.is_available\(\)""")
 FP8_SHAPES = "deepseek,mixtral,olmoe,qwen3"
 REHEARSAL_SHAPE = "32/16/4/2/16"  # the smallest shape every candidate and role accepts
 M6_SECONDS = 45  # issue 35: the GPU preset for a fixed 45 s
@@ -234,31 +237,51 @@ def stage_c(check, limit: float):
     return status, f"exit {rc}; {len(records)} figures, {len(failed)} failed rows"
 
 
+def fp8_selection(files=FP8_TESTS) -> str:
+    """pytest -k for stage f: tests named for CUDA, and every test of a file that puts its
+    tensors on the GPU when there is one (a module's name is one of its tests' keywords)."""
+    whole = [Path(f).stem for f in files if ON_THE_GPU.search((_TESTS.parent / f).read_text())]
+    return " or ".join(["cuda", *whole])
+
+
+FP8_TESTS_SHARE = 0.35  # of stage f's limit; gpu_fp8 gets what the tests leave
+FP8_ROW_S = 15  # the longest layer row on the GPU (a first Triton compile, a profile): no new
+# row starts later than this before the stage's end
+
+
 def stage_f(check, limit: float):
-    """The FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 grouped GEMMs and layers) at
-    the four shapes; in the rehearsal: the tests collected, the rows on CPU at a tiny shape."""
-    ok = _pytest(check, "f", "FP8 CUDA tests", FP8_TESTS, limit * 0.4, tma=False,
-                 select=("-k", FP8_CUDA_ONLY))  # fmt: skip
+    """The FP8 CUDA tests, then bench.gpu_fp8 (FP8 against bf16 grouped GEMMs and every FP8
+    layer variant, each beside bench.budget's floor) at the four shapes; in the rehearsal: the
+    tests collected, every row on CPU at a tiny shape."""
+    start = time.monotonic()
+    ok = _pytest(check, "f", "FP8 CUDA tests", FP8_TESTS, limit * FP8_TESTS_SHARE, tma=False,
+                 select=("-k", fp8_selection()))  # fmt: skip
+    left = limit - (time.monotonic() - start) - 2
     out_json = check.work / "gpu-fp8.json"
     if check.rehearse:
         argv = ["--smoke-cpu", "--shapes", REHEARSAL_SHAPE]
     else:
-        # DeepSeek-V3 first: the FP8 goal's shape (the first run reached two shapes of four)
-        argv = ["--shapes", FP8_SHAPES, "--max-seconds", f"{limit * 0.35:.0f}"]  # a shape in hand
+        # the FP8 goal's shapes first (the first run reached two shapes of four)
+        argv = ["--shapes", FP8_SHAPES, "--max-seconds", f"{max(left - FP8_ROW_S, 1):.0f}"]
     argv += ["--profile"]
     argv = [PY, "-m", "bench.gpu_fp8", *argv, "--json", str(out_json)]
-    rc, out = check.run("gpu_fp8", argv, limit * 0.6)
+    rc, out = check.run("gpu_fp8", argv, left)
     records = json.loads(out_json.read_text())["records"] if out_json.is_file() else []
     for r in records:
         check.figure("f", f"{r['candidate']} {r['figure']}", r["value"], r["unit"],
                      shape=r["shape"], d=r["d"], F=r["F"])  # fmt: skip
+    check.fp8_records = records
     failed = [r for r in records if r["figure"] == "failed"]
-    skipped = [r["shape"] for r in records if r["figure"] == "skipped"]  # out of time
-    if check.rehearse and (rc != 0 or failed or skipped or not records):
-        check.problem(f"bench.gpu_fp8 smoke: exit {rc}, {len(failed) + len(skipped)} bad rows")
+    skipped = [f"{r['shape']} {r['candidate']}" for r in records if r["figure"] == "skipped"]
+    if check.rehearse:
+        floors = {r["candidate"] for r in records if r["figure"].startswith("floor_ms")}
+        missing = [v for v in gpu_fp8.LAYERS if f"layer {v}" not in floors]
+        if rc != 0 or failed or skipped or not records or missing:
+            check.problem(f"bench.gpu_fp8 smoke: exit {rc}, {len(failed) + len(skipped)} bad "
+                          f"rows, layer rows without a floor: {', '.join(missing) or 'none'}")  # fmt: skip
     word = {True: "passed", False: "failed", None: "timed out"}[ok]
     status = "passed" if ok and rc == 0 and not failed else "failed"
-    late = f", shapes skipped for time: {', '.join(skipped)}" if skipped else ""
+    late = f", rows skipped for time: {', '.join(skipped)}" if skipped else ""
     return status, f"FP8 CUDA tests {word}; gpu_fp8 exit {rc}, {len(records)} figures{late}"
 
 
@@ -325,6 +348,8 @@ def decide(check) -> list[str]:
     lines.append("Layer with every role on CUTLASS: " + ("; ".join(layer) or "not measured"))
     keep, why = gpu_decide.m6_decision(*getattr(check, "m6", (None, None, None)))
     lines.append(f"M6 GPU preset batch and width: {'keep' if keep else 'review'} ({why})")
+    fp8 = getattr(check, "fp8_records", [])
+    lines += [*gpu_decide.fp8_decision(fp8), gpu_decide.floor_decision(fp8)]
     if check.rehearse:
         lines = [f"(rehearsal: no timings) {line}" for line in lines]
     return lines

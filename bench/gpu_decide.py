@@ -13,6 +13,10 @@
 3. M6: the GPU preset keeps its batch and width if it reaches M6_MIN_SPEEDUP x the 2-core CPU's
    tokens/s; otherwise the report names the bound: host syncs (more than M6_MAX_SYNCS per step),
    else kernel launches (the step is host-bound: bench/m6_step_ops counts its operators).
+4. FP8 (issue 61): at each shape of stage f, the fastest FP8 layer row against the fastest bf16
+   layer row (fwd+bwd ms, the weights' e4m3 forms made in the step as after every optimizer
+   step); the goal FP8_GOAL x at FP8_GOAL_SHAPES, stretch FP8_STRETCH x. Each layer row's
+   time is also held to bench.budget's floor: within FLOOR_MAX_RATIO x, else named.
 """
 
 from moe.kernels import gemm_roles
@@ -20,6 +24,9 @@ from moe.kernels import gemm_roles
 TMA_MIN_SHAPES = 3  # of the 4 shapes (issue 35)
 M6_MIN_SPEEDUP = 5.0  # GPU preset tokens/s over the 2-core CPU preset's (issue 35)
 M6_MAX_SYNCS = 1.0  # host syncs per training step (issue 35's goal)
+FP8_GOAL, FP8_STRETCH = 1.0, 1.2  # FP8 layer speed over bf16's (issue 61)
+FP8_GOAL_SHAPES = ("DeepSeek-V3 slice", "Mixtral")
+FLOOR_MAX_RATIO = 2.0  # measured ms over the budget's floor ms (issue 61)
 
 
 def _figures(records: list[dict], figure: str) -> dict[tuple[str, str], float]:
@@ -110,3 +117,59 @@ def m6_decision(gpu_tok_s: float | None, cpu_tok_s: float | None, syncs_per_step
         False,
         f"{why}; bound: kernel launches (host-bound step; syncs per step {syncs_per_step})",
     )
+
+
+def fp8_speedups(records: list[dict], figure: str = "fwd_bwd_ms") -> dict:
+    """Per shape of stage f's layer rows: (the fastest bf16 row, its fwd_bwd_ms, {FP8 row: that
+    ms over the FP8 row's `figure`}); a speed-up above 1 is FP8 faster."""
+    ms, fp8_ms = _figures(records, "fwd_bwd_ms"), _figures(records, figure)
+    out = {}
+    for shape in dict.fromkeys(s for s, _ in ms):
+        bf16 = {c: v for (s, c), v in ms.items() if s == shape and c.startswith("layer bf16")}
+        fp8 = {c: v for (s, c), v in fp8_ms.items() if s == shape and c.startswith("layer fp8")}
+        bf16, fp8 = ({c: v for c, v in d.items() if v > 0} for d in (bf16, fp8))
+        if bf16 and fp8:
+            base = min(bf16, key=bf16.get)
+            out[shape] = (base, bf16[base], {c: bf16[base] / v for c, v in fp8.items()})
+    return out
+
+
+def fp8_decision(records: list[dict]) -> list[str]:
+    """One line per shape: the fastest FP8 row's speed-up over the fastest bf16 row, the goal's
+    verdict at the goal shapes, every FP8 row's speed-up (with the weights' forms reused)."""
+    made, cached = fp8_speedups(records), fp8_speedups(records, "fwd_bwd_ms_cached")
+    goal = f"goal >= {FP8_GOAL:g}x, stretch {FP8_STRETCH:g}x"
+    lines = []
+    for shape in dict.fromkeys((*FP8_GOAL_SHAPES, *made)):
+        if shape not in made:
+            lines.append(f"FP8 vs bf16 layer at {shape}: not measured ({goal})")
+            continue
+        base, base_ms, by = made[shape]
+        best = max(by, key=by.get)
+        verdict = "no goal at this shape"
+        if shape in FP8_GOAL_SHAPES:
+            verdict = "meets the stretch" if by[best] >= FP8_STRETCH else (
+                "meets the goal" if by[best] >= FP8_GOAL else "misses the goal")  # fmt: skip
+            verdict += f" ({goal})"
+        reused = cached.get(shape, (None, None, {}))[2]
+        rows = "; ".join(
+            f"{c.removeprefix('layer ')} {v:.2f}x"
+            + (f" (forms reused {reused[c]:.2f}x)" if c in reused else "")
+            for c, v in by.items()
+        )
+        lines.append(f"FP8 vs bf16 layer at {shape}: {best.removeprefix('layer ')} {by[best]:.2f}x "
+                     f"{base.removeprefix('layer ')} ({base_ms:.2f} ms): {verdict}; {rows}")  # fmt: skip
+    return lines
+
+
+def floor_decision(records: list[dict]) -> str:
+    """How many measured layer rows are within FLOOR_MAX_RATIO x bench.budget's floor; the
+    others named."""
+    ratios = _figures(records, "measured_over_floor")
+    if not ratios:
+        return "Budget floors (bench.budget) beside the layer rows: not measured"
+    over = [f"{s} {c.removeprefix('layer ')} {r:.2f}x" for (s, c), r in ratios.items()
+            if r > FLOOR_MAX_RATIO]  # fmt: skip
+    return (f"Budget floors (bench.budget, micro-batch 1): {len(ratios) - len(over)} of "
+            f"{len(ratios)} layer rows within {FLOOR_MAX_RATIO:g}x of the floor"
+            + (f"; over it: {', '.join(over)}" if over else ""))  # fmt: skip

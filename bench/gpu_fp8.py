@@ -1,17 +1,28 @@
-"""FP8 rows of the GPU check (issue 40, issue 43): at the four shapes, side by side in one run,
-the up-projection grouped GEMM [T*k, d] x [E, d, F] forward + backward in bf16
+"""FP8 rows of the GPU check (issues 40, 43, 61): at the four shapes, side by side in one run.
+
+GEMM rows: the up-projection grouped GEMM [T*k, d] x [E, d, F] forward + backward in bf16
 (moe.kernels.torch_grouped_mm, i.e. torch._grouped_mm) against FP8 (moe.fp8.fp8_grouped_mm,
-rowwise recipe: torch._scaled_grouped_mm on sm_90+, the emulation elsewhere): median ms, peak
-MiB, and the SQNR (dB) of y, dx and dw against float32 on the same operands; then the whole
-layer (moe.MoELayer, SwiGLU, dropless, one process) in bf16 against FP8 (FP8Config(dispatch=True,
-experts=True): the dispatch's quantization emulated in one process, every expert GEMM in e4m3)
-against the bf16 layer on moe's torch kernel (torch._grouped_mm, like the FP8 kernel's GEMMs; the
-Triton layer is stage c's, and its compiles would not fit this stage): ms, peak, and the SQNR of
-y and dx against the float32 layer with the same (bf16-rounded) weights.
+rowwise recipe): median ms, peak MiB, and the SQNR (dB) of y, dx and dw against float32 on the
+same operands.
+
+Layer rows: one moe.MoELayer (SwiGLU, dropless, one process) per bench.budget variant, built
+with that variant's options, in this order (LAYERS; a row not started by --max-seconds is
+recorded as skipped): bf16 torch (torch._grouped_mm, like the FP8 kernel's GEMMs), FP8 rowwise
+and blockwise with FP8 dispatch (emulated in one process), then without it, then bf16 triton
+(last: in the GPU check, stage c compiled its kernels at these shapes just before; alone, its
+first compile may not fit stage f's limit). Figures of each row: the SQNR of y and dx against
+the float32 layer with the same (bf16-rounded) weights; fwd_bwd_ms, the median of steps that
+each make the expert weights' e4m3 forms (moe.fp8.weights_changed() first, as after every
+optimizer step: bench.budget's micro-batch 1); fwd_bwd_ms_cached (FP8 rows: the forms reused,
+as micro-batches 2+); peak MiB; floor_ms_<GPU>, bench.budget's lower bound for the variant and
+shape on this GPU (bytes at the HBM bandwidth or GEMM FLOPs at the peak), counted in this
+process on the CUDA stand-in (~0.1-0.5 s a row); measured_over_floor (flagged above
+bench.gpu_decide.FLOOR_MAX_RATIO); speedup_vs_bf16 (FP8 rows: the fastest bf16 row's ms over
+the row's).
 
     python -m bench.gpu_fp8 --shapes all --json rows.json      # on the GPU (scripts/gpu_check.sh)
     python -m bench.gpu_fp8 --shapes deepseek --profile         # + kernel tables, time outside GEMMs
-    python -m bench.gpu_fp8 --smoke-cpu --shapes 64/32/4/2/48   # the plumbing on CPU, no timings
+    python -m bench.gpu_fp8 --smoke-cpu --shapes 32/16/4/2/16   # the plumbing on CPU, no timings
 
 Records have bench/gpu_layer.py's form (shape, T, d, E, k, F, candidate, figure, value, unit).
 Without CUDA (and without --smoke-cpu) it prints one line and exits 2: nothing measured.
@@ -19,6 +30,7 @@ Without CUDA (and without --smoke-cpu) it prints one line and exits 2: nothing m
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,14 +38,32 @@ from functools import partial
 
 import torch
 
-from bench import gpu_profile
+from bench import gpu_decide, gpu_profile
 from bench.titan_style import parse_shapes
 from moe.fp8 import fp8_grouped_mm
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
 
 NO_CUDA_EXIT = 2
-SMOKE_MAX_ROWS_D_F = 2**22  # --smoke-cpu: the emulation on 2 cores, a few seconds per shape
+SMOKE_MAX_ROWS_D_F = 2**16  # --smoke-cpu: Triton's interpreter (bf16 triton), seconds a shape
 CANDIDATES = {"gemm bf16": grouped_mm_torch, "gemm fp8 rowwise": fp8_grouped_mm}
+LAYERS = (
+    "bf16 torch",
+    "fp8 rowwise +dispatch",
+    "fp8 blockwise +dispatch",
+    "fp8 rowwise",
+    "fp8 blockwise",
+    "bf16 triton",
+)  # fmt: skip  (bench.budget.VARIANTS names)
+PROFILED = ("bf16 torch", "fp8 rowwise +dispatch", "fp8 blockwise +dispatch")  # --profile
+SMOKE_GPU = "H100"  # --smoke-cpu: whose floors the plumbing computes (nothing is timed)
+
+
+def gpu_kind(name: str) -> str | None:
+    """bench.budget's GPU (its HBM bandwidth) for a torch.cuda.get_device_name(), or None:
+    SXM parts only (an H100 PCIe has 2.0 TB/s, an NVL 3.9)."""
+    if "H200" in name:
+        return "H200"
+    return "H100" if "H100" in name and ("HBM3" in name or "SXM" in name) else None
 
 
 def sqnr_db(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -81,7 +111,28 @@ def timed_ms(step, iters: int, warmup: int, cuda: bool) -> float | None:
     return statistics.median(times)
 
 
-def profiled(s, name: str, step, cuda: bool, records: list) -> None:
+def peak_timed(step, args, cuda: bool) -> tuple:
+    """(median ms, peak MiB above what was allocated before) of step()."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    ms = timed_ms(step, args.iters, args.warmup, cuda)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+    return ms, peak
+
+
+def recorder(records: list, s, candidate: str):
+    def rec(figure, value, unit=""):
+        if isinstance(value, float):
+            value = float(f"{value:.4g}")
+        records.append({"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F,
+                        "candidate": candidate, "figure": figure, "value": value, "unit": unit})  # fmt: skip
+
+    return rec
+
+
+def profiled(s, name: str, step, cuda: bool, rec) -> None:
     """The kernel table of 3 steps (printed) and the split of their device time into GEMM
     kernels and the rest (recorded): where an FP8 step's time goes."""
     steps = 3 if cuda else 1
@@ -89,40 +140,34 @@ def profiled(s, name: str, step, cuda: bool, records: list) -> None:
     print(f"### {s.name}, {name}, {steps} fwd+bwd steps\n\n```\n"
           f"{gpu_profile.kernel_table(averages, cuda, rows=12)}\n```\n")  # fmt: skip
     for figure, value in gpu_profile.gemm_split(averages, steps, cuda).items():
-        records.append({"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F,
-                        "candidate": name, "figure": figure, "value": round(value, 3),
-                        "unit": "count" if figure.startswith("kernels") else "ms"})  # fmt: skip
+        rec(figure, value, "count" if figure.startswith("kernels") else "ms")
 
 
-def measure_shape(s, args, cuda: bool, records: list) -> None:
+def measure_gemms(s, args, cuda: bool, records: list) -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     x, w, dy, offsets = inputs(s, dev)
     ref = fwd_bwd(grouped_mm_torch, x, w, dy, offsets)  # float32 on the same operands
     x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
-    shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
-
-    def rec(candidate, figure, value, unit):
-        records.append({**shape, "candidate": candidate, "figure": figure, "value": value,
-                        "unit": unit})  # fmt: skip
-
     for name, fn in CANDIDATES.items():
+        rec = recorder(records, s, name)
         got = fwd_bwd(fn, x, w, dy, offsets)
         for label, a, b in zip(("y", "dx", "dw"), got, ref):
-            rec(name, f"sqnr_{label}_db", round(sqnr_db(a, b), 2), "dB")
+            rec(f"sqnr_{label}_db", round(sqnr_db(a, b), 2), "dB")
         del got
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        ms = timed_ms(lambda fn=fn: fwd_bwd(fn, x, w, dy, offsets), args.iters, args.warmup, cuda)
-        rec(name, "fwd_bwd_ms", None if ms is None else round(ms, 3), "ms")
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-        rec(name, "peak_above_inputs_mib", None if peak is None else round(peak, 1), "MiB")
+        step = partial(fwd_bwd, fn, x, w, dy, offsets)
+        ms, peak = peak_timed(step, args, cuda)
+        rec("fwd_bwd_ms", ms, "ms")
+        rec("peak_above_inputs_mib", peak, "MiB")
         if args.profile_shape == s.name and "fp8" in name:
-            profiled(s, name, lambda fn=fn: fwd_bwd(fn, x, w, dy, offsets), cuda, records)
+            profiled(s, name, step, cuda, rec)
 
 
-def layer_step(layer, x, dy):
+def layer_step(layer, x, dy, fresh_forms: bool = False):
+    """One fwd+bwd; with fresh_forms the expert weights' e4m3 forms are made again in it."""
+    if fresh_forms:
+        from moe.fp8 import weights_changed
+
+        weights_changed()
     xg = x.detach().requires_grad_()
     y = layer(xg)
     y.backward(dy)
@@ -130,10 +175,9 @@ def layer_step(layer, x, dy):
     return y.detach(), xg.grad
 
 
-def measure_layer(s, args, cuda: bool, records: list) -> None:
-    """bf16 MoELayer against the FP8 one (same weights), each against float32."""
+def measure_layers(s, args, cuda: bool, gpu: str | None, records: list, late, save) -> None:
+    """Every LAYERS row at shape s, each against the float32 layer; save() after each row."""
     import moe
-    from moe.fp8 import FP8Config
 
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
@@ -143,48 +187,98 @@ def measure_layer(s, args, cuda: bool, records: list) -> None:
     x = torch.randn(s.T, s.d, generator=g).to(dev)
     dy = torch.randn(s.T, s.d, generator=g).to(dev)
     want = layer_step(ref, x, dy)
-    shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
-    variants = {"layer bf16 (torch kernel)": ("torch", None),
-                "layer fp8 dispatch+experts": ("auto", FP8Config(dispatch=True, experts=True))}  # fmt: skip
-    for name, (backend, fp8) in variants.items():
-        layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, backend=backend, fp8=fp8)
-        layer.load_state_dict(ref.state_dict())
-        xd, dyd = x.to(dtype), dy.to(dtype)
-        got = layer_step(layer, xd, dyd)
-        for label, a, b in zip(("y", "dx"), got, want):
-            records.append({**shape, "candidate": name, "figure": f"sqnr_{label}_db",
-                            "value": round(sqnr_db(a, b), 2), "unit": "dB"})  # fmt: skip
-        del got
+    xd, dyd = x.to(dtype), dy.to(dtype)
+    for variant in LAYERS:
+        rec = recorder(records, s, f"layer {variant}")
+        if late():
+            rec("skipped", f"past --max-seconds {args.max_seconds:g}")
+            continue
+        try:
+            floor = floor_ms(variant, s, gpu)
+            rec(f"floor_ms_{gpu}" if gpu else "floor_ms", floor, "ms" if gpu else "")
+            layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, **variant_options(variant))
+            layer.load_state_dict(ref.state_dict())
+            ms = layer_row(s, variant, layer, xd, dyd, want, args, cuda, rec)
+            rec("measured_over_floor", ms / floor if ms and isinstance(floor, float) else None, "x")
+        except Exception as e:  # noqa: BLE001 - one row's failure (an OOM) is a row, the rest run
+            rec("failed", f"{type(e).__name__}: {e}"[:300])
+        layer = None  # freed (its weights, grads and e4m3 forms) before the next row is built
         if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        ms = timed_ms(partial(layer_step, layer, xd, dyd), args.iters, args.warmup, cuda)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-        if args.profile_shape == s.name:
-            profiled(s, name, partial(layer_step, layer, xd, dyd), cuda, records)
-        for figure, value, unit in (("fwd_bwd_ms", ms, "ms"), ("peak_above_inputs_mib", peak,
-                                                               "MiB")):  # fmt: skip
-            value = None if value is None else round(value, 3)
-            records.append({**shape, "candidate": name, "figure": figure, "value": value,
-                            "unit": unit})  # fmt: skip
+            torch.cuda.empty_cache()
+        save()
+    here = gpu_decide.fp8_speedups([r for r in records if r["shape"] == s.name]).get(s.name)
+    base, _, by = here or ("no bf16 row timed", None, {})
+    for variant in LAYERS:
+        name = f"layer {variant}"
+        done = {r["figure"] for r in records if r["shape"] == s.name and r["candidate"] == name}
+        if "fp8" in variant and "fwd_bwd_ms" in done:  # None in a smoke run: nothing timed
+            recorder(records, s, name)("speedup_vs_bf16", by.get(name), f"x vs {base}")
 
 
-def report(records: list, device: str) -> str:
-    lines = [f"## FP8 against bf16: up-projection grouped GEMM and the layer, fwd+bwd, on {device}",
-             "", "| shape | candidate | fwd+bwd ms | peak MiB | SQNR y / dx / dw dB |",
-             "|---|---|---|---|---|"]  # fmt: skip
+def variant_options(variant: str) -> dict:
+    """moe.MoELayer's options of a bench.budget variant (the one place they are named)."""
+    from bench import budget
+
+    opts = budget.VARIANTS[variant]
+    return dict(opts() if callable(opts) else opts)
+
+
+def layer_row(s, variant: str, layer, x, dy, want, args, cuda: bool, rec) -> float | None:
+    """SQNR, ms (the weights' forms made in each step; FP8: also reused), peak; the ms."""
+    for label, a, b in zip(("y", "dx"), layer_step(layer, x, dy), want):
+        rec(f"sqnr_{label}_db", round(sqnr_db(a, b), 2), "dB")
+    step = partial(layer_step, layer, x, dy, True)
+    ms, peak = peak_timed(step, args, cuda)
+    rec("fwd_bwd_ms", ms, "ms")
+    if "fp8" in variant:  # the forms reused, as by micro-batches 2+ of a step
+        reused = timed_ms(partial(layer_step, layer, x, dy), args.iters, 1, cuda)
+        rec("fwd_bwd_ms_cached", reused, "ms")
+    rec("peak_above_inputs_mib", peak, "MiB")
+    if args.profile_shape == s.name and variant in PROFILED:
+        profiled(s, f"layer {variant}", step, cuda, rec)
+    return ms
+
+
+def floor_ms(variant: str, s, gpu: str | None):
+    """bench.budget's floor (ms) of one fwd+bwd of `variant` at s on `gpu`, or why none."""
+    if gpu is None:
+        return f"no floor: {torch.cuda.get_device_name()} is not an H100 SXM or H200"
+    from bench import budget
+
+    return budget.measure(variant, s).floor_ms(gpu)
+
+
+def _cell(f: dict, figure: str) -> str:
+    v = f.get(figure)
+    return "" if v is None else str(v)
+
+
+def report(records: list, device: str, gpu: str | None) -> str:
     by = {}
     for r in records:
         by.setdefault((r["shape"], r["candidate"]), {})[r["figure"]] = r["value"]
+    floor = f"floor_ms_{gpu}" if gpu else "floor_ms"
+    lines = [f"## FP8 against bf16, fwd+bwd, on {device}", "",
+             "| shape | candidate | fwd+bwd ms | forms reused ms | peak MiB | SQNR y / dx / dw dB | "
+             f"{floor} | measured / floor | speed-up vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (shape, cand), f in by.items():
-        if "failed" in f:
-            lines.append(f"| {shape} | {cand} | failed: {f['failed']} | | |")
+        for bad in ("failed", "skipped"):
+            if bad in f:
+                lines.append(f"| {shape} | {cand} | {bad}: {f[bad]} | | | | | | |")
+        if "failed" in f or "skipped" in f:
             continue
-        sq = " / ".join(str(f.get(f"sqnr_{k}_db")) for k in ("y", "dx", "dw"))
-        lines.append(f"| {shape} | {cand} | {f.get('fwd_bwd_ms')} | "
-                     f"{f.get('peak_above_inputs_mib')} | {sq} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+        sq = " / ".join(str(f[k]) for k in ("sqnr_y_db", "sqnr_dx_db", "sqnr_dw_db") if k in f)
+        ratio = f.get("measured_over_floor")
+        flag = (
+            f" (> {gpu_decide.FLOOR_MAX_RATIO:g}x)"
+            if ratio and ratio > gpu_decide.FLOOR_MAX_RATIO
+            else ""
+        )
+        lines.append(f"| {shape} | {cand} | {_cell(f, 'fwd_bwd_ms')} | {_cell(f, 'fwd_bwd_ms_cached')} | "
+                     f"{_cell(f, 'peak_above_inputs_mib')} | {sq} | {_cell(f, floor)} | "
+                     f"{_cell(f, 'measured_over_floor')}{flag} | {_cell(f, 'speedup_vs_bf16')} |")  # fmt: skip
+    decisions = [*gpu_decide.fp8_decision(records), gpu_decide.floor_decision(records)]
+    return "\n".join([*lines, "", *[f"- {d}" for d in decisions]]) + "\n"
 
 
 def main(argv=None) -> int:
@@ -192,13 +286,14 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="all", help="presets or T/d/E/k/F, comma-separated")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-seconds", type=float, default=30.0, help="past this, skip the "
-                   "remaining shapes (their rows say so)")  # fmt: skip
+    p.add_argument("--max-seconds", type=float, default=300.0, help="past this, start no new row "
+                   "(the rows not started say so)")  # fmt: skip
     p.add_argument("--smoke-cpu", action="store_true", help="CPU, float32, nothing timed")
     p.add_argument("--no-layer", action="store_true", help="the grouped GEMM rows only")
-    p.add_argument("--json", help="write the records to this file")
+    p.add_argument("--json", help="write the records to this file (after every row)")
     p.add_argument("--profile", action="store_true", help="kernel tables of the FP8 GEMM and of "
-                   "both layers at the first shape, and their time outside the GEMMs")  # fmt: skip
+                   f"the layers {', '.join(PROFILED)} at the first shape, and their time outside "
+                   "the GEMMs")  # fmt: skip
     args = p.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)
@@ -213,31 +308,43 @@ def main(argv=None) -> int:
     if cuda and not torch.cuda.is_available():
         print("bench/gpu_fp8.py: no CUDA device here; nothing measured (exit 2)")
         return NO_CUDA_EXIT
-    device = (
-        torch.cuda.get_device_name() if cuda else "CPU (smoke run: float32 for bf16, nothing timed)"
-    )
+    if args.smoke_cpu:  # bf16 triton's kernels in Triton's interpreter, before any loads
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["MOE_TRITON_AUTOTUNE"] = "0"
+        device, gpu = (
+            f"CPU (smoke run: float32 for bf16, nothing timed, {SMOKE_GPU} floors)",
+            SMOKE_GPU,
+        )
+    else:
+        device = torch.cuda.get_device_name()
+        gpu = gpu_kind(device)
     records: list[dict] = []
     t0, failed = time.monotonic(), 0
-    for s in shapes:
-        shape = {"shape": s.name, "T": s.T, "d": s.d, "E": s.E, "k": s.k, "F": s.F}
-        if time.monotonic() - t0 > args.max_seconds:
-            records.append({**shape, "candidate": "fp8 rows", "figure": "skipped",
-                            "value": f"past --max-seconds {args.max_seconds:g}", "unit": ""})  # fmt: skip
-            continue
-        try:
-            measure_shape(s, args, cuda, records)
-            if not args.no_layer:
-                measure_layer(s, args, cuda, records)
-        except Exception as e:  # noqa: BLE001 - one shape's failure is a row, the rest run
-            failed += 1
-            records.append({**shape, "candidate": "fp8 rows", "figure": "failed",
-                            "value": f"{type(e).__name__}: {e}"[:300], "unit": ""})  # fmt: skip
-        if cuda:
-            torch.cuda.empty_cache()
+
+    def late() -> bool:
+        return time.monotonic() - t0 > args.max_seconds
+
+    def save() -> None:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": device, "records": records}, f)
-    print(report(records, device))
+                json.dump({"device": device, "gpu": gpu, "records": records}, f)
+
+    for s in shapes:
+        if late():
+            recorder(records, s, "fp8 rows")("skipped", f"past --max-seconds {args.max_seconds:g}")
+            continue
+        try:
+            measure_gemms(s, args, cuda, records)
+            save()
+            if not args.no_layer:
+                measure_layers(s, args, cuda, gpu, records, late, save)
+        except Exception as e:  # noqa: BLE001 - one shape's failure is a row, the rest run
+            recorder(records, s, "fp8 rows")("failed", f"{type(e).__name__}: {e}"[:300])
+        failed += sum(r["figure"] == "failed" for r in records if r["shape"] == s.name)
+        if cuda:
+            torch.cuda.empty_cache()
+        save()
+    print(report(records, device, gpu))
     return 1 if failed else 0
 
 

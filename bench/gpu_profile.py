@@ -8,10 +8,12 @@ import torch
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
-# Kernel names of the GEMMs: moe's Triton kernels (ragged rows / ragged reduction), CUTLASS and
-# cuBLAS (gemm, xmma, nvjet, cutlass; torch._grouped_mm) and the CPU matmuls of a smoke run.
+# Kernel names of the GEMMs: moe's Triton kernels (ragged rows / ragged reduction, the FP8
+# block-scaled and weight-gradient GEMMs), CUTLASS and cuBLAS (gemm, xmma, nvjet, cutlass;
+# torch._grouped_mm) and the CPU matmuls of a smoke run.
 GEMM_KERNEL = re.compile(
-    r"ragged_rows|ragged_reduce|gemm|xmma|nvjet|cutlass|aten::(mm|bmm|_grouped_mm)"
+    r"ragged_rows|ragged_reduce|block_mm|fp8_wgrad|gemm|xmma|nvjet|cutlass"
+    r"|aten::(mm|bmm|_grouped_mm|_scaled_grouped_mm)"
 )
 
 
