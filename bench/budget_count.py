@@ -11,8 +11,8 @@
   over the tail rows only (TAIL_ONLY: rows past the last offset, none in a dropless layer
   where every row is live) moves nothing;
 - GEMM FLOPs (mm, addmm, bmm, _grouped_mm, _scaled_grouped_mm, _scaled_mm and the Triton GEMM
-  kernels, whose bytes are not counted outside the GEMMs); with meta tensors every row is a
-  live row, exact for a dropless layer;
+  kernels, whose bytes are not counted outside the GEMMs; the e4m3 ones' also as fp8_flops);
+  with meta tensors every row is a live row, exact for a dropless layer;
 - e4m3 writes by operand (the quantization passes: every op or launch whose result is float8),
   named by the caller's `operand` (shape -> name);
 - host syncs (`_local_scalar_dense`: .item(), int(t); a copy to the CPU) and collectives (c10d
@@ -39,7 +39,9 @@ GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "_grouped_mm", "_scaled_grou
 TRITON_GEMMS = {
     "_ragged_rows_kernel": (10, 11, 12, "GATED"),
     "_ragged_reduce_kernel": (8, 9, 10, "TWO_OUT"),
+    "_block_mm_kernel": (6, 7, 8, None),  # moe/fp8/triton_block_gemm.py, on e4m3 tensor cores
 }  # fmt: skip  (M, N, K positions, the two-GEMM flag)
+TRITON_FP8_GEMMS = {"_block_mm_kernel"}
 TAIL_ONLY = {"_zero_tail_kernel"}  # touches only the rows past the last offset: none here
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 PHASES = ("first", "later", "optimizer")  # micro-batch 1's fwd+bwd, the others', the step
@@ -195,7 +197,9 @@ class Counter:
             # GATED doubles the up and dx roles (two GEMMs); the dact role's (EPILOGUE 2) is
             # its epilogue's width: one GEMM
             pair = kwargs.get(two) and kwargs.get("EPILOGUE") != 2
-            p.gemm_flops += 2 * args[m] * args[n] * args[k] * (2 if pair else 1)
+            flops = 2 * args[m] * args[n] * args[k] * (2 if pair else 1)
+            p.gemm_flops += flops
+            p.fp8_flops += flops if name in TRITON_FP8_GEMMS else 0
         else:
             p.bytes_outside += moved
             p.op_bytes[f"triton {name}"] += moved

@@ -9,8 +9,8 @@ reads the facts that decide Hopper speed from the compiled kernel:
   tma       tensor-descriptor loads (PTX `cp.async.bulk.tensor`) where the role is meant to
   spills    ptxas's stack / local memory (cuobjdump -res-usage): any byte is a spill
   pipelined every GEMM main loop (an scf.for holding a warp_group_dot in the TTGIR) issues its
-            loads asynchronously and never waits for all of them at once (`async_wait {num = 0}`
-            inside the loop is a full drain every iteration, i.e. no overlap)
+            tile loads asynchronously and never waits for all of them at once (`async_wait
+            {num = 0}` inside the loop is a full drain every iteration, i.e. no overlap)
 
   python -m tools.triton_aot_check [--arch 90] [--dtype bf16] [--shapes mixtral,...] [--first]
                                    [--jobs N]   (parallel compiles; identical ones run once)
@@ -99,7 +99,9 @@ def _loops(ttgir: str) -> list[list[str]]:
 
 def unpipelined_loops(ttgir: str) -> list[str]:
     """Why each GEMM main loop (a loop with a warp_group_dot / dot) is not pipelined, if it is
-    not: a synchronous tensor load in the loop, or a full async_wait drain per iteration."""
+    not: a synchronous tile load in the loop, or a full async_wait drain per iteration. (A
+    vector load, e.g. the FP8 block GEMM's per-row scales read one K block ahead, is not a tile:
+    Triton's pipeliner stages only the dot's operands.)"""
     problems = []
     for body in _loops(ttgir):
         text = "\n".join(body)
@@ -107,7 +109,8 @@ def unpipelined_loops(ttgir: str) -> list[str]:
             continue
         if re.search(r"async_wait [^\n]*\{num = 0 : i32\}", text):
             problems.append("async_wait {num = 0} in the loop (loads drained every iteration)")
-        if re.search(r"= tt\.(load|descriptor_load) [^\n]*: (tensor<|!tt\.tensordesc)", text):
+        tile_load = r"= tt\.(load|descriptor_load) [^\n]*: (tensor<\d+x\d+|!tt\.tensordesc)"
+        if re.search(tile_load, text):
             problems.append("synchronous tensor load in the loop")
     return problems
 
@@ -221,6 +224,7 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
                 label = f"rows {role}{' TMA' if tma else ''}"
                 yield label, rows._ragged_rows_kernel, dict(base, **ints), consts, cfg, True, tma
     yield from wgrad_variants(p, probe, M, D, E, F, first_only)
+    yield from fp8_block_gemm_variants(M, D, E, F, first_only)
     if gelu:
         yield from misc_variants(p, M, D, T)
         yield from row_variants(p, M, D, F)
@@ -262,7 +266,7 @@ def fp8_variants(p, M, D):
         kernel = fp8_quant._quant_kernel
         kargs = dict(args, **{k: v for k, v in over.items() if k != "ROW_CODES"})
         yield f"fp8 quant {label}", kernel, kargs, consts, None, False, False
-    wb = dict(w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", v_ptr=p, K=D, N=D, kb=D // 128,
+    wb = dict(w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", K=D, N=D, kb=D // 128,
               nb=D // 128, floor="fp32")  # fmt: skip
     consts = dict(POW2=True, B=128, R=triton_blocks.WEIGHT_CHUNK)
     yield (
@@ -277,6 +281,32 @@ def fp8_variants(p, M, D):
     dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128, stride_qm=D + 64)
     consts = dict(BLOCK_M=16, BLOCK_K=128)
     yield "fp8 dequantize 1 x 128", triton_blocks._dequantize_kernel, dq, consts, None, False, False
+
+
+def fp8_block_gemm_variants(M, D, E, F, first_only):
+    """The blockwise recipe's e4m3 GEMM (moe/fp8/triton_block_gemm.py): up / gate (K = d) and
+    down (K = F) forward on the weight's [E, N, K] codes, and the dgrads on its [E, K, N] codes
+    read as w^T: both K-contiguous. Imported here (see fp8_variants)."""
+    from moe.fp8 import triton_block_gemm as bg
+
+    B = bg.BLOCK
+    args = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32",
+                out_ptr="*bf16", offsets_ptr="*i32", M=M, E=E, M_BUCKET=triton.next_power_of_2(M),
+                stride_ask=1, stride_bk=1)  # fmt: skip
+    for label, K, N, dgrad in (("up", D, F, False), ("down", F, D, False),
+                               ("dgrad up", F, D, True), ("dgrad down", D, F, True)):  # fmt: skip
+        # forward: b = q_ENK^T (strides K N, 1, K), scales [E, K/B, N/B]; dgrad: b = q_EKN^T
+        # ([E, N, K] view of the [E, K, N] codes: strides K N, 1, N), scales transposed
+        kb, nb = K // B, N // B
+        strides = dict(stride_am=K, stride_asm=kb, stride_be=K * N, stride_bn=K,
+                       stride_se=kb * nb, stride_sk=nb, stride_sn=1)  # fmt: skip
+        if dgrad:
+            strides.update(stride_sk=1, stride_sn=kb)
+        consts = dict(E_POW2=triton.next_power_of_2(E + 1), RNE_BF16=False)
+        configs = bg._configs()
+        for cfg in configs[:1] if first_only else configs:
+            kargs = dict(args, N=N, K=K, **strides)
+            yield f"fp8 block gemm {label}", bg._block_mm_kernel, kargs, consts, cfg, True, False
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):

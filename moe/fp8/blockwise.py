@@ -8,12 +8,14 @@ with power-of-two scales, float32 elsewhere).
   expert's rows (128 x 1 blocks along the tokens, restarting at every expert).
 Partial blocks at the edges (widths not multiples of 128, experts with rows % 128 != 0).
 
-On CUDA with power-of-two scales and widths that are multiples of 128 (`fused`) every operand
-comes from one Triton launch that writes its codes' values in bf16 (exact): the weight's 128 x
-128 blocks once per optimizer step (moe/fp8/triton_blocks.py; the dgrad reads the same values
-transposed, a view), the 1 x 128 activation blocks as rows of 128, and the weight gradient's
-per-tile columns (moe/fp8/operands.py); the GEMMs are the bf16 grouped GEMM. The same values
-as the eager chain below, which every other device runs.
+On CUDA with power-of-two scales and widths that are multiples of 128 (`fused`) the forward and
+dgrad GEMMs read e4m3 codes and their scales directly (moe/fp8/triton_block_gemm.py: the
+scales applied per 128-wide K block to a float32 sum, DeepGEMM's promotion): x's and dy's
+1 x 128 codes from one quantization launch each, the weight's 128 x 128 block codes in both
+orientations and its scales made once per optimizer step (moe/fp8/triton_blocks.py). The
+weight gradient's per-tile columns come from one launch (moe/fp8/operands.py) and run on the
+bf16 grouped GEMM. The same products as the eager chain below, which every other device
+runs, summed in another order.
 """
 
 import torch
@@ -30,7 +32,6 @@ from moe.fp8.quant import (
     quantize_weight_blocks,
 )
 from moe.fp8.weight_cache import cached_form
-from moe.kernels.torch_grouped_mm import mm_groups
 from moe.kernels.triton_kernel import triton_installed
 
 BLOCK = 128
@@ -55,44 +56,43 @@ def fused(t: Tensor, w_EKN: Tensor, pow2: bool) -> bool:
     )  # fmt: skip
 
 
-def weight_values(w_EKN: Tensor, pow2: bool, floor: float) -> Tensor:
-    """(fused) w's 128 x 128 block codes' values in bf16, made once per optimizer step with
-    the codes and scales (one launch)."""
+def weight_codes(w_EKN: Tensor, pow2: bool, floor: float) -> tuple:
+    """(fused) w's 128 x 128 block codes [E, K, N] (the dgrad's operand: K-contiguous w^T),
+    the same codes [E, N, K] (the forward's) and the block scales [E, K / 128, N / 128], made
+    once per optimizer step (one launch)."""
     from moe.fp8.triton_blocks import weight_blocks_triton
 
-    make = lambda w: weight_blocks_triton(w, BLOCK, pow2, floor, torch.bfloat16)  # noqa: E731
-    return cached_form(("blocks values", pow2, floor), w_EKN, make)[2]
+    make = lambda w: weight_blocks_triton(w, BLOCK, pow2, floor)  # noqa: E731
+    return cached_form(("block codes", pow2, floor), w_EKN, make)
 
 
-def block_rows(x_MK: Tensor, pow2: bool, floor: float, codes: bool = True):
-    """(fused) x's 1 x 128 blocks, one launch: (codes [M, K] or None without `codes`, scales
-    [M, K / 128], values bf16)."""
-    from moe.fp8.triton_quant import quantize
+def block_gemm(q_MK, s_MB, w_EKN, offsets_E, pow2: bool, floor: float, out_dtype, dgrad=False):
+    """(fused) x @ w (or, dgrad, dy @ w^T) per group from the 1 x 128 codes and scales of x
+    (dy), on w's cached codes, in out_dtype; tail rows zero."""
+    from moe.fp8.triton_block_gemm import block_mm
 
-    M, K = x_MK.shape
-    q, s, _, _, v = quantize(x_MK.contiguous().view(-1, BLOCK), pow2, floor,
-                             row_values=torch.bfloat16, row_codes=codes)  # fmt: skip
-    return (q.view(M, K) if codes else None), s.view(M, K // BLOCK), v.view(M, K)
+    q_EKN, s_EKN, q_ENK = weight_codes(w_EKN, pow2, floor)
+    if dgrad:
+        b, b_s = q_EKN.transpose(1, 2), s_EKN.transpose(1, 2)
+    else:
+        b, b_s = q_ENK.transpose(1, 2), s_EKN
+    return block_mm(q_MK, s_MB, b, b_s, offsets_E, out_dtype)
 
 
 def from_codes(q_MK, s_MB, ws: tuple, offsets_E: Tensor, pow2: bool, floor: float, out_dtype):
-    """(fused) x @ w for each w of ws from x's kept 1 x 128 codes, dequantized once (one
-    launch) for all of them (the expert MLP's up and gate GEMMs)."""
-    from moe.fp8.triton_blocks import dequantize_triton
-
-    x_v = dequantize_triton(q_MK, s_MB, torch.bfloat16)
-    return [mm_groups(x_v, weight_values(w, pow2, floor), offsets_E).to(out_dtype) for w in ws]
+    """(fused) x @ w for each w of ws from x's kept 1 x 128 codes (the expert MLP's up and gate
+    GEMMs share them)."""
+    return [block_gemm(q_MK, s_MB, w, offsets_E, pow2, floor, out_dtype) for w in ws]
 
 
 def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float):
-    """(y_MN float32, x's e4m3 bytes as uint8 [M, K], its block scales [M, ceil(K / 128)])."""
-    if fused(x_MK, w_EKN, pow2):
-        q_MK, s_MB, v_MK = block_rows(x_MK, pow2, floor)
-        y = mm_groups(v_MK, weight_values(w_EKN, pow2, floor), offsets_E)
-        return y, q_MK.view(torch.uint8), s_MB
+    """(y_MN in x's dtype, x's e4m3 bytes as uint8 [M, K], its block scales [M, ceil(K / 128)])."""
     q_MK, s_MB = quantize_blocks(x_MK, BLOCK, pow2, floor)
-    x_q = dequantize_blocks(q_MK, s_MB, BLOCK)
-    y = mm_exact(x_q, weight(w_EKN, pow2, floor), offsets_E, pow2)
+    if fused(x_MK, w_EKN, pow2):
+        y = block_gemm(q_MK, s_MB, w_EKN, offsets_E, pow2, floor, x_MK.dtype)
+    else:
+        x_q = dequantize_blocks(q_MK, s_MB, BLOCK)
+        y = mm_exact(x_q, weight(w_EKN, pow2, floor), offsets_E, pow2).to(x_MK.dtype)
     return y, q_MK.view(torch.uint8), s_MB
 
 
@@ -102,12 +102,13 @@ def saved_x(q_MK: Tensor, s_MB: Tensor) -> Tensor:
 
 
 def dgrad(dy_MN: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:
-    if fused(dy_MN, w_EKN, pow2):
-        w_ENK = weight_values(w_EKN, pow2, floor).transpose(1, 2)  # a view: the same blocks
-        return mm_groups(block_rows(dy_MN, pow2, floor, codes=False)[2], w_ENK, offsets_E)
+    """dx_MK in dy's dtype."""
     q_MN, s_MB = quantize_blocks(dy_MN, BLOCK, pow2, floor)
+    if fused(dy_MN, w_EKN, pow2):
+        return block_gemm(q_MN, s_MB, w_EKN, offsets_E, pow2, floor, dy_MN.dtype, dgrad=True)
     w_ENK = weight(w_EKN, pow2, floor).transpose(1, 2).contiguous()
-    return mm_exact(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E, pow2)
+    dx = mm_exact(dequantize_blocks(q_MN, s_MB, BLOCK), w_ENK, offsets_E, pow2)
+    return dx.to(dy_MN.dtype)
 
 
 def _tiles(x_MK: Tensor, offsets_E: Tensor, pow2: bool, floor: float) -> Tensor:

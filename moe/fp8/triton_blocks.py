@@ -1,6 +1,7 @@
 """The blockwise recipe's operands in one Triton launch each on CUDA (issue 61): the weight's
-128 x 128 blocks (codes, one scale per block, and the codes' values in bf16 for the grouped
-GEMM: with power-of-two scales they are exact), and the ends of each expert's 128-row tiles
+128 x 128 blocks (codes in both orientations, [E, K, N] and [E, N, K], and one scale per
+block: each of moe/fp8/triton_block_gemm.py's GEMMs reads its weight K-contiguous, the layout
+Hopper's e4m3 wgmma takes from shared memory), and the ends of each expert's 128-row tiles
 (the weight gradient's scaling groups) built on the device. The 1 x 128 activation blocks and
 the per-tile columns are moe/fp8/triton_quant.py's row and column parts.
 """
@@ -9,15 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.fp8.triton_quant import _cap, _decode, _e4m3_code, _e4m3_value, _nan_max, _scale
+from moe.fp8.triton_quant import _cap, _decode, _e4m3_code, _nan_max, _scale
 
 WEIGHT_CHUNK = 32  # rows of a block in registers at once
 
 
 @triton.jit
-def _weight_blocks_kernel(w_ptr, q_ptr, s_ptr, v_ptr, K, N, kb, nb, floor,
+def _weight_blocks_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, K, N, kb, nb, floor,
                           POW2: tl.constexpr, B: tl.constexpr, R: tl.constexpr):  # fmt: skip
-    """One (e, i, j) block of B x B, in chunks of R rows (the amax, then the codes)."""
+    """One (e, i, j) block of B x B, in chunks of R rows (the amax, then the codes, written at
+    (e, k, n) and (e, n, k))."""
     pid = tl.program_id(0)
     e = pid // (kb * nb)
     i = (pid % (kb * nb)) // nb
@@ -41,24 +43,25 @@ def _weight_blocks_kernel(w_ptr, q_ptr, s_ptr, v_ptr, K, N, kb, nb, floor,
         x = tl.load(w_ptr + at, mask=ok, other=0.0).to(tl.float32)
         v = x / scale
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))
-        tl.store(q_ptr + at, _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=ok)
-        tl.store(v_ptr + at, (_e4m3_value(v) * scale).to(v_ptr.dtype.element_ty), mask=ok)
+        code = _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        tl.store(q_ptr + at, code, mask=ok)
+        tl.store(qt_ptr + base + cols[None, :].to(tl.int64) * K + rows[:, None], code, mask=ok)
 
 
-def weight_blocks_triton(w_EKN: torch.Tensor, block: int, pow2: bool, floor: float, dtype):
-    """(codes e4m3 [E, K, N], scales [E, kb, nb], values in dtype [E, K, N]) =
-    quant.quantize_weight_blocks(w) and its dequantized values, in one launch."""
+def weight_blocks_triton(w_EKN: torch.Tensor, block: int, pow2: bool, floor: float):
+    """(codes e4m3 [E, K, N], scales [E, kb, nb], the same codes as [E, N, K]) =
+    quant.quantize_weight_blocks(w) and its codes transposed, in one launch."""
     E, K, N = w_EKN.shape
     kb, nb = triton.cdiv(K, block), triton.cdiv(N, block)
     w = w_EKN.detach().contiguous()
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty((E, kb, nb), dtype=torch.float32, device=w.device)
-    v = torch.empty(w.shape, dtype=dtype, device=w.device)
+    qt = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
     if w.numel():
         _weight_blocks_kernel[(E * kb * nb,)](
-            w, q, s, v, K, N, kb, nb, float(floor), POW2=pow2, B=block, R=WEIGHT_CHUNK
+            w, q, s, qt, K, N, kb, nb, float(floor), POW2=pow2, B=block, R=WEIGHT_CHUNK
         )
-    return q, s, v
+    return q, s, qt
 
 
 @triton.jit

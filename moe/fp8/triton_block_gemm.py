@@ -1,0 +1,157 @@
+"""The blockwise recipe's forward and dgrad grouped GEMM on e4m3 codes and their block scales
+(DeepSeek-V3's scaling, issue 61), one Triton launch for all experts, as the custom op
+`moe::fp8_block_mm`:
+
+    out[rows of e] = sum over K blocks kb of 128 of
+                     (a[rows, kb] @ b[e, kb, n]) * a_scale[rows, kb] * b_scale[e, kb, n // 128]
+
+a: codes [M, K] with one scale per 1 x 128 block [M, K / 128]; b: codes [E, K, N] (any strides:
+the dgrad passes w^T as a view) with one scale per 128 x 128 block [E, K / 128, N / 128]. Each
+128-wide K block is one e4m3 tl.dot (tensor cores, float32 accumulator) whose result is scaled
+and added to a float32 sum (DeepGEMM's promotion: the tensor cores' partial sums never span more
+than one block). An output tile is at most 128 wide, so it sits inside one weight block.
+Rows are ragged by the int32 cumulative offsets (schedule.expert_tile: no host sync); rows past
+offsets[-1] come out zero. K and N multiples of 128.
+
+e4m3 x e4m3 products are exact in float32, so the result is the float32 grouped GEMM of the
+dequantized operands up to the order of the sums. The Triton interpreter runs the same e4m3
+tl.dot (it decodes the codes to float32), so one kernel serves both; only its float32 -> bf16
+cast (a truncation there, round to nearest on GPUs) gets a rounding step of its own (RNE_BF16).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.triton.common import autotune_prune, e_pow2, interpreting, m_bucket
+from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+
+BLOCK = 128  # the scaling block along K (and the weight's along N)
+
+
+def _configs() -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the scaling block."""
+    table = [(128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3)]
+    if interpreting():
+        table = [(16, 64, 4, 1)]
+    return [
+        triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=BLOCK, GROUP_M=8), num_warps=w,
+                      num_stages=s)
+        for m, n, w, s in table
+    ]  # fmt: skip
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "E", "M_BUCKET", "stride_bk"],
+    prune_configs_by={"early_config_prune": autotune_prune()},
+)
+@triton.jit
+def _block_mm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, M_BUCKET,
+    stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
+    stride_se, stride_sk, stride_sn,
+    E_POW2: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One output tile (virtual row tile x column tile). b's K or N stride is 1 (the JIT
+    specialises a stride of 1: a K stride of 1 is the layout Hopper's e4m3 wgmma reads)."""
+    pid = tl.program_id(0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M + E
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * num_pid_n  # grouped order: row tiles of one expert share its B tiles
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
+    if seg <= E:  # else: a virtual tile past the real ones
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seg_end
+        live = offs_m < tl.where(seg < E, seg_end, 0)  # rows read: none in the tail segment
+        rows = offs_m.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+        e64 = tl.minimum(seg, E - 1).to(tl.int64)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        n64 = offs_n.to(tl.int64)
+        b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + n64[None, :] * stride_bn
+        as_ptrs = as_ptr + rows * stride_asm
+        bs_ptr = bs_ptr + e64 * stride_se + (pid_n * BLOCK_N // BLOCK_K) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        num_k = tl.where(seg < E, K // BLOCK_K, 0)  # tail tiles skip the loop: zeros
+        # the scales are read one K block ahead (Triton's pipeliner stages only the dot's
+        # operands): their latency hides behind the previous block's MMA
+        s = tl.load(as_ptrs, mask=live, other=0.0) * tl.load(bs_ptr)
+        for kb in range(0, num_k):
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+            nxt = tl.minimum(kb + 1, num_k - 1)  # (the last block's again after the last)
+            a_s = tl.load(as_ptrs + nxt * stride_ask, mask=live, other=0.0)
+            b_s = tl.load(bs_ptr + nxt * stride_sk)
+            acc += tl.dot(a, b) * s[:, None]
+            s = a_s * b_s
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if RNE_BF16:  # the interpreter's float32 -> bf16 truncates: round to nearest even first
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            acc = tl.where(acc == acc, bits.to(tl.float32, bitcast=True), acc)  # (NaN kept)
+        out_ptrs = out_ptr + rows[:, None] * N + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def check(q_MK, s_MB, q_EKN, s_EKN, offsets_E) -> None:
+    """One ValueError naming what block_mm cannot take."""
+    (M, K), (E, K2, N) = q_MK.shape, q_EKN.shape
+    if K2 != K or K % BLOCK or N % BLOCK:
+        raise ValueError(
+            f"fp8_block_mm needs a [M, K] and b [E, K, N] with K, N multiples of {BLOCK}, got "
+            f"{tuple(q_MK.shape)} and {tuple(q_EKN.shape)}"
+        )
+    if s_MB.shape != (M, K // BLOCK) or s_EKN.shape != (E, K // BLOCK, N // BLOCK):
+        raise ValueError(
+            f"fp8_block_mm: scales {tuple(s_MB.shape)}, {tuple(s_EKN.shape)} do not fit codes "
+            f"{tuple(q_MK.shape)}, {tuple(q_EKN.shape)} in blocks of {BLOCK}"
+        )
+    if offsets_E.shape != (E,) or q_MK.stride(1) != 1:
+        raise ValueError("fp8_block_mm needs offsets [E] and a's codes with unit column stride")
+    if 1 not in q_EKN.stride()[1:]:
+        raise ValueError(f"fp8_block_mm: b needs a unit K or N stride, got {q_EKN.stride()}")
+
+
+@torch.library.custom_op("moe::fp8_block_mm", mutates_args=())
+def block_mm(
+    q_MK: torch.Tensor,
+    s_MB: torch.Tensor,
+    q_EKN: torch.Tensor,
+    s_EKN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y[rows of e] = dequantized a[rows of e] @ dequantized b[e] (see the module docstring), in
+    out_dtype (float32 accumulation); tail rows zero. Codes e4m3 (or their uint8 view)."""
+    check(q_MK, s_MB, q_EKN, s_EKN, offsets_E)
+    (M, K), (E, _, N) = q_MK.shape, q_EKN.shape
+    out = torch.empty((M, N), dtype=out_dtype, device=q_MK.device)
+    if M == 0:
+        return out
+    b = q_EKN.view(torch.float8_e4m3fn)
+
+    def grid(meta):
+        return (max_row_tiles(M, E, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _block_mm_kernel[grid](
+        q_MK.view(torch.float8_e4m3fn), s_MB, b, s_EKN, out, offsets_E.to(torch.int32),
+        M, N, K, E, m_bucket(M),
+        q_MK.stride(0), *s_MB.stride(), *b.stride(), *s_EKN.stride(),
+        E_POW2=e_pow2(E), RNE_BF16=interpreting() and out_dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+@block_mm.register_fake
+def _(q_MK, s_MB, q_EKN, s_EKN, offsets_E, out_dtype):
+    return q_MK.new_empty(q_MK.shape[0], q_EKN.shape[2], dtype=out_dtype)

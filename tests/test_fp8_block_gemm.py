@@ -1,0 +1,76 @@
+"""The blockwise recipe's e4m3 grouped GEMM (moe/fp8/triton_block_gemm.py, issue 61), run in
+Triton's interpreter on CPU: the forward and the dgrad (w^T read as a view) against a float64
+GEMM of the dequantized operands (empty experts, partial row tiles, tail rows zero), and the
+FP8 expert MLP through the fused blockwise path against the eager chain."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from moe.fp8 import quant as Q  # noqa: E402
+from moe.fp8.triton_block_gemm import block_mm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(a_MK, as_MB, b_EKN, bs_EKN, offsets):
+    """float64 y[rows of e] = dequantized a @ dequantized b[e]; tail rows zero; and the same
+    GEMM of the magnitudes (the float32 rounding bound)."""
+    K, N = b_EKN.shape[1:]
+    a = Q.dequantize(a_MK, Q.expand_blocks(as_MB, K), torch.float64)
+    b = Q.dequantize(b_EKN, Q.expand_weight_blocks(bs_EKN, K, N), torch.float64)
+    y, mag = a.new_zeros(a.shape[0], N), a.new_zeros(a.shape[0], N)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        y[start:end] = a[start:end] @ b[e]
+        mag[start:end] = a[start:end].abs() @ b[e].abs()
+        start = end
+    return y, mag
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_dgrad_against_float64(dtype):
+    """y = x @ w (w as stored, N contiguous, and as a K-contiguous copy) and dx = dy @ w^T (the
+    same codes and scales read transposed), several experts, one empty, rows not multiples of
+    the row tile, 9 tail rows; e4m3 operands spanning many binades."""
+    g = torch.Generator().manual_seed(0)
+    E, K, N, M = 4, 256, 384, 61
+    offsets = torch.tensor([13, 13, 40, 52], dtype=torch.int32)
+    w = torch.randn(E, K, N, generator=g) * torch.logspace(-3, 3, N)
+    q_w, s_w = Q.quantize_weight_blocks(w, 128, True, Q.AMAX_FLOOR)
+    for a_width, b, bs in (
+        (K, q_w, s_w),  # forward, N-major b
+        (K, q_w.transpose(1, 2).contiguous().transpose(1, 2), s_w),  # forward, K-major b
+        (N, q_w.transpose(1, 2), s_w.transpose(1, 2)),  # dgrad: w^T, a view
+    ):
+        x = torch.randn(M, a_width, generator=g) * torch.logspace(2, -2, M)[:, None]
+        q_x, s_x = Q.quantize_blocks(x, 128, True, Q.AMAX_FLOOR)
+        got = block_mm(q_x.to(DEV), s_x.to(DEV), b.to(DEV), bs.to(DEV), offsets.to(DEV), dtype)
+        want, mag = _reference(q_x, s_x, b, bs, offsets)
+        assert got.dtype == dtype and got.shape == want.shape
+        got, bound = got.cpu().double(), mag * 2**-18  # float32 sums of K products
+        if dtype == torch.bfloat16:  # and one rounding to nearest in bf16
+            bound = bound + want.abs() * 2**-8
+        assert (got - want).abs().le(bound).all(), (got - want).abs().max()
+        assert (got[52:] == 0).all() and got[:52].abs().sum() > 0
+
+
+def test_no_rows_and_bad_operands():
+    q = torch.zeros(0, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)
+    s_w = torch.ones(2, 1, 1)
+    offsets = torch.zeros(2, dtype=torch.int32)
+    got = block_mm(q.to(DEV), torch.ones(0, 1, device=DEV), w.to(DEV), s_w.to(DEV),
+                   offsets.to(DEV), torch.float32)  # fmt: skip
+    assert got.shape == (0, 128)
+    w96 = torch.zeros(2, 96, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        block_mm(q[:0, :96], torch.ones(0, 1), w96, s_w, offsets, torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        block_mm(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 2), w, s_w,
+                 offsets, torch.float32)  # fmt: skip
