@@ -178,6 +178,7 @@ def layer_step(layer, x, dy, fresh_forms: bool = False):
 def measure_layers(s, args, cuda: bool, gpu: str | None, records: list, late, save) -> None:
     """Every LAYERS row at shape s, each against the float32 layer; save() after each row."""
     import moe
+    from moe.fp8 import weights_changed
 
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
@@ -202,7 +203,8 @@ def measure_layers(s, args, cuda: bool, gpu: str | None, records: list, late, sa
             rec("measured_over_floor", ms / floor if ms and isinstance(floor, float) else None, "x")
         except Exception as e:  # noqa: BLE001 - one row's failure (an OOM) is a row, the rest run
             rec("failed", f"{type(e).__name__}: {e}"[:300])
-        layer = None  # freed (its weights, grads and e4m3 forms) before the next row is built
+        layer = None  # freed with its grads before the next row is built, and its e4m3 forms
+        weights_changed()  # (the cache holds them and the weights' storage: ~11 GB at DeepSeek)
         if cuda:
             torch.cuda.empty_cache()
         save()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check, gpu_check_stages, gpu_decide, gpu_fp8
+from moe.fp8 import weight_cache
 
 SHAPE = "40/32/3/2/24"
 
@@ -40,6 +41,16 @@ def test_fp8_rows_smoke_on_cpu(tmp_path, capsys):
     assert "FP8 vs bf16 layer at DeepSeek-V3 slice: not measured" in text
     with pytest.raises(SystemExit):
         gpu_fp8.main(["--smoke-cpu", "--shapes", "mixtral"])  # too big for the CPU smoke run
+
+
+def test_each_fp8_rows_forms_are_freed_after_it(monkeypatch):
+    """The weight cache holds a row's e4m3 forms and its weights' storage (~11 GB at the
+    DeepSeek-V3 shape): dropped after each row, not left to the next (bench.budget's optimizer
+    step, which also drops them, patched out here)."""
+    monkeypatch.setattr(gpu_fp8, "floor_ms", lambda variant, s, gpu: 1.0)
+    monkeypatch.setattr(gpu_fp8, "LAYERS", ("fp8 rowwise",))
+    assert gpu_fp8.main(["--smoke-cpu", "--shapes", SHAPE]) == 0
+    assert not weight_cache._FORMS
 
 
 def _ms(shape, candidate, value, figure="fwd_bwd_ms"):
