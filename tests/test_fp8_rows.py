@@ -206,6 +206,22 @@ def test_the_rows_reach_the_expert_kernel_quantized(monkeypatch):
     assert seen == [QuantizedRows]
 
 
+def test_other_consumers_decode_the_rows_once(monkeypatch):
+    """A LoRA-adapted FP8 kernel reads the rows in several ops (base GEMMs, adapters, their
+    backward): they share one decode, as they shared the rows decoded on arrival."""
+    import moe.fp8.rows as rows
+    from moe.lora import LoRAConfig, add_lora
+
+    decodes = []
+    real = rows.dequantize_payload
+    monkeypatch.setattr(rows, "dequantize_payload", lambda *a: decodes.append(1) or real(*a))
+    fp8 = FP8Config(dispatch=True, experts=True, block_size=16)
+    layer = moe.MoELayer(32, 24, 4, top_k=2, activation="swiglu", fp8=fp8)
+    add_lora(layer, LoRAConfig(rank=2, alpha=2.0))
+    layer(torch.randn(9, 32, requires_grad=True)).sum().backward()
+    assert len(decodes) == 1
+
+
 def test_checkpoint_reload_continues_the_same(tmp_path):
     """A checkpoint saved mid-training and loaded into a fresh layer continues bit for bit."""
     from moe.checkpoint import load_checkpoint, save_checkpoint

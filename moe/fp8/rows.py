@@ -7,8 +7,9 @@ the wire's e4m3 codes (uint8 [N, D]) and 1 x block float32 scales [N, nb]. The F
 decode returns one when the layer's FP8 experts consume the dispatched rows (moe/fp8/wire.py).
 Ops that only move rows (index_select, slices and cat along the rows, detach, clone) move the
 codes and scales; every other op sees the rows dequantized exactly as the wire's decode writes
-them, so any other consumer (a LoRA adapter, the dispatchers' permutations and chunks, the one-
-process emulation, ...) computes today's values. In-place writes into it are refused (the rows
+them (decoded once, then shared), so any other consumer (a LoRA adapter, the dispatchers'
+permutations and chunks, the one-process emulation, ...) computes today's values with today's
+one decode. In-place writes into it are refused (the rows
 are a value, not storage). Gradients flow as plain tensors.
 
 `gemm_input` is the FP8 expert kernel's x operand (moe/fp8/expert_mlp_fn.py):
@@ -53,6 +54,7 @@ class QuantizedRows(torch.Tensor):
     def __init__(self, codes, scales, block, pow2, floor, dtype):
         self.codes, self.scales = codes, scales
         self.block, self.pow2, self.floor = block, pow2, floor
+        self._decoded = None  # the decoded rows, made once for all the ops that need them
 
     @property
     def device(self):
@@ -76,8 +78,12 @@ class QuantizedRows(torch.Tensor):
         return QuantizedRows(codes, scales, self.block, self.pow2, self.floor, self.dtype)
 
     def dequantize(self) -> Tensor:
-        """The rows as the wire's decode writes them (FP8Rows.decode without experts)."""
-        return dequantize_payload(self.codes, self.scales, self.block, self.dtype)
+        """The rows as the wire's decode writes them (FP8Rows.decode without experts), made
+        once: every op that reads them (e.g. a LoRA adapter's and the base GEMMs) shares them,
+        as it shared the rows decoded on arrival."""
+        if self._decoded is None:
+            self._decoded = dequantize_payload(self.codes, self.scales, self.block, self.dtype)
+        return self._decoded
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
