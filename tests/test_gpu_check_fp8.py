@@ -53,6 +53,26 @@ def test_each_fp8_rows_forms_are_freed_after_it(monkeypatch):
     assert not weight_cache._FORMS
 
 
+def test_a_floor_not_counted_is_said_and_the_row_still_measured(monkeypatch, tmp_path):
+    """bench.budget's stand-in failing on the GPU machine's torch costs the floor, not the row;
+    a GPU the budget has no bandwidth for gets no floor."""
+    from bench import budget
+
+    def broken(variant, s, micro_batches=1):
+        raise RuntimeError("no stand-in here")
+
+    monkeypatch.setattr(budget, "measure", broken)
+    monkeypatch.setattr(gpu_fp8, "LAYERS", ("fp8 rowwise",))
+    out = tmp_path / "rows.json"
+    assert gpu_fp8.main(["--smoke-cpu", "--shapes", SHAPE, "--json", str(out)]) == 0
+    rows = {(r["candidate"], r["figure"]): r for r in json.loads(out.read_text())["records"]}
+    floor = rows[("layer fp8 rowwise", "floor_ms_H100")]
+    assert floor["value"] == "not counted: RuntimeError: no stand-in here" and floor["unit"] == ""
+    assert 20 <= rows[("layer fp8 rowwise", "sqnr_y_db")]["value"] <= 30
+    monkeypatch.setattr(gpu_fp8.torch.cuda, "get_device_name", lambda: "NVIDIA A100-SXM4-80GB")
+    assert "not an H100 SXM or H200" in gpu_fp8.floor_ms("fp8 rowwise", None, None)
+
+
 def _ms(shape, candidate, value, figure="fwd_bwd_ms"):
     return {"shape": shape, "candidate": candidate, "figure": figure, "value": value}
 
