@@ -46,14 +46,9 @@ from moe.kernels.torch_grouped_mm import grouped_mm_torch
 NO_CUDA_EXIT = 2
 SMOKE_MAX_ROWS_D_F = 2**16  # --smoke-cpu: Triton's interpreter (bf16 triton), seconds a shape
 CANDIDATES = {"gemm bf16": grouped_mm_torch, "gemm fp8 rowwise": fp8_grouped_mm}
-LAYERS = (
-    "bf16 torch",
-    "fp8 rowwise +dispatch",
-    "fp8 blockwise +dispatch",
-    "fp8 rowwise",
-    "fp8 blockwise",
-    "bf16 triton",
-)  # fmt: skip  (bench.budget.VARIANTS names)
+# the layer rows, in the order they run: bench.budget.VARIANTS names
+LAYERS = ("bf16 torch", "fp8 rowwise +dispatch", "fp8 blockwise +dispatch", "fp8 rowwise",
+          "fp8 blockwise", "bf16 triton")  # fmt: skip
 PROFILED = ("bf16 torch", "fp8 rowwise +dispatch", "fp8 blockwise +dispatch")  # --profile
 SMOKE_GPU = "H100"  # --smoke-cpu: whose floors the plumbing computes (nothing is timed)
 
@@ -175,8 +170,9 @@ def layer_step(layer, x, dy, fresh_forms: bool = False):
     return y.detach(), xg.grad
 
 
-def measure_layers(s, args, cuda: bool, gpu: str | None, records: list, late, save) -> None:
-    """Every LAYERS row at shape s, each against the float32 layer; save() after each row."""
+def measure_layers(s, args, cuda: bool, gpu, floors: dict, records: list, late, save) -> None:
+    """Every LAYERS row at shape s, each against the float32 layer and beside its floor
+    (floors[variant]); save() after each row."""
     import moe
     from moe.fp8 import weights_changed
 
@@ -191,13 +187,13 @@ def measure_layers(s, args, cuda: bool, gpu: str | None, records: list, late, sa
     xd, dyd = x.to(dtype), dy.to(dtype)
     for variant in LAYERS:
         rec = recorder(records, s, f"layer {variant}")
+        floor = floors[variant]
+        unit = "ms" if isinstance(floor, float) else ""
+        rec(f"floor_ms_{gpu}" if gpu else "floor_ms", floor, unit)
         if late():
             rec("skipped", f"past --max-seconds {args.max_seconds:g}")
             continue
         try:
-            floor = floor_ms(variant, s, gpu)
-            unit = "ms" if isinstance(floor, float) else ""
-            rec(f"floor_ms_{gpu}" if gpu else "floor_ms", floor, unit)
             layer = moe.MoELayer(s.d, s.F, s.E, **kw, dtype=dtype, **variant_options(variant))
             layer.load_state_dict(ref.state_dict())
             ms = layer_row(s, variant, layer, xd, dyd, want, args, cuda, rec)
@@ -271,7 +267,9 @@ def report(records: list, device: str, gpu: str | None) -> str:
     for (shape, cand), f in by.items():
         for bad in ("failed", "skipped"):
             if bad in f:
-                lines.append(f"| {shape} | {cand} | {bad}: {f[bad]} | | | | | | |")
+                lines.append(
+                    f"| {shape} | {cand} | {bad}: {f[bad]} | | | | {_cell(f, floor)} | | |"
+                )
         if "failed" in f or "skipped" in f:
             continue
         sq = " / ".join(str(f[k]) for k in ("sqnr_y_db", "sqnr_dx_db", "sqnr_dw_db") if k in f)
@@ -336,6 +334,10 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"device": device, "gpu": gpu, "records": records}, f)
 
+    # every floor first (~0.1 s each): beside the rows skipped for time too
+    floors = (
+        {} if args.no_layer else {(s.name, v): floor_ms(v, s, gpu) for s in shapes for v in LAYERS}
+    )
     for s in shapes:
         if late():
             recorder(records, s, "fp8 rows")("skipped", f"past --max-seconds {args.max_seconds:g}")
@@ -344,7 +346,8 @@ def main(argv=None) -> int:
             measure_gemms(s, args, cuda, records)
             save()
             if not args.no_layer:
-                measure_layers(s, args, cuda, gpu, records, late, save)
+                here = {v: floors[(s.name, v)] for v in LAYERS}
+                measure_layers(s, args, cuda, gpu, here, records, late, save)
         except Exception as e:  # noqa: BLE001 - one shape's failure is a row, the rest run
             recorder(records, s, "fp8 rows")("failed", f"{type(e).__name__}: {e}"[:300])
         failed += sum(r["figure"] == "failed" for r in records if r["shape"] == s.name)
