@@ -85,10 +85,11 @@ def test_requantize_in_one_launch_equals_quantizing_the_decoded_rows(dtype):
                 fp8 = FP8Config(dispatch=True, experts=True, scale_format=scale_format,
                                 block_size=block)  # fmt: skip
                 x = _arrived(_rows(dtype, 256), fp8)
+                ids = torch.tensor([5, 0, 11, 3, 3, 2, 9, 4, 1])  # (a permutation, repeats)
                 width = 256 if recipe == "rowwise" else 128
                 q, s = requantize_triton(x.codes.to(DEV), x.scales.to(DEV), block, dtype,
-                                         width, pow2, AMAX_FLOOR)  # fmt: skip
-                q_ref, s_ref = quantize_input(x.dequantize(), pow2, AMAX_FLOOR, recipe)
+                                         width, pow2, AMAX_FLOOR, ids.to(DEV))  # fmt: skip
+                q_ref, s_ref = quantize_input(x.dequantize()[ids], pow2, AMAX_FLOOR, recipe)
                 case = (scale_format, recipe, block, pow2)
                 assert _same(q.cpu(), q_ref) and _same(s.cpu(), s_ref), case
 
@@ -100,6 +101,11 @@ def test_row_moves_keep_codes_and_every_other_op_sees_the_decoded_rows():
     ids = torch.tensor([3, 0, 6, 3])
     moved = {
         "index_select": (x.index_select(0, ids), plain.index_select(0, ids)),
+        "index_select twice, then a slice": (
+            x.index_select(0, ids).index_select(0, torch.tensor([2, 0, 1]))[1:],
+            plain.index_select(0, ids).index_select(0, torch.tensor([2, 0, 1]))[1:],
+        ),
+        "cat of read rows": (torch.cat([x[ids], x]), torch.cat([plain[ids], plain])),
         "slice": (x[2:5], plain[2:5]),
         "cat": (torch.cat([x, x[:2]]), torch.cat([plain, plain[:2]])),
         "split": (torch.split(x, [3, 4])[1], torch.split(plain, [3, 4])[1]),

@@ -5,8 +5,9 @@ payload feeding the GEMM without a dequantize / requantize round trip.
 no dispatcher, layer or kernel registry names it): rows [N, D] in the sender's dtype, held as
 the wire's e4m3 codes (uint8 [N, D]) and 1 x block float32 scales [N, nb]. The FP8 row format's
 decode returns one when the layer's FP8 experts consume the dispatched rows (moe/fp8/wire.py).
-Ops that only move rows (index_select, slices and cat along the rows, detach, clone) move the
-codes and scales; every other op sees the rows dequantized exactly as the wire's decode writes
+Ops that only move rows keep them quantized: index_select (the dispatchers' permutations)
+records which stored rows it reads, no copy (the requantizing launch reads through them);
+slices, split, cat, detach and clone move codes and scales; every other op sees the rows dequantized exactly as the wire's decode writes
 them (decoded once, then shared), so any other consumer (a LoRA adapter, the dispatchers'
 permutations and chunks, the one-process emulation, ...) computes today's values with today's
 one decode. In-place writes into it are refused (the rows
@@ -39,20 +40,23 @@ aten = torch.ops.aten
 
 
 class QuantizedRows(torch.Tensor):
-    """Rows [N, D] of `dtype` held as e4m3 codes (uint8 [N, D]) and 1 x `block` float32 scales
-    [N, ceil(D / block)] made with power-of-two scales (`pow2`) and amax floor `floor`."""
+    """Rows [N, D] of `dtype` held as e4m3 codes (uint8 [S, D]) and 1 x `block` float32 scales
+    [S, ceil(D / block)] made with power-of-two scales (`pow2`) and amax floor `floor`; rows_N
+    (int64, optional): the stored rows these rows are, in order (a row permutation or gather
+    not yet applied: the requantizing launch reads through it, no copy of the codes)."""
 
     @staticmethod
-    def __new__(cls, codes, scales, block: int, pow2: bool, floor: float, dtype: torch.dtype):
+    def __new__(cls, codes, scales, block, pow2, floor, dtype, rows_N=None):
         # the device of the codes' storage (a stand-in may report another one to Python:
         # bench/budget_device.py; `device` below answers what the codes answer)
         device = torch._C.TensorBase.device.__get__(codes)
+        N = codes.shape[0] if rows_N is None else rows_N.shape[0]
         return Tensor._make_wrapper_subclass(
-            cls, codes.shape, dtype=dtype, device=device, requires_grad=False
+            cls, (N, codes.shape[1]), dtype=dtype, device=device, requires_grad=False
         )
 
-    def __init__(self, codes, scales, block, pow2, floor, dtype):
-        self.codes, self.scales = codes, scales
+    def __init__(self, codes, scales, block, pow2, floor, dtype, rows_N=None):
+        self.codes, self.scales, self.rows_N = codes, scales, rows_N
         self.block, self.pow2, self.floor = block, pow2, floor
         self._decoded = None  # the decoded rows, made once for all the ops that need them
 
@@ -68,21 +72,31 @@ class QuantizedRows(torch.Tensor):
         return f"QuantizedRows(shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block})"
 
     def __tensor_flatten__(self):
-        return ["codes", "scales"], (self.block, self.pow2, self.floor, self.dtype)
+        names = ["codes", "scales"] + ([] if self.rows_N is None else ["rows_N"])
+        return names, (self.block, self.pow2, self.floor, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return QuantizedRows(inner["codes"], inner["scales"], *meta)
+        return QuantizedRows(inner["codes"], inner["scales"], *meta, inner.get("rows_N"))
 
-    def _like(self, codes: Tensor, scales: Tensor) -> "QuantizedRows":
-        return QuantizedRows(codes, scales, self.block, self.pow2, self.floor, self.dtype)
+    def _like(self, codes: Tensor, scales: Tensor, rows_N=None) -> "QuantizedRows":
+        return QuantizedRows(codes, scales, self.block, self.pow2, self.floor, self.dtype, rows_N)
+
+    def _reading(self, rows_N: Tensor) -> "QuantizedRows":
+        return self._like(self.codes, self.scales, rows_N)
+
+    def stored(self) -> tuple[Tensor, Tensor]:
+        """(codes, scales) of these rows in order (gathered through rows_N where set)."""
+        if self.rows_N is None:
+            return self.codes, self.scales
+        return self.codes.index_select(0, self.rows_N), self.scales.index_select(0, self.rows_N)
 
     def dequantize(self) -> Tensor:
         """The rows as the wire's decode writes them (FP8Rows.decode without experts), made
         once: every op that reads them (e.g. a LoRA adapter's and the base GEMMs) shares them,
         as it shared the rows decoded on arrival."""
         if self._decoded is None:
-            self._decoded = dequantize_payload(self.codes, self.scales, self.block, self.dtype)
+            self._decoded = dequantize_payload(*self.stored(), self.block, self.dtype)
         return self._decoded
 
     @classmethod
@@ -99,14 +113,28 @@ class QuantizedRows(torch.Tensor):
         return func(*plain[0], **plain[1])
 
 
+def _along_rows(x, dim) -> bool:
+    return dim in (0, -2) and x.dim() == 2
+
+
 def _index_select(x, dim, index):
-    if dim in (0, -2) and x.dim() == 2:
-        return x._like(x.codes.index_select(0, index), x.scales.index_select(0, index))
+    if _along_rows(x, dim):  # no copy: the rows read through the index
+        return x._reading(index if x.rows_N is None else x.rows_N.index_select(0, index))
+    return None
+
+
+def _index(x, indices):
+    """x[ids] with one integer index tensor (rows): as index_select."""
+    ids = indices[0] if len(indices) == 1 else None
+    if ids is not None and ids.dim() == 1 and ids.dtype in (torch.int64, torch.int32):
+        return _index_select(x, 0, ids)
     return None
 
 
 def _slice(x, dim=0, start=None, end=None, step=1):
-    if dim in (0, -2) and x.dim() == 2:
+    if _along_rows(x, dim):
+        if x.rows_N is not None:
+            return x._reading(x.rows_N[start:end:step])
         return x._like(x.codes[start:end:step], x.scales[start:end:step])
     return None
 
@@ -120,14 +148,16 @@ def _cat(tensors, dim=0):
         == (first.block, first.pow2, first.floor, first.dtype, first.shape[1:])
         for t in parts
     )
-    if dim in (0, -2) and first.dim() == 2 and same:
-        codes = torch.cat([t.codes for t in parts])
-        return first._like(codes, torch.cat([t.scales for t in parts]))
+    if _along_rows(first, dim) and same:
+        codes, scales = zip(*(t.stored() for t in parts))
+        return first._like(torch.cat(codes), torch.cat(scales))
     return None
 
 
 def _split(x, split_size, dim=0):
-    if dim in (0, -2) and x.dim() == 2:
+    if _along_rows(x, dim):
+        if x.rows_N is not None:
+            return [x._reading(r) for r in x.rows_N.split(split_size)]
         pieces = zip(x.codes.split(split_size), x.scales.split(split_size))
         return [x._like(c, s) for c, s in pieces]
     return None
@@ -135,12 +165,13 @@ def _split(x, split_size, dim=0):
 
 _ROW_MOVES = {
     aten.index_select.default: _index_select,
+    aten.index.Tensor: _index,
     aten.slice.Tensor: _slice,
     aten.cat.default: _cat,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
-    aten.detach.default: lambda x: x._like(x.codes, x.scales),
-    aten.clone.default: lambda x, memory_format=None: x._like(x.codes.clone(), x.scales.clone()),
+    aten.detach.default: lambda x: x._like(x.codes, x.scales, x.rows_N),
+    aten.clone.default: lambda x, memory_format=None: x._like(*(t.clone() for t in x.stored())),
 }
 
 
@@ -155,14 +186,15 @@ def gemm_input(x_ND: Tensor, pow2: bool, floor: float, recipe: str) -> tuple[Ten
     if not isinstance(x_ND, QuantizedRows):
         return quantize_input(x_ND, pow2, floor, recipe)
     if agrees(x_ND, pow2, floor, recipe):
-        return x_ND.codes.contiguous(), x_ND.scales
+        codes, scales = x_ND.stored()
+        return codes.contiguous(), scales
     D = x_ND.shape[1]
     width = D if recipe == "rowwise" else BLOCK
     if x_ND.codes.is_cuda and D % width == 0 and triton_installed():
         from moe.fp8.triton_requant import requantize_triton
 
         return requantize_triton(
-            x_ND.codes, x_ND.scales, x_ND.block, x_ND.dtype, width, pow2, floor
+            x_ND.codes, x_ND.scales, x_ND.block, x_ND.dtype, width, pow2, floor, x_ND.rows_N
         )  # fmt: skip
     return quantize_input(x_ND.dequantize(), pow2, floor, recipe)
 
