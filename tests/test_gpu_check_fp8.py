@@ -109,6 +109,9 @@ def test_floor_rule_names_the_rows_over_twice_their_floor():
     line = gpu_decide.floor_decision(recs)
     assert "1 of 2 layer rows within 2x of the floor; over it: Mixtral fp8 rowwise 2.50x" in line
     assert "not measured" in gpu_decide.floor_decision(recs[2:])
+    table = gpu_fp8.report(recs, "NVIDIA H100 80GB HBM3", "H100")
+    assert "| Mixtral | layer fp8 rowwise |  |  |  |  |  | 2.5 (> 2x) |  |" in table
+    assert "| Mixtral | layer bf16 torch |  |  |  |  |  | 1.5 |  |" in table
 
 
 def test_the_floor_is_the_gpus_only_for_a_known_gpu():
