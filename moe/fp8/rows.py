@@ -187,7 +187,7 @@ def gemm_input(x_ND: Tensor, pow2: bool, floor: float, recipe: str) -> tuple[Ten
         return quantize_input(x_ND, pow2, floor, recipe)
     if agrees(x_ND, pow2, floor, recipe):
         codes, scales = x_ND.stored()
-        return codes.contiguous(), scales
+        return codes.contiguous(), scales.contiguous()  # (views of the payload: copied)
     D = x_ND.shape[1]
     width = D if recipe == "rowwise" else BLOCK
     if x_ND.codes.is_cuda and D % width == 0 and triton_installed():
