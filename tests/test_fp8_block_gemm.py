@@ -74,3 +74,5 @@ def test_no_rows_and_bad_operands():
     with pytest.raises(ValueError, match="scales"):
         block_mm(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 2), w, s_w,
                  offsets, torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="float32 scales"):  # (e.g. ue8m0 bytes)
+        block_mm(q, torch.ones(0, 1, dtype=torch.uint8), w, s_w, offsets, torch.float32)

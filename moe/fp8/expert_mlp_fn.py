@@ -71,7 +71,7 @@ class _FP8MLP(torch.autograd.Function):
         q_x, s_x = gemm_input(x_ND, pow2, floor, recipe)  # (FP8 dispatch rows: their codes)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
         ws = (w1,) if w3 is None else (w1, w3)
-        if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # x dequantized once
+        if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # GEMMs on x's codes
             h_RF, *g = blockwise.from_codes(q_R, s_R, ws, offsets_L, pow2, floor, x_ND.dtype)
         else:
             h_RF, *g = (_fwd_quantized_op(q_R, s_R, w, offsets_L, pow2, floor, recipe, x_ND.dtype)

@@ -116,6 +116,8 @@ def check(q_MK, s_MB, q_EKN, s_EKN, offsets_E) -> None:
             f"fp8_block_mm: scales {tuple(s_MB.shape)}, {tuple(s_EKN.shape)} do not fit codes "
             f"{tuple(q_MK.shape)}, {tuple(q_EKN.shape)} in blocks of {BLOCK}"
         )
+    if s_MB.dtype != torch.float32 or s_EKN.dtype != torch.float32:
+        raise ValueError(f"fp8_block_mm needs float32 scales, got {s_MB.dtype}, {s_EKN.dtype}")
     if offsets_E.shape != (E,) or q_MK.stride(1) != 1:
         raise ValueError("fp8_block_mm needs offsets [E] and a's codes with unit column stride")
     if 1 not in q_EKN.stride()[1:]:
