@@ -34,6 +34,8 @@ def test_reads_pipelined_and_unpipelined_loops():
         "%c = tt.load %p, %m : tensor<128x64x!tt.ptr<bf16>, #blocked>",
     )
     assert aot.unpipelined_loops(sync) == ["synchronous tensor load in the loop"]
+    scales = sync.replace("tensor<128x64x!tt.ptr<bf16>", "tensor<128x!tt.ptr<f32>")
+    assert aot.unpipelined_loops(scales) == []  # a vector (per-row scales), not a tile
     no_dot = drained.replace("ttng.warp_group_dot", "arith.addf")  # not a GEMM loop
     assert aot.unpipelined_loops(no_dot) == []
 
