@@ -72,6 +72,8 @@ def operand_namer(s: Shape, ep: int = 1):
             return "rows"
         if shape[0] == s.T and n == s.T * s.d:
             return "tokens"
+        if len(shape) == 2 and shape[0] in (s.d, s.F) and shape[1] == 16 * (-(-R // 16) + L):
+            return "rows"  # transposed, each expert's rows padded: moe/fp8/triton_wgrad_gemm.py
         return "scales"
 
     return name

@@ -40,8 +40,9 @@ TRITON_GEMMS = {
     "_ragged_rows_kernel": (10, 11, 12, "GATED"),
     "_ragged_reduce_kernel": (8, 9, 10, "TWO_OUT"),
     "_block_mm_kernel": (6, 7, 8, None),  # moe/fp8/triton_block_gemm.py, on e4m3 tensor cores
+    "_fp8_wgrad_kernel": (7, 8, 6, None),  # moe/fp8/triton_wgrad_gemm.py (K: the rows reduced)
 }  # fmt: skip  (M, N, K positions, the two-GEMM flag)
-TRITON_FP8_GEMMS = {"_block_mm_kernel"}
+TRITON_FP8_GEMMS = {"_block_mm_kernel", "_fp8_wgrad_kernel"}
 TAIL_ONLY = {"_zero_tail_kernel"}  # touches only the rows past the last offset: none here
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 PHASES = ("first", "later", "optimizer")  # micro-batch 1's fwd+bwd, the others', the step

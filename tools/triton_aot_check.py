@@ -224,47 +224,51 @@ def variants(dtype: str, shape: tuple, first_only: bool, gelu: bool = False):
                 label = f"rows {role}{' TMA' if tma else ''}"
                 yield label, rows._ragged_rows_kernel, dict(base, **ints), consts, cfg, True, tma
     yield from wgrad_variants(p, probe, M, D, E, F, first_only)
+    yield from fp8_wgrad_variants(M, D, E, F, first_only)
     yield from fp8_block_gemm_variants(M, D, E, F, first_only)
     if gelu:
         yield from misc_variants(p, M, D, T)
         yield from row_variants(p, M, D, F)
-        yield from fp8_variants(p, M, D)
+        yield from fp8_variants(p, M, D, E)
 
 
-def fp8_variants(p, M, D):
+def fp8_variants(p, M, D, E):
     """The FP8 quantization kernel (moe/fp8/triton_quant.py) in the configurations its launchers
-    use: row-wise codes only, rows + the transposed copy (weights; codes), rows + column values
-    (a gradient's two forms), and column values from gathered kept codes (DEQ + GATHER).
+    use: row-wise codes only, rows + the transposed copy (weights; codes), rows + the padded
+    column codes (a gradient's two forms; blockwise: the columns only), and the padded column
+    codes from gathered kept codes (DEQ + GATHER): the FP8 weight-gradient GEMM's operands.
     Imported here, not with this module: @triton.jit picks compiled or interpreted when the
     kernel module is imported, and the tests import this module before TRITON_INTERPRET is set."""
     from moe.fp8 import triton_blocks
     from moe.fp8 import triton_quant as fp8_quant
 
     args = dict(x_ptr=p, ids_ptr="*i64", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-                qv_ptr=p, qc_ptr="*fp8e4nv", sc_ptr="*fp32", offsets_ptr="*i32", M=M, K=D, G=8,
-                stride_xm=D, xs_nb=1, xs_block=D, col_s1=M, col_s2=0, n_row_programs=M // 4,
-                floor="fp32")  # fmt: skip
+                qv_ptr=p, qc_ptr="*fp8e4nv", sc_ptr="*fp32", offsets_ptr="*i32", pad_ptr="*i32",
+                M=M, K=D, G=8, n_pad=0, stride_xm=D, xs_nb=1, xs_block=D, col_s1=M, col_s2=0,
+                n_row_programs=M // 4, floor="fp32")  # fmt: skip
+    pad = {"n_pad": E, "col_s1": 16 * (-(-M // 16) + E), "PAD_POW2": triton.next_power_of_2(E)}
     blocks = dict(BLOCK_M=fp8_quant.ROW_BLOCK_M, BLOCK_K=fp8_quant._row_block_k(D),
                   CBLOCK_M=fp8_quant.COL_BLOCK_M, CBLOCK_K=fp8_quant._col_block_k(D))  # fmt: skip
-    table = (  # label, ROWS, COLS, VALUES, ROW_VALUES, DEQ, GATHER, POW2, overrides
-        ("rows", True, False, False, False, False, False, False, {}),
-        ("rows pow2", True, False, False, False, False, False, True, {}),
-        ("rows + transposed codes", True, True, False, False, False, False, True, {}),
-        ("rows + column values", True, True, True, False, False, False, True, {"qc_ptr": "*bf16"}),
-        ("1 x 128 rows + values", True, False, False, True, False, False, True, {"K": 128}),
-        ("1 x 128 rows, values only", True, False, False, True, False, False, True,
+    table = (  # label, ROWS, COLS, ROW_VALUES, DEQ, GATHER, POW2, overrides
+        ("rows", True, False, False, False, False, False, {}),
+        ("rows pow2", True, False, False, False, False, True, {}),
+        ("rows + transposed codes", True, True, False, False, False, True, {}),
+        ("rows + padded column codes", True, True, False, False, False, True, pad),
+        ("padded column codes", False, True, False, False, False, True, pad),
+        ("1 x 128 rows + values", True, False, True, False, False, True, {"K": 128}),
+        ("1 x 128 rows, values only", True, False, True, False, False, True,
          {"K": 128, "ROW_CODES": False}),
-        ("column values of kept codes", False, True, True, False, True, True, True,
-         {"qc_ptr": "*bf16", "x_ptr": "*u8"}),
-        ("tile columns of kept 1 x 128 codes", False, True, True, False, True, True, True,
-         {"qc_ptr": "*bf16", "x_ptr": "*u8", "xs_nb": D // 128, "xs_block": 128}),
+        ("padded column codes of kept codes", False, True, False, True, True, True,
+         dict(pad, x_ptr="*u8")),
+        ("padded tile columns of kept 1 x 128 codes", False, True, False, True, True, True,
+         dict(pad, x_ptr="*u8", xs_nb=D // 128, xs_block=128, G=M // 128 + E + 1)),
     )  # fmt: skip
-    for label, by_rows, cols, values, row_values, deq, gather, pow2, over in table:
-        consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, VALUES=values,
-                      ROW_VALUES=row_values, ROW_CODES=over.get("ROW_CODES", True), DEQ=deq,
-                      GATHER=gather)  # fmt: skip
+    for label, by_rows, cols, row_values, deq, gather, pow2, over in table:
+        consts = dict(blocks, POW2=pow2, ROWS=by_rows, COLS=cols, ROW_VALUES=row_values,
+                      ROW_CODES=over.get("ROW_CODES", True), DEQ=deq,
+                      GATHER=gather, PAD_POW2=over.get("PAD_POW2", 0))  # fmt: skip
         kernel = fp8_quant._quant_kernel
-        kargs = dict(args, **{k: v for k, v in over.items() if k != "ROW_CODES"})
+        kargs = dict(args, **{k: v for k, v in over.items() if k not in ("ROW_CODES", "PAD_POW2")})
         yield f"fp8 quant {label}", kernel, kargs, consts, None, False, False
     wb = dict(w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", K=D, N=D, kb=D // 128,
               nb=D // 128, floor="fp32")  # fmt: skip
@@ -281,6 +285,26 @@ def fp8_variants(p, M, D):
     dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128, stride_qm=D + 64)
     consts = dict(BLOCK_M=16, BLOCK_K=128)
     yield "fp8 dequantize 1 x 128", triton_blocks._dequantize_kernel, dq, consts, None, False, False
+
+
+def fp8_wgrad_variants(M, D, E, F, first_only):
+    """The FP8 weight-gradient GEMM (moe/fp8/triton_wgrad_gemm.py) for dW1 (and dW3) and dW2,
+    rowwise (one scaling group per expert) and blockwise (per 128-row tile): e4m3 codes [K, M']
+    and [N, M'] in the padded layout (the rows contiguous: K-major for wgmma). Imported here
+    (see fp8_variants)."""
+    from moe.fp8 import triton_wgrad_gemm as fw
+
+    width = 16 * (-(-M // 16) + E)  # triton_quant.quantize(padded=...)'s row length
+    args = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32",
+                offsets_ptr="*i32", out_ptr="*bf16", M=M, E=E, M_BUCKET=triton.next_power_of_2(M),
+                stride_a=width, stride_b=width)  # fmt: skip
+    for label, K, N in (("dW1", D, F), ("dW2", F, D)):
+        for recipe, group_rows in (("rowwise", 0), ("blockwise", fw.TILE)):
+            consts = dict(GROUP_ROWS=group_rows, E_POW2=triton.next_power_of_2(E), DECODE=False)
+            configs = fw._configs()
+            for cfg in configs[:1] if first_only else configs:
+                yield (f"fp8 wgrad {label} {recipe}", fw._fp8_wgrad_kernel,
+                       dict(args, K=K, N=N), consts, cfg, True, False)  # fmt: skip
 
 
 def fp8_block_gemm_variants(M, D, E, F, first_only):

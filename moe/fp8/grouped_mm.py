@@ -17,11 +17,12 @@ Compute: the emulation (any device) dequantizes the e4m3 operands to float32 and
 float32 grouped GEMM (moe.kernels.torch_grouped_mm), i.e. it computes exactly the products of
 the quantized operands, accumulated in float32. On CUDA sm_90+ with torch._scaled_grouped_mm
 and 16-byte aligned widths the forward and dgrad GEMMs run on it (e4m3 tensor cores; its
-output is bf16, then cast to x's dtype). The wgrad's operands, e4m3 values times power-of-two
-scales, are exact in bf16: on CUDA with pow2 scales it runs as torch._grouped_mm in bf16
-(float32 accumulation, bf16 output), on any other device or scaling as the float32 emulation.
-On CUDA that emulation is per-expert float32 matmuls that read the offsets on the host: the
-first GPU run (bench/results/2026-11-28-h200-gpu-check.md) measured it as most of an FP8 step.
+output is bf16, then cast to x's dtype). The wgrad on CUDA with pow2 scales (both recipes)
+is the Triton FP8 weight-gradient GEMM (moe/fp8/triton_wgrad_gemm.py: e4m3 codes and per-group
+column scales, each operand written by one quantization launch, float32 accumulation, output in
+w's dtype), on any other device or scaling the float32 emulation. On CUDA that emulation is
+per-expert float32 matmuls that read the offsets on the host: the first GPU run
+(bench/results/2026-11-28-h200-gpu-check.md) measured it as most of an FP8 step.
 
 save_fp8: the backward keeps x as e4m3 plus its row scales (M*K + 4*M bytes) instead of x
 itself (2 or 4 bytes per element); the wgrad then re-quantizes the dequantized x per expert
@@ -44,7 +45,7 @@ from moe.fp8.quant import (
     quantize_groups,
 )
 from moe.fp8.weight_cache import cached_form
-from moe.kernels.torch_grouped_mm import mm_groups, wgrad_fits, wgrad_groups, zero_tail_rows
+from moe.kernels.torch_grouped_mm import mm_groups, wgrad_groups, zero_tail_rows
 from moe.kernels.triton_kernel import triton_installed
 
 
@@ -235,15 +236,6 @@ def _(q_MN, s_M1, w_EKN, offsets_E, pow2, floor, out_dtype):
     return q_MN.new_empty(q_MN.shape[0], w_EKN.shape[1], dtype=out_dtype)
 
 
-def wgrad_from_values(a_MK: Tensor, d_MN: Tensor, offsets_E: Tensor, out_dtype) -> Tensor:
-    """dw[e] = a[rows of e]^T d[rows of e] from the operands' column-scaled e4m3 values (exact
-    in bf16 with power-of-two scales): the bf16 grouped GEMM (float32 accumulation) where its
-    alignment allows, else float32; in out_dtype."""
-    if wgrad_fits(a_MK.shape[0], a_MK, d_MN):
-        return torch._grouped_mm(a_MK.t(), d_MN, offs=offsets_E).to(out_dtype)
-    return wgrad_groups(a_MK.float(), d_MN.float(), offsets_E).to(out_dtype)
-
-
 @torch.library.custom_op("moe::fp8_grouped_mm_wgrad", mutates_args=())
 def _wgrad_op(
     x_MK: Tensor,
@@ -255,16 +247,16 @@ def _wgrad_op(
     out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """dw[e] = x^T dy over e's rows, both scaled per column within e's rows (blockwise: within
-    each 128-row tile of them); in out_dtype (the weight's: on CUDA the bf16 GEMM's output is
-    not widened to float32 and narrowed back)."""
+    each 128-row tile of them); in out_dtype (the weight's: on CUDA the FP8 GEMM writes it)."""
+    if pow2 and x_MK.is_cuda and triton_installed():  # one launch per operand, the FP8 GEMM
+        from moe.fp8.triton_wgrad_gemm import column_codes, fp8_wgrad_gemm, scaling_groups
+
+        M = x_MK.shape[0]
+        groups = scaling_groups(offsets_E, M, recipe)
+        a, d = (column_codes(t.contiguous(), groups, offsets_E, pow2, floor) for t in (x_MK, dy_MN))
+        return fp8_wgrad_gemm(a, d, offsets_E, M, recipe, out_dtype)
     if recipe == "blockwise":
         return blockwise.wgrad(x_MK, dy_MN, offsets_E, pow2, floor).to(out_dtype)
-    if pow2 and x_MK.is_cuda and triton_installed():  # e4m3 x 2^k is exact in bf16
-        from moe.fp8.triton_quant import fake_quant_groups_triton as fake_quant
-
-        x_b = fake_quant(x_MK.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
-        dy_b = fake_quant(dy_MN.contiguous(), offsets_E, pow2, floor, torch.bfloat16)
-        return wgrad_from_values(x_b, dy_b, offsets_E, out_dtype)  # one launch per operand
     x_q = dequantize_groups(*quantize_groups(x_MK, offsets_E, pow2, floor), offsets_E)
     dy_q = dequantize_groups(*quantize_groups(dy_MN, offsets_E, pow2, floor), offsets_E)
     return wgrad_groups(x_q, dy_q, offsets_E).to(out_dtype)

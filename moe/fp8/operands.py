@@ -4,27 +4,22 @@ A gradient dy of the backward feeds two GEMMs: the input gradient (dy row-wise: 
 one scale per row, or per 1 x 128 block) and the weight gradient (dy's columns scaled within
 each expert's rows, or within each 128-row tile of them). On CUDA with power-of-two scales
 (`one_launch`) one Triton launch (moe/fp8/triton_quant.py) writes, for the rowwise recipe,
-both from one read of dy: the codes and scales, and the column-scaled values (e4m3 x 2^k,
-exact in bf16, the form the bf16 grouped GEMM reads); for the blockwise recipe the column
-values (its 1 x 128 blocks are made by the dgrad: moe/fp8/blockwise.py). The weight gradient's
-other operand (x, or the down GEMM's input) comes from what the forward kept, its codes and
-scales (gathered through the rows' token ids), dequantized and scaled per column in the same
-one launch. Same values as the eager chain the custom ops run elsewhere (moe/fp8/grouped_mm.py
-and blockwise.py: quantize, dequantize, quantize per expert or tile, dequantize), so every
-device computes the same products.
+both from one read of dy: the row codes and scales, and the column codes (transposed, in the
+layout the FP8 weight-gradient GEMM reads, moe/fp8/triton_wgrad_gemm.py) with one scale per
+(group, column); for the blockwise recipe the column codes (its 1 x 128 blocks are made by the
+dgrad: moe/fp8/blockwise.py). The weight gradient's other operand (x, or the down GEMM's
+input) comes from what the forward kept, its codes and scales (gathered through the rows' token
+ids), dequantized and quantized per column in the same one launch. Same e4m3 values as the
+eager chain the custom ops run elsewhere (moe/fp8/grouped_mm.py and blockwise.py: quantize,
+dequantize, quantize per expert or tile, dequantize, float32 GEMM), so every device computes
+the same products (summed in another order).
 """
 
 import torch
 from torch import Tensor
 
 from moe.fp8.blockwise import BLOCK
-from moe.fp8.grouped_mm import (
-    _dgrad_op,
-    _dgrad_quantized_op,
-    _wgrad_op,
-    kept_input,
-    wgrad_from_values,
-)
+from moe.fp8.grouped_mm import _dgrad_op, _dgrad_quantized_op, _wgrad_op, kept_input
 from moe.kernels.triton_kernel import triton_installed
 
 
@@ -40,11 +35,9 @@ def scaling_groups(op: tuple, M: int, like: Tensor) -> Tensor | None:
     offsets, _, _, recipe = op
     if not one_launch(like, op):
         return None
-    if recipe == "rowwise":
-        return offsets
-    from moe.fp8.triton_blocks import tile_ends
+    from moe.fp8.triton_wgrad_gemm import scaling_groups as groups_of
 
-    return tile_ends(offsets, M, BLOCK)
+    return groups_of(offsets, M, recipe)
 
 
 class GradOperand:
@@ -52,17 +45,20 @@ class GradOperand:
     gradient (`wgrad`)."""
 
     def __init__(self, dy: Tensor, op: tuple, fp8_wgrad: bool, groups: Tensor | None):
-        self.dy, self.op, self.rows, self.values = dy, op, None, None
-        _, pow2, floor, recipe = op
-        if groups is not None:
+        self.dy, self.op, self.rows, self.cols = dy, op, None, None
+        offsets, pow2, floor, recipe = op
+        rows = recipe == "rowwise"  # (blockwise: its dgrad quantizes 1 x 128 blocks)
+        if groups is not None and fp8_wgrad:
+            from moe.fp8.triton_wgrad_gemm import column_codes
+
+            *row, qc, sc = column_codes(dy, groups, offsets, pow2, floor, rows=rows)
+            self.cols = (qc, sc)
+            self.rows = (row[0].view(torch.uint8), row[1]) if rows else None
+        elif groups is not None and rows:
             from moe.fp8.triton_quant import quantize
 
-            values = torch.bfloat16 if fp8_wgrad else None
-            rows = recipe == "rowwise"  # (blockwise: its dgrad quantizes 1 x 128 blocks)
-            if rows or fp8_wgrad:
-                q, s, self.values, _ = quantize(dy, pow2, floor, rows=rows, values=values,
-                                                groups=groups if fp8_wgrad else None)  # fmt: skip
-                self.rows = (q.view(torch.uint8), s) if rows else None
+            q, s, _, _ = quantize(dy, pow2, floor)
+            self.rows = (q.view(torch.uint8), s)
 
     def dgrad(self, w: Tensor, out_dtype: torch.dtype) -> Tensor:
         """dx = dy @ w^T per expert, FP8."""
@@ -73,28 +69,30 @@ class GradOperand:
         return _dgrad_quantized_op(*rows, w, offsets, pow2, floor, out_dtype)
 
     def wgrad(self, a, w: Tensor) -> Tensor:
-        """dw = a^T dy per expert, FP8, in w's dtype; a from `wgrad_input`."""
-        if self.values is not None:
-            return wgrad_from_values(a, self.values, self.op[0], w.dtype)
+        """dw = a^T dy per expert, FP8, in w's dtype; a from `wgrad_input` (with groups: the
+        FP8 weight-gradient GEMM on both operands' column codes)."""
+        if self.cols is not None:
+            from moe.fp8.triton_wgrad_gemm import fp8_wgrad_gemm
+
+            offsets, _, _, recipe = self.op
+            return fp8_wgrad_gemm(a, self.cols, offsets, self.dy.shape[0], recipe, w.dtype)
         return _wgrad_op(a, self.dy, *self.op, w.dtype)
 
 
-def wgrad_input(kept: tuple, ids_R: Tensor | None, op: tuple, groups: Tensor | None) -> Tensor:
+def wgrad_input(kept: tuple, ids_R: Tensor | None, op: tuple, groups: Tensor | None):
     """The weight gradient's input operand from what the forward kept: (x,) or its row-wise
-    (e4m3 bytes, scales), rows read at ids_R. With `groups` (scaling_groups'): its column-scaled
-    values in bf16, one launch; else the rows as the eager custom op takes them (float32 when
-    kept quantized)."""
-    _, pow2, floor, recipe = op
+    (e4m3 bytes, scales), rows read at ids_R. With `groups` (scaling_groups'): its column codes
+    and scales (moe/fp8/triton_wgrad_gemm.column_codes), one launch; else the rows as the eager
+    custom op takes them (float32 when kept quantized)."""
+    offsets, pow2, floor, recipe = op
     if groups is not None:
-        from moe.fp8.triton_quant import quantize
+        from moe.fp8.triton_wgrad_gemm import column_codes
 
         x = kept[0] if len(kept) == 1 else kept[0].view(torch.float8_e4m3fn)
         scales = None if len(kept) == 1 else kept[1]
         block = x.shape[1] if recipe == "rowwise" else BLOCK  # the kept scales' width
-        _, _, values, _ = quantize(x, pow2, floor, rows=False, groups=groups,
-                                   values=torch.bfloat16, ids=ids_R, row_scales=scales,
-                                   scale_block=block)  # fmt: skip
-        return values
+        return column_codes(x, groups, offsets, pow2, floor, ids=ids_R, row_scales=scales,
+                            scale_block=block)  # fmt: skip
     rows = tuple(t if ids_R is None else t.index_select(0, ids_R) for t in kept)
     return kept_input(rows, recipe)
 

@@ -5,11 +5,11 @@ clamp, cast per operand and orientation) issues ~20 kernels and float32 intermed
 - rows: per row of x [M, K] the amax, the scale (moe.fp8.quant.scale_of: max(amax, floor) /
   448, rounded up to a power of two with pow2), the cap (quant.e4m3_cap) and the clamped,
   rounded e4m3 codes (quant.quantize_along(x, -1));
-- columns within groups: per column within each group of rows (an expert's tokens; a weight's
-  K rows), the same, written either as e4m3 codes into the TRANSPOSED copy (group g's block
-  [K, rows of g], as torch._scaled_grouped_mm takes a column-major operand) with one scale per
-  (group, column), or as the exact dequantized values (code x scale; a power-of-two scale makes
-  them exact in bf16) row-major: quant.dequantize_groups(*quant.quantize_groups(x)).
+- columns within groups: per column within each group of rows (an expert's tokens, or a
+  128-row tile of them; a weight's K rows), the same, written as e4m3 codes into the
+  TRANSPOSED copy (group g's block [K, rows of g]: column-major as torch._scaled_grouped_mm
+  takes a weight, or the padded layout the FP8 weight-gradient GEMM reads,
+  moe/fp8/triton_wgrad_gemm.py) with one scale per (group, column): quant.quantize_groups(x).
 
 One launch runs both: its first programs quantize row blocks, the others (group, column
 block) tiles. The input rows may be gathered (x[ids]) and may be e4m3 codes with row scales
@@ -162,10 +162,22 @@ def _rows_part(
 
 
 @triton.jit
+def _padded_start(ends_ptr, E, s, E_POW2: tl.constexpr):
+    """Where row s, the first row of a group, lands in the padded layout the FP8 weight-gradient
+    GEMM reads (moe/fp8/triton_wgrad_gemm.py): each of the E experts' rows (int32 ends) padded
+    to a multiple of 16, so s moves by the padding of every expert ending at or before it."""
+    es = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + es, mask=es < E, other=0)
+    begins = tl.load(ends_ptr + es - 1, mask=(es > 0) & (es < E), other=0)
+    pad = (16 - (ends - begins) % 16) % 16
+    return s + tl.sum(tl.where((es < E) & (ends <= s), pad, 0), 0)
+
+
+@triton.jit
 def _cols_part(
-    pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm, xs_nb,
-    xs_block, col_s1, col_s2, floor, POW2: tl.constexpr, VALUES: tl.constexpr, DEQ: tl.constexpr,
-    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, pad_ptr, M, K, G, n_pad, stride_xm,
+    xs_nb, xs_block, col_s1, col_s2, floor, POW2: tl.constexpr, DEQ: tl.constexpr,
+    GATHER: tl.constexpr, PAD_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     n_kb = tl.cdiv(K, BLOCK_K)
     g = pid // n_kb  # group g's rows, or (g == G) the tail rows past the last offset
@@ -174,6 +186,11 @@ def _cols_part(
     start = tl.load(offsets_ptr + tl.maximum(g - 1, 0)) * (g > 0).to(tl.int32)
     end = tl.load(offsets_ptr + tl.minimum(g, G - 1))
     end = tl.where(g < G, end, M)
+    stop = end  # the rows written
+    shift = 0  # row r written at r + shift
+    if PAD_POW2 > 0:  # the padded layout: the group's rows then zeros to a multiple of 16
+        stop = tl.where(g < G, start + (end - start + 15) // 16 * 16, start)  # no tail rows
+        shift = _padded_start(pad_ptr, n_pad, start, PAD_POW2) - start
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
@@ -185,7 +202,7 @@ def _cols_part(
     scale = _scale(amax, floor, POW2)
     tl.store(sc_ptr + g * K + cols, scale, mask=cols < tl.where(g < G, K, 0))  # not the tail's
     cap = _cap(scale)
-    for r0 in range(start, end, BLOCK_M):
+    for r0 in range(start, stop, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         ok = row_ok[:, None] & col_ok[None, :]
@@ -194,23 +211,20 @@ def _cols_part(
         v = x / scale[None, :]
         c = cap[None, :]
         v = tl.where(v > c, c, tl.where(v < -c, -c, v))
-        r64 = rows[:, None].to(tl.int64)
-        if VALUES:  # row-major values, tail rows zero
-            y = tl.where(g < G, _e4m3_value(v) * scale[None, :], 0.0)
-            out = qc_ptr + r64 * K + cols[None, :]
-            tl.store(out, y.to(qc_ptr.dtype.element_ty), mask=ok)
-        else:  # codes into the transposed copy: (row, col) at row + col * s1 + g * s2
-            code = tl.where(g < G, _e4m3_code(v), 0)
-            out = qc_ptr + r64 + cols[None, :].to(tl.int64) * col_s1 + g.to(tl.int64) * col_s2
-            tl.store(out, code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=ok)
+        # the codes into the transposed copy: (row, col) at row + shift + col * s1 + g * s2
+        code = tl.where((g < G) & row_ok[:, None], _e4m3_code(v), 0)
+        out = qc_ptr + (rows[:, None].to(tl.int64) + shift) + cols[None, :].to(tl.int64) * col_s1
+        out += g.to(tl.int64) * col_s2
+        at = (rows < stop)[:, None] & col_ok[None, :]
+        tl.store(out, code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=at)
 
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, qc_ptr, sc_ptr, offsets_ptr,
-    M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, n_row_programs, floor,
-    POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, VALUES: tl.constexpr,
-    ROW_VALUES: tl.constexpr, ROW_CODES: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, qc_ptr, sc_ptr, offsets_ptr, pad_ptr,
+    M, K, G, n_pad, stride_xm, xs_nb, xs_block, col_s1, col_s2, n_row_programs, floor,
+    POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_VALUES: tl.constexpr, ROW_CODES: tl.constexpr, DEQ: tl.constexpr, GATHER: tl.constexpr,
+    PAD_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CBLOCK_M: tl.constexpr, CBLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, n_row_programs): row blocks (ROWS); the rest: (group, column block) tiles
@@ -222,15 +236,15 @@ def _quant_kernel(
                        xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, ROW_CODES, BLOCK_M, BLOCK_K)  # fmt: skip
         else:
             _cols_part(pid - n_row_programs, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr,
-                       M, K, G, stride_xm, xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES,
-                       DEQ, GATHER, CBLOCK_M, CBLOCK_K)  # fmt: skip
+                       pad_ptr, M, K, G, n_pad, stride_xm, xs_nb, xs_block, col_s1, col_s2, floor,
+                       POW2, DEQ, GATHER, PAD_POW2, CBLOCK_M, CBLOCK_K)  # fmt: skip
     elif ROWS:
         _rows_part(pid, x_ptr, ids_ptr, xs_ptr, q_ptr, s_ptr, qv_ptr, M, K, stride_xm, xs_nb,
                    xs_block, floor, POW2, DEQ, GATHER, ROW_VALUES, ROW_CODES, BLOCK_M, BLOCK_K)  # fmt: skip
     else:
-        _cols_part(pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, M, K, G, stride_xm,
-                   xs_nb, xs_block, col_s1, col_s2, floor, POW2, VALUES, DEQ, GATHER, CBLOCK_M,
-                   CBLOCK_K)  # fmt: skip
+        _cols_part(pid, x_ptr, ids_ptr, xs_ptr, qc_ptr, sc_ptr, offsets_ptr, pad_ptr, M, K, G,
+                   n_pad, stride_xm, xs_nb, xs_block, col_s1, col_s2, floor, POW2, DEQ, GATHER,
+                   PAD_POW2, CBLOCK_M, CBLOCK_K)  # fmt: skip
 
 
 ROW_BLOCK_M, COL_BLOCK_M = 4, 32  # rows per program: row blocks; the column tiles' row step
@@ -251,20 +265,23 @@ def quantize(
     *,
     rows: bool = True,
     groups: torch.Tensor | None = None,
-    values: torch.dtype | None = None,
     transposed: tuple[int, int, tuple] | None = None,
     ids: torch.Tensor | None = None,
     row_scales: torch.Tensor | None = None,
     row_values: torch.dtype | None = None,
     scale_block: int | None = None,
     row_codes: bool = True,
+    padded: torch.Tensor | None = None,
 ):
     """One launch: (q, s) the row-wise codes and scales (rows=True), and (qc, sc) the columns
     scaled within the groups of rows ending at `groups` (int32 cumulative ends; rows past the
-    last end are the tail): `values` a dtype -> qc [M, K] the dequantized values in it (tail
-    rows zero), sc None; else qc the codes in the transposed copy (default [K, M]; `transposed`
+    last end are the tail): qc the codes in the transposed copy (default [K, M], tail rows zero;
+    `transposed`
     = (s1, s2, shape) places (row, col) of group g at row + col * s1 + g * s2 of a buffer of
-    that shape) and sc [G, K] the scales. Absent parts are None.
+    that shape; `padded` = the E experts' int32 row ends: the FP8 weight-gradient GEMM's layout
+    [K, 16 * (ceil(M / 16) + E)], each expert's rows from a 16-aligned start, zeros up to the
+    next multiple of 16, no tail rows: moe/fp8/triton_wgrad_gemm.py) and sc [G, K] the scales.
+    Absent parts are None.
 
     x [N, K] with unit column stride, or contiguous [..., K] (its rows; q takes x's shape);
     ids [M]: x's rows read at ids (else M = N); row_scales [N, nb]: x holds e4m3 codes
@@ -286,20 +303,22 @@ def quantize(
             qv = torch.empty(shape, dtype=row_values, device=dev)
     G = 0 if groups is None else groups.shape[0]
     if groups is not None:
-        sc = torch.empty((G, K), dtype=torch.float32, device=dev)  # (values: scratch)
-        if values is not None:
-            qc = torch.empty((M, K), dtype=values, device=dev)
-        else:
-            qc_shape = transposed[2] if transposed is not None else (K, M)
-            qc = torch.empty(qc_shape, dtype=torch.float8_e4m3fn, device=dev)
+        sc = torch.empty((G, K), dtype=torch.float32, device=dev)
+        qc_shape = transposed[2] if transposed is not None else (K, M)
+        if padded is not None:
+            qc_shape = (K, 16 * (triton.cdiv(M, 16) + padded.shape[0]))
+        qc = torch.empty(qc_shape, dtype=torch.float8_e4m3fn, device=dev)
     if M == 0 or K == 0 or (groups is not None and G == 0):  # (no groups: all rows the tail)
         if qc is not None:
             qc.zero_()
         if rows and M and K:
             q, s, *_, qv = quantize(x, pow2, floor, ids=ids, row_scales=row_scales,
                                     row_values=row_values, row_codes=row_codes)  # fmt: skip
-        return _results(q, s, qc, None if values is not None else sc, qv)
+        return _results(q, s, qc, sc, qv)
     s1, s2 = transposed[:2] if transposed is not None else (M, 0)
+    n_pad = 0 if padded is None else padded.shape[0]
+    if n_pad:
+        s1 = qc.shape[1]
     n_rows = triton.cdiv(M, ROW_BLOCK_M) if rows else 0
     n_cols = (G + 1) * triton.cdiv(K, _col_block_k(K)) if groups is not None else 0
     x_in = x.detach().view(torch.uint8) if row_scales is not None else x.detach()
@@ -309,14 +328,14 @@ def quantize(
         x_in, ids if ids is not None else dummy, row_scales if row_scales is not None else dummy,
         q if q is not None else dummy, s if s is not None else dummy,
         qv if qv is not None else dummy, qc if n_cols else dummy, sc if sc is not None else dummy,
-        groups if n_cols else dummy, M, K, G, x.stride(0), xs_nb, scale_block or triton.cdiv(K, xs_nb), s1, s2,
-        n_rows, float(floor), POW2=pow2, ROWS=rows, COLS=bool(n_cols),
-        VALUES=values is not None, ROW_VALUES=qv is not None, ROW_CODES=q is not None,
-        DEQ=row_scales is not None,
+        groups if n_cols else dummy, padded if n_pad else dummy, M, K, G, n_pad, x.stride(0),
+        xs_nb, scale_block or triton.cdiv(K, xs_nb), s1, s2, n_rows, float(floor), POW2=pow2,
+        ROWS=rows, COLS=bool(n_cols), PAD_POW2=triton.next_power_of_2(n_pad) if n_pad else 0,
+        ROW_VALUES=qv is not None, ROW_CODES=q is not None, DEQ=row_scales is not None,
         GATHER=ids is not None, BLOCK_M=ROW_BLOCK_M, BLOCK_K=_row_block_k(K),
         CBLOCK_M=COL_BLOCK_M, CBLOCK_K=_col_block_k(K),
     )  # fmt: skip
-    return _results(q, s, qc, None if values is not None else sc, qv)
+    return _results(q, s, qc, sc, qv)
 
 
 def _results(q, s, qc, sc, qv) -> tuple:
@@ -330,13 +349,3 @@ def quantize_rows_triton(x: torch.Tensor, pow2: bool, floor: float):
     or fp16."""
     q, s, _, _ = quantize(x, pow2, floor)
     return q, s.view(*x.shape[:-1], 1)
-
-
-def fake_quant_groups_triton(
-    x_MK: torch.Tensor, offsets_E: torch.Tensor, pow2: bool, floor: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """dequantize_groups(*quant.quantize_groups(x, offsets, pow2, floor), offsets) in `dtype`,
-    in one launch: each column scaled within each expert's rows (the weight gradient's
-    operands), tail rows zero. With pow2 the values are exact in bf16 (e4m3 x 2^k)."""
-    _, _, out, _ = quantize(x_MK, pow2, floor, rows=False, groups=offsets_E, values=dtype)
-    return out
