@@ -1,9 +1,9 @@
 """FP8 rows of the GPU check (issues 40, 43, 61): at the four shapes, side by side in one run.
 
-GEMM rows: the up-projection grouped GEMM [T*k, d] x [E, d, F] forward + backward in bf16
-(moe.kernels.torch_grouped_mm, i.e. torch._grouped_mm) against FP8 (moe.fp8.fp8_grouped_mm,
-rowwise recipe): median ms, peak MiB, and the SQNR (dB) of y, dx and dw against float32 on the
-same operands.
+At each shape the layer rows run first, then the GEMM rows: the up-projection grouped GEMM
+[T*k, d] x [E, d, F] forward + backward in bf16 (moe.kernels.torch_grouped_mm, i.e.
+torch._grouped_mm) against FP8 (moe.fp8.fp8_grouped_mm, rowwise recipe): median ms, peak MiB,
+and the SQNR (dB) of y, dx and dw against float32 on the same operands.
 
 Layer rows: one moe.MoELayer (SwiGLU, dropless, one process) per bench.budget variant, built
 with that variant's options, in this order (LAYERS; a row not started by --max-seconds is
@@ -40,7 +40,7 @@ import torch
 
 from bench import gpu_decide, gpu_profile
 from bench.titan_style import parse_shapes
-from moe.fp8 import fp8_grouped_mm
+from moe.fp8 import fp8_grouped_mm, weights_changed
 from moe.kernels.torch_grouped_mm import grouped_mm_torch
 
 NO_CUDA_EXIT = 2
@@ -149,20 +149,27 @@ def measure_gemms(s, args, cuda: bool, records: list) -> None:
         for label, a, b in zip(("y", "dx", "dw"), got, ref):
             rec(f"sqnr_{label}_db", round(sqnr_db(a, b), 2), "dB")
         del got
-        step = partial(fwd_bwd, fn, x, w, dy, offsets)
+        step = fresh(partial(fwd_bwd, fn, x, w, dy, offsets))
         ms, peak = peak_timed(step, args, cuda)
         rec("fwd_bwd_ms", ms, "ms")
         rec("peak_above_inputs_mib", peak, "MiB")
         if args.profile_shape == s.name and "fp8" in name:
             profiled(s, name, step, cuda, rec)
+    weights_changed()  # the cached forms hold w's storage
 
 
-def layer_step(layer, x, dy, fresh_forms: bool = False):
-    """One fwd+bwd; with fresh_forms the expert weights' e4m3 forms are made again in it."""
-    if fresh_forms:
-        from moe.fp8 import weights_changed
+def fresh(step):
+    """step() with the weights' e4m3 forms made again in it (moe.fp8.weights_changed() first),
+    as after every optimizer step; a no-op for bf16."""
 
+    def run():
         weights_changed()
+        return step()
+
+    return run
+
+
+def layer_step(layer, x, dy):
     xg = x.detach().requires_grad_()
     y = layer(xg)
     y.backward(dy)
@@ -174,7 +181,6 @@ def measure_layers(s, args, cuda: bool, gpu, floors: dict, records: list, late, 
     """Every LAYERS row at shape s, each against the float32 layer and beside its floor
     (floors[variant]); save() after each row."""
     import moe
-    from moe.fp8 import weights_changed
 
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
@@ -226,7 +232,7 @@ def layer_row(s, variant: str, layer, x, dy, want, args, cuda: bool, rec) -> flo
     """SQNR, ms (the weights' forms made in each step; FP8: also reused), peak; the ms."""
     for label, a, b in zip(("y", "dx"), layer_step(layer, x, dy), want):
         rec(f"sqnr_{label}_db", round(sqnr_db(a, b), 2), "dB")
-    step = partial(layer_step, layer, x, dy, True)
+    step = fresh(partial(layer_step, layer, x, dy))
     ms, peak = peak_timed(step, args, cuda)
     rec("fwd_bwd_ms", ms, "ms")
     if "fp8" in variant:  # the forms reused, as by micro-batches 2+ of a step
@@ -342,12 +348,16 @@ def main(argv=None) -> int:
         if late():
             recorder(records, s, "fp8 rows")("skipped", f"past --max-seconds {args.max_seconds:g}")
             continue
-        try:
-            measure_gemms(s, args, cuda, records)
-            save()
+        try:  # the layer rows first: the FP8 goal's figures
             if not args.no_layer:
                 here = {v: floors[(s.name, v)] for v in LAYERS}
                 measure_layers(s, args, cuda, gpu, here, records, late, save)
+            if late():
+                recorder(records, s, "gemm rows")(
+                    "skipped", f"past --max-seconds {args.max_seconds:g}"
+                )
+            else:
+                measure_gemms(s, args, cuda, records)
         except Exception as e:  # noqa: BLE001 - one shape's failure is a row, the rest run
             recorder(records, s, "fp8 rows")("failed", f"{type(e).__name__}: {e}"[:300])
         failed += sum(r["figure"] == "failed" for r in records if r["shape"] == s.name)

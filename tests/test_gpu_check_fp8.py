@@ -44,13 +44,17 @@ def test_fp8_rows_smoke_on_cpu(tmp_path, capsys):
 
 
 def test_each_fp8_rows_forms_are_freed_after_it(monkeypatch):
-    """The weight cache holds a row's e4m3 forms and its weights' storage (~11 GB at the
-    DeepSeek-V3 shape): dropped after each row, not left to the next (bench.budget's optimizer
-    step, which also drops them, patched out here)."""
+    """The weight cache holds a row's e4m3 forms and its weights' storage (~11 GB a layer row at
+    the DeepSeek-V3 shape): none are left when the next row is built, nor after the GEMM rows
+    (bench.budget's optimizer step, which also drops them, patched out here)."""
     monkeypatch.setattr(gpu_fp8, "floor_ms", lambda variant, s, gpu: 1.0)
-    monkeypatch.setattr(gpu_fp8, "LAYERS", ("fp8 rowwise",))
+    monkeypatch.setattr(gpu_fp8, "LAYERS", ("fp8 rowwise", "fp8 blockwise"))
+    left, options = [], gpu_fp8.variant_options
+    monkeypatch.setattr(
+        gpu_fp8, "variant_options", lambda v: left.append(len(weight_cache._FORMS)) or options(v)
+    )
     assert gpu_fp8.main(["--smoke-cpu", "--shapes", SHAPE]) == 0
-    assert not weight_cache._FORMS
+    assert left == [0, 0] and not weight_cache._FORMS
 
 
 def test_a_floor_not_counted_is_said_and_the_row_still_measured(monkeypatch, tmp_path):
