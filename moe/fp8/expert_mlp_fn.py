@@ -68,7 +68,7 @@ class _FP8MLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, ids_R, offsets_L, w1, w2, w3, b1, w_R1, activation, gemm):
         pow2, floor, save_fp8, recipe, _ = gemm
-        q_x, s_x = gemm_input(x_ND, pow2, floor, recipe)  # (FP8 dispatch rows: their codes)
+        q_x, s_x = gemm_input(x_ND, pow2, floor, recipe, ids_R is not None)  # (FP8 rows)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
         ws = (w1,) if w3 is None else (w1, w3)
         if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # GEMMs on x's codes

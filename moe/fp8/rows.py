@@ -180,14 +180,18 @@ def agrees(x: QuantizedRows, pow2: bool, floor: float, recipe: str) -> bool:
     return recipe == "blockwise" and x.block == BLOCK and x.pow2 and pow2 and x.floor == floor
 
 
-def gemm_input(x_ND: Tensor, pow2: bool, floor: float, recipe: str) -> tuple[Tensor, Tensor]:
+def gemm_input(
+    x_ND: Tensor, pow2: bool, floor: float, recipe: str, gathered: bool = False
+) -> tuple[Tensor, Tensor]:
     """x's (e4m3 bytes as uint8, scales) in the recipe's scaling, as quantize_input makes them
-    from the rows x reads as (see the module docstring)."""
+    from the rows x reads as (see the module docstring). gathered: the caller reads the rows
+    through a row index (a gather makes them contiguous), so codes as they arrived may stay a
+    row-strided view of the payload (no copy); scales are contiguous."""
     if not isinstance(x_ND, QuantizedRows):
         return quantize_input(x_ND, pow2, floor, recipe)
     if agrees(x_ND, pow2, floor, recipe):
         codes, scales = x_ND.stored()
-        return codes.contiguous(), scales.contiguous()  # (views of the payload: copied)
+        return (codes if gathered else codes.contiguous()), scales.contiguous()
     D = x_ND.shape[1]
     width = D if recipe == "rowwise" else BLOCK
     if x_ND.codes.is_cuda and D % width == 0 and triton_installed():
