@@ -78,7 +78,7 @@ def test_gemm_flops_of_the_layer(measured):
     gemm = 2 * s.T * s.k * s.d * s.F
     for v in ("bf16 torch", "bf16 triton", "bf16 cutlass"):
         assert measured[v].first.gemm_flops == 9 * gemm + 3 * 2 * s.T * s.d * s.E, v
-    assert measured["fp8 rowwise"].first.fp8_flops == 6 * gemm  # forward and dgrad in e4m3
+    assert measured["fp8 rowwise"].first.fp8_flops == 9 * gemm  # weight gradients too, in e4m3
 
 
 def test_counting_rules():
