@@ -104,3 +104,22 @@ def test_fp8_grouped_mm_fused_blockwise_as_the_eager_chain(dtype, monkeypatch):
     for got, want in zip(fused, run(False)):
         assert torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item())
     assert (fused[0][43:] == 0).all() and (fused[1][43:] == 0).all()
+
+
+def test_special_values_reach_the_output():
+    """A block holding Inf (scale Inf, its codes NaN or 0) or NaN makes the rows it feeds NaN,
+    as the float64 GEMM of the dequantized operands does; the other rows stay finite."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 256, generator=g)
+    x[2, 5], x[6, 200] = float("inf"), float("nan")
+    q_x, s_x = Q.quantize_blocks(x, 128, True, Q.AMAX_FLOOR)
+    q_w, s_w = Q.quantize_weight_blocks(torch.randn(2, 256, 128, generator=g), 128, True, 2**-20)
+    offsets = torch.tensor([4, 9], dtype=torch.int32)
+    b = q_w.transpose(1, 2).contiguous().transpose(1, 2)  # K-contiguous, as the forward reads
+    got = block_mm(q_x.to(DEV), s_x.to(DEV), b.to(DEV), s_w.to(DEV), offsets.to(DEV),
+                   torch.float32).cpu()  # fmt: skip
+    want, _ = _reference(q_x, s_x, q_w, s_w, offsets)
+    bad = torch.zeros(9, dtype=torch.bool)
+    bad[[2, 6]] = True
+    assert got[bad].isnan().all() and want[bad].isnan().all()
+    assert got[~bad].isfinite().all() and torch.allclose(got[~bad].double(), want[~bad], rtol=1e-5)

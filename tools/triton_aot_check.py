@@ -326,7 +326,7 @@ def fp8_block_gemm_variants(M, D, E, F, first_only):
                        stride_se=kb * nb, stride_sk=nb, stride_sn=1)  # fmt: skip
         if dgrad:
             strides.update(stride_sk=1, stride_sn=kb)
-        consts = dict(E_POW2=triton.next_power_of_2(E + 1), RNE_BF16=False)
+        consts = dict(E_POW2=triton.next_power_of_2(E + 1), DECODE=False, RNE_BF16=False)
         configs = bg._configs()
         for cfg in configs[:1] if first_only else configs:
             kargs = dict(args, N=N, K=K, **strides)

@@ -14,15 +14,17 @@ Rows are ragged by the int32 cumulative offsets (schedule.expert_tile: no host s
 offsets[-1] come out zero. K and N multiples of 128.
 
 e4m3 x e4m3 products are exact in float32, so the result is the float32 grouped GEMM of the
-dequantized operands up to the order of the sums. The Triton interpreter runs the same e4m3
-tl.dot (it decodes the codes to float32), so one kernel serves both; only its float32 -> bf16
-cast (a truncation there, round to nearest on GPUs) gets a rounding step of its own (RNE_BF16).
+dequantized operands up to the order of the sums. One kernel serves the GPU and Triton's
+interpreter; under the interpreter (whose float8 reads e4m3's NaN code as a number and whose
+float32 -> bf16 cast truncates) the codes are decoded to float32 before the same tl.dot
+(DECODE: the same exact products) and bf16 outputs rounded to nearest first (RNE_BF16).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from moe.fp8.triton_quant import _decode
 from moe.kernels.triton.common import autotune_prune, e_pow2, interpreting, m_bucket
 from moe.kernels.triton.schedule import expert_tile, max_row_tiles
 
@@ -52,7 +54,7 @@ def _block_mm_kernel(
     M, N, K, E, M_BUCKET,
     stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
     stride_se, stride_sk, stride_sn,
-    E_POW2: tl.constexpr, RNE_BF16: tl.constexpr,
+    E_POW2: tl.constexpr, DECODE: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One output tile (virtual row tile x column tile). b's K or N stride is 1 (the JIT
@@ -88,6 +90,9 @@ def _block_mm_kernel(
         for kb in range(0, num_k):
             a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
             b = tl.load(b_ptrs)
+            if DECODE:  # the interpreter reads e4m3's NaN code (0x7F) as a number
+                a = _decode(a.to(tl.uint8, bitcast=True))
+                b = _decode(b.to(tl.uint8, bitcast=True))
             nxt = tl.minimum(kb + 1, num_k - 1)  # (the last block's again after the last)
             a_s = tl.load(as_ptrs + nxt * stride_ask, mask=live, other=0.0)
             b_s = tl.load(bs_ptr + nxt * stride_sk)
@@ -149,7 +154,8 @@ def block_mm(
         q_MK.view(torch.float8_e4m3fn), s_MB, b, s_EKN, out, offsets_E.to(torch.int32),
         M, N, K, E, m_bucket(M),
         q_MK.stride(0), *s_MB.stride(), *b.stride(), *s_EKN.stride(),
-        E_POW2=e_pow2(E), RNE_BF16=interpreting() and out_dtype == torch.bfloat16,
+        E_POW2=e_pow2(E), DECODE=interpreting(),
+        RNE_BF16=interpreting() and out_dtype == torch.bfloat16,
     )  # fmt: skip
     return out
 
