@@ -219,3 +219,18 @@ def test_codes_not_in_the_padded_layout_refused():
     scales = torch.ones(2, 8)
     with pytest.raises(ValueError, match="column_codes"):
         fp8_wgrad_gemm((codes, scales), (codes, scales), offsets, 9, "rowwise", torch.float32)
+
+
+def test_op_passes_opcheck():
+    """moe::fp8_wgrad_gemm's schema and fake (meta) registration agree with the op (what
+    torch.compile sees), both recipes' groupings."""
+    offsets = torch.tensor([0, 20, 150], dtype=torch.int32)
+    x, dy = _input(150, 16, seed=12, specials=False), _input(150, 24, seed=13, specials=False)
+    utils = ("test_schema", "test_faketensor")
+    for recipe, rows in (("rowwise", 0), ("blockwise", 128)):
+        groups = scaling_groups(offsets, 150, recipe).to(DEV)
+        a = column_codes(x.to(DEV), groups, offsets.to(DEV), True, FLOOR)
+        b = column_codes(dy.to(DEV), groups, offsets.to(DEV), True, FLOOR)
+        codes = lambda t: t.view(torch.uint8)  # (schema checks compare float8 args: no kernel)
+        args = (codes(a[0]), a[1], codes(b[0]), b[1], offsets.to(DEV), 150, rows, torch.bfloat16)
+        torch.library.opcheck(torch.ops.moe.fp8_wgrad_gemm, args, test_utils=utils)
