@@ -94,6 +94,27 @@ def test_requantize_in_one_launch_equals_quantizing_the_decoded_rows(dtype):
                 assert _same(q.cpu(), q_ref) and _same(s.cpu(), s_ref), case
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payload_in_one_launch_is_the_packed_payload(dtype):
+    """The dispatch payload written by one launch: pack_rows(quantize_payload(x)) byte for
+    byte (NaN codes: NaN), every scale format, partial and whole-row blocks."""
+    from moe.fp8.payload import pack_rows, quantize_payload
+    from moe.fp8.triton_payload import fits, payload_triton
+
+    for scale_format in ("fp32", "pow2", "ue8m0"):
+        for D, block in ((256, 128), (200, 128), (40, 16), (40, 128), (36, 32)):
+            x = _rows(dtype, D)
+            x[4] = 1e-37  # (Triton's interpreter misreads bf16 subnormals: 1e-38 as 8.3e-39)
+            assert fits(x, block, scale_format)
+            got = payload_triton(x.to(DEV), block, scale_format, AMAX_FLOOR).cpu()
+            want = pack_rows(*quantize_payload(x, block, scale_format), scale_format)
+            nan = torch.zeros_like(want, dtype=torch.bool)
+            nan[:, :D] = want[:, :D].view(torch.float8_e4m3fn).float().isnan()
+            case = (scale_format, D, block)
+            assert torch.equal(got[~nan], want[~nan]), case
+            assert got[:, :D].view(torch.float8_e4m3fn).float().isnan().equal(nan[:, :D]), case
+
+
 def test_row_moves_keep_codes_and_every_other_op_sees_the_decoded_rows():
     fp8 = FP8Config(dispatch=True, experts=True, block_size=16)
     x = _arrived(torch.randn(7, 40), fp8)

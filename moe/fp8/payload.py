@@ -21,6 +21,7 @@ from moe.fp8.quant import (
     scales_to_ue8m0,
     ue8m0_to_scales,
 )
+from moe.kernels.triton_kernel import triton_installed
 
 
 def scale_bytes(D: int, block: int = 128, scale_format: str = "fp32") -> int:
@@ -35,6 +36,20 @@ def quantize_payload(
     """rows -> (e4m3 viewed as uint8 [R, D], float32 scales [R, ceil(D / block)])."""
     q_RD, scales_RB = quantize_blocks(x_RD, block, scale_format != "fp32", floor)
     return q_RD.view(torch.uint8), scales_RB
+
+
+def encode_rows(
+    x_RD: Tensor, block: int = 128, scale_format: str = "fp32", floor: float = AMAX_FLOOR
+) -> Tensor:
+    """x's rows as the packed payload: pack_rows(*quantize_payload(x, ...)), on CUDA in one
+    launch (moe/fp8/triton_payload.py, where it fits: the same bytes)."""
+    if x_RD.is_cuda and triton_installed():
+        from moe.fp8.triton_payload import fits, payload_triton
+
+        if fits(x_RD, block, scale_format):
+            return payload_triton(x_RD.detach(), block, scale_format, floor)
+    q_RD, s_RB = quantize_payload(x_RD, block, scale_format, floor)
+    return pack_rows(q_RD, s_RB, scale_format)
 
 
 def dequantize_payload(

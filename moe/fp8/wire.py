@@ -19,13 +19,7 @@ from torch import Tensor
 
 from moe.dispatch.wire import PLAIN, RowFormat, RowWire, register_row_format
 from moe.fp8.config import FP8Config
-from moe.fp8.payload import (
-    dequantize_payload,
-    pack_rows,
-    quantize_payload,
-    scale_bytes,
-    unpack_rows,
-)
+from moe.fp8.payload import dequantize_payload, encode_rows, scale_bytes, unpack_rows
 from moe.fp8.rows import QuantizedRows
 
 
@@ -40,8 +34,7 @@ class FP8Rows(RowFormat):
 
     def encode(self, x_ND: Tensor) -> Tensor:
         c = self.fp8
-        q_ND, s_NB = quantize_payload(x_ND, c.block_size, c.scale_format, c.amax_floor)
-        return pack_rows(q_ND, s_NB, c.scale_format)
+        return encode_rows(x_ND, c.block_size, c.scale_format, c.amax_floor)
 
     def decode(self, payload_NP: Tensor, D: int, dtype: torch.dtype) -> Tensor:
         c = self.fp8
