@@ -14,9 +14,10 @@ rows let every load be a 16-byte asynchronous copy, so the main loop is pipeline
 (`python -m tools.triton_aot_check` checks wgmma, no spills, the pipelining).
 
 One program owns one (expert, K tile, N tile) output tile and walks its expert's rows in order
-(deterministic, no atomics); an expert with no rows writes zeros. Blockwise: each 128-row
-tile's partial product (float32) is scaled by its column scales before it is added
-(DeepGEMM's promotion); rowwise: the expert's sum is scaled once. A product of two e4m3 codes
+(deterministic, no atomics); an expert with no rows writes zeros. Each block of rows' product
+(one e4m3 MMA chain, at most 128 rows) is added to a float32 sum in registers (DeepGEMM's
+promotion: Hopper's MMA keeps fewer bits in its own accumulator); blockwise, scaled by its
+tile's column scales before it is added; rowwise, the expert's sum is scaled once. A product of two e4m3 codes
 is exact in float32, so the result is the eager chain's (dequantize, float32 GEMM) up to the
 order of float32 sums, special values included (a column whose group holds Inf or NaN: NaN).
 
@@ -91,14 +92,16 @@ def _fp8_wgrad_kernel(
         if DECODE:
             a = _decode(a.to(tl.uint8, bitcast=True))
             b = _decode(b.to(tl.uint8, bitcast=True))
+        # each block's partial (one e4m3 MMA chain of BLOCK_M rows) added to the float32 sum:
+        # Hopper's MMA keeps fewer bits in its own sum (DeepGEMM promotes every 128 too)
+        part = tl.dot(a, b, input_precision="ieee")
         if GROUP_ROWS > 0:  # this block's tile: its partial scaled, then added
             g = (g0 + (r0 - first) // GROUP_ROWS).to(tl.int64)
             sa = tl.load(sa_ptr + g * K + ks, mask=k_ok, other=1.0)
             sb = tl.load(sb_ptr + g * N + ns, mask=n_ok, other=1.0)
-            part = tl.dot(a, b, input_precision="ieee")
             acc += part * sa[:, None] * sb[None, :]
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc += part
     if GROUP_ROWS == 0:
         sa = tl.load(sa_ptr + e * K + ks, mask=k_ok, other=1.0)
         sb = tl.load(sb_ptr + e * N + ns, mask=n_ok, other=1.0)
