@@ -46,7 +46,7 @@ def encode_rows(
     if x_RD.is_cuda and triton_installed():
         from moe.fp8.triton_payload import fits, payload_triton
 
-        if fits(x_RD, block, scale_format):
+        if fits(x_RD, block):
             return payload_triton(x_RD.detach(), block, scale_format, floor)
     q_RD, s_RB = quantize_payload(x_RD, block, scale_format, floor)
     return pack_rows(q_RD, s_RB, scale_format)

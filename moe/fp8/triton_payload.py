@@ -2,8 +2,9 @@
 scale (fp32, power of two, or its UE8M0 byte), cap and e4m3 codes, stored straight into the
 packed uint8 row buffer the exchange sends (moe/fp8/payload.py's layout), where the eager chain
 quantizes, then concatenates the codes and the scales into the buffer (a second pass over the
-codes). The same bytes as payload.pack_rows(*payload.quantize_payload(x)) (the jit helpers
-are moe/fp8/triton_quant.py's; tests/test_fp8_rows.py runs it in Triton's interpreter).
+codes). Any width, any scale block up to MAX_BLOCK elements (a partial last block). The same
+bytes as payload.pack_rows(*payload.quantize_payload(x)) (the jit helpers are
+moe/fp8/triton_quant.py's; tests/test_fp8_rows.py runs it in Triton's interpreter).
 """
 
 import torch
@@ -17,7 +18,7 @@ MAX_BLOCK = 1024  # widest scale block in registers (wider: the eager chain)
 
 
 @triton.jit
-def _payload_kernel(x_ptr, p_ptr, ps_ptr, M, D, nb, eb, stride_x, P, floor,
+def _payload_kernel(x_ptr, p_ptr, M, D, nb, eb, stride_x, P, floor,
                     POW2: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
                     BP: tl.constexpr):  # fmt: skip
     """Programs over the M * nb (row, block) pairs, BLOCK_M at a time; eb elements a block."""
@@ -32,20 +33,25 @@ def _payload_kernel(x_ptr, p_ptr, ps_ptr, M, D, nb, eb, stride_x, P, floor,
     c = _cap(scale)[:, None]
     v = x / scale[:, None]
     v = tl.where(v > c, c, tl.where(v < -c, -c, v))
-    tl.store(p_ptr + r[:, None] * P + cols, _e4m3_code(v).to(tl.uint8), mask=ok)
+    code = _e4m3_code(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    tl.store(p_ptr + r[:, None] * P + cols, code, mask=ok)
     if UE8M0:  # a power of two's biased exponent (255: Inf / NaN)
         byte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        tl.store(p_ptr + r * P + D + j, byte.to(tl.uint8), mask=pair_ok)
-    else:  # float32 scales at byte D + 4 j of the row (ps_ptr: the buffer as float32)
-        tl.store(ps_ptr + (r * P + D) // 4 + j, scale, mask=pair_ok)
+        byte = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        tl.store(p_ptr + r * P + D + j, byte, mask=pair_ok)
+    else:  # float32 scales at byte D + 4 j of the row, little-endian (as .view(torch.uint8))
+        bits = scale.to(tl.int32, bitcast=True)
+        for k in tl.static_range(4):
+            byte = ((bits >> (8 * k)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            tl.store(p_ptr + r * P + D + 4 * j + k, byte, mask=pair_ok)
 
 
-def fits(x: torch.Tensor, block: int, scale_format: str) -> bool:
+def fits(x: torch.Tensor, block: int) -> bool:
     """The one-launch payload applies: 2-D rows with unit column stride, a scale block of at
-    most MAX_BLOCK elements, float32 scales 4-byte aligned in the row (D % 4 == 0)."""
-    D = x.shape[-1] if x.dim() == 2 else 0
-    aligned = scale_format == "ue8m0" or D % 4 == 0
-    return x.dim() == 2 and D > 0 and x.stride(1) == 1 and aligned and min(block, D) <= MAX_BLOCK
+    most MAX_BLOCK elements."""
+    return (
+        x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and min(block, x.shape[1]) <= MAX_BLOCK
+    )
 
 
 def payload_triton(x_ND: torch.Tensor, block: int, scale_format: str, floor: float):
@@ -56,11 +62,10 @@ def payload_triton(x_ND: torch.Tensor, block: int, scale_format: str, floor: flo
     nb = -(-D // eb)
     P = D + (nb if scale_format == "ue8m0" else 4 * nb)
     out = torch.empty((N, P), dtype=torch.uint8, device=x_ND.device)
-    if N:
-        ue8m0 = scale_format == "ue8m0"
+    if N:  # (the buffer's bytes passed as e4m3: the codes they mostly are)
         _payload_kernel[(triton.cdiv(N * nb, BLOCKS_PER_PROGRAM),)](
-            x_ND, out, out if ue8m0 else out.view(torch.float32), N, D, nb, eb, x_ND.stride(0),
-            P, float(floor), POW2=scale_format != "fp32", UE8M0=ue8m0,
+            x_ND, out.view(torch.float8_e4m3fn), N, D, nb, eb, x_ND.stride(0), P, float(floor),
+            POW2=scale_format != "fp32", UE8M0=scale_format == "ue8m0",
             BLOCK_M=BLOCKS_PER_PROGRAM, BP=triton.next_power_of_2(eb),
         )  # fmt: skip
     return out
