@@ -3,15 +3,15 @@ payload feeding the GEMM without a dequantize / requantize round trip.
 
 `QuantizedRows` is a tensor subclass (torchao's way: the number format is the tensor's type, so
 no dispatcher, layer or kernel registry names it): rows [N, D] in the sender's dtype, held as
-the wire's e4m3 codes (uint8 [N, D]) and 1 x block float32 scales [N, nb]. The FP8 row format's
-decode returns one when the layer's FP8 experts consume the dispatched rows (moe/fp8/wire.py).
-Ops that only move rows keep them quantized: index_select (the dispatchers' permutations)
-records which stored rows it reads, no copy (the requantizing launch reads through them);
-slices, split, cat, detach and clone move codes and scales; every other op sees the rows dequantized exactly as the wire's decode writes
-them (decoded once, then shared), so any other consumer (a LoRA adapter, the dispatchers'
-permutations and chunks, the one-process emulation, ...) computes today's values with today's
-one decode. In-place writes into it are refused (the rows
-are a value, not storage). Gradients flow as plain tensors.
+the wire's e4m3 codes (uint8) and 1 x block float32 scales. The FP8 row format's decode
+returns one when the layer's FP8 experts consume the dispatched rows (moe/fp8/wire.py). Ops
+that only move rows keep them quantized: index_select and x[ids] (the dispatchers'
+permutations) record which stored rows they read, no copy (the requantizing launch reads
+through them); slices, split, cat, detach and clone move codes and scales. Every other op sees
+the rows dequantized exactly as the wire's decode writes them (decoded once, then shared), so
+any other consumer (a LoRA adapter, a custom dispatcher, ...) computes today's values with
+today's one decode. In-place writes into it are refused (the rows are a value, not storage).
+Gradients flow as plain tensors.
 
 `gemm_input` is the FP8 expert kernel's x operand (moe/fp8/expert_mlp_fn.py):
 - the recipes agree (blockwise GEMM scales, dispatch block_size 128, both scales powers of two:
