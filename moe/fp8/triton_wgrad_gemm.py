@@ -58,17 +58,23 @@ def _configs() -> list[triton.Config]:
 def _fp8_wgrad_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, offsets_ptr, out_ptr, M, K, N, E, M_BUCKET, stride_a,
     stride_b, GROUP_ROWS: tl.constexpr, E_POW2: tl.constexpr, DECODE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+    GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """out[e, k, n] = sum over e's groups g of (sum over g's rows r of a[k, r] b[n, r]) *
     sa[g, k] * sb[g, n]; GROUP_ROWS 0: one group per expert (g = e), else tiles of that many
     rows from the expert's first row."""
     pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BLOCK_K)
     n_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tl.cdiv(K, BLOCK_K) * n_n
-    e = pid // per_expert
-    ks = ((pid % per_expert) // n_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = (pid % n_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = pid // (n_k * n_n)
+    # within e: GROUP_K row tiles sweep the column tiles together, so each b tile is read from
+    # DRAM once per GROUP_K row tiles, while those tiles' rows of a stay in L2
+    t = pid % (n_k * n_n)
+    first_k = (t // (GROUP_K * n_n)) * GROUP_K
+    group_k = tl.minimum(n_k - first_k, GROUP_K)
+    ks = (first_k + (t % (GROUP_K * n_n)) % group_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = ((t % (GROUP_K * n_n)) // group_k) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = ks < K
     n_ok = ns < N
     start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
@@ -175,7 +181,7 @@ def _gemm_op(
     _fp8_wgrad_kernel[grid](
         a_KM.view(torch.float8_e4m3fn), b_NM.view(torch.float8_e4m3fn), sa_GK, sb_GN, offsets_E,
         out, M, K, N, E, m_bucket(M), width, width, GROUP_ROWS=group_rows,
-        E_POW2=triton.next_power_of_2(E), DECODE=interpreting(),
+        E_POW2=triton.next_power_of_2(E), DECODE=interpreting(), GROUP_K=8,
     )  # fmt: skip
     return out
 
