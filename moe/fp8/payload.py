@@ -1,6 +1,8 @@
 """FP8 dispatch payload: token rows as e4m3 bytes plus 1 x block scales, packed into ONE uint8
 row buffer that any row exchange moves as it is (moe.comm's AllToAllSplits.run sends rows of any
-dtype: flat or hierarchical, the split sizes count rows), and unpacked on arrival.
+dtype: flat or hierarchical, the split sizes count rows), and unpacked on arrival (views of the
+buffer, no copy, where the scales are aligned). On CUDA `encode_rows` writes the buffer in one
+launch (moe/fp8/triton_payload.py).
 
 Row layout of the packed buffer [R, D + S]: D bytes of e4m3 (element order), then the row's
 nb = ceil(D / block) scales: 4 * nb bytes of float32 ("fp32", "pow2") or nb bytes of UE8M0
