@@ -39,7 +39,7 @@ GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "_grouped_mm", "_scaled_grou
 TRITON_GEMMS = {
     "_ragged_rows_kernel": (10, 11, 12, "GATED"),
     "_ragged_reduce_kernel": (8, 9, 10, "TWO_OUT"),
-    "_block_mm_kernel": (6, 7, 8, None),  # moe/fp8/triton_block_gemm.py, on e4m3 tensor cores
+    "_block_mm_kernel": (6, 7, 8, "TWO"),  # moe/fp8/triton_block_gemm.py, on e4m3 tensor cores
     "_fp8_wgrad_kernel": (7, 8, 6, None),  # moe/fp8/triton_wgrad_gemm.py (K: the rows reduced)
 }  # fmt: skip  (M, N, K positions, the two-GEMM flag)
 TRITON_FP8_GEMMS = {"_block_mm_kernel", "_fp8_wgrad_kernel"}
@@ -195,8 +195,8 @@ class Counter:
             m, n, k, two = TRITON_GEMMS[name]
             p.gemms += 1
             p.gemm_bytes += moved
-            # GATED doubles the up and dx roles (two GEMMs); the dact role's (EPILOGUE 2) is
-            # its epilogue's width: one GEMM
+            # GATED doubles the up and dx roles (two GEMMs; TWO the block GEMM's up and gate
+            # dgrad); the dact role's (EPILOGUE 2) is its epilogue's width: one GEMM
             pair = kwargs.get(two) and kwargs.get("EPILOGUE") != 2
             flops = 2 * args[m] * args[n] * args[k] * (2 if pair else 1)
             p.gemm_flops += flops

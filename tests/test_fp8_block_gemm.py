@@ -123,3 +123,23 @@ def test_special_values_reach_the_output():
     bad[[2, 6]] = True
     assert got[bad].isnan().all() and want[bad].isnan().all()
     assert got[~bad].isfinite().all() and torch.allclose(got[~bad].double(), want[~bad], rtol=1e-5)
+
+
+def test_two_products_in_one_sum():
+    """The second operands (the SwiGLU MLP's dh @ w1^T + dg @ w3^T, w^T read as views) add
+    into the same float32 sum: the float64 sum of both products."""
+    g = torch.Generator().manual_seed(7)
+    E, K, N, M = 2, 128, 256, 37
+    offsets = torch.tensor([0, 30], dtype=torch.int32)
+    ops, want, mag = [], 0, 0
+    for _ in range(2):
+        q_w, s_w = Q.quantize_weight_blocks(torch.randn(E, K, N, generator=g), 128, True, 2**-20)
+        q_d, s_d = Q.quantize_blocks(torch.randn(M, N, generator=g), 128, True, 2**-20)
+        b, b_s = q_w.transpose(1, 2), s_w.transpose(1, 2)
+        ops += [t.to(DEV) for t in (q_d, s_d, b, b_s)]
+        y, m = _reference(q_d, s_d, b, b_s, offsets)
+        want, mag = want + y, mag + m
+    got = block_mm(*ops[:4], offsets.to(DEV), torch.float32, *ops[4:]).cpu().double()
+    assert (got - want).abs().le(mag * 2**-18).all() and (got[30:] == 0).all()
+    with pytest.raises(ValueError, match="second operands"):
+        block_mm(*ops[:4], offsets.to(DEV), torch.float32, *ops[4:6], ops[6].contiguous(), ops[7])

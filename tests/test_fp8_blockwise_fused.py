@@ -74,8 +74,9 @@ def test_dequantize_blocks_in_one_launch():
 
 def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
     """The FP8 expert MLP, blockwise, with every operand from the one-launch kernels (the CUDA
-    path, interpreted here): the eager chain's output and gradients (the same e4m3 values; the
-    GEMMs on bf16 operands, exact, accumulated as the eager float32 GEMMs)."""
+    path, interpreted here): the eager chain's output and gradients (the same e4m3 values and
+    products); x's gradient to bf16's rounding of the sums: the fused dh @ w1^T + dg @ w3^T is
+    one float32 sum rounded once, the eager chain's two bf16 parts summed into the tokens."""
     from moe.fp8 import FP8Config, blockwise, fp8_expert_mlp, operands
     from moe.kernels.expert_rows import ExpertRows
 
@@ -98,8 +99,13 @@ def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
         y.float().square().sum().backward()
         return [y.detach().float()] + [t.grad.float() for t in leaves]
 
-    for got, want in zip(run(True), run(False)):
-        assert torch.allclose(got, want, rtol=2**-7, atol=1e-5), (got - want).abs().max()
+    fused, eager = run(True), run(False)
+    for i, (got, want) in enumerate(zip(fused, eager)):
+        if i == 1:  # dx
+            assert (got - want).norm() <= 2**-7 * want.norm()
+            assert (got - want).abs().max() <= 2**-7 * want.abs().max()
+        else:
+            assert torch.allclose(got, want, rtol=2**-7, atol=1e-5), (got - want).abs().max()
 
 
 def test_fused_blockwise_budget_on_the_cuda_path():
@@ -114,7 +120,8 @@ def test_fused_blockwise_budget_on_the_cuda_path():
     s = Shape("tiny128", 64, 128, 4, 2, 256)
     fp8, ref = (budget.measure(v, s, 2) for v in ("fp8 blockwise", "bf16 torch"))
     ops = fp8.first.ops
-    assert ops["triton _weight_blocks_kernel"] == 3 and ops["triton _block_mm_kernel"] == 6
+    # (the up, gate and down forwards, the down dgrad, the up and gate dgrads in one launch)
+    assert ops["triton _weight_blocks_kernel"] == 3 and ops["triton _block_mm_kernel"] == 5
     assert "triton _dequantize_kernel" not in ops and fp8.first.fp8_flops > 0
     assert not {"segment_reduce", "repeat_interleave", "frexp", "amax"} & set(ops)
     assert fp8.weight_casts == 6

@@ -311,15 +311,18 @@ def fp8_wgrad_variants(M, D, E, F, first_only):
 def fp8_block_gemm_variants(M, D, E, F, first_only):
     """The blockwise recipe's e4m3 GEMM (moe/fp8/triton_block_gemm.py): up / gate (K = d) and
     down (K = F) forward on the weight's [E, N, K] codes, and the dgrads on its [E, K, N] codes
-    read as w^T: both K-contiguous. Imported here (see fp8_variants)."""
+    read as w^T (up and gate's in one launch: TWO): both K-contiguous. Imported here (see
+    fp8_variants)."""
     from moe.fp8 import triton_block_gemm as bg
 
     B = bg.BLOCK
     args = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32",
                 out_ptr="*bf16", offsets_ptr="*i32", M=M, E=E, M_BUCKET=triton.next_power_of_2(M),
-                stride_ask=1, stride_bk=1)  # fmt: skip
-    for label, K, N, dgrad in (("up", D, F, False), ("down", F, D, False),
-                               ("dgrad up", F, D, True), ("dgrad down", D, F, True)):  # fmt: skip
+                stride_ask=1, stride_bk=1, a2_ptr="*fp8e4nv", as2_ptr="*fp32", b2_ptr="*fp8e4nv",
+                bs2_ptr="*fp32")  # fmt: skip
+    roles = (("up", D, F, False), ("down", F, D, False), ("dgrad up+gate", F, D, True),
+             ("dgrad down", D, F, True))  # fmt: skip
+    for label, K, N, dgrad in roles:
         # forward: b = q_ENK^T (strides K N, 1, K), scales [E, K/B, N/B]; dgrad: b = q_EKN^T
         # ([E, N, K] view of the [E, K, N] codes: strides K N, 1, N), scales transposed
         kb, nb = K // B, N // B
@@ -327,7 +330,8 @@ def fp8_block_gemm_variants(M, D, E, F, first_only):
                        stride_se=kb * nb, stride_sk=nb, stride_sn=1)  # fmt: skip
         if dgrad:
             strides.update(stride_sk=1, stride_sn=kb)
-        consts = dict(E_POW2=triton.next_power_of_2(E + 1), DECODE=False, RNE_BF16=False)
+        consts = dict(E_POW2=triton.next_power_of_2(E + 1), DECODE=False, RNE_BF16=False,
+                      TWO=label == "dgrad up+gate")  # fmt: skip
         configs = bg._configs()
         for cfg in configs[:1] if first_only else configs:
             kargs = dict(args, N=N, K=K, **strides)

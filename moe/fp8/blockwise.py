@@ -71,12 +71,27 @@ def block_gemm(q_MK, s_MB, w_EKN, offsets_E, pow2: bool, floor: float, out_dtype
     (dy), on w's cached codes, in out_dtype; tail rows zero."""
     from moe.fp8.triton_block_gemm import block_mm
 
+    b = _b_operand(w_EKN, pow2, floor, dgrad)
+    return block_mm(q_MK, s_MB, *b, offsets_E, out_dtype)
+
+
+def _b_operand(w_EKN: Tensor, pow2: bool, floor: float, dgrad: bool) -> tuple:
+    """(codes, scales) of w (dgrad: of w^T) as [E, K, N] views, K contiguous."""
     q_EKN, s_EKN, q_ENK = weight_codes(w_EKN, pow2, floor)
     if dgrad:
-        b, b_s = q_EKN.transpose(1, 2), s_EKN.transpose(1, 2)
-    else:
-        b, b_s = q_ENK.transpose(1, 2), s_EKN
-    return block_mm(q_MK, s_MB, b, b_s, offsets_E, out_dtype)
+        return q_EKN.transpose(1, 2), s_EKN.transpose(1, 2)
+    return q_ENK.transpose(1, 2), s_EKN
+
+
+def dgrad_pair(dh_MN, dg_MN, w1_EKN, w3_EKN, offsets_E, pow2: bool, floor: float, out_dtype):
+    """(fused) dh @ w1^T + dg @ w3^T per group, one launch and one float32 sum (the SwiGLU
+    MLP's input gradient), in out_dtype; tail rows zero."""
+    from moe.fp8.triton_block_gemm import block_mm
+
+    q_h, s_h = quantize_blocks(dh_MN, BLOCK, pow2, floor)
+    q_g, s_g = quantize_blocks(dg_MN, BLOCK, pow2, floor)
+    b1, b3 = (_b_operand(w, pow2, floor, True) for w in (w1_EKN, w3_EKN))
+    return block_mm(q_h, s_h, *b1, offsets_E, out_dtype, q_g, s_g, *b3)
 
 
 def from_codes(q_MK, s_MB, ws: tuple, offsets_E: Tensor, pow2: bool, floor: float, out_dtype):

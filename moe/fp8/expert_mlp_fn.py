@@ -142,10 +142,14 @@ class _FP8MLP(torch.autograd.Function):
         )
         dx = None
         if need[0]:  # with ids_R, each GEMM's rows summed into their tokens (index_select's
-            # gradient) one after the other: no [R, D] sum of the two
-            parts = [g_h.dgrad(w1, x_dtype)]
-            if g_g is not None:
-                parts.append(g_g.dgrad(w3, x_dtype))
+            # gradient) one after the other: no [R, D] sum of the two (fused blockwise: both
+            # GEMMs in one launch, one sum)
+            if g_g is not None and recipe == "blockwise" and blockwise.fused(dh, w1, pow2):
+                parts = [blockwise.dgrad_pair(g_h.dy, g_g.dy, w1, w3, *op[:3], x_dtype)]
+            else:
+                parts = [g_h.dgrad(w1, x_dtype)]
+                if g_g is not None:
+                    parts.append(g_g.dgrad(w3, x_dtype))
             if ids_R is None:
                 dx = parts[0] if len(parts) == 1 else parts[0] + parts[1]
             else:

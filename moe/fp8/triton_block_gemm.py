@@ -43,9 +43,40 @@ def _configs() -> list[triton.Config]:
     ]  # fmt: skip
 
 
+@triton.jit
+def _k_blocks(acc, a_ptr, as_ptr, b_ptr, bs_ptr, rows, live, e64, pid_n, num_k,
+              stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
+              stride_se, stride_sk, stride_sn,
+              DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + the sum over num_k K blocks of (a[rows, kb] @ b[e, kb, n]) x a_scale x b_scale."""
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    n64 = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + n64[None, :] * stride_bn
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptr = bs_ptr + e64 * stride_se + (pid_n * BLOCK_N // BLOCK_K) * stride_sn
+    # the scales are read one K block ahead (Triton's pipeliner stages only the dot's
+    # operands): their latency hides behind the previous block's MMA
+    s = tl.load(as_ptrs, mask=live, other=0.0) * tl.load(bs_ptr)
+    for kb in range(0, num_k):
+        a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+        b = tl.load(b_ptrs)
+        if DECODE:  # the interpreter reads e4m3's NaN code (0x7F) as a number
+            a = _decode(a.to(tl.uint8, bitcast=True))
+            b = _decode(b.to(tl.uint8, bitcast=True))
+        nxt = tl.minimum(kb + 1, num_k - 1)  # (the last block's again after the last)
+        a_s = tl.load(as_ptrs + nxt * stride_ask, mask=live, other=0.0)
+        b_s = tl.load(bs_ptr + nxt * stride_sk)
+        acc += tl.dot(a, b) * s[:, None]
+        s = a_s * b_s
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
 @triton.autotune(
     configs=_configs(),
-    key=["N", "K", "E", "M_BUCKET", "stride_bk"],
+    key=["N", "K", "E", "M_BUCKET", "stride_bk", "TWO"],
     prune_configs_by={"early_config_prune": autotune_prune()},
 )
 @triton.jit
@@ -53,12 +84,13 @@ def _block_mm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, offsets_ptr,
     M, N, K, E, M_BUCKET,
     stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
-    stride_se, stride_sk, stride_sn,
-    E_POW2: tl.constexpr, DECODE: tl.constexpr, RNE_BF16: tl.constexpr,
+    stride_se, stride_sk, stride_sn, a2_ptr, as2_ptr, b2_ptr, bs2_ptr,
+    E_POW2: tl.constexpr, TWO: tl.constexpr, DECODE: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One output tile (virtual row tile x column tile). b's K or N stride is 1 (the JIT
-    specialises a stride of 1: a K stride of 1 is the layout Hopper's e4m3 wgmma reads)."""
+    """One output tile (virtual row tile x column tile); TWO: + a2 @ b2 (the same shapes and
+    strides) into the same sum. b's K or N stride is 1 (the JIT specialises a stride of 1: a K
+    stride of 1 is the layout Hopper's e4m3 wgmma reads)."""
     pid = tl.program_id(0)
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M + E
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -74,36 +106,21 @@ def _block_mm_kernel(
         row_ok = offs_m < seg_end
         live = offs_m < tl.where(seg < E, seg_end, 0)  # rows read: none in the tail segment
         rows = offs_m.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
         e64 = tl.minimum(seg, E - 1).to(tl.int64)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        n64 = offs_n.to(tl.int64)
-        b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + n64[None, :] * stride_bn
-        as_ptrs = as_ptr + rows * stride_asm
-        bs_ptr = bs_ptr + e64 * stride_se + (pid_n * BLOCK_N // BLOCK_K) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         num_k = tl.where(seg < E, K // BLOCK_K, 0)  # tail tiles skip the loop: zeros
-        # the scales are read one K block ahead (Triton's pipeliner stages only the dot's
-        # operands): their latency hides behind the previous block's MMA
-        s = tl.load(as_ptrs, mask=live, other=0.0) * tl.load(bs_ptr)
-        for kb in range(0, num_k):
-            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-            if DECODE:  # the interpreter reads e4m3's NaN code (0x7F) as a number
-                a = _decode(a.to(tl.uint8, bitcast=True))
-                b = _decode(b.to(tl.uint8, bitcast=True))
-            nxt = tl.minimum(kb + 1, num_k - 1)  # (the last block's again after the last)
-            a_s = tl.load(as_ptrs + nxt * stride_ask, mask=live, other=0.0)
-            b_s = tl.load(bs_ptr + nxt * stride_sk)
-            acc += tl.dot(a, b) * s[:, None]
-            s = a_s * b_s
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _k_blocks(acc, a_ptr, as_ptr, b_ptr, bs_ptr, rows, live, e64, pid_n, num_k,
+                        stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
+                        stride_se, stride_sk, stride_sn, DECODE, BLOCK_N, BLOCK_K)  # fmt: skip
+        if TWO:
+            acc = _k_blocks(acc, a2_ptr, as2_ptr, b2_ptr, bs2_ptr, rows, live, e64, pid_n, num_k,
+                            stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
+                            stride_se, stride_sk, stride_sn, DECODE, BLOCK_N, BLOCK_K)  # fmt: skip
         if RNE_BF16:  # the interpreter's float32 -> bf16 truncates: round to nearest even first
             bits = acc.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             acc = tl.where(acc == acc, bits.to(tl.float32, bitcast=True), acc)  # (NaN kept)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * N + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -137,10 +154,25 @@ def block_mm(
     s_EKN: torch.Tensor,
     offsets_E: torch.Tensor,
     out_dtype: torch.dtype,
+    q2_MK: torch.Tensor | None = None,
+    s2_MB: torch.Tensor | None = None,
+    q2_EKN: torch.Tensor | None = None,
+    s2_EKN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[rows of e] = dequantized a[rows of e] @ dequantized b[e] (see the module docstring), in
-    out_dtype (float32 accumulation); tail rows zero. Codes e4m3 (or their uint8 view)."""
+    out_dtype (float32 accumulation); tail rows zero. Codes e4m3 (or their uint8 view). With
+    the second operands (shapes and strides as the first's): + a2 @ b2 in the same float32 sum,
+    one launch (the SwiGLU MLP's input gradient dh @ w1^T + dg @ w3^T)."""
     check(q_MK, s_MB, q_EKN, s_EKN, offsets_E)
+    one, two = (q_MK, s_MB, q_EKN, s_EKN), (q2_MK, s2_MB, q2_EKN, s2_EKN)
+    pair = any(t is not None for t in two)
+    if pair:
+        if any(t is None or t.shape != u.shape or t.stride() != u.stride()
+               for t, u in zip(two, one)):  # fmt: skip
+            raise ValueError("fp8_block_mm: the second operands need the first's shapes, strides")
+        check(*two, offsets_E)
+    else:
+        two = one  # (not read)
     (M, K), (E, _, N) = q_MK.shape, q_EKN.shape
     out = torch.empty((M, N), dtype=out_dtype, device=q_MK.device)
     if M == 0:
@@ -154,12 +186,14 @@ def block_mm(
         q_MK.view(torch.float8_e4m3fn), s_MB, b, s_EKN, out, offsets_E.to(torch.int32),
         M, N, K, E, m_bucket(M),
         q_MK.stride(0), *s_MB.stride(), *b.stride(), *s_EKN.stride(),
-        E_POW2=e_pow2(E), DECODE=interpreting(),
+        two[0].view(torch.float8_e4m3fn), two[1], two[2].view(torch.float8_e4m3fn), two[3],
+        E_POW2=e_pow2(E), TWO=pair, DECODE=interpreting(),
         RNE_BF16=interpreting() and out_dtype == torch.bfloat16,
     )  # fmt: skip
     return out
 
 
 @block_mm.register_fake
-def _(q_MK, s_MB, q_EKN, s_EKN, offsets_E, out_dtype):
+def _(q_MK, s_MB, q_EKN, s_EKN, offsets_E, out_dtype, q2_MK=None, s2_MB=None, q2_EKN=None,
+      s2_EKN=None):  # fmt: skip
     return q_MK.new_empty(q_MK.shape[0], q_EKN.shape[2], dtype=out_dtype)
