@@ -136,6 +136,13 @@ TWO = {
 FOUR = {
     "loose: fsdp dp=2 ep=2, FP8 experts": (2, 2, "fsdp", ALL, {}),
     "fsdp dp=2 ep=2, dispatch": (2, 2, "fsdp", DISPATCH, {}),
+    "loose: replicas, 4 spare slots, overlapped, blockwise rows as they arrived": (
+        1,
+        4,
+        "ddp",
+        BLOCKS,
+        {"spare": 4, "overlap": 2},
+    ),  # (an expert's rows split over its replicas: per-replica weight-gradient scales)
     "replicas: 4 spare slots, overlapped, dispatch": (
         1,
         4,
