@@ -189,7 +189,8 @@ def _cols_part(
     stop = end  # the rows written
     shift = 0  # row r written at r + shift
     if PAD_POW2 > 0:  # the padded layout: the group's rows then zeros to a multiple of 16
-        stop = tl.where(g < G, start + (end - start + 15) // 16 * 16, start)  # no tail rows
+        end = tl.where(g < G, end, start)  # the tail rows: neither read nor written
+        stop = start + (end - start + 15) // 16 * 16
         shift = _padded_start(pad_ptr, n_pad, start, PAD_POW2) - start
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_M):
