@@ -285,6 +285,35 @@ def fp8_variants(p, M, D, E):
     dq = dict(q_ptr="*u8", s_ptr="*fp32", out_ptr=p, M=M, K=D, nb=D // 128, stride_qm=D + 64)
     consts = dict(BLOCK_M=16, BLOCK_K=128)
     yield "fp8 dequantize 1 x 128", triton_blocks._dequantize_kernel, dq, consts, None, False, False
+    yield from fp8_dispatch_variants(p, M, D)
+
+
+def fp8_dispatch_variants(p, M, D):
+    """The FP8 dispatch rows' two kernels: the payload written from the rows in one launch
+    (moe/fp8/triton_payload.py; fp32 and UE8M0 scales) and the arrived codes requantized for
+    the rowwise GEMM through the permutation (moe/fp8/triton_requant.py; bf16 rows)."""
+    from moe.fp8 import triton_payload, triton_requant
+
+    P = D + 4 * (D // 128)  # a row of the payload: codes, then fp32 scales of 1 x 128 blocks
+    pay = dict(x_ptr=p, p_ptr="*fp8e4nv", M=M, D=D, nb=D // 128, eb=128, stride_x=D, P=P,
+               floor="fp32")  # fmt: skip
+    for ue8m0 in (False, True):
+        consts = dict(POW2=ue8m0, UE8M0=ue8m0, BLOCK_M=triton_payload.BLOCKS_PER_PROGRAM, BP=128)
+        label = "fp8 dispatch payload" + (" ue8m0" if ue8m0 else "")
+        yield label, triton_payload._payload_kernel, pay, consts, None, False, False
+    rq = dict(q_ptr="*u8", s_ptr="*fp32", ids_ptr="*i64", out_q_ptr="*fp8e4nv", out_s_ptr="*fp32",
+              M=M, W=D, per_row=1, stride_s=P // 4, D=D, stride_q=P, floor="fp32")  # fmt: skip
+    consts = dict(SB=128, DTYPE=1, POW2=True, GATHER=True,
+                  BLOCK_M=triton_requant.ROWS_PER_PROGRAM, BLOCK_K=min(512, D))  # fmt: skip
+    yield (
+        "fp8 dispatch rows requantized",
+        triton_requant._requant_kernel,
+        rq,
+        consts,
+        None,
+        False,
+        False,
+    )
 
 
 def fp8_wgrad_variants(M, D, E, F, first_only):
