@@ -184,11 +184,11 @@ def test_expert_mlp_backward_from_one_launch_operands(monkeypatch, save_fp8):
 
     def grads(fused):
         monkeypatch.setattr(operands, "one_launch", lambda t, op: fused and op[1])
-        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
-        y = fp8_expert_mlp(leaves[0], offsets, *leaves[1:], activation="swiglu",
-                           rows=ExpertRows(gather_ids_R=ids), config=cfg)  # fmt: skip
+        leaves = [t.to(DEV, copy=True).requires_grad_() for t in (x, *ws)]  # (GPU: compiled)
+        y = fp8_expert_mlp(leaves[0], offsets.to(DEV), *leaves[1:], activation="swiglu",
+                           rows=ExpertRows(gather_ids_R=ids.to(DEV)), config=cfg)  # fmt: skip
         y.float().square().sum().backward()
-        return [t.grad.float() for t in leaves]
+        return [t.grad.float().cpu() for t in leaves]
 
     for got, want in zip(grads(True), grads(False)):
         assert torch.allclose(got, want, rtol=2**-7, atol=1e-6)

@@ -183,11 +183,11 @@ def test_expert_mlp_on_the_cuda_path_against_the_eager_chain(monkeypatch, recipe
 
     def run(fused):
         monkeypatch.setattr(operands, "one_launch", lambda t, op: fused and op[1])
-        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
-        y = fp8_expert_mlp(leaves[0], offsets, *leaves[1:], activation="swiglu",
-                           rows=ExpertRows(gather_ids_R=ids), config=cfg)  # fmt: skip
+        leaves = [t.to(DEV, copy=True).requires_grad_() for t in (x, *ws)]  # (GPU: compiled)
+        y = fp8_expert_mlp(leaves[0], offsets.to(DEV), *leaves[1:], activation="swiglu",
+                           rows=ExpertRows(gather_ids_R=ids.to(DEV)), config=cfg)  # fmt: skip
         y.square().sum().backward()
-        return [y.detach()] + [t.grad for t in leaves]
+        return [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
 
     for got, want in zip(run(True), run(False)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (
