@@ -90,7 +90,8 @@ def _fp8_wgrad_kernel(
     a_rows = a_ptr + ks[:, None].to(tl.int64) * stride_a
     b_rows = b_ptr + ns[None, :].to(tl.int64) * stride_b
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for r0 in tl.range(first, stop, BLOCK_M, num_stages=STAGES):  # (the scales' loads too)
+    # tl.range with num_stages: the scales' loads are pipelined too, not only the dot's tiles
+    for r0 in tl.range(first, stop, BLOCK_M, num_stages=STAGES):
         rows = r0 + tl.arange(0, BLOCK_M)
         r_ok = rows < stop
         a = tl.load(a_rows + rows[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
