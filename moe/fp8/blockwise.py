@@ -12,10 +12,11 @@ On CUDA with power-of-two scales and widths that are multiples of 128 (`fused`) 
 dgrad GEMMs read e4m3 codes and their scales directly (moe/fp8/triton_block_gemm.py: the
 scales applied per 128-wide K block to a float32 sum, DeepGEMM's promotion): x's and dy's
 1 x 128 codes from one quantization launch each, the weight's 128 x 128 block codes in both
-orientations and its scales made once per optimizer step (moe/fp8/triton_blocks.py). The
-weight gradient's per-tile columns come from one launch (moe/fp8/operands.py) and run on the
-bf16 grouped GEMM. The same products as the eager chain below, which every other device
-runs, summed in another order.
+orientations and its scales made once per optimizer step (moe/fp8/triton_blocks.py); the
+expert MLP's up and gate input gradients in one launch (`dgrad_pair`). The weight gradient's
+per-tile column codes come from one launch (moe/fp8/operands.py) and run on the FP8
+weight-gradient GEMM (moe/fp8/triton_wgrad_gemm.py). The same products as the eager chain
+below, which every other device runs, summed in another order.
 """
 
 import torch
