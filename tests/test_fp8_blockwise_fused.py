@@ -93,11 +93,11 @@ def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
         monkeypatch.setattr(
             blockwise, "fused", lambda t, w, pow2: fused and pow2 and w.shape[1] % 128 == 0
         )
-        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
-        y = fp8_expert_mlp(leaves[0], offsets, *leaves[1:], activation="swiglu",
-                           rows=ExpertRows(gather_ids_R=ids), config=cfg)  # fmt: skip
+        leaves = [t.to(DEV, copy=True).requires_grad_() for t in (x, *ws)]
+        y = fp8_expert_mlp(leaves[0], offsets.to(DEV), *leaves[1:], activation="swiglu",
+                           rows=ExpertRows(gather_ids_R=ids.to(DEV)), config=cfg)  # fmt: skip
         y.float().square().sum().backward()
-        return [y.detach().float()] + [t.grad.float() for t in leaves]
+        return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves]
 
     fused, eager = run(True), run(False)
     for i, (got, want) in enumerate(zip(fused, eager)):
