@@ -348,7 +348,8 @@ is the bytes outside the GEMMs alone. How each figure is counted: docs/budget.md
 
 FP8 against bf16 torch, per micro-batch over the step's {mb} micro-batches (issue 61's targets:
 launches <= bf16 + 12, bytes outside GEMMs <= 1.25x, each weight form written once per
-optimizer step: rowwise 2 per weight, the forward's and the dgrad's scaling; blockwise 1):
+optimizer step: 2 per weight, rowwise the forward's and the dgrad's scaling, blockwise the
+128 x 128 codes in the forward's and the dgrad's orientation, both from one launch):
 
 {verdicts}
 """
