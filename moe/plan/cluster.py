@@ -49,7 +49,8 @@ class Cluster:
     gemm_half_rows: float = 128.0
     # achieved FP8 GEMM rate over the FP8 peak, relative to bf16's gemm_efficiency: Hopper's
     # grouped FP8 GEMMs reach 1.0-1.3x bf16's rate, not the datasheet's 2x (torchao, Megatron;
-    # the weight gradient ~30% of peak): 0.65 x 2 = 1.3x bf16, the top of that range
+    # the weight gradient ~30% of peak): 0.65 x 2 = 1.3x bf16, the top of that range, for all
+    # three expert GEMMs (moe's weight gradients read e4m3 codes too; not yet timed on a GPU)
     fp8_gemm_efficiency: float = 0.65
     # fixed framework costs, measured by the profile (0 in the presets: a GPU step at the
     # presets' sizes is bound by its GEMMs and links); seconds, see moe/plan/overhead.py

@@ -1,60 +1,85 @@
 """FP8 in the planner's roofline: what FP8 dispatch and FP8 experts cost and save, so the
 search chooses FP8 per layout and shape by predicted time and memory, and says why.
 
-Per MoE block of a pp rank, with t tokens a micro-batch, R = t k c rows (x the busiest rank's
-routing imbalance), d = d_model, f = d_ff_expert, g = 3 gated (2 not), n = E / ep local
-experts (x (E + spare) / E):
-  GEMMs       the routed experts' GEMM FLOPs at the cluster's FP8 rate instead of bf16
-              (moe.plan.predict: cluster.gemm_rate(rows, fp8=True); the presets' FP8 peak is 2x
-              bf16, a profile keeps that ratio: it cannot time e4m3 on a CPU)
-  quantize    bytes outside the GEMMs at cluster.hbm_bw, each quantized element read in bf16
-              (2 B) and written as the row-wise and the transposed e4m3 copies (1 B each, one
-              launch: QUANT_BYTES = 4): per micro-batch the GEMMs' activation operands,
-              forward x (t d, per token) and the down input (R f), backward the output
-              gradient (R d) and the pre-activations' gradients (R (g - 1) f), the forward ones
-              again where recomputed; per optimizer step the experts' weights once (g n d f,
-              the weight cache: not per micro-batch). FP8 dispatch adds DISPATCH_QUANT_BYTES per
-              element of the forward dispatch (quantize 2 B -> 1.03 B, dequantize on arrival)
+The recipe modelled is FP8Config's default, rowwise with power-of-two scales, on its CUDA path
+(moe/fp8/expert_mlp_fn.py, operands.py, rows.py: one Triton launch per operand); blockwise
+moves about as many bytes (bench/results/2026-12-07-budget-fp8.md: within 5% of rowwise) and a
+Layout does not choose the recipe. Per MoE block of a pp rank, with t tokens a micro-batch,
+R = t k c rows (x the busiest rank's routing imbalance), d = d_model, f = d_ff_expert,
+g = 3 gated (2 not), n = E / ep local experts (x (E + spare) / E), X the experts' input
+elements (t d at ep 1: quantized per token, gathered as codes; R d under expert parallelism,
+the rows received):
+  GEMMs       every expert GEMM (forward, input and weight gradients: all read e4m3 codes) at
+              the cluster's FP8 rate instead of bf16 (moe.plan.predict:
+              cluster.gemm_rate(rows, fp8=True); Cluster.fp8_gemm_efficiency)
+  quantize    the quantization launches' bytes at cluster.hbm_bw (bf16 read at 2 B, e4m3
+              written at 1 B, codes re-read at 1 B; scales not counted: under 4%). Per
+              micro-batch: forward x (3 X) and the down GEMM's input (3 R f, its codes kept for
+              the weight gradient), again where recomputed; backward the output gradient's row
+              and column codes from one read (4 R d), each pre-activation gradient's likewise
+              (4 (g - 1) R f), the kept codes re-laid out as the weight gradient's column codes
+              (down input 2 R f, x X + R d). Per optimizer step each expert weight once, both
+              forms from one read (4 g n d f: the weight cache, not per micro-batch). FP8
+              dispatch (ep > 1): the payload written in one launch (2 B read + 1.03 B per
+              element of the forward dispatch), then on arrival requantized into the GEMM's
+              scaling from the codes (1.03 + 1 B, replacing the experts' 3 X) or, without FP8
+              experts, decoded to bf16 (1.03 + 2 B)
   all-to-all  the forward dispatch's payload at 1.03 B an element instead of 2 (1 x 128 fp32
               scales; moe.plan.predict); the combine and the backward exchanges stay bf16
-  activations the expert MLP keeps its input once per token as e4m3 + scales (h + h / 32 B)
-              instead of the k c gathered bf16 rows (4 h k c B in the bf16 formula of
-              moe.memory.activations, of which the input copies are 2 h k c): saved per token
-              and MoE block that is not recomputed, 2 h k c - 1.03 h
+  activations the expert MLP keeps x once per token and the down GEMM's input as e4m3 codes
+              (+ a 4 B row scale) instead of the k c gathered bf16 input rows and the bf16
+              down input (moe.memory.activations' 4 h k c + 6 f k c, of which those are
+              2 h k c + 2 f k c): saved per token and MoE block not recomputed
+              2 h k c - (h + 4) + k c (f - 4)
   all-gather  not credited: FSDP gathers the bf16 weights (moe has no FP8 all-gather)
+The quantize term is held to bench.budget's counted bytes of those launches
+(tests/test_plan_fp8.py).
 """
 
 from __future__ import annotations
 
-QUANT_BYTES = 4  # read bf16, write the row-wise and the transposed e4m3 copies
-DISPATCH_QUANT_BYTES = 2 + 1.03 + 1.03 + 2  # quantize (read, write), dequantize (read, write)
-FP8_ROW_BYTES = 1.03  # an e4m3 element + its share of a 1 x 128 fp32 scale
+FP8_ROW_BYTES = 1.03  # an e4m3 element + its share of a 1 x 128 fp32 scale (dispatch payload)
+ROW_SCALE = 4  # bytes of a row's fp32 scale (rowwise GEMM operands)
+QUANTIZE = 3  # read bf16, write e4m3
+BOTH_FORMS = 4  # read bf16, write the row-wise and the transposed (column) codes
+RELAYOUT = 2  # read codes, write them as the weight gradient's column codes
 GIB = 2**30
 
 
 def activation_saving(spec, cf: float) -> float:
-    """Bytes per token saved by FP8 experts in one MoE block's saved activations (kept:
-    its input once per token in e4m3 + scales; not kept: the k c gathered bf16 input rows)."""
-    return max(2 * spec.d_model * spec.top_k * cf - FP8_ROW_BYTES * spec.d_model, 0.0)
+    """Bytes per token saved by FP8 experts in one MoE block's saved activations (kept: x once
+    per token and the down GEMM's input as e4m3 codes + a row scale; not kept: the k c
+    gathered bf16 input rows and the bf16 down input)."""
+    h, f, kc = spec.d_model, spec.d_ff_expert, spec.top_k * cf
+    return max(2 * h * kc - (h + ROW_SCALE) + kc * (f - ROW_SCALE), 0.0)
+
+
+def quantize_bytes(S, recomputed: float) -> tuple[float, float]:
+    """(bytes per micro-batch, bytes per optimizer step) of one MoE block's FP8 quantization
+    launches (layout S.L, S a moe.plan.predict setup; `recomputed`: the share of the forward
+    run again)."""
+    L, spec = S.L, S.spec
+    d, f, g = spec.d_model, spec.d_ff_expert, 3 if spec.gated else 2
+    rows = S.t * spec.top_k * S.cf * S.imb
+    x = S.t * d if L.ep == 1 else rows * d
+    dispatch = L.fp8_dispatch and L.ep > 1
+    forward = backward = step = 0.0
+    if L.fp8_experts:
+        forward = (0 if dispatch else QUANTIZE * x) + QUANTIZE * rows * f
+        backward = BOTH_FORMS * (rows * d + (g - 1) * rows * f) + RELAYOUT * rows * f + x + rows * d
+        step = BOTH_FORMS * g * spec.num_experts * S.spare / L.ep * d * f
+    if dispatch:
+        arrival = 1 if L.fp8_experts else 2  # requantized codes, or decoded bf16
+        forward += (2 + FP8_ROW_BYTES + FP8_ROW_BYTES + arrival) * S.a2a_bytes
+    return forward * (1 + recomputed) + backward, step
 
 
 def quantize_seconds(S, mine, recomputed: float) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds per optimizer step) of the FP8 quantization passes of
-    the rank's MoE blocks (layout S.L, S a moe.plan.predict setup); `recomputed`: the share of
-    the forward run again."""
-    L, spec = S.L, S.spec
-    if not (L.fp8_experts or L.fp8_dispatch) or not mine.moe_blocks:
+    """(seconds per micro-batch, seconds per optimizer step) of the rank's MoE blocks' FP8
+    quantization launches (quantize_bytes) at the HBM bandwidth."""
+    if not (S.L.fp8_experts or S.L.fp8_dispatch) or not mine.moe_blocks:
         return 0.0, 0.0
-    d, f, g = spec.d_model, spec.d_ff_expert, 3 if spec.gated else 2
-    rows = S.t * spec.top_k * S.cf * S.imb
-    per_mb = step = 0.0
-    if L.fp8_experts:
-        forward = S.t * d + rows * f
-        backward = rows * d + rows * (g - 1) * f
-        per_mb += QUANT_BYTES * (forward * (1 + recomputed) + backward)
-        step += QUANT_BYTES * g * spec.num_experts * S.spare / L.ep * d * f
-    if L.fp8_dispatch and L.ep > 1:
-        per_mb += DISPATCH_QUANT_BYTES * S.a2a_bytes * (1 + recomputed)
+    per_mb, step = quantize_bytes(S, recomputed)
     bw = S.cluster.hbm_bw
     return mine.moe_blocks * per_mb / bw, mine.moe_blocks * step / bw
 
