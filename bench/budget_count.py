@@ -41,8 +41,9 @@ TRITON_GEMMS = {
     "_ragged_reduce_kernel": (8, 9, 10, "TWO_OUT"),
     "_block_mm_kernel": (6, 7, 8, "TWO"),  # moe/fp8/triton_block_gemm.py, on e4m3 tensor cores
     "_fp8_wgrad_kernel": (7, 8, 6, None),  # moe/fp8/triton_wgrad_gemm.py (K: the rows reduced)
-}  # fmt: skip  (M, N, K positions, the two-GEMM flag)
-TRITON_FP8_GEMMS = {"_block_mm_kernel", "_fp8_wgrad_kernel"}
+    "_swiglu_mm_kernel": (12, 13, 14, True),  # moe/fp8/triton_swiglu_mm.py: up and gate
+}  # fmt: skip  (M, N, K positions, the two-GEMM flag: True always two)
+TRITON_FP8_GEMMS = {"_block_mm_kernel", "_fp8_wgrad_kernel", "_swiglu_mm_kernel"}
 TAIL_ONLY = {"_zero_tail_kernel"}  # touches only the rows past the last offset: none here
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 PHASES = ("first", "later", "optimizer")  # micro-batch 1's fwd+bwd, the others', the step
@@ -197,7 +198,7 @@ class Counter:
             p.gemm_bytes += moved
             # GATED doubles the up and dx roles (two GEMMs; TWO the block GEMM's up and gate
             # dgrad); the dact role's (EPILOGUE 2) is its epilogue's width: one GEMM
-            pair = kwargs.get(two) and kwargs.get("EPILOGUE") != 2
+            pair = (two is True or kwargs.get(two)) and kwargs.get("EPILOGUE") != 2
             flops = 2 * args[m] * args[n] * args[k] * (2 if pair else 1)
             p.gemm_flops += flops
             p.fp8_flops += flops if name in TRITON_FP8_GEMMS else 0

@@ -143,3 +143,48 @@ def test_two_products_in_one_sum():
     assert (got - want).abs().le(mag * 2**-18).all() and (got[30:] == 0).all()
     with pytest.raises(ValueError, match="second operands"):
         block_mm(*ops[:4], offsets.to(DEV), torch.float32, *ops[4:6], ops[6].contiguous(), ops[7])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row_w", [False, True])
+def test_swiglu_epilogue_as_the_chain(dtype, row_w):
+    """moe::fp8_block_swiglu_mm: h and g as two fp8_block_mm launches, and the codes and
+    scales of silu(h) * g [* w_R1] as quantize_blocks makes them from the activation in x's
+    dtype, bit for bit (on CPU the silu of ATen's CUDA kernel, which the interpreted kernel
+    computes: torch's CPU silu rounds differently); an empty expert, tail rows, a row of x
+    that is NaN, one whose h overflows to Inf (non-finite blocks: NaN after dequantizing)."""
+    from moe.fp8.triton_swiglu_mm import swiglu_mm
+
+    g = torch.Generator().manual_seed(5)
+    E, K, N, M = 4, 256, 256, 61
+    offsets = torch.tensor([13, 13, 40, 52], dtype=torch.int32)
+    w1, w3 = (torch.randn(E, K, N, generator=g) * torch.logspace(-2, 1, N) for _ in range(2))
+    (q1, s1), (q3, s3) = (Q.quantize_weight_blocks(w, 128, True, Q.AMAX_FLOOR) for w in (w1, w3))
+    x = torch.randn(M, K, generator=g) * torch.logspace(1, -2, M)[:, None]
+    x[20], x[30, :128] = float("nan"), 3e38  # row 30: h's first columns overflow
+    q_x, s_x = Q.quantize_blocks(x, 128, True, Q.AMAX_FLOOR)
+    w_R1 = torch.rand(M, 1, generator=g).to(dtype) if row_w else None
+    dev = [t.to(DEV) for t in (q_x, s_x, q1, s1, q3, s3, offsets)]
+    h, gt, q, s = swiglu_mm(*dev, dtype, None if w_R1 is None else w_R1.to(DEV), True,
+                            Q.AMAX_FLOOR)  # fmt: skip
+    h_ref = block_mm(*dev[:4], dev[6], dtype)
+    g_ref = block_mm(*dev[:2], *dev[4:], dtype)
+    if DEV == "cuda":
+        silu = torch.nn.functional.silu(h_ref)
+    else:  # ATen's CUDA silu: float32 h / (1 + expf(-h)), expf correctly rounded here
+        h32 = h_ref.float()
+        silu = (h32 / (torch.exp(-h32.double()).float() + 1)).to(dtype)
+    a = silu * g_ref
+    a = a if w_R1 is None else a * w_R1.to(DEV)
+    q_ref, s_ref = Q.quantize_blocks(a, 128, True, Q.AMAX_FLOOR)
+    for got, want in ((h, h_ref), (gt, g_ref)):  # (a NaN's sign and payload: any)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+    assert h[30, :128].isinf().any() and h[20].isnan().all() and (h[52:] == 0).all()
+    finite = s_ref.isfinite()
+    assert torch.equal(s.isfinite(), finite) and torch.equal(s[finite], s_ref[finite])
+    assert not finite.all() and (s_ref[52:] == s_ref[60, 0]).all()  # tail rows: the floor's
+    live = finite.repeat_interleave(128, 1)
+    assert torch.equal(q.view(torch.uint8)[live], q_ref.view(torch.uint8)[live])
+    v = Q.dequantize_blocks(q.cpu(), s.cpu(), 128)
+    assert v[~live.cpu()].isnan().all()

@@ -120,8 +120,10 @@ def test_fused_blockwise_budget_on_the_cuda_path():
     s = Shape("tiny128", 64, 128, 4, 2, 256)
     fp8, ref = (budget.measure(v, s, 2) for v in ("fp8 blockwise", "bf16 torch"))
     ops = fp8.first.ops
-    # (the up, gate and down forwards, the down dgrad, the up and gate dgrads in one launch)
-    assert ops["triton _weight_blocks_kernel"] == 3 and ops["triton _block_mm_kernel"] == 5
+    # (the down forward, the down dgrad, the up and gate dgrads in one launch; the up and gate
+    # forwards with the SwiGLU and the down GEMM's quantization in one launch)
+    assert ops["triton _weight_blocks_kernel"] == 3 and ops["triton _block_mm_kernel"] == 3
+    assert ops["triton _swiglu_mm_kernel"] == 1
     assert "triton _dequantize_kernel" not in ops and fp8.first.fp8_flops > 0
     assert not {"segment_reduce", "repeat_interleave", "frexp", "amax"} & set(ops)
     assert fp8.weight_casts == 6

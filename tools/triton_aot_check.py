@@ -365,6 +365,28 @@ def fp8_block_gemm_variants(M, D, E, F, first_only):
         for cfg in configs[:1] if first_only else configs:
             kargs = dict(args, N=N, K=K, **strides)
             yield f"fp8 block gemm {label}", bg._block_mm_kernel, kargs, consts, cfg, True, False
+    yield from _fp8_swiglu_variants(M, D, E, F, first_only)
+
+
+def _fp8_swiglu_variants(M, D, E, F, first_only):
+    """The blockwise up and gate forward with the SwiGLU and the down GEMM's quantization in
+    the epilogue (moe/fp8/triton_swiglu_mm.py), bf16 x, with and without row weights."""
+    from moe.fp8 import triton_swiglu_mm as sw
+
+    kb, nb = D // sw.BLOCK, F // sw.BLOCK
+    args = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32",
+                b3_ptr="*fp8e4nv", bs3_ptr="*fp32", h_ptr="*bf16", g_ptr="*bf16",
+                q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*bf16", offsets_ptr="*i32", M=M, N=F,
+                K=D, E=E, M_BUCKET=triton.next_power_of_2(M), stride_am=D, stride_asm=kb,
+                stride_ask=1, stride_be=D * F, stride_bk=1, stride_bn=D, stride_se=kb * nb,
+                stride_sk=nb, stride_sn=1, stride_w=1, floor="fp32")  # fmt: skip
+    for row_w in (False, True):
+        consts = dict(E_POW2=triton.next_power_of_2(E + 1), ROW_W=row_w, BF16=True, POW2=True,
+                      INTERP=False)  # fmt: skip
+        configs = sw._configs()
+        for cfg in configs[:1] if first_only else configs:
+            label = "fp8 block swiglu up+gate" + (" row weights" if row_w else "")
+            yield label, sw._swiglu_mm_kernel, args, consts, cfg, True, False
 
 
 def wgrad_variants(p, probe, M, D, E, F, first_only):

@@ -13,9 +13,10 @@ dgrad GEMMs read e4m3 codes and their scales directly (moe/fp8/triton_block_gemm
 scales applied per 128-wide K block to a float32 sum, DeepGEMM's promotion): x's and dy's
 1 x 128 codes from one quantization launch each, the weight's 128 x 128 block codes in both
 orientations and its scales made once per optimizer step (moe/fp8/triton_blocks.py); the
-expert MLP's up and gate input gradients in one launch (`dgrad_pair`). The weight gradient's
-per-tile column codes come from one launch (moe/fp8/operands.py) and run on the FP8
-weight-gradient GEMM (moe/fp8/triton_wgrad_gemm.py). The same products as the eager chain
+expert MLP's up and gate input gradients in one launch (`dgrad_pair`), and its up and gate
+GEMMs with the SwiGLU and the down GEMM's quantization in their epilogue (`up_gate_swiglu`).
+The weight gradient's per-tile column codes come from one launch (moe/fp8/operands.py) and
+run on the FP8 weight-gradient GEMM (moe/fp8/triton_wgrad_gemm.py). The same products as the eager chain
 below, which every other device runs, summed in another order.
 """
 
@@ -99,6 +100,28 @@ def from_codes(q_MK, s_MB, ws: tuple, offsets_E: Tensor, pow2: bool, floor: floa
     """(fused) x @ w for each w of ws from x's kept 1 x 128 codes (the expert MLP's up and gate
     GEMMs share them)."""
     return [block_gemm(q_MK, s_MB, w, offsets_E, pow2, floor, out_dtype) for w in ws]
+
+
+def swiglu_epilogue(activation: str, w3, b1, w_R1, dtype: torch.dtype) -> bool:
+    """(fused) The up and gate GEMMs can run with the SwiGLU and the down GEMM's quantization
+    in their epilogue (`up_gate_swiglu`): swiglu, no bias b1, x bf16 or float32, row weights
+    (if any) in x's dtype."""
+    return (
+        activation == "swiglu" and w3 is not None and b1 is None
+        and dtype in (torch.bfloat16, torch.float32) and (w_R1 is None or w_R1.dtype == dtype)
+    )  # fmt: skip
+
+
+def up_gate_swiglu(q_MK, s_MB, w1_EKN, w3_EKN, w_M1, offsets_E, pow2: bool, floor: float, dtype):
+    """(fused) h = x @ w1, g = x @ w3 in dtype from x's 1 x 128 codes, and the down GEMM's
+    input a = silu(h) * g [* w_M1] as e4m3 bytes (uint8) and 1 x 128 scales, in one launch
+    (moe/fp8/triton_swiglu_mm.py): the values of from_codes, the activation and forward's
+    quantization."""
+    from moe.fp8.triton_swiglu_mm import swiglu_mm
+
+    b1, b3 = (_b_operand(w, pow2, floor, False) for w in (w1_EKN, w3_EKN))
+    h, g, q, s = swiglu_mm(q_MK, s_MB, *b1, *b3, offsets_E, dtype, w_M1, pow2, floor)
+    return h, g, q.view(torch.uint8), s
 
 
 def forward(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, pow2: bool, floor: float):

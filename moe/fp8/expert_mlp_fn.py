@@ -71,7 +71,14 @@ class _FP8MLP(torch.autograd.Function):
         q_x, s_x = gemm_input(x_ND, pow2, floor, recipe, ids_R is not None)  # (FP8 rows)
         q_R, s_R = _gather(q_x, ids_R), _gather(s_x, ids_R)
         ws = (w1,) if w3 is None else (w1, w3)
-        if recipe == "blockwise" and blockwise.fused(q_R, w1, pow2):  # GEMMs on x's codes
+        fused = recipe == "blockwise" and blockwise.fused(q_R, w1, pow2)  # GEMMs on x's codes
+        q_a = None
+        if fused and blockwise.swiglu_epilogue(activation, w3, b1, w_R1, x_ND.dtype):
+            # the up and gate GEMMs, the SwiGLU and the down GEMM's quantization: one launch
+            h_RF, *g, q_a, s_a = blockwise.up_gate_swiglu(
+                q_R, s_R, w1, w3, w_R1, offsets_L, pow2, floor, x_ND.dtype
+            )
+        elif fused:
             h_RF, *g = blockwise.from_codes(q_R, s_R, ws, offsets_L, pow2, floor, x_ND.dtype)
         else:
             h_RF, *g = (_fwd_quantized_op(q_R, s_R, w, offsets_L, pow2, floor, recipe, x_ND.dtype)
@@ -81,8 +88,11 @@ class _FP8MLP(torch.autograd.Function):
             h_RF = h_RF + row_bias(b1, group_R).to(h_RF.dtype)
         g_RF = g[0] if g else None
         del q_R, s_R, g
-        _, a_w = _activation(h_RF, g_RF, w_R1, activation)
-        y_RD, q_a, s_a = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
+        if q_a is None:
+            _, a_w = _activation(h_RF, g_RF, w_R1, activation)
+            y_RD, q_a, s_a = _fwd_op(a_w.contiguous(), w2, offsets_L, pow2, floor, save_fp8, recipe)
+        else:
+            y_RD = blockwise.block_gemm(q_a, s_a, w2, offsets_L, pow2, floor, x_ND.dtype)
         kept_x = (q_x, s_x) if save_fp8 else (plain(x_ND),)
         # the down GEMM's e4m3 input, unless the backward recomputes the activation anyway
         # (the row weights' gradient needs it) or takes it unquantized (bf16 weight gradient)
