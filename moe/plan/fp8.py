@@ -2,28 +2,29 @@
 search chooses FP8 per layout and shape by predicted time and memory, and says why.
 
 The recipe modelled is FP8Config's default, rowwise with power-of-two scales, on its CUDA path
-(moe/fp8/expert_mlp_fn.py, operands.py, rows.py: one Triton launch per operand); blockwise
-moves about as many bytes (bench/results/2026-12-07-budget-fp8.md: within 5% of rowwise) and a
-Layout does not choose the recipe. Per MoE block of a pp rank, with t tokens a micro-batch,
-R = t k c rows (x the busiest rank's routing imbalance), d = d_model, f = d_ff_expert,
-g = 3 gated (2 not), n = E / ep local experts (x (E + spare) / E), X the experts' input
-elements (t d at ep 1: quantized per token, gathered as codes; R d under expert parallelism,
-the rows received):
+(moe/fp8/expert_mlp_fn.py, operands.py, rows.py: one Triton launch per operand); the
+blockwise layer moves 2-5% more bytes outside the GEMMs than rowwise's at the four GPU-table
+shapes (bench/results/2026-12-07-budget-fp8.md), and a Layout does not choose the recipe.
+
+Per MoE block of a pp rank, with t tokens a micro-batch, R = t k c rows (x the busiest rank's
+routing imbalance), d = d_model, f = d_ff_expert, g = 3 gated (2 not), n = E / ep local
+experts (x (E + spare) / E), X the experts' input elements (t d at ep 1: quantized per token,
+gathered as codes; R d under expert parallelism, the rows received):
   GEMMs       every expert GEMM (forward, input and weight gradients: all read e4m3 codes) at
               the cluster's FP8 rate instead of bf16 (moe.plan.predict:
               cluster.gemm_rate(rows, fp8=True); Cluster.fp8_gemm_efficiency)
   quantize    the quantization launches' bytes at cluster.hbm_bw (bf16 read at 2 B, e4m3
-              written at 1 B, codes re-read at 1 B; scales not counted: under 4%). Per
-              micro-batch: forward x (3 X) and the down GEMM's input (3 R f, its codes kept for
-              the weight gradient), again where recomputed; backward the output gradient's row
-              and column codes from one read (4 R d), each pre-activation gradient's likewise
-              (4 (g - 1) R f), the kept codes re-laid out as the weight gradient's column codes
-              (down input 2 R f, x X + R d). Per optimizer step each expert weight once, both
-              forms from one read (4 g n d f: the weight cache, not per micro-batch). FP8
-              dispatch (ep > 1): the payload written in one launch (2 B read + 1.03 B per
-              element of the forward dispatch), then on arrival requantized into the GEMM's
-              scaling from the codes (1.03 + 1 B, replacing the experts' 3 X) or, without FP8
-              experts, decoded to bf16 (1.03 + 2 B)
+              written at 1 B, codes re-read at 1 B; not the scales: under 0.6% at the
+              GPU-table shapes). Per micro-batch: forward x (3 X) and the down GEMM's input
+              (3 R f, its codes kept for the weight gradient), again where recomputed; backward
+              the output gradient's row and column codes from one read (4 R d), each
+              pre-activation gradient's likewise (4 (g - 1) R f), the kept codes re-laid out as
+              the weight gradient's column codes (down input 2 R f, x X + R d). Per optimizer
+              step each expert weight once, both forms from one read (4 g n d f: the weight
+              cache, not per micro-batch). FP8 dispatch (ep > 1): the payload written in one
+              launch (2 B read + 1.03 B per element of the forward dispatch), then on arrival
+              requantized into the GEMM's scaling from the codes (1.03 + 1 B, replacing the
+              experts' 3 X) or, without FP8 experts, decoded to bf16 (1.03 + 2 B)
   all-to-all  the forward dispatch's payload at 1.03 B an element instead of 2 (1 x 128 fp32
               scales; moe.plan.predict); the combine and the backward exchanges stay bf16
   activations the expert MLP keeps x once per token and the down GEMM's input as e4m3 codes
