@@ -2,9 +2,10 @@
 search chooses FP8 per layout and shape by predicted time and memory, and says why.
 
 The recipe modelled is FP8Config's default, rowwise with power-of-two scales, on its CUDA path
-(moe/fp8/expert_mlp_fn.py, operands.py, rows.py: one Triton launch per operand); the
-blockwise layer moves 2-5% more bytes outside the GEMMs than rowwise's at the four GPU-table
-shapes (bench/results/2026-12-07-budget-fp8.md), and a Layout does not choose the recipe.
+(moe/fp8/expert_mlp_fn.py, operands.py, rows.py: one Triton launch per operand). A Layout
+does not choose the recipe: the blockwise layer, its SwiGLU and down-input quantization in the
+up / gate GEMMs' epilogue, moves 4-11% fewer bytes outside the GEMMs than rowwise's at the
+four GPU-table shapes (bench.budget, 4 micro-batches), so this is its upper bound.
 
 Per MoE block of a pp rank, with t tokens a micro-batch, R = t k c rows (x the busiest rank's
 routing imbalance), d = d_model, f = d_ff_expert, g = 3 gated (2 not), n = E / ep local
