@@ -188,3 +188,27 @@ def test_swiglu_epilogue_as_the_chain(dtype, row_w):
     assert torch.equal(q.view(torch.uint8)[live], q_ref.view(torch.uint8)[live])
     v = Q.dequantize_blocks(q.cpu(), s.cpu(), 128)
     assert v[~live.cpu()].isnan().all()
+
+
+def test_swiglu_epilogue_no_rows_bad_operands_and_opcheck():
+    """No rows: empty outputs; one ValueError for a dtype it does not take and for row weights
+    of another shape or dtype; the schema and fake registration agree with the op."""
+    from moe.fp8.triton_swiglu_mm import swiglu_mm
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(2, 128, 128, generator=g)
+    q_w, s_w = (t.to(DEV) for t in Q.quantize_weight_blocks(w, 128, True, Q.AMAX_FLOOR))
+    q_x, s_x = (t.to(DEV) for t in Q.quantize_blocks(torch.randn(7, 128, generator=g), 128))
+    offsets = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    b = (q_w, s_w, q_w, s_w, offsets)
+    h, _, q, s = swiglu_mm(q_x[:0], s_x[:0], *b, torch.bfloat16, None, True, Q.AMAX_FLOOR)
+    assert h.shape == q.shape == (0, 128) and s.shape == (0, 1)
+    with pytest.raises(ValueError, match="out_dtype"):
+        swiglu_mm(q_x, s_x, *b, torch.float16, None, True, Q.AMAX_FLOOR)
+    with pytest.raises(ValueError, match="row weights"):
+        swiglu_mm(q_x, s_x, *b, torch.bfloat16, torch.ones(7, 1, device=DEV), True, 1e-12)
+    rw = torch.rand(7, 1, generator=g).bfloat16().to(DEV)
+    args = (q_x.view(torch.uint8), s_x, q_w.view(torch.uint8), s_w, q_w.view(torch.uint8), s_w,
+            offsets, torch.bfloat16, rw, True, Q.AMAX_FLOOR)  # fmt: skip
+    torch.library.opcheck(torch.ops.moe.fp8_block_swiglu_mm, args,
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip

@@ -72,11 +72,14 @@ def test_dequantize_blocks_in_one_launch():
     assert torch.equal(got, Q.dequantize_blocks(q, s, 128, torch.float32))
 
 
-def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
+@pytest.mark.parametrize("row_w", [False, True])
+def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch, row_w):
     """The FP8 expert MLP, blockwise, with every operand from the one-launch kernels (the CUDA
-    path, interpreted here): the eager chain's output and gradients (the same e4m3 values and
-    products); x's gradient to bf16's rounding of the sums: the fused dh @ w1^T + dg @ w3^T is
-    one float32 sum rounded once, the eager chain's two bf16 parts summed into the tokens."""
+    path, interpreted here; the up and gate GEMMs with the SwiGLU, the row weights and the down
+    GEMM's quantization in their epilogue): the eager chain's output and gradients (the same
+    e4m3 values and products; the row weights' too); x's gradient to bf16's rounding of the
+    sums: the fused dh @ w1^T + dg @ w3^T is one float32 sum rounded once, the eager chain's
+    two bf16 parts summed into the tokens."""
     from moe.fp8 import FP8Config, blockwise, fp8_expert_mlp, operands
     from moe.kernels.expert_rows import ExpertRows
 
@@ -86,6 +89,7 @@ def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
     ws = [torch.randn(E, *s, generator=g).bfloat16() * 0.1 for s in ((D, F), (F, D), (D, F))]
     ids = torch.randint(0, T, (140,), generator=g)
     offsets = torch.tensor([0, 131], dtype=torch.int32)  # an empty expert, > 1 tile, a tail
+    rw = torch.rand(140, generator=g) if row_w else None
     cfg = FP8Config(experts=True, recipe="blockwise")
 
     def run(fused):
@@ -93,13 +97,17 @@ def test_expert_mlp_through_the_fused_blockwise_path(monkeypatch):
         monkeypatch.setattr(
             blockwise, "fused", lambda t, w, pow2: fused and pow2 and w.shape[1] % 128 == 0
         )
-        leaves = [t.to(DEV, copy=True).requires_grad_() for t in (x, *ws)]
-        y = fp8_expert_mlp(leaves[0], offsets.to(DEV), *leaves[1:], activation="swiglu",
-                           rows=ExpertRows(gather_ids_R=ids.to(DEV)), config=cfg)  # fmt: skip
+        leaves = [t.to(DEV, copy=True).requires_grad_() for t in (x, *ws, rw) if t is not None]
+        rows = ExpertRows(gather_ids_R=ids.to(DEV), row_weights_R=leaves[4] if row_w else None)
+        y = fp8_expert_mlp(leaves[0], offsets.to(DEV), *leaves[1:4], activation="swiglu",
+                           rows=rows, config=cfg)  # fmt: skip
         y.float().square().sum().backward()
         return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves]
 
+    calls, epilogue = [], blockwise.up_gate_swiglu
+    monkeypatch.setattr(blockwise, "up_gate_swiglu", lambda *a: calls.append(1) or epilogue(*a))
     fused, eager = run(True), run(False)
+    assert calls == [1]  # the epilogue ran in the fused run only
     for i, (got, want) in enumerate(zip(fused, eager)):
         if i == 1:  # dx
             assert (got - want).norm() <= 2**-7 * want.norm()
