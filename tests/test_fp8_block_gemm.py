@@ -205,6 +205,8 @@ def test_swiglu_epilogue_no_rows_bad_operands_and_opcheck():
     assert h.shape == q.shape == (0, 128) and s.shape == (0, 1)
     with pytest.raises(ValueError, match="out_dtype"):
         swiglu_mm(q_x, s_x, *b, torch.float16, None, True, Q.AMAX_FLOOR)
+    with pytest.raises(ValueError, match="w1's shapes"):
+        swiglu_mm(q_x, s_x, q_w, s_w, q_w[:1], s_w[:1], offsets, torch.bfloat16, None, True, 1.0)
     with pytest.raises(ValueError, match="row weights"):
         swiglu_mm(q_x, s_x, *b, torch.bfloat16, torch.ones(7, 1, device=DEV), True, 1e-12)
     rw = torch.rand(7, 1, generator=g).bfloat16().to(DEV)

@@ -141,9 +141,11 @@ def swiglu_mm(
     a = silu(h) * g [* w_M1] (see the module docstring); tail rows: h, g and codes zero. x's
     codes and scales and each weight's as moe::fp8_block_mm takes them; w_M1 in out_dtype."""
     check(q_MK, s_MB, q1_EKN, s1_EKN, offsets_E)
+    if [(t.shape, t.stride()) for t in (q3_EKN, s3_EKN)] != [
+        (t.shape, t.stride()) for t in (q1_EKN, s1_EKN)
+    ]:
+        raise ValueError("fp8_block_swiglu_mm: w3's codes and scales need w1's shapes, strides")
     check(q_MK, s_MB, q3_EKN, s3_EKN, offsets_E)
-    if (q3_EKN.stride(), s3_EKN.stride()) != (q1_EKN.stride(), s1_EKN.stride()):
-        raise ValueError("fp8_block_swiglu_mm: w3's codes and scales need w1's strides")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_block_swiglu_mm: out_dtype bf16 or float32, got {out_dtype}")
     (M, K), (E, _, N) = q_MK.shape, q1_EKN.shape
