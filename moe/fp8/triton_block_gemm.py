@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.fp8.triton_quant import _decode
+from moe.fp8.triton_quant import _decode, round_bf16
 from moe.kernels.triton.common import autotune_prune, e_pow2, interpreting, m_bucket
-from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+from moe.kernels.triton.schedule import expert_tile, grouped_tile, max_row_tiles
 
 BLOCK = 128  # the scaling block along K (and the weight's along N)
 
@@ -92,14 +92,7 @@ def _block_mm_kernel(
     """One output tile (virtual row tile x column tile); TWO: + a2 @ b2 (the same shapes and
     strides) into the same sum. b's K or N stride is 1 (the JIT specialises a stride of 1: a K
     stride of 1 is the layout Hopper's e4m3 wgmma reads)."""
-    pid = tl.program_id(0)
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M + E
-    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * num_pid_n  # grouped order: row tiles of one expert share its B tiles
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, E, BLOCK_M, BLOCK_N, GROUP_M)
 
     seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
     if seg <= E:  # else: a virtual tile past the real ones
@@ -118,9 +111,7 @@ def _block_mm_kernel(
                             stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,
                             stride_se, stride_sk, stride_sn, DECODE, BLOCK_N, BLOCK_K)  # fmt: skip
         if RNE_BF16:  # the interpreter's float32 -> bf16 truncates: round to nearest even first
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            acc = tl.where(acc == acc, bits.to(tl.float32, bitcast=True), acc)  # (NaN kept)
+            acc = round_bf16(acc)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * N + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -100,6 +100,15 @@ def _e4m3_value(v):
 
 
 @triton.jit
+def round_bf16(v):
+    """float32 v rounded to nearest even on bf16's grid, still float32 (the GPU's cast; the
+    interpreter's truncates); NaN stays NaN."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _decode(code):
     """float32 of e4m3 codes given as integers (0x7F / 0xFF: NaN)."""
     c = code.to(tl.int32)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.fp8.triton_quant import _cap, _decode, _e4m3_code, _nan_max, _scale
+from moe.fp8.triton_quant import _cap, _decode, _e4m3_code, _nan_max, _scale, round_bf16
 
 ROWS_PER_PROGRAM = 4
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -25,9 +25,7 @@ def _round_to(v, DTYPE: tl.constexpr):
     """float32 v rounded to nearest even on bf16's (DTYPE 1) or float16's (2, saturating at
     65504) grid, still float32; NaN stays NaN."""
     if DTYPE == 1:
-        bits = v.to(tl.int32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        v = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+        v = round_bf16(v)
     if DTYPE == 2:
         v = tl.where(v > 65504.0, 65504.0, tl.where(v < -65504.0, -65504.0, v))
         a = tl.abs(v)

@@ -23,9 +23,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from moe.fp8.triton_block_gemm import BLOCK, _k_blocks, check
-from moe.fp8.triton_quant import _cap, _e4m3_code, _nan_max, _scale
+from moe.fp8.triton_quant import _cap, _e4m3_code, _nan_max, _scale, round_bf16
 from moe.kernels.triton.common import autotune_prune, e_pow2, interpreting, m_bucket
-from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+from moe.kernels.triton.schedule import expert_tile, grouped_tile, max_row_tiles
 
 
 def _configs() -> list[triton.Config]:
@@ -43,9 +43,7 @@ def _to_dtype(v, BF16: tl.constexpr):
     """v (float32) rounded to x's dtype, as float32: bf16 to nearest even on the bits (the
     GPU's cast; the interpreter's truncates), NaN kept; float32 as it is."""
     if BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = tl.where(v == v, bits.to(tl.float32, bitcast=True), v)
+        v = round_bf16(v)
     return v
 
 
@@ -76,14 +74,7 @@ def _swiglu_mm_kernel(
 ):  # fmt: skip
     """One output tile of h and g (virtual row tile x 128 columns) and its a codes and scales;
     w1's and w3's operands have the same shapes and strides (moe::fp8_block_mm's)."""
-    pid = tl.program_id(0)
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M + E
-    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * num_pid_n  # grouped order: row tiles of one expert share its B tiles
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, E, BLOCK_M, BLOCK_N, GROUP_M)
 
     seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
     if seg <= E:  # else: a virtual tile past the real ones
@@ -114,7 +105,7 @@ def _swiglu_mm_kernel(
         # moe/fp8/triton_quant.py's row quantizer over this 1 x 128 block of each row
         amax = _nan_max(tl.zeros([BLOCK_M], dtype=tl.float32), tl.reduce(tl.abs(a), 1, _nan_max))
         scale = _scale(amax, floor, POW2)
-        tl.store(qs_ptr + rows * num_pid_n + pid_n, scale, mask=row_ok)
+        tl.store(qs_ptr + rows * (N // BLOCK_N) + pid_n, scale, mask=row_ok)  # (N % 128 == 0)
         cap = _cap(scale)
         v = a / scale[:, None]
         c = cap[:, None]

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moe.fp8.triton_quant import _decode, _padded_start, quantize
+from moe.fp8.triton_quant import _decode, _padded_start, quantize, round_bf16
 from moe.kernels.triton.common import autotune_prune, interpreting, m_bucket
 
 TILE = 128  # the blockwise recipe's scaling tile (moe/fp8/blockwise.py's BLOCK)
@@ -114,9 +114,7 @@ def _fp8_wgrad_kernel(
         sb = tl.load(sb_ptr + e * N + ns, mask=n_ok, other=1.0)
         acc = tl.where(n > 0, acc * sa[:, None] * sb[None, :], 0.0)
     if DECODE and out_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates to
-        bits = acc.to(tl.int32, bitcast=True)  # bf16 where the GPU rounds: round to nearest even
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)
+        acc = round_bf16(acc)  # bf16 where the GPU rounds: round to nearest even
     out = out_ptr + e.to(tl.int64) * K * N + ks[:, None].to(tl.int64) * N + ns[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 

@@ -35,7 +35,7 @@ from moe.kernels.triton.common import (
     tile_configs,
 )
 from moe.kernels.triton.mma import mma
-from moe.kernels.triton.schedule import expert_tile, max_row_tiles
+from moe.kernels.triton.schedule import expert_tile, grouped_tile, max_row_tiles
 from moe.kernels.triton.tma import ensure_allocator, persistent_programs, tma_default, tma_ok
 
 EPI_PLAIN, EPI_ACT, EPI_ACT_BWD = 0, 1, 2
@@ -132,15 +132,7 @@ def _rows_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One output tile (virtual row tile x column tile) of the ragged-rows GEMM."""
-    # Grouped ordering: GROUP_M consecutive row tiles (mostly one expert) sweep N together, so
-    # each expert's weight tiles are reused from L2.
-    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
-    num_pid_n = tlx.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, E, BLOCK_M, BLOCK_N, GROUP_M)
 
     seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
     if seg <= E:  # else: a virtual tile past the real ones

@@ -42,6 +42,20 @@ def expert_tile(tile, offsets_ptr, E, M, BLOCK_M: tl.constexpr, E_POW2: tl.const
 
 
 @triton.jit
+def grouped_tile(pid, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):  # fmt: skip
+    """Program id -> (virtual row tile, column tile) in grouped order: GROUP_M consecutive row
+    tiles (mostly one expert) sweep N together, so each expert's weight tiles are reused from
+    L2. The row tiles are `max_row_tiles`' bound (ceil(M / BLOCK_M) + E)."""
+    num_pid_m = tlx.cdiv(M, BLOCK_M) + E
+    num_pid_n = tlx.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
 def _schedule_kernel(offsets_ptr, out_ptr, E, M, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     tile = tl.program_id(0)
     s, row0, seg_end = expert_tile(tile, offsets_ptr, E, M, BLOCK_M, E_POW2)
