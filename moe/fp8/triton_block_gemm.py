@@ -75,6 +75,17 @@ def _k_blocks(acc, a_ptr, as_ptr, b_ptr, bs_ptr, rows, live, e64, pid_n, num_k,
     return acc
 
 
+@triton.jit
+def tile_rows(seg, row0, seg_end, K, E, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An expert_tile's (rows int64, rows written, rows read: none in the tail segment, expert
+    int64, K blocks: 0 in the tail, whose tiles write zeros)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    live = offs_m < tl.where(seg < E, seg_end, 0)
+    num_k = tl.where(seg < E, K // BLOCK_K, 0)
+    e64 = tl.minimum(seg, E - 1).to(tl.int64)
+    return offs_m.to(tl.int64), offs_m < seg_end, live, e64, num_k
+
+
 @triton.autotune(
     configs=_configs(),
     key=["N", "K", "E", "M_BUCKET", "stride_bk", "TWO"],
@@ -96,12 +107,7 @@ def _block_mm_kernel(
 
     seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
     if seg <= E:  # else: a virtual tile past the real ones
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < seg_end
-        live = offs_m < tl.where(seg < E, seg_end, 0)  # rows read: none in the tail segment
-        rows = offs_m.to(tl.int64)
-        e64 = tl.minimum(seg, E - 1).to(tl.int64)
-        num_k = tl.where(seg < E, K // BLOCK_K, 0)  # tail tiles skip the loop: zeros
+        rows, row_ok, live, e64, num_k = tile_rows(seg, row0, seg_end, K, E, BLOCK_M, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc = _k_blocks(acc, a_ptr, as_ptr, b_ptr, bs_ptr, rows, live, e64, pid_n, num_k,
                         stride_am, stride_asm, stride_ask, stride_be, stride_bk, stride_bn,

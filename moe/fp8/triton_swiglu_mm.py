@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moe.fp8.triton_block_gemm import BLOCK, _k_blocks, check
+from moe.fp8.triton_block_gemm import BLOCK, _k_blocks, check, tile_rows
 from moe.fp8.triton_quant import _cap, _e4m3_code, _nan_max, _scale, round_bf16
 from moe.kernels.triton.common import autotune_prune, e_pow2, interpreting, m_bucket
 from moe.kernels.triton.schedule import expert_tile, grouped_tile, max_row_tiles
@@ -78,12 +78,7 @@ def _swiglu_mm_kernel(
 
     seg, row0, seg_end = expert_tile(pid_m, offsets_ptr, E, M, BLOCK_M, E_POW2)
     if seg <= E:  # else: a virtual tile past the real ones
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < seg_end
-        live = offs_m < tl.where(seg < E, seg_end, 0)  # rows read: none in the tail segment
-        rows = offs_m.to(tl.int64)
-        e64 = tl.minimum(seg, E - 1).to(tl.int64)
-        num_k = tl.where(seg < E, K // BLOCK_K, 0)  # tail tiles skip the loop: zeros
+        rows, row_ok, live, e64, num_k = tile_rows(seg, row0, seg_end, K, E, BLOCK_M, BLOCK_K)
         h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         h = _k_blocks(h, a_ptr, as_ptr, b_ptr, bs_ptr, rows, live, e64, pid_n, num_k,
